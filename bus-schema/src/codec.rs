@@ -1,0 +1,136 @@
+//! The one codec for bus bytes.
+//!
+//! Layout of every message (the envelope):
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 1 | magic `0xD7` |
+//! | 1 | schema version ([`SCHEMA_VERSION`]) |
+//! | 2 | message kind, little-endian ([`MessageKind`]) |
+//! | n | payload: bincode 2.0.1 (`standard()` config, varint ints) of the serde type |
+//!
+//! Invariants: [`decode`] never panics, rejects trailing bytes, and bounds
+//! allocations by [`MAX_PAYLOAD`]. Compatibility rule: a field may only be
+//! added by introducing a new message kind or bumping [`SCHEMA_VERSION`]
+//! (bincode is not self-describing, so `#[serde(default)]` cannot make an
+//! added field readable by an old peer); receivers report a foreign version
+//! or an unknown kind as an error value they can count and skip.
+
+use serde::{de::DeserializeOwned, Serialize};
+use thiserror::Error;
+
+/// First byte of every envelope.
+pub const MAGIC: u8 = 0xD7;
+/// Version of the wire schema this build speaks.
+pub const SCHEMA_VERSION: u8 = 1;
+/// Largest payload we agree to decode (bytes). NATS itself caps messages at 1 MiB by default.
+pub const MAX_PAYLOAD: usize = 8 * 1024 * 1024;
+const HEADER: usize = 4;
+
+/// Tag naming the type inside an envelope. Values are part of the wire
+/// format: never renumber, only add.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MessageKind(pub u16);
+
+/// A type that travels on the bus.
+pub trait WireMessage: Serialize + DeserializeOwned {
+    const KIND: MessageKind;
+    /// Human name used in logs and error messages.
+    const NAME: &'static str;
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("message too short: {len} bytes, the envelope needs {HEADER}")]
+    TooShort { len: usize },
+    #[error("bad magic byte {found:#04x} (expected {MAGIC:#04x}): not a dynamo bus message")]
+    BadMagic { found: u8 },
+    #[error("schema version {found} is not supported (this build speaks {SCHEMA_VERSION})")]
+    UnsupportedVersion { found: u8 },
+    #[error("expected message kind {expected} ({name}), found kind {found}")]
+    UnexpectedKind {
+        expected: u16,
+        found: u16,
+        name: &'static str,
+    },
+    #[error("payload of {len} bytes exceeds the {MAX_PAYLOAD}-byte limit")]
+    TooLarge { len: usize },
+    #[error("malformed {name} payload: {reason}")]
+    Malformed { name: &'static str, reason: String },
+}
+
+#[derive(Debug, Error)]
+#[error("cannot encode {name}: {reason}")]
+pub struct EncodeError {
+    pub name: &'static str,
+    pub reason: String,
+}
+
+fn config() -> impl bincode::config::Config {
+    bincode::config::standard().with_limit::<MAX_PAYLOAD>()
+}
+
+/// Encodes `msg` into a complete envelope.
+pub fn encode<T: WireMessage>(msg: &T) -> Result<Vec<u8>, EncodeError> {
+    let mut out = Vec::with_capacity(64);
+    out.push(MAGIC);
+    out.push(SCHEMA_VERSION);
+    out.extend_from_slice(&T::KIND.0.to_le_bytes());
+    bincode::serde::encode_into_std_write(msg, &mut out, config()).map_err(|e| EncodeError {
+        name: T::NAME,
+        reason: e.to_string(),
+    })?;
+    Ok(out)
+}
+
+/// Reads the envelope header and returns the message kind and payload.
+pub fn peek_kind(bytes: &[u8]) -> Result<(MessageKind, &[u8]), DecodeError> {
+    if bytes.len() < HEADER {
+        return Err(DecodeError::TooShort { len: bytes.len() });
+    }
+    if bytes[0] != MAGIC {
+        return Err(DecodeError::BadMagic { found: bytes[0] });
+    }
+    if bytes[1] != SCHEMA_VERSION {
+        return Err(DecodeError::UnsupportedVersion { found: bytes[1] });
+    }
+    let payload = &bytes[HEADER..];
+    if payload.len() > MAX_PAYLOAD {
+        return Err(DecodeError::TooLarge { len: payload.len() });
+    }
+    Ok((
+        MessageKind(u16::from_le_bytes([bytes[2], bytes[3]])),
+        payload,
+    ))
+}
+
+/// Decodes an envelope that must hold a `T`.
+pub fn decode<T: WireMessage>(bytes: &[u8]) -> Result<T, DecodeError> {
+    let (kind, payload) = peek_kind(bytes)?;
+    if kind != T::KIND {
+        return Err(DecodeError::UnexpectedKind {
+            expected: T::KIND.0,
+            found: kind.0,
+            name: T::NAME,
+        });
+    }
+    decode_payload(payload)
+}
+
+/// Decodes a payload whose kind the caller already checked with [`peek_kind`].
+pub fn decode_payload<T: WireMessage>(payload: &[u8]) -> Result<T, DecodeError> {
+    let (value, used) =
+        bincode::serde::decode_from_slice::<T, _>(payload, config()).map_err(|e| {
+            DecodeError::Malformed {
+                name: T::NAME,
+                reason: e.to_string(),
+            }
+        })?;
+    if used != payload.len() {
+        return Err(DecodeError::Malformed {
+            name: T::NAME,
+            reason: format!("{} trailing bytes", payload.len() - used),
+        });
+    }
+    Ok(value)
+}

@@ -1,0 +1,27 @@
+//! `dynamo-bus-schema`: every type that crosses NATS, every subject name, and
+//! the one codec that turns them into bytes.
+//!
+//! Invariants:
+//! - Every message on the bus is a [`codec::Envelope`]: a magic byte, the
+//!   schema version, a message kind tag and a bincode 2.0.1 payload. Nothing
+//!   else encodes or decodes bus bytes.
+//! - Decoding never panics: malformed bytes, a foreign version or a kind this
+//!   build does not know are returned as [`codec::DecodeError`] values (an
+//!   unknown kind is kept, with its raw payload, so a receiver can count it
+//!   and move on).
+//! - Subject names are built only by [`subjects::Subjects`], scoped by a
+//!   validated namespace.
+//! - The encoded form of every message is pinned by the snapshot test in
+//!   `tests/wire_snapshot.rs`; an accidental change to a field, its order or
+//!   its type fails that test.
+
+pub mod blocks;
+pub mod codec;
+pub mod ids;
+pub mod messages;
+pub mod subjects;
+
+pub use codec::{decode, encode, peek_kind, DecodeError, MessageKind, WireMessage};
+pub use ids::*;
+pub use messages::*;
+pub use subjects::{Namespace, NamespaceError, Subjects};

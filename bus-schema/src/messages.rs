@@ -1,0 +1,371 @@
+//! Wire types. Each top-level message implements [`WireMessage`] with a kind
+//! tag that never changes. Closed sets (error kinds, finish reasons, roles…)
+//! are "open enums": encoded as a `u16`, and a value this build does not know
+//! decodes to `Unknown(n)` instead of failing, so a newer peer's variant is
+//! kept and can be reported.
+
+use crate::codec::{MessageKind, WireMessage};
+use crate::ids::*;
+use serde::{Deserialize, Serialize};
+
+macro_rules! open_enum {
+    ($(#[$doc:meta])* $name:ident { $($(#[$vdoc:meta])* $variant:ident = $val:literal),+ $(,)? }) => {
+        $(#[$doc])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        #[serde(from = "u16", into = "u16")]
+        pub enum $name {
+            $($(#[$vdoc])* $variant,)+
+            /// A value from a newer schema; kept, never fatal.
+            Unknown(u16),
+        }
+        impl From<u16> for $name {
+            fn from(v: u16) -> Self {
+                match v { $($val => $name::$variant,)+ other => $name::Unknown(other) }
+            }
+        }
+        impl From<$name> for u16 {
+            fn from(v: $name) -> u16 {
+                match v { $($name::$variant => $val,)+ $name::Unknown(other) => other }
+            }
+        }
+    };
+}
+
+macro_rules! wire {
+    ($ty:ident = $kind:literal) => {
+        impl WireMessage for $ty {
+            const KIND: MessageKind = MessageKind($kind);
+            const NAME: &'static str = stringify!($ty);
+        }
+    };
+}
+
+open_enum!(
+    /// What the receiver of an error should do about it.
+    ErrorKind {
+        /// The request itself is wrong; never retried or migrated.
+        InvalidRequest = 1,
+        /// The worker is full right now; another worker may take it.
+        Overloaded = 2,
+        /// The worker or its engine failed mid-request; the request may migrate.
+        EngineFailed = 3,
+        /// The request was cancelled (client gone, stop string, admin).
+        Cancelled = 4,
+        /// The request's deadline passed.
+        DeadlineExceeded = 5,
+        /// The worker is draining or shutting down; route elsewhere.
+        Unavailable = 6,
+        /// A bug or an unexpected state; fail the request.
+        Internal = 7,
+        /// The message could not be decoded.
+        BadMessage = 8,
+    }
+);
+
+impl ErrorKind {
+    /// Whether sending the same request to another worker can succeed.
+    pub fn is_retryable(self) -> bool {
+        matches!(
+            self,
+            ErrorKind::Overloaded | ErrorKind::EngineFailed | ErrorKind::Unavailable
+        )
+    }
+}
+
+/// An error that crosses the bus: a kind to act on and a message for humans
+/// (never an internal error chain).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WireError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl WireError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        WireError {
+            kind,
+            message: message.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for WireError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}: {}", self.kind, self.message)
+    }
+}
+
+open_enum!(
+    /// Why a sequence stopped.
+    FinishReason {
+        /// `max_tokens` reached.
+        Length = 1,
+        /// An end-of-sequence or stop token was generated.
+        Stop = 2,
+        /// Cancelled before it finished.
+        Cancelled = 3,
+    }
+);
+
+open_enum!(
+    /// What a worker does.
+    WorkerRole {
+        /// Prefill and decode in one engine.
+        Aggregated = 1,
+        Prefill = 2,
+        Decode = 3,
+    }
+);
+
+open_enum!(
+    /// A worker's admission state.
+    WorkerState {
+        /// Takes new requests.
+        Serving = 1,
+        /// Finishes in-flight requests, takes no new ones.
+        Draining = 2,
+    }
+);
+
+open_enum!(
+    /// Why a request is cancelled.
+    CancelReason {
+        ClientDisconnected = 1,
+        StopString = 2,
+        DeadlineExceeded = 3,
+        Admin = 4,
+    }
+);
+
+open_enum!(
+    /// Faults a node injects into its own actors when its config allows it.
+    FaultKind {
+        /// The target actor panics inside its message handler.
+        PanicActor = 1,
+    }
+);
+
+/// Sampling parameters as sent to a worker (already validated by the gateway).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    pub max_tokens: u32,
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0 = disabled.
+    pub top_k: u32,
+    pub seed: Option<u64>,
+    /// Generation stops after emitting one of these (EOS is added by the worker).
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+/// Gateway → worker (`Subjects::worker_generate`), sent as a NATS request;
+/// the worker replies with a [`GenerateAck`] and then streams frames to
+/// `reply_to`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    pub request_id: RequestId,
+    pub model: ModelName,
+    pub token_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// Subject that receives the response frames.
+    pub reply_to: String,
+    /// Absolute deadline, Unix milliseconds; the worker drops the request after it.
+    pub deadline_unix_ms: u64,
+}
+wire!(GenerateRequest = 1);
+
+/// Worker → gateway: whether the worker took the request.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GenerateAck {
+    pub request_id: RequestId,
+    pub worker_id: WorkerId,
+    /// `None` = accepted; `Some` = refused, with why.
+    pub rejected: Option<WireError>,
+}
+wire!(GenerateAck = 2);
+
+/// A generic error reply to any request/reply call.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ErrorReply {
+    pub error: WireError,
+}
+wire!(ErrorReply = 3);
+
+/// First frame of a response stream: the prompt has been admitted.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FrameStarted {
+    pub request_id: RequestId,
+    pub seq: FrameSeq,
+    pub worker_id: WorkerId,
+    pub prompt_tokens: u32,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: u32,
+}
+wire!(FrameStarted = 10);
+
+/// New output tokens (one or more; the worker coalesces what one engine step produced).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FrameTokens {
+    pub request_id: RequestId,
+    pub seq: FrameSeq,
+    pub token_ids: Vec<u32>,
+}
+wire!(FrameTokens = 11);
+
+/// Last frame of a successful stream.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FrameFinished {
+    pub request_id: RequestId,
+    pub seq: FrameSeq,
+    pub reason: FinishReason,
+    pub completion_tokens: u32,
+}
+wire!(FrameFinished = 12);
+
+/// Last frame of a failed stream.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FrameError {
+    pub request_id: RequestId,
+    pub seq: FrameSeq,
+    pub error: WireError,
+}
+wire!(FrameError = 13);
+
+/// Gateway → worker (`Subjects::worker_cancel`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CancelRequest {
+    pub request_id: RequestId,
+    pub reason: CancelReason,
+}
+wire!(CancelRequest = 20);
+
+/// A content-addressed blob a worker serves over request/reply (e.g. the tokenizer).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ArtifactRef {
+    pub name: String,
+    pub len: u64,
+    /// Lower-case hex SHA-256 of the content.
+    pub sha256: String,
+}
+
+/// What a gateway needs to serve a model; registered by every worker.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelCard {
+    pub name: ModelName,
+    /// Maximum prompt + completion tokens.
+    pub context_length: u32,
+    /// Tokens per KV block (the unit of prefix caching and routing).
+    pub block_size: u32,
+    /// Jinja chat template (HF conventions).
+    pub chat_template: String,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    pub eos_token_ids: Vec<u32>,
+    pub vocab_size: u32,
+    /// HF `tokenizer.json` built from the model file, fetched from the worker.
+    pub tokenizer: ArtifactRef,
+    /// Where the weights/metadata came from (file name), for humans.
+    pub source: String,
+}
+
+/// Load as a worker reports it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoadMetrics {
+    pub active_seqs: u32,
+    pub waiting_seqs: u32,
+    pub kv_used_blocks: u32,
+    pub kv_total_blocks: u32,
+    /// Requests accepted and not yet finished.
+    pub inflight_requests: u32,
+}
+
+/// Worker → `Subjects::load(worker)`: frequent load updates (pub/sub).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LoadReport {
+    pub worker_id: WorkerId,
+    pub generation: u64,
+    pub load: LoadMetrics,
+}
+wire!(LoadReport = 21);
+
+/// The value under a worker's key in the workers KV bucket, rewritten every
+/// heartbeat. A record whose `heartbeat_unix_ms` is older than the router's
+/// TTL is treated as gone.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkerRegistration {
+    pub worker_id: WorkerId,
+    /// Bumped each time the worker actor (and its engine) restarts.
+    pub generation: u64,
+    pub node_id: NodeId,
+    /// OS process id of the node daemon running this worker.
+    pub pid: u32,
+    pub role: WorkerRole,
+    pub state: WorkerState,
+    /// Engine kind, e.g. `mocker`.
+    pub engine: String,
+    pub model: ModelCard,
+    pub started_unix_ms: u64,
+    pub heartbeat_unix_ms: u64,
+    pub load: LoadMetrics,
+}
+wire!(WorkerRegistration = 30);
+
+/// The value under a node's key in the nodes KV bucket.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeRegistration {
+    pub node_id: NodeId,
+    pub pid: u32,
+    pub hostname: String,
+    /// Actor names this node supervises, e.g. `gateway`, `router`, `worker-0`.
+    pub actors: Vec<String>,
+    /// HTTP address of the node's gateway, if it runs one.
+    pub http_addr: Option<String>,
+    pub started_unix_ms: u64,
+    pub heartbeat_unix_ms: u64,
+}
+wire!(NodeRegistration = 31);
+
+/// Request for a byte range of an artifact (`Subjects::worker_artifact`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ArtifactRequest {
+    pub name: String,
+    pub offset: u64,
+    pub max_len: u32,
+}
+wire!(ArtifactRequest = 40);
+
+/// A byte range of an artifact.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ArtifactChunk {
+    pub name: String,
+    pub total_len: u64,
+    pub offset: u64,
+    pub data: Vec<u8>,
+}
+wire!(ArtifactChunk = 41);
+
+/// Admin → node (`Subjects::node_fault`): inject a fault into one of the
+/// node's actors. Refused unless the node's config enables fault injection.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FaultInjection {
+    pub worker_id: WorkerId,
+    pub fault: FaultKind,
+}
+wire!(FaultInjection = 50);
+
+/// Reply to a [`FaultInjection`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FaultAck {
+    pub applied: bool,
+    pub message: String,
+}
+wire!(FaultAck = 51);
+
+/// Unix time in milliseconds (0 if the clock is before 1970).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,129 @@
+//! Subject and bucket names, all scoped by a namespace: `dynamo.<ns>.…`.
+//!
+//! Invariant: a [`Namespace`] contains only `[A-Za-z0-9_-]`, so it can never
+//! inject a `.`, `*` or `>` into a subject.
+
+use crate::ids::{GatewayId, NodeId, WorkerId};
+use thiserror::Error;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Namespace(String);
+
+#[derive(Debug, Error, PartialEq, Eq)]
+#[error("namespace {value:?} is invalid: use 1-64 characters from [A-Za-z0-9_-]")]
+pub struct NamespaceError {
+    pub value: String,
+}
+
+impl Namespace {
+    pub fn new(value: &str) -> Result<Self, NamespaceError> {
+        let ok = !value.is_empty()
+            && value.len() <= 64
+            && value
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+        if ok {
+            Ok(Namespace(value.to_string()))
+        } else {
+            Err(NamespaceError {
+                value: value.to_string(),
+            })
+        }
+    }
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Builds every subject and bucket name for one namespace.
+#[derive(Clone, Debug)]
+pub struct Subjects {
+    ns: Namespace,
+}
+
+impl Subjects {
+    pub fn new(ns: Namespace) -> Self {
+        Subjects { ns }
+    }
+    pub fn namespace(&self) -> &Namespace {
+        &self.ns
+    }
+    fn base(&self) -> String {
+        format!("dynamo.{}", self.ns.0)
+    }
+    /// Worker takes [`crate::GenerateRequest`]s here (request/reply).
+    pub fn worker_generate(&self, w: WorkerId) -> String {
+        format!("{}.worker.{w}.generate", self.base())
+    }
+    /// Worker takes [`crate::CancelRequest`]s here.
+    pub fn worker_cancel(&self, w: WorkerId) -> String {
+        format!("{}.worker.{w}.cancel", self.base())
+    }
+    /// Worker serves [`crate::ArtifactRequest`]s here.
+    pub fn worker_artifact(&self, w: WorkerId) -> String {
+        format!("{}.worker.{w}.artifact", self.base())
+    }
+    /// Gateway receives response frames for all its requests here.
+    pub fn gateway_frames(&self, g: GatewayId) -> String {
+        format!("{}.gateway.{g}.frames", self.base())
+    }
+    /// A worker's [`crate::LoadReport`]s.
+    pub fn load(&self, w: WorkerId) -> String {
+        format!("{}.load.{w}", self.base())
+    }
+    /// Every worker's load reports.
+    pub fn load_all(&self) -> String {
+        format!("{}.load.*", self.base())
+    }
+    /// A node's fault-injection endpoint.
+    pub fn node_fault(&self, n: &NodeId) -> String {
+        // Node ids come from configs; keep only subject-safe characters.
+        let safe: String =
+            n.0.chars()
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                        c
+                    } else {
+                        '_'
+                    }
+                })
+                .collect();
+        format!("{}.node.{safe}.fault", self.base())
+    }
+    /// JetStream KV bucket holding [`crate::WorkerRegistration`]s keyed by worker id.
+    pub fn workers_bucket(&self) -> String {
+        format!("dynamo_{}_workers", self.ns.0)
+    }
+    /// JetStream KV bucket holding [`crate::NodeRegistration`]s keyed by node id.
+    pub fn nodes_bucket(&self) -> String {
+        format!("dynamo_{}_nodes", self.ns.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespace_rejects_subject_metacharacters() {
+        for bad in ["", "a.b", "a*", "a>", "a b", &"x".repeat(65)] {
+            assert!(Namespace::new(bad).is_err(), "{bad:?} accepted");
+        }
+        assert!(Namespace::new("prod-1_a").is_ok());
+    }
+
+    #[test]
+    fn subjects_are_namespaced() {
+        let s = Subjects::new(Namespace::new("t1").unwrap());
+        assert_eq!(
+            s.worker_generate(WorkerId(1)),
+            "dynamo.t1.worker.0000000000000001.generate"
+        );
+        assert_eq!(s.load_all(), "dynamo.t1.load.*");
+        assert_eq!(s.workers_bucket(), "dynamo_t1_workers");
+        assert_eq!(
+            s.node_fault(&NodeId("a.b".into())),
+            "dynamo.t1.node.a_b.fault"
+        );
+    }
+}

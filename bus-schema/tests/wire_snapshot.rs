@@ -1,0 +1,283 @@
+//! Pins the encoded bytes of every bus message. If this fails you changed the
+//! wire format: if that was deliberate, bump `SCHEMA_VERSION` (or add a new
+//! message kind) and regenerate with `UPDATE_SNAPSHOTS=1 cargo test -p dynamo-bus-schema`.
+
+use dynamo_bus_schema::*;
+use proptest::prelude::*;
+
+fn card() -> ModelCard {
+    ModelCard {
+        name: ModelName("smollm2-135m-instruct".into()),
+        context_length: 8192,
+        block_size: 16,
+        chat_template: "{{ messages }}".into(),
+        bos_token: Some("<|im_start|>".into()),
+        eos_token: Some("<|im_end|>".into()),
+        eos_token_ids: vec![2],
+        vocab_size: 49152,
+        tokenizer: ArtifactRef {
+            name: "tokenizer.json".into(),
+            len: 1234,
+            sha256: "ab".repeat(32),
+        },
+        source: "model.gguf".into(),
+    }
+}
+
+fn load() -> LoadMetrics {
+    LoadMetrics {
+        active_seqs: 3,
+        waiting_seqs: 1,
+        kv_used_blocks: 100,
+        kv_total_blocks: 16384,
+        inflight_requests: 4,
+    }
+}
+
+fn samples() -> Vec<(&'static str, Vec<u8>)> {
+    let rid = RequestId(0x0123_4567_89ab_cdef_0011_2233_4455_6677);
+    let wid = WorkerId(0xfeed);
+    let enc = |r: Result<Vec<u8>, _>| -> Vec<u8> { r.expect("encode") };
+    vec![
+        (
+            "GenerateRequest",
+            enc(encode(&GenerateRequest {
+                request_id: rid,
+                model: ModelName("m".into()),
+                token_ids: vec![1, 2, 300, 70000],
+                sampling: SamplingParams {
+                    max_tokens: 16,
+                    temperature: 0.5,
+                    top_p: 0.9,
+                    top_k: 0,
+                    seed: Some(42),
+                    stop_token_ids: vec![2],
+                    ignore_eos: false,
+                },
+                reply_to: "dynamo.t.gateway.1.frames".into(),
+                deadline_unix_ms: 1_700_000_000_000,
+            })),
+        ),
+        (
+            "GenerateAck",
+            enc(encode(&GenerateAck {
+                request_id: rid,
+                worker_id: wid,
+                rejected: Some(WireError::new(ErrorKind::Overloaded, "full")),
+            })),
+        ),
+        (
+            "ErrorReply",
+            enc(encode(&ErrorReply {
+                error: WireError::new(ErrorKind::BadMessage, "x"),
+            })),
+        ),
+        (
+            "FrameStarted",
+            enc(encode(&FrameStarted {
+                request_id: rid,
+                seq: FrameSeq(0),
+                worker_id: wid,
+                prompt_tokens: 60,
+                cached_tokens: 48,
+            })),
+        ),
+        (
+            "FrameTokens",
+            enc(encode(&FrameTokens {
+                request_id: rid,
+                seq: FrameSeq(1),
+                token_ids: vec![5, 6, 7],
+            })),
+        ),
+        (
+            "FrameFinished",
+            enc(encode(&FrameFinished {
+                request_id: rid,
+                seq: FrameSeq(2),
+                reason: FinishReason::Length,
+                completion_tokens: 3,
+            })),
+        ),
+        (
+            "FrameError",
+            enc(encode(&FrameError {
+                request_id: rid,
+                seq: FrameSeq(2),
+                error: WireError::new(ErrorKind::EngineFailed, "gone"),
+            })),
+        ),
+        (
+            "CancelRequest",
+            enc(encode(&CancelRequest {
+                request_id: rid,
+                reason: CancelReason::ClientDisconnected,
+            })),
+        ),
+        (
+            "LoadReport",
+            enc(encode(&LoadReport {
+                worker_id: wid,
+                generation: 2,
+                load: load(),
+            })),
+        ),
+        (
+            "WorkerRegistration",
+            enc(encode(&WorkerRegistration {
+                worker_id: wid,
+                generation: 1,
+                node_id: NodeId("node-a".into()),
+                pid: 4242,
+                role: WorkerRole::Aggregated,
+                state: WorkerState::Serving,
+                engine: "mocker".into(),
+                model: card(),
+                started_unix_ms: 1,
+                heartbeat_unix_ms: 2,
+                load: load(),
+            })),
+        ),
+        (
+            "NodeRegistration",
+            enc(encode(&NodeRegistration {
+                node_id: NodeId("node-a".into()),
+                pid: 1,
+                hostname: "h".into(),
+                actors: vec!["gateway".into(), "worker-0".into()],
+                http_addr: Some("127.0.0.1:8000".into()),
+                started_unix_ms: 1,
+                heartbeat_unix_ms: 2,
+            })),
+        ),
+        (
+            "ArtifactRequest",
+            enc(encode(&ArtifactRequest {
+                name: "tokenizer.json".into(),
+                offset: 10,
+                max_len: 65536,
+            })),
+        ),
+        (
+            "ArtifactChunk",
+            enc(encode(&ArtifactChunk {
+                name: "tokenizer.json".into(),
+                total_len: 3,
+                offset: 0,
+                data: vec![1, 2, 3],
+            })),
+        ),
+        (
+            "FaultInjection",
+            enc(encode(&FaultInjection {
+                worker_id: wid,
+                fault: FaultKind::PanicActor,
+            })),
+        ),
+        (
+            "FaultAck",
+            enc(encode(&FaultAck {
+                applied: true,
+                message: "ok".into(),
+            })),
+        ),
+    ]
+}
+
+#[test]
+fn wire_format_matches_snapshot() {
+    let rendered: String = samples()
+        .into_iter()
+        .map(|(name, bytes)| format!("{name} {}\n", hex::encode(bytes)))
+        .collect();
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/snapshots/wire_v1.txt");
+    if std::env::var_os("UPDATE_SNAPSHOTS").is_some() {
+        std::fs::write(path, &rendered).expect("write snapshot");
+    }
+    let expected = std::fs::read_to_string(path).expect("snapshot file exists");
+    for (want, got) in expected.lines().zip(rendered.lines()) {
+        assert_eq!(
+            want, got,
+            "wire format changed; see the module doc for what to do"
+        );
+    }
+    assert_eq!(expected.lines().count(), rendered.lines().count());
+}
+
+#[test]
+fn every_sample_round_trips() {
+    let s = samples();
+    let req: GenerateRequest = decode(&s[0].1).unwrap();
+    assert_eq!(req.token_ids, vec![1, 2, 300, 70000]);
+    let reg: WorkerRegistration = decode(&s[9].1).unwrap();
+    assert_eq!(reg.model, card());
+    // Decoding as the wrong type is an error value, not a panic.
+    let err = decode::<FrameTokens>(&s[0].1).unwrap_err();
+    assert!(matches!(
+        err,
+        DecodeError::UnexpectedKind {
+            expected: 11,
+            found: 1,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn malformed_messages_are_errors() {
+    assert_eq!(
+        decode::<FrameTokens>(&[]).unwrap_err(),
+        DecodeError::TooShort { len: 0 }
+    );
+    assert!(matches!(
+        decode::<FrameTokens>(b"{\"json\":1}").unwrap_err(),
+        DecodeError::BadMagic { .. }
+    ));
+    let mut future = samples()[4].1.clone();
+    future[1] = 99;
+    assert_eq!(
+        decode::<FrameTokens>(&future).unwrap_err(),
+        DecodeError::UnsupportedVersion { found: 99 }
+    );
+    let mut truncated = samples()[4].1.clone();
+    truncated.truncate(truncated.len() - 1);
+    assert!(matches!(
+        decode::<FrameTokens>(&truncated).unwrap_err(),
+        DecodeError::Malformed { .. }
+    ));
+    let mut trailing = samples()[4].1.clone();
+    trailing.push(0);
+    assert!(matches!(
+        decode::<FrameTokens>(&trailing).unwrap_err(),
+        DecodeError::Malformed { .. }
+    ));
+}
+
+#[test]
+fn unknown_enum_values_are_kept() {
+    let mut bytes = encode(&FrameFinished {
+        request_id: RequestId(1),
+        seq: FrameSeq(0),
+        reason: FinishReason::Stop,
+        completion_tokens: 0,
+    })
+    .unwrap();
+    // The reason is the varint byte after the 1-byte request id and 1-byte seq.
+    let pos = 4 + 1 + 1;
+    assert_eq!(bytes[pos], 2);
+    bytes[pos] = 77;
+    let f: FrameFinished = decode(&bytes).unwrap();
+    assert_eq!(f.reason, FinishReason::Unknown(77));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, rng_seed: proptest::test_runner::RngSeed::Fixed(7), ..ProptestConfig::default() })]
+    #[test]
+    fn random_bytes_never_panic(mut bytes in proptest::collection::vec(any::<u8>(), 0..256), kind in 0u16..60) {
+        if bytes.len() >= 4 { bytes[0] = 0xD7; bytes[1] = 1; bytes[2..4].copy_from_slice(&kind.to_le_bytes()); }
+        let _ = decode::<GenerateRequest>(&bytes);
+        let _ = decode::<WorkerRegistration>(&bytes);
+        let _ = decode::<FrameTokens>(&bytes);
+        let _ = decode::<ArtifactChunk>(&bytes);
+    }
+}
