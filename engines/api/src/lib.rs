@@ -1,1 +1,281 @@
-//! placeholder
+//! `dynamo-engine`: the one seam every engine implements.
+//!
+//! The worker actor parses a wire [`GenerateRequest`] into a [`ValidRequest`]
+//! (the only request type an engine accepts) and drives the engine through
+//! [`Engine`]. Gateway and router never see an engine's internals.
+//!
+//! Invariants:
+//! - A [`ValidRequest`] has a non-empty prompt whose ids are all inside the
+//!   vocabulary, `max_tokens >= 1`, and `prompt + max_tokens <= context`.
+//! - Every [`ResponseStream`] ends with exactly one terminal event
+//!   ([`EngineEvent::Finished`] or [`EngineEvent::Failed`]) unless the
+//!   receiver is dropped first; [`EngineEvent::Started`] comes before any tokens.
+
+use dynamo_bus_schema::blocks::SequenceHash;
+use dynamo_bus_schema::{
+    ErrorKind, FinishReason, GenerateRequest, LoadMetrics, RequestId, WireError,
+};
+use thiserror::Error;
+use tokio::sync::mpsc;
+
+/// Limits a request is checked against (from the model card).
+#[derive(Clone, Copy, Debug)]
+pub struct EngineLimits {
+    pub context_length: u32,
+    pub vocab_size: u32,
+}
+
+/// Sampling parameters that passed validation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidSampling {
+    pub max_tokens: u32,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: u32,
+    pub seed: Option<u64>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+/// A request an engine can run.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidRequest {
+    id: RequestId,
+    prompt: Vec<u32>,
+    sampling: ValidSampling,
+}
+
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum RequestError {
+    #[error("prompt is empty")]
+    EmptyPrompt,
+    #[error(
+        "prompt token {token} at position {position} is outside the vocabulary (size {vocab})"
+    )]
+    TokenOutOfVocab {
+        token: u32,
+        position: usize,
+        vocab: u32,
+    },
+    #[error("max_tokens must be at least 1")]
+    ZeroMaxTokens,
+    #[error(
+        "prompt ({prompt} tokens) + max_tokens ({max_tokens}) exceeds the context length {context}"
+    )]
+    TooLong {
+        prompt: usize,
+        max_tokens: u32,
+        context: u32,
+    },
+    #[error("{field} = {value} is out of range ({range})")]
+    OutOfRange {
+        field: &'static str,
+        value: f32,
+        range: &'static str,
+    },
+}
+
+impl ValidRequest {
+    /// Checks a wire request against the model's limits.
+    pub fn parse(req: &GenerateRequest, limits: EngineLimits) -> Result<Self, RequestError> {
+        let s = &req.sampling;
+        if req.token_ids.is_empty() {
+            return Err(RequestError::EmptyPrompt);
+        }
+        if let Some((position, &token)) = req
+            .token_ids
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t >= limits.vocab_size)
+        {
+            return Err(RequestError::TokenOutOfVocab {
+                token,
+                position,
+                vocab: limits.vocab_size,
+            });
+        }
+        if s.max_tokens == 0 {
+            return Err(RequestError::ZeroMaxTokens);
+        }
+        if req.token_ids.len() as u64 + s.max_tokens as u64 > limits.context_length as u64 {
+            return Err(RequestError::TooLong {
+                prompt: req.token_ids.len(),
+                max_tokens: s.max_tokens,
+                context: limits.context_length,
+            });
+        }
+        if !(0.0..=2.0).contains(&s.temperature) {
+            return Err(RequestError::OutOfRange {
+                field: "temperature",
+                value: s.temperature,
+                range: "0..=2",
+            });
+        }
+        if !(s.top_p > 0.0 && s.top_p <= 1.0) {
+            return Err(RequestError::OutOfRange {
+                field: "top_p",
+                value: s.top_p,
+                range: "(0, 1]",
+            });
+        }
+        Ok(ValidRequest {
+            id: req.request_id,
+            prompt: req.token_ids.clone(),
+            sampling: ValidSampling {
+                max_tokens: s.max_tokens,
+                temperature: s.temperature,
+                top_p: s.top_p,
+                top_k: s.top_k,
+                seed: s.seed,
+                stop_token_ids: s.stop_token_ids.clone(),
+                ignore_eos: s.ignore_eos,
+            },
+        })
+    }
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+    pub fn prompt(&self) -> &[u32] {
+        &self.prompt
+    }
+    pub fn sampling(&self) -> &ValidSampling {
+        &self.sampling
+    }
+}
+
+/// What an engine reports for one request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineEvent {
+    /// Admitted; `cached_tokens` of the prompt were served from the prefix cache.
+    Started {
+        cached_tokens: u32,
+    },
+    /// Tokens produced by one engine step.
+    Tokens(Vec<u32>),
+    Finished {
+        reason: FinishReason,
+    },
+    Failed(EngineError),
+}
+
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum EngineError {
+    #[error("engine is full: {0}")]
+    Overloaded(String),
+    #[error("engine stopped")]
+    Stopped,
+    #[error("invalid request: {0}")]
+    Invalid(#[from] RequestError),
+    #[error("request {0} is already running")]
+    Duplicate(RequestId),
+    #[error("internal engine error: {0}")]
+    Internal(String),
+}
+
+impl EngineError {
+    /// The bus error a worker sends for this failure.
+    pub fn to_wire(&self) -> WireError {
+        let kind = match self {
+            EngineError::Overloaded(_) => ErrorKind::Overloaded,
+            EngineError::Stopped => ErrorKind::EngineFailed,
+            EngineError::Invalid(_) | EngineError::Duplicate(_) => ErrorKind::InvalidRequest,
+            EngineError::Internal(_) => ErrorKind::Internal,
+        };
+        WireError::new(kind, self.to_string())
+    }
+}
+
+/// The events of one request, in order.
+pub type ResponseStream = mpsc::UnboundedReceiver<EngineEvent>;
+
+/// A change in which KV blocks an engine holds (for KV-aware routing).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvCacheEvent {
+    /// Per-engine, strictly increasing from 1.
+    pub event_id: u64,
+    pub data: KvCacheEventData,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum KvCacheEventData {
+    /// `blocks` were stored, in prefix order, after `parent`.
+    Stored {
+        parent: Option<SequenceHash>,
+        blocks: Vec<SequenceHash>,
+    },
+    Removed {
+        blocks: Vec<SequenceHash>,
+    },
+    /// Every block is gone.
+    Cleared,
+}
+
+/// The engine seam.
+pub trait Engine: Send + Sync + 'static {
+    /// Short engine kind for registration and logs (e.g. `mocker`).
+    fn kind(&self) -> &'static str;
+    /// Starts a request; its events arrive on the returned stream.
+    fn generate(&self, req: ValidRequest) -> Result<ResponseStream, EngineError>;
+    /// Stops a request at the next step and frees its blocks. Unknown ids are ignored.
+    fn cancel(&self, id: RequestId);
+    /// Current load.
+    fn load(&self) -> LoadMetrics;
+    /// Takes the stream of KV cache events (only the first caller gets it).
+    fn take_kv_events(&self) -> Option<mpsc::UnboundedReceiver<KvCacheEvent>>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dynamo_bus_schema::{ModelName, SamplingParams};
+
+    fn req(tokens: Vec<u32>, max_tokens: u32) -> GenerateRequest {
+        GenerateRequest {
+            request_id: RequestId(1),
+            model: ModelName("m".into()),
+            token_ids: tokens,
+            sampling: SamplingParams {
+                max_tokens,
+                temperature: 0.0,
+                top_p: 1.0,
+                top_k: 0,
+                seed: None,
+                stop_token_ids: vec![],
+                ignore_eos: false,
+            },
+            reply_to: "x".into(),
+            deadline_unix_ms: 0,
+        }
+    }
+
+    #[test]
+    fn parse_checks_every_limit() {
+        let l = EngineLimits {
+            context_length: 10,
+            vocab_size: 100,
+        };
+        assert!(ValidRequest::parse(&req(vec![1, 2], 8), l).is_ok());
+        assert_eq!(
+            ValidRequest::parse(&req(vec![], 1), l),
+            Err(RequestError::EmptyPrompt)
+        );
+        assert!(matches!(
+            ValidRequest::parse(&req(vec![1, 100], 1), l),
+            Err(RequestError::TokenOutOfVocab { position: 1, .. })
+        ));
+        assert_eq!(
+            ValidRequest::parse(&req(vec![1], 0), l),
+            Err(RequestError::ZeroMaxTokens)
+        );
+        assert!(matches!(
+            ValidRequest::parse(&req(vec![1, 2, 3], 8), l),
+            Err(RequestError::TooLong { .. })
+        ));
+        let mut r = req(vec![1], 1);
+        r.sampling.top_p = 0.0;
+        assert!(matches!(
+            ValidRequest::parse(&r, l),
+            Err(RequestError::OutOfRange { field: "top_p", .. })
+        ));
+    }
+}

@@ -1,0 +1,283 @@
+//! Paged KV block pool with prefix caching and LRU eviction (no tensors: the
+//! mocker only tracks which blocks exist).
+//!
+//! Invariants (checked by `check_invariants` in tests):
+//! - every block is in exactly one of: referenced (`refs > 0`), evictable
+//!   (`refs == 0`, hashed, in the LRU), or free (`refs == 0`, unhashed);
+//! - `by_hash` maps each registered hash to exactly one block, whose `hash`
+//!   field is that hash; a hash is never registered twice;
+//! - eviction takes the least recently released evictable block; sequences
+//!   release their blocks tail first, so prefixes outlive their tails;
+//! - every registration emits `Stored`, every eviction `Removed`, with
+//!   strictly increasing event ids.
+
+use dynamo_bus_schema::blocks::SequenceHash;
+use dynamo_engine::{KvCacheEvent, KvCacheEventData};
+use std::collections::{BTreeSet, HashMap};
+
+/// Index of a block in the pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockIdx(pub u32);
+
+#[derive(Clone, Debug, Default)]
+struct Block {
+    hash: Option<SequenceHash>,
+    refs: u32,
+    /// LRU key while evictable.
+    released_at: u64,
+}
+
+pub struct BlockPool {
+    blocks: Vec<Block>,
+    free: Vec<BlockIdx>,
+    evictable: BTreeSet<(u64, BlockIdx)>,
+    by_hash: HashMap<SequenceHash, BlockIdx>,
+    tick: u64,
+    next_event_id: u64,
+    events: Vec<KvCacheEvent>,
+    record_events: bool,
+}
+
+impl BlockPool {
+    pub fn new(num_blocks: u32, record_events: bool) -> Self {
+        BlockPool {
+            blocks: vec![Block::default(); num_blocks as usize],
+            free: (0..num_blocks).rev().map(BlockIdx).collect(),
+            evictable: BTreeSet::new(),
+            by_hash: HashMap::new(),
+            tick: 0,
+            next_event_id: 1,
+            events: Vec::new(),
+            record_events,
+        }
+    }
+
+    pub fn total(&self) -> u32 {
+        self.blocks.len() as u32
+    }
+
+    /// Blocks that can be handed out now (free + evictable).
+    pub fn available(&self) -> usize {
+        self.free.len() + self.evictable.len()
+    }
+
+    /// Blocks held by at least one sequence.
+    pub fn used(&self) -> usize {
+        self.blocks.len() - self.available()
+    }
+
+    /// How many leading `hashes` are cached.
+    pub fn match_prefix(&self, hashes: &[SequenceHash]) -> usize {
+        hashes
+            .iter()
+            .take_while(|h| self.by_hash.contains_key(h))
+            .count()
+    }
+
+    /// Of the first `n` hashes (all cached), how many are evictable right now
+    /// (acquiring them reduces [`Self::available`]).
+    pub fn evictable_among(&self, hashes: &[SequenceHash]) -> usize {
+        hashes
+            .iter()
+            .filter(|h| {
+                self.by_hash
+                    .get(h)
+                    .is_some_and(|b| self.blocks[b.0 as usize].refs == 0)
+            })
+            .count()
+    }
+
+    /// Takes a reference on the cached block holding `hash`.
+    pub fn acquire_cached(&mut self, hash: SequenceHash) -> Option<BlockIdx> {
+        let idx = *self.by_hash.get(&hash)?;
+        let b = &mut self.blocks[idx.0 as usize];
+        if b.refs == 0 {
+            self.evictable.remove(&(b.released_at, idx));
+        }
+        b.refs += 1;
+        Some(idx)
+    }
+
+    /// Hands out an empty block, evicting the least recently used cached one if needed.
+    pub fn allocate(&mut self) -> Option<BlockIdx> {
+        let idx = match self.free.pop() {
+            Some(idx) => idx,
+            None => {
+                let (t, idx) = self.evictable.pop_first()?;
+                debug_assert_eq!(self.blocks[idx.0 as usize].released_at, t);
+                if let Some(h) = self.blocks[idx.0 as usize].hash.take() {
+                    self.by_hash.remove(&h);
+                    self.emit(KvCacheEventData::Removed { blocks: vec![h] });
+                }
+                idx
+            }
+        };
+        self.blocks[idx.0 as usize].refs = 1;
+        Some(idx)
+    }
+
+    /// Records that `idx` now holds the full block `hash` (child of `parent`).
+    /// Returns false if another block already holds that hash (the block then
+    /// stays private to its sequence and is never shared).
+    pub fn register(
+        &mut self,
+        idx: BlockIdx,
+        hash: SequenceHash,
+        parent: Option<SequenceHash>,
+    ) -> bool {
+        if self.by_hash.contains_key(&hash) || self.blocks[idx.0 as usize].hash.is_some() {
+            return false;
+        }
+        self.blocks[idx.0 as usize].hash = Some(hash);
+        self.by_hash.insert(hash, idx);
+        self.emit(KvCacheEventData::Stored {
+            parent,
+            blocks: vec![hash],
+        });
+        true
+    }
+
+    /// Drops one reference; an unreferenced hashed block stays cached (evictable).
+    pub fn release(&mut self, idx: BlockIdx) {
+        let b = &mut self.blocks[idx.0 as usize];
+        debug_assert!(b.refs > 0, "release of an unreferenced block");
+        b.refs = b.refs.saturating_sub(1);
+        if b.refs == 0 {
+            if b.hash.is_some() {
+                self.tick += 1;
+                b.released_at = self.tick;
+                self.evictable.insert((self.tick, idx));
+            } else {
+                self.free.push(idx);
+            }
+        }
+    }
+
+    /// Empties the cache of every unreferenced block and emits `Cleared`
+    /// (referenced blocks keep working but are no longer shareable).
+    pub fn clear_cache(&mut self) {
+        for (_, idx) in std::mem::take(&mut self.evictable) {
+            self.blocks[idx.0 as usize].hash = None;
+            self.free.push(idx);
+        }
+        for b in &mut self.blocks {
+            b.hash = None;
+        }
+        self.by_hash.clear();
+        self.emit(KvCacheEventData::Cleared);
+    }
+
+    fn emit(&mut self, data: KvCacheEventData) {
+        if self.record_events {
+            self.events.push(KvCacheEvent {
+                event_id: self.next_event_id,
+                data,
+            });
+        }
+        self.next_event_id += 1;
+    }
+
+    /// Takes the events recorded since the last call.
+    pub fn drain_events(&mut self) -> Vec<KvCacheEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    #[cfg(test)]
+    pub fn check_invariants(&self) {
+        let mut referenced = 0;
+        for (i, b) in self.blocks.iter().enumerate() {
+            let idx = BlockIdx(i as u32);
+            let in_free = self.free.contains(&idx);
+            let in_lru = self.evictable.contains(&(b.released_at, idx));
+            match (b.refs > 0, b.hash.is_some()) {
+                (true, _) => {
+                    referenced += 1;
+                    assert!(!in_free && !in_lru, "referenced block {i} is free");
+                }
+                (false, true) => assert!(in_lru && !in_free, "cached block {i} not evictable"),
+                (false, false) => assert!(in_free && !in_lru, "empty block {i} not free"),
+            }
+            if let Some(h) = b.hash {
+                assert_eq!(self.by_hash.get(&h), Some(&idx));
+            }
+        }
+        assert_eq!(
+            self.by_hash.len(),
+            self.blocks.iter().filter(|b| b.hash.is_some()).count()
+        );
+        assert_eq!(referenced + self.available(), self.blocks.len());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn lru_evicts_tails_first_and_emits_events() {
+        let mut p = BlockPool::new(3, true);
+        let a = p.allocate().unwrap();
+        let b = p.allocate().unwrap();
+        assert!(p.register(a, SequenceHash(1), None));
+        assert!(p.register(b, SequenceHash(2), Some(SequenceHash(1))));
+        // Tail first.
+        p.release(b);
+        p.release(a);
+        assert_eq!(p.match_prefix(&[SequenceHash(1), SequenceHash(2)]), 2);
+        let _c = p.allocate().unwrap(); // the free one
+        let _d = p.allocate().unwrap(); // evicts hash 2 (the tail)
+        assert_eq!(p.match_prefix(&[SequenceHash(1), SequenceHash(2)]), 1);
+        let ev = p.drain_events();
+        assert_eq!(ev.len(), 3);
+        assert_eq!(
+            ev[2].data,
+            KvCacheEventData::Removed {
+                blocks: vec![SequenceHash(2)]
+            }
+        );
+        assert!(ev.windows(2).all(|w| w[0].event_id < w[1].event_id));
+        p.check_invariants();
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Alloc,
+        Register(u8),
+        Release(u8),
+        Acquire(u8),
+        Clear,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => Just(Op::Alloc),
+            3 => any::<u8>().prop_map(Op::Register),
+            4 => any::<u8>().prop_map(Op::Release),
+            3 => any::<u8>().prop_map(Op::Acquire),
+            1 => Just(Op::Clear),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 300, rng_seed: proptest::test_runner::RngSeed::Fixed(42), ..ProptestConfig::default() })]
+        #[test]
+        fn random_operations_keep_invariants(ops in proptest::collection::vec(op(), 1..200)) {
+            let mut p = BlockPool::new(8, true);
+            let mut held: Vec<BlockIdx> = Vec::new();
+            for op in ops {
+                match op {
+                    Op::Alloc => if let Some(b) = p.allocate() { held.push(b) },
+                    Op::Register(h) => if let Some(&b) = held.last() { p.register(b, SequenceHash(h as u64 % 16), None); },
+                    Op::Release(i) => if !held.is_empty() { let b = held.swap_remove(i as usize % held.len()); p.release(b) },
+                    Op::Acquire(h) => if let Some(b) = p.acquire_cached(SequenceHash(h as u64 % 16)) { held.push(b) },
+                    Op::Clear => p.clear_cache(),
+                }
+                p.check_invariants();
+                prop_assert_eq!(p.used(), { let mut s = held.clone(); s.sort(); s.dedup(); s.len() });
+            }
+            let ids: Vec<u64> = p.drain_events().iter().map(|e| e.event_id).collect();
+            prop_assert!(ids.windows(2).all(|w| w[0] < w[1]));
+        }
+    }
+}

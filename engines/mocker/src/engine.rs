@@ -1,0 +1,273 @@
+//! The async driver: owns a [`MockerCore`], feeds it commands, runs steps,
+//! sleeps the simulated step time (divided by the speedup) and delivers
+//! events. One tokio task per engine; it ends when the engine handle is
+//! dropped, failing whatever is still running with [`EngineError::Stopped`].
+
+use crate::config::{ConfigError, MockerConfig};
+use crate::core::MockerCore;
+use dynamo_bus_schema::{LoadMetrics, RequestId};
+use dynamo_engine::{Engine, EngineError, EngineEvent, KvCacheEvent, ResponseStream, ValidRequest};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use tokio::sync::mpsc;
+
+enum Cmd {
+    Add(ValidRequest, mpsc::UnboundedSender<EngineEvent>),
+    Cancel(RequestId),
+}
+
+/// What the mocker needs to know about the model it pretends to run.
+#[derive(Clone, Debug)]
+pub struct MockerModel {
+    pub vocab_size: u32,
+    pub eos_token_ids: Vec<u32>,
+    /// Block-hash salt (see `dynamo_bus_schema::blocks::hash_salt`).
+    pub hash_salt: u64,
+}
+
+pub struct MockerEngine {
+    tx: mpsc::UnboundedSender<Cmd>,
+    load: Arc<Mutex<LoadMetrics>>,
+    kv_rx: Mutex<Option<mpsc::UnboundedReceiver<KvCacheEvent>>>,
+}
+
+impl MockerEngine {
+    /// Validates the config and starts the engine task on the current tokio runtime.
+    pub fn start(cfg: MockerConfig, model: MockerModel) -> Result<Self, ConfigError> {
+        let range = cfg.validate(model.vocab_size)?;
+        let core = MockerCore::new(
+            cfg.clone(),
+            model.hash_salt,
+            range,
+            model.eos_token_ids,
+            true,
+        );
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (kv_tx, kv_rx) = mpsc::unbounded_channel();
+        let load = Arc::new(Mutex::new(core.load()));
+        tokio::spawn(run(core, cfg, rx, kv_tx, load.clone()));
+        Ok(MockerEngine {
+            tx,
+            load,
+            kv_rx: Mutex::new(Some(kv_rx)),
+        })
+    }
+}
+
+impl Engine for MockerEngine {
+    fn kind(&self) -> &'static str {
+        "mocker"
+    }
+    fn generate(&self, req: ValidRequest) -> Result<ResponseStream, EngineError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.tx
+            .send(Cmd::Add(req, tx))
+            .map_err(|_| EngineError::Stopped)?;
+        Ok(rx)
+    }
+    fn cancel(&self, id: RequestId) {
+        // A stopped engine has nothing left to cancel.
+        let _ = self.tx.send(Cmd::Cancel(id));
+    }
+    fn load(&self) -> LoadMetrics {
+        self.load.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+    fn take_kv_events(&self) -> Option<mpsc::UnboundedReceiver<KvCacheEvent>> {
+        self.kv_rx.lock().ok()?.take()
+    }
+}
+
+async fn run(
+    mut core: MockerCore,
+    cfg: MockerConfig,
+    mut rx: mpsc::UnboundedReceiver<Cmd>,
+    kv_tx: mpsc::UnboundedSender<KvCacheEvent>,
+    load: Arc<Mutex<LoadMetrics>>,
+) {
+    let mut outs: HashMap<RequestId, mpsc::UnboundedSender<EngineEvent>> = HashMap::new();
+    let apply =
+        |cmd: Cmd,
+         core: &mut MockerCore,
+         outs: &mut HashMap<RequestId, mpsc::UnboundedSender<EngineEvent>>| {
+            match cmd {
+                Cmd::Add(req, tx) => {
+                    let id = req.id();
+                    match core.add(req) {
+                        Ok(()) => {
+                            outs.insert(id, tx);
+                        }
+                        Err(e) => {
+                            let _ = tx.send(EngineEvent::Failed(e));
+                        }
+                    }
+                }
+                Cmd::Cancel(id) => {
+                    if core.cancel(id) {
+                        if let Some(tx) = outs.remove(&id) {
+                            let _ = tx.send(EngineEvent::Finished {
+                                reason: dynamo_bus_schema::FinishReason::Cancelled,
+                            });
+                        }
+                    }
+                }
+            }
+        };
+    'outer: loop {
+        if core.is_idle() {
+            publish_load(&core, &load);
+            match rx.recv().await {
+                Some(cmd) => apply(cmd, &mut core, &mut outs),
+                None => break 'outer,
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(cmd) => apply(cmd, &mut core, &mut outs),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => break 'outer,
+            }
+        }
+        let step = core.step();
+        for (id, ev) in step.events {
+            let terminal = matches!(ev, EngineEvent::Finished { .. } | EngineEvent::Failed(_));
+            let gone = match outs.get(&id) {
+                Some(tx) => tx.send(ev).is_err(),
+                None => false,
+            };
+            if terminal {
+                outs.remove(&id);
+            } else if gone {
+                // The receiver went away: nobody wants the rest.
+                outs.remove(&id);
+                core.cancel(id);
+            }
+        }
+        for ev in core.drain_kv_events() {
+            let _ = kv_tx.send(ev);
+        }
+        publish_load(&core, &load);
+        match cfg.real_delay(step.simulated_ms) {
+            Some(d) => tokio::time::sleep(d).await,
+            None => tokio::task::yield_now().await,
+        }
+    }
+    for id in core.abort_all() {
+        if let Some(tx) = outs.remove(&id) {
+            let _ = tx.send(EngineEvent::Failed(EngineError::Stopped));
+        }
+    }
+    publish_load(&core, &load);
+}
+
+fn publish_load(core: &MockerCore, load: &Mutex<LoadMetrics>) {
+    if let Ok(mut l) = load.lock() {
+        *l = core.load();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tokens::predict;
+    use dynamo_bus_schema::{FinishReason, GenerateRequest, ModelName, SamplingParams};
+    use dynamo_engine::EngineLimits;
+
+    fn req(id: u128, prompt: Vec<u32>, max_tokens: u32) -> ValidRequest {
+        let g = GenerateRequest {
+            request_id: RequestId(id),
+            model: ModelName("m".into()),
+            token_ids: prompt,
+            sampling: SamplingParams {
+                max_tokens,
+                temperature: 0.0,
+                top_p: 1.0,
+                top_k: 0,
+                seed: Some(3),
+                stop_token_ids: vec![],
+                ignore_eos: false,
+            },
+            reply_to: String::new(),
+            deadline_unix_ms: 0,
+        };
+        ValidRequest::parse(
+            &g,
+            EngineLimits {
+                context_length: 4096,
+                vocab_size: 1000,
+            },
+        )
+        .unwrap()
+    }
+
+    fn model() -> MockerModel {
+        MockerModel {
+            vocab_size: 1000,
+            eos_token_ids: vec![2],
+            hash_salt: 9,
+        }
+    }
+
+    async fn collect(mut rx: ResponseStream) -> (Vec<u32>, Option<EngineEvent>) {
+        let mut toks = vec![];
+        while let Some(ev) = rx.recv().await {
+            match ev {
+                EngineEvent::Tokens(t) => toks.extend(t),
+                EngineEvent::Started { .. } => {}
+                other => return (toks, Some(other)),
+            }
+        }
+        (toks, None)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn simulated_time_follows_the_timing_model() {
+        let cfg = MockerConfig {
+            token_lo: 100,
+            ..MockerConfig::default()
+        };
+        let e = MockerEngine::start(cfg.clone(), model()).unwrap();
+        let prompt: Vec<u32> = (100..1100).map(|t| t % 1000).collect();
+        let t0 = tokio::time::Instant::now();
+        let (toks, end) = collect(e.generate(req(1, prompt.clone(), 4)).unwrap()).await;
+        let elapsed = t0.elapsed().as_secs_f64() * 1000.0;
+        assert_eq!(toks, predict(&prompt, 4, 3, 100, 1000));
+        assert_eq!(
+            end,
+            Some(EngineEvent::Finished {
+                reason: FinishReason::Length
+            })
+        );
+        // One 1000-token prefill step plus three decode steps.
+        let want = cfg.step_ms(1000, false, 0.0);
+        assert!(elapsed >= want, "{elapsed} < {want}");
+        assert!(elapsed < want + 3.0 * 10.0, "{elapsed}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn cancel_and_drop_end_requests() {
+        let cfg = MockerConfig {
+            token_lo: 100,
+            ..MockerConfig::default()
+        };
+        let e = MockerEngine::start(cfg, model()).unwrap();
+        let mut rx = e.generate(req(1, (100..200).collect(), 1000)).unwrap();
+        assert!(matches!(rx.recv().await, Some(EngineEvent::Started { .. })));
+        assert!(matches!(rx.recv().await, Some(EngineEvent::Tokens(_))));
+        e.cancel(RequestId(1));
+        let (_, end) = collect(rx).await;
+        assert_eq!(
+            end,
+            Some(EngineEvent::Finished {
+                reason: FinishReason::Cancelled
+            })
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert_eq!(e.load().kv_used_blocks, 0);
+        assert_eq!(e.load().inflight_requests, 0);
+
+        let rx = e.generate(req(2, (100..200).collect(), 1000)).unwrap();
+        drop(e);
+        let (_, end) = collect(rx).await;
+        assert_eq!(end, Some(EngineEvent::Failed(EngineError::Stopped)));
+    }
+}
