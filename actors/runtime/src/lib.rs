@@ -1,1 +1,15 @@
-//! placeholder
+//! `dynamo-runtime`: plumbing every actor shares.
+//!
+//! - [`bus::Bus`]: one NATS connection plus JetStream, typed publish and
+//!   request/reply through the `bus-schema` codec, and KV buckets created the
+//!   way nats-server 2.9.10 accepts (see [`bus::Bus::kv_bucket`]).
+//! - [`backoff::Backoff`]: restart/retry delays for supervisors and watchers.
+//! - [`counters`]: process-wide counts of rejected bus messages (exported by
+//!   the gateway's `/metrics`, logged everywhere).
+
+pub mod backoff;
+pub mod bus;
+pub mod counters;
+
+pub use backoff::Backoff;
+pub use bus::{Bus, BusError};

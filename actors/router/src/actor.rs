@@ -1,0 +1,252 @@
+//! `RouterActor`: a thin shell around [`RouterState`]. It feeds the state
+//! from the bus (the workers KV bucket, watched with history, and the load
+//! subject) and answers route/release/list calls from the gateway.
+//!
+//! The watch and load tasks are owned by the actor (a cancellation token
+//! stops them in `post_stop`) and re-establish themselves with backoff when
+//! the bus drops.
+
+use crate::policy::{build, PolicyKind};
+use crate::state::{ModelEntry, RouteDecision, RouteError, RouterState, WorkerEntry};
+use dynamo_bus_schema::{decode, LoadReport, ModelName, WorkerId, WorkerRegistration};
+use dynamo_runtime::{counters, Backoff, Bus};
+use futures::StreamExt;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// Router settings.
+#[derive(Clone, Debug)]
+pub struct RouterConfig {
+    /// A worker not heard from for this long is not routed to and is forgotten.
+    pub worker_ttl: Duration,
+    /// How to pick among eligible workers.
+    pub policy: PolicyKind,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            worker_ttl: Duration::from_secs(3),
+            policy: PolicyKind::LeastLoaded,
+        }
+    }
+}
+
+pub enum RouterMsg {
+    Upsert(Box<WorkerRegistration>),
+    Remove(WorkerId),
+    Load(LoadReport),
+    Expire,
+    Route {
+        model: ModelName,
+        token_ids: Arc<Vec<u32>>,
+        exclude: Vec<WorkerId>,
+        reply: RpcReplyPort<Result<RouteDecision, RouteError>>,
+    },
+    Release(RouteDecision),
+    Models(RpcReplyPort<Vec<ModelEntry>>),
+    Workers(RpcReplyPort<Vec<WorkerEntry>>),
+}
+
+pub struct RouterActor;
+
+pub struct RouterArgs {
+    pub bus: Bus,
+    pub config: RouterConfig,
+}
+
+pub struct RouterRuntime {
+    state: RouterState,
+    tasks: CancellationToken,
+}
+
+impl Actor for RouterActor {
+    type Msg = RouterMsg;
+    type State = RouterRuntime;
+    type Arguments = RouterArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<RouterMsg>,
+        args: RouterArgs,
+    ) -> Result<RouterRuntime, ActorProcessingErr> {
+        let tasks = CancellationToken::new();
+        let bucket = args.bus.subjects.workers_bucket();
+        tokio::spawn(watch_workers(
+            args.bus.clone(),
+            bucket,
+            myself.clone(),
+            tasks.child_token(),
+        ));
+        tokio::spawn(watch_load(
+            args.bus.clone(),
+            myself.clone(),
+            tasks.child_token(),
+        ));
+        let tick = tasks.child_token();
+        let me = myself.clone();
+        let period = args.config.worker_ttl / 4;
+        tokio::spawn(async move {
+            let mut iv = tokio::time::interval(period.max(Duration::from_millis(50)));
+            loop {
+                tokio::select! {
+                    _ = tick.cancelled() => break,
+                    _ = iv.tick() => if me.cast(RouterMsg::Expire).is_err() { break },
+                }
+            }
+        });
+        let state = RouterState::new(args.config.worker_ttl, build(args.config.policy));
+        tracing::info!(policy = state.policy_name(), "router started");
+        Ok(RouterRuntime { state, tasks })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<RouterMsg>,
+        rt: &mut RouterRuntime,
+    ) -> Result<(), ActorProcessingErr> {
+        rt.tasks.cancel();
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<RouterMsg>,
+        msg: RouterMsg,
+        rt: &mut RouterRuntime,
+    ) -> Result<(), ActorProcessingErr> {
+        let s = &mut rt.state;
+        let now = Instant::now();
+        match msg {
+            RouterMsg::Upsert(reg) => s.upsert(*reg, now),
+            RouterMsg::Remove(id) => s.remove(id),
+            RouterMsg::Load(r) => s.load(r, now),
+            RouterMsg::Expire => {
+                s.expire(now);
+            }
+            RouterMsg::Route {
+                model,
+                token_ids,
+                exclude,
+                reply,
+            } => {
+                let d = s.route(&model, &token_ids, &exclude, now);
+                if reply.send(d.clone()).is_err() {
+                    // The caller gave up: undo the accounting.
+                    if let Ok(d) = d {
+                        s.release(&d);
+                    }
+                }
+            }
+            RouterMsg::Release(d) => s.release(&d),
+            RouterMsg::Models(reply) => {
+                let _ = reply.send(s.models());
+            }
+            RouterMsg::Workers(reply) => {
+                let _ = reply.send(s.workers());
+            }
+        }
+        Ok(())
+    }
+}
+
+async fn watch_workers(
+    bus: Bus,
+    bucket: String,
+    router: ActorRef<RouterMsg>,
+    cancel: CancellationToken,
+) {
+    let mut backoff = Backoff::new(
+        Duration::from_millis(100),
+        Duration::from_secs(2),
+        Duration::from_secs(10),
+    );
+    while !cancel.is_cancelled() {
+        let watch = async {
+            let kv = bus.kv_bucket(&bucket, Duration::ZERO).await?;
+            kv.watch_with_history(">")
+                .await
+                .map_err(|e| dynamo_runtime::BusError::Bucket {
+                    bucket: bucket.clone(),
+                    reason: e.to_string(),
+                })
+        };
+        let mut w = match watch.await {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot watch worker registrations; retrying");
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(backoff.next_delay(Instant::now())) => continue,
+                }
+            }
+        };
+        loop {
+            let entry = tokio::select! {
+                _ = cancel.cancelled() => return,
+                e = w.next() => e,
+            };
+            let entry = match entry {
+                Some(Ok(e)) => e,
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "worker watch failed; re-watching");
+                    break;
+                }
+                None => break,
+            };
+            let msg = match entry.operation {
+                async_nats::jetstream::kv::Operation::Put => {
+                    match decode::<WorkerRegistration>(&entry.value) {
+                        Ok(reg) => RouterMsg::Upsert(Box::new(reg)),
+                        Err(e) => {
+                            counters::reject("WorkerRegistration", &entry.key, &e);
+                            continue;
+                        }
+                    }
+                }
+                _ => match entry.key.parse::<WorkerId>() {
+                    Ok(id) => RouterMsg::Remove(id),
+                    Err(e) => {
+                        counters::reject("worker key", &entry.key, &e);
+                        continue;
+                    }
+                },
+            };
+            if router.cast(msg).is_err() {
+                return;
+            }
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tokio::time::sleep(backoff.next_delay(Instant::now())) => {}
+        }
+    }
+}
+
+async fn watch_load(bus: Bus, router: ActorRef<RouterMsg>, cancel: CancellationToken) {
+    let subject = bus.subjects.load_all();
+    let mut sub = match bus.client.subscribe(subject.clone()).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot subscribe to load reports");
+            return;
+        }
+    };
+    loop {
+        let msg = tokio::select! {
+            _ = cancel.cancelled() => return,
+            m = sub.next() => m,
+        };
+        let Some(msg) = msg else { return };
+        match decode::<LoadReport>(&msg.payload) {
+            Ok(r) => {
+                if router.cast(RouterMsg::Load(r)).is_err() {
+                    return;
+                }
+            }
+            Err(e) => counters::reject("LoadReport", msg.subject.as_str(), &e),
+        }
+    }
+}

@@ -1,0 +1,298 @@
+//! The router's synchronous state: the worker registry and the policy.
+//!
+//! Invariants:
+//! - a worker is routable only if its registration is `Serving`, serves the
+//!   requested model, and was refreshed within the TTL;
+//! - a newer `generation` of a worker resets the router's in-flight count
+//!   for it (the old engine and its requests are gone);
+//! - `release` never underflows and ignores releases for an older generation.
+
+use crate::policy::{Candidate, RouteRequest, RoutingPolicy};
+use dynamo_bus_schema::{
+    LoadReport, ModelCard, ModelName, WorkerId, WorkerRegistration, WorkerState,
+};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+#[derive(Clone, Debug, Error, PartialEq)]
+pub enum RouteError {
+    #[error("model {model:?} is not served by any registered worker")]
+    UnknownModel { model: String },
+    #[error("no worker is available for model {model:?} ({registered} registered, none serving and fresh)")]
+    NoWorkers { model: String, registered: usize },
+}
+
+#[derive(Clone, Debug)]
+pub struct WorkerEntry {
+    pub reg: WorkerRegistration,
+    pub last_seen: Instant,
+    pub router_inflight: u32,
+}
+
+/// A routing decision.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouteDecision {
+    pub worker_id: WorkerId,
+    pub generation: u64,
+}
+
+/// A served model and the workers serving it.
+#[derive(Clone, Debug)]
+pub struct ModelEntry {
+    pub card: ModelCard,
+    pub workers: Vec<WorkerId>,
+}
+
+pub struct RouterState {
+    ttl: Duration,
+    workers: BTreeMap<WorkerId, WorkerEntry>,
+    policy: Box<dyn RoutingPolicy>,
+}
+
+impl RouterState {
+    pub fn new(ttl: Duration, policy: Box<dyn RoutingPolicy>) -> Self {
+        RouterState {
+            ttl,
+            workers: BTreeMap::new(),
+            policy,
+        }
+    }
+
+    pub fn policy_name(&self) -> &'static str {
+        self.policy.name()
+    }
+
+    /// A registration or heartbeat arrived.
+    pub fn upsert(&mut self, reg: WorkerRegistration, now: Instant) {
+        match self.workers.get_mut(&reg.worker_id) {
+            Some(e) => {
+                if reg.generation > e.reg.generation {
+                    tracing::info!(worker = %reg.worker_id, generation = reg.generation, "worker restarted");
+                    e.router_inflight = 0;
+                } else if reg.generation < e.reg.generation {
+                    return; // stale record from before a restart
+                }
+                e.reg = reg;
+                e.last_seen = now;
+            }
+            None => {
+                tracing::info!(worker = %reg.worker_id, node = %reg.node_id, model = %reg.model.name, "worker registered");
+                self.workers.insert(
+                    reg.worker_id,
+                    WorkerEntry {
+                        reg,
+                        last_seen: now,
+                        router_inflight: 0,
+                    },
+                );
+            }
+        }
+    }
+
+    /// A worker's registration was deleted (graceful shutdown).
+    pub fn remove(&mut self, id: WorkerId) {
+        if self.workers.remove(&id).is_some() {
+            tracing::info!(worker = %id, "worker deregistered");
+        }
+    }
+
+    /// A load report arrived; it also counts as a sign of life.
+    pub fn load(&mut self, report: LoadReport, now: Instant) {
+        if let Some(e) = self.workers.get_mut(&report.worker_id) {
+            if report.generation == e.reg.generation {
+                e.reg.load = report.load;
+                e.last_seen = now;
+            }
+        }
+    }
+
+    /// Drops workers not heard from within the TTL; returns them.
+    pub fn expire(&mut self, now: Instant) -> Vec<WorkerId> {
+        let ttl = self.ttl;
+        let dead: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, e)| now.duration_since(e.last_seen) > ttl)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in &dead {
+            tracing::warn!(worker = %id, "worker expired (no heartbeat within TTL)");
+            self.workers.remove(id);
+        }
+        dead
+    }
+
+    /// Picks a worker for a request, skipping `exclude`.
+    pub fn route(
+        &mut self,
+        model: &ModelName,
+        token_ids: &[u32],
+        exclude: &[WorkerId],
+        now: Instant,
+    ) -> Result<RouteDecision, RouteError> {
+        let ttl = self.ttl;
+        let mut registered = 0;
+        let candidates: Vec<Candidate> = self
+            .workers
+            .values()
+            .filter(|e| &e.reg.model.name == model)
+            .inspect(|_| registered += 1)
+            .filter(|e| {
+                e.reg.state == WorkerState::Serving
+                    && now.duration_since(e.last_seen) <= ttl
+                    && !exclude.contains(&e.reg.worker_id)
+            })
+            .map(|e| Candidate {
+                worker_id: e.reg.worker_id,
+                router_inflight: e.router_inflight,
+                reported: e.reg.load.clone(),
+            })
+            .collect();
+        if candidates.is_empty() {
+            return Err(if registered == 0 {
+                RouteError::UnknownModel {
+                    model: model.0.clone(),
+                }
+            } else {
+                RouteError::NoWorkers {
+                    model: model.0.clone(),
+                    registered,
+                }
+            });
+        }
+        let id = self
+            .policy
+            .select(&RouteRequest { model, token_ids }, &candidates);
+        let e = self
+            .workers
+            .get_mut(&id)
+            .expect("policy picked a candidate");
+        e.router_inflight += 1;
+        Ok(RouteDecision {
+            worker_id: id,
+            generation: e.reg.generation,
+        })
+    }
+
+    /// A routed request finished (in any way).
+    pub fn release(&mut self, d: &RouteDecision) {
+        if let Some(e) = self.workers.get_mut(&d.worker_id) {
+            if e.reg.generation == d.generation {
+                e.router_inflight = e.router_inflight.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Every served model with its workers (any state).
+    pub fn models(&self) -> Vec<ModelEntry> {
+        let mut out: BTreeMap<&ModelName, ModelEntry> = BTreeMap::new();
+        for e in self.workers.values() {
+            out.entry(&e.reg.model.name)
+                .or_insert_with(|| ModelEntry {
+                    card: e.reg.model.clone(),
+                    workers: Vec::new(),
+                })
+                .workers
+                .push(e.reg.worker_id);
+        }
+        out.into_values().collect()
+    }
+
+    pub fn workers(&self) -> Vec<WorkerEntry> {
+        self.workers.values().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::{LeastLoaded, RoundRobin};
+    use dynamo_bus_schema::*;
+
+    fn reg(id: u64, gen: u64, model: &str) -> WorkerRegistration {
+        WorkerRegistration {
+            worker_id: WorkerId(id),
+            generation: gen,
+            node_id: NodeId("n".into()),
+            pid: 1,
+            role: WorkerRole::Aggregated,
+            state: WorkerState::Serving,
+            engine: "mocker".into(),
+            model: ModelCard {
+                name: ModelName(model.into()),
+                context_length: 100,
+                block_size: 16,
+                chat_template: String::new(),
+                bos_token: None,
+                eos_token: None,
+                eos_token_ids: vec![],
+                vocab_size: 10,
+                tokenizer: ArtifactRef {
+                    name: "t".into(),
+                    len: 0,
+                    sha256: String::new(),
+                },
+                source: String::new(),
+            },
+            started_unix_ms: 0,
+            heartbeat_unix_ms: 0,
+            load: LoadMetrics::default(),
+        }
+    }
+
+    #[test]
+    fn routes_only_to_fresh_serving_workers_of_the_model() {
+        let t0 = Instant::now();
+        let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+        let m = ModelName("a".into());
+        assert_eq!(
+            s.route(&m, &[], &[], t0),
+            Err(RouteError::UnknownModel { model: "a".into() })
+        );
+        s.upsert(reg(1, 1, "a"), t0);
+        s.upsert(reg(2, 1, "b"), t0);
+        let mut draining = reg(3, 1, "a");
+        draining.state = WorkerState::Draining;
+        s.upsert(draining, t0);
+        for _ in 0..3 {
+            assert_eq!(s.route(&m, &[], &[], t0).unwrap().worker_id, WorkerId(1));
+        }
+        assert!(matches!(
+            s.route(&m, &[], &[WorkerId(1)], t0),
+            Err(RouteError::NoWorkers { registered: 2, .. })
+        ));
+        // Stale → not routable, then expired.
+        let late = t0 + Duration::from_secs(4);
+        assert!(s.route(&m, &[], &[], late).is_err());
+        assert_eq!(s.expire(late).len(), 3);
+        assert!(s.models().is_empty());
+    }
+
+    #[test]
+    fn inflight_tracks_routes_and_resets_on_restart() {
+        let t0 = Instant::now();
+        let mut s = RouterState::new(Duration::from_secs(3), Box::new(LeastLoaded::default()));
+        let m = ModelName("a".into());
+        s.upsert(reg(1, 1, "a"), t0);
+        s.upsert(reg(2, 1, "a"), t0);
+        let d: Vec<RouteDecision> = (0..4).map(|_| s.route(&m, &[], &[], t0).unwrap()).collect();
+        let on1 = d.iter().filter(|x| x.worker_id == WorkerId(1)).count();
+        assert_eq!(on1, 2, "least-loaded shares evenly");
+        s.upsert(reg(1, 2, "a"), t0); // worker 1 restarted
+        s.release(&d[0]); // old generation: ignored, no underflow
+        let w1 = s
+            .workers()
+            .into_iter()
+            .find(|w| w.reg.worker_id == WorkerId(1))
+            .unwrap();
+        assert_eq!(w1.router_inflight, 0);
+        s.upsert(reg(1, 1, "a"), t0); // stale record ignored
+        let w1 = s
+            .workers()
+            .into_iter()
+            .find(|w| w.reg.worker_id == WorkerId(1))
+            .unwrap();
+        assert_eq!(w1.reg.generation, 2);
+    }
+}

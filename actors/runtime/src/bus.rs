@@ -1,0 +1,173 @@
+//! The bus: a NATS client, JetStream, and typed helpers over the one codec.
+
+use async_nats::jetstream::{self, kv, stream};
+use async_nats::Client;
+use bytes::Bytes;
+use dynamo_bus_schema::{
+    decode, encode, peek_kind, DecodeError, ErrorReply, Subjects, WireError, WireMessage,
+};
+use std::time::Duration;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum BusError {
+    #[error("cannot connect to NATS at {url}: {reason}")]
+    Connect { url: String, reason: String },
+    #[error("cannot publish to {subject}: {reason}")]
+    Publish { subject: String, reason: String },
+    #[error("no worker is listening on {subject}")]
+    NoResponders { subject: String },
+    #[error("request to {subject} timed out after {timeout:?}")]
+    Timeout { subject: String, timeout: Duration },
+    #[error("request to {subject} failed: {reason}")]
+    Request { subject: String, reason: String },
+    #[error("reply from {subject} could not be decoded: {source}")]
+    Decode {
+        subject: String,
+        source: DecodeError,
+    },
+    #[error("{subject} answered with an error: {error}")]
+    Remote { subject: String, error: WireError },
+    #[error("JetStream bucket {bucket}: {reason}")]
+    Bucket { bucket: String, reason: String },
+    #[error("cannot encode: {0}")]
+    Encode(String),
+}
+
+/// One process's connection to the bus.
+#[derive(Clone)]
+pub struct Bus {
+    pub client: Client,
+    pub js: jetstream::Context,
+    pub subjects: Subjects,
+}
+
+impl Bus {
+    /// Connects (retrying in the background if the server is briefly away).
+    pub async fn connect(url: &str, name: &str, subjects: Subjects) -> Result<Self, BusError> {
+        let client = async_nats::ConnectOptions::new()
+            .name(name)
+            .connection_timeout(Duration::from_secs(5))
+            .request_timeout(Some(Duration::from_secs(10)))
+            .connect(url)
+            .await
+            .map_err(|e| BusError::Connect {
+                url: url.into(),
+                reason: e.to_string(),
+            })?;
+        let js = jetstream::new(client.clone());
+        Ok(Bus {
+            client,
+            js,
+            subjects,
+        })
+    }
+
+    /// Encodes and publishes a message.
+    pub async fn publish<T: WireMessage>(&self, subject: String, msg: &T) -> Result<(), BusError> {
+        let bytes = encode(msg).map_err(|e| BusError::Encode(e.to_string()))?;
+        self.client
+            .publish(subject.clone(), Bytes::from(bytes))
+            .await
+            .map_err(|e| BusError::Publish {
+                subject,
+                reason: e.to_string(),
+            })
+    }
+
+    /// Request/reply with a typed answer. An [`ErrorReply`] becomes [`BusError::Remote`].
+    pub async fn request<T: WireMessage, R: WireMessage>(
+        &self,
+        subject: String,
+        msg: &T,
+        timeout: Duration,
+    ) -> Result<R, BusError> {
+        let bytes = encode(msg).map_err(|e| BusError::Encode(e.to_string()))?;
+        let fut = self.client.request(subject.clone(), Bytes::from(bytes));
+        let reply = match tokio::time::timeout(timeout, fut).await {
+            Err(_) => return Err(BusError::Timeout { subject, timeout }),
+            Ok(Err(e)) => {
+                return Err(match e.kind() {
+                    async_nats::client::RequestErrorKind::NoResponders => {
+                        BusError::NoResponders { subject }
+                    }
+                    async_nats::client::RequestErrorKind::TimedOut => {
+                        BusError::Timeout { subject, timeout }
+                    }
+                    _ => BusError::Request {
+                        subject,
+                        reason: e.to_string(),
+                    },
+                })
+            }
+            Ok(Ok(m)) => m,
+        };
+        match peek_kind(&reply.payload) {
+            Ok((kind, _)) if kind == ErrorReply::KIND => {
+                let err: ErrorReply =
+                    decode(&reply.payload).map_err(|source| BusError::Decode {
+                        subject: subject.clone(),
+                        source,
+                    })?;
+                Err(BusError::Remote {
+                    subject,
+                    error: err.error,
+                })
+            }
+            _ => decode(&reply.payload).map_err(|source| BusError::Decode { subject, source }),
+        }
+    }
+
+    /// Opens (creating if needed) a KV bucket whose entries expire `max_age`
+    /// after their last write (zero = never).
+    ///
+    /// nats-server 2.9.10 and async-nats 0.51 disagree on account info, so
+    /// `create_key_value` fails there: we create the bucket's backing stream
+    /// `KV_<bucket>` ourselves with the settings a KV bucket has, then open it
+    /// with `get_key_value`.
+    pub async fn kv_bucket(&self, bucket: &str, max_age: Duration) -> Result<kv::Store, BusError> {
+        let err = |reason: String| BusError::Bucket {
+            bucket: bucket.into(),
+            reason,
+        };
+        let stream_name = format!("KV_{bucket}");
+        if self.js.get_stream(&stream_name).await.is_err() {
+            let cfg = stream::Config {
+                name: stream_name.clone(),
+                subjects: vec![format!("$KV.{bucket}.>")],
+                max_messages_per_subject: 1,
+                max_age,
+                allow_rollup: true,
+                deny_delete: true,
+                allow_direct: true,
+                discard: stream::DiscardPolicy::New,
+                storage: stream::StorageType::Memory,
+                duplicate_window: Duration::from_secs(2).min(if max_age.is_zero() {
+                    Duration::from_secs(120)
+                } else {
+                    max_age
+                }),
+                ..Default::default()
+            };
+            if let Err(e) = self.js.create_stream(cfg).await {
+                // Another process may have created it first.
+                if self.js.get_stream(&stream_name).await.is_err() {
+                    return Err(err(e.to_string()));
+                }
+            }
+        }
+        self.js
+            .get_key_value(bucket)
+            .await
+            .map_err(|e| err(e.to_string()))
+    }
+
+    /// Replies to a request message with a typed message (no-op without a reply subject).
+    pub async fn reply<T: WireMessage>(&self, reply_to: Option<&async_nats::Subject>, msg: &T) {
+        if let Some(r) = reply_to {
+            if let Err(e) = self.publish(r.to_string(), msg).await {
+                tracing::warn!(error = %e, "cannot send reply");
+            }
+        }
+    }
+}
