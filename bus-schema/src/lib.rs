@@ -21,7 +21,7 @@ pub mod ids;
 pub mod messages;
 pub mod subjects;
 
-pub use codec::{decode, encode, peek_kind, DecodeError, MessageKind, WireMessage};
+pub use codec::{decode, decode_payload, encode, peek_kind, DecodeError, MessageKind, WireMessage};
 pub use ids::*;
 pub use messages::*;
 pub use subjects::{Namespace, NamespaceError, Subjects};

@@ -142,13 +142,8 @@ impl Tokenizer {
     }
 
     /// A decoder for one response stream.
-    pub fn stream_decoder(&self) -> IncrementalDecoder<'_> {
-        IncrementalDecoder {
-            tok: self,
-            ids: Vec::new(),
-            prefix_offset: 0,
-            read_offset: 0,
-        }
+    pub fn stream_decoder(&self) -> IncrementalDecoder {
+        IncrementalDecoder::default()
     }
 }
 
@@ -159,21 +154,19 @@ impl Tokenizer {
 /// Invariant: the concatenation of every delta returned by [`Self::push`]
 /// and [`Self::flush`] equals `decode(all ids)` (up to the decoder's
 /// treatment of leading spaces in the first window).
-pub struct IncrementalDecoder<'a> {
-    tok: &'a Tokenizer,
+#[derive(Debug, Default)]
+pub struct IncrementalDecoder {
     ids: Vec<u32>,
     prefix_offset: usize,
     read_offset: usize,
 }
 
-impl IncrementalDecoder<'_> {
-    /// Adds tokens and returns the newly completed text (possibly empty).
-    pub fn push(&mut self, new_ids: &[u32]) -> Result<String, TokenizerError> {
+impl IncrementalDecoder {
+    /// Adds tokens (decoded with `tok`, always the same tokenizer) and returns the newly completed text (possibly empty).
+    pub fn push(&mut self, tok: &Tokenizer, new_ids: &[u32]) -> Result<String, TokenizerError> {
         self.ids.extend_from_slice(new_ids);
-        let prefix = self
-            .tok
-            .decode(&self.ids[self.prefix_offset..self.read_offset])?;
-        let full = self.tok.decode(&self.ids[self.prefix_offset..])?;
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let full = tok.decode(&self.ids[self.prefix_offset..])?;
         if full.len() > prefix.len()
             && !full.ends_with('\u{FFFD}')
             && full.is_char_boundary(prefix.len())
@@ -188,11 +181,9 @@ impl IncrementalDecoder<'_> {
     }
 
     /// Emits whatever is still held back (at the end of a stream).
-    pub fn flush(&mut self) -> Result<String, TokenizerError> {
-        let prefix = self
-            .tok
-            .decode(&self.ids[self.prefix_offset..self.read_offset])?;
-        let full = self.tok.decode(&self.ids[self.prefix_offset..])?;
+    pub fn flush(&mut self, tok: &Tokenizer) -> Result<String, TokenizerError> {
+        let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let full = tok.decode(&self.ids[self.prefix_offset..])?;
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
         if full.len() > prefix.len() && full.is_char_boundary(prefix.len()) {

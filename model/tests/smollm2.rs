@@ -52,10 +52,10 @@ fn incremental_decoding_never_splits_utf8() {
     let mut dec = t.stream_decoder();
     let mut out = String::new();
     for id in &ids {
-        let d = dec.push(&[*id]).unwrap();
+        let d = dec.push(&t, &[*id]).unwrap();
         assert!(!d.contains('\u{FFFD}'), "broken char in delta {d:?}");
         out.push_str(&d);
     }
-    out.push_str(&dec.flush().unwrap());
+    out.push_str(&dec.flush(&t).unwrap());
     assert_eq!(out, s);
 }

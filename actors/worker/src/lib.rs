@@ -1,1 +1,7 @@
-//! placeholder
+//! `dynamo-worker`: the worker actor, which serves any [`dynamo_engine::Engine`]
+//! on the bus (generate, cancel, artifacts, registration, heartbeats, load).
+
+pub mod actor;
+pub mod forward;
+
+pub use actor::{EngineFactory, WorkerActor, WorkerArgs, WorkerConfig, WorkerMsg};

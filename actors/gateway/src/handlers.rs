@@ -1,0 +1,348 @@
+//! HTTP handlers: OpenAI endpoints, health and metrics.
+
+use crate::error::ApiError;
+use crate::generate::{GenEvent, Generation, Usage};
+use crate::models;
+use crate::openai::{parse_body, ChatRequest, CompletionRequest, ValidGenerate, ValidOptions};
+use crate::shared::Shared;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{StatusCode, Uri};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use dynamo_model::Preprocessor;
+use futures::stream::{self, StreamExt};
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+}
+
+impl Endpoint {
+    fn label(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat_completions",
+            Endpoint::Completions => "completions",
+        }
+    }
+}
+
+pub fn app(shared: Arc<Shared>) -> Router {
+    let limit = shared.config.max_body_bytes;
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(list_models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
+        .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(shared)
+}
+
+fn body_error(r: BytesRejection, limit: usize) -> ApiError {
+    if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        ApiError::too_large(limit)
+    } else {
+        ApiError::invalid(None, format!("Cannot read the request body: {r}"))
+    }
+}
+
+struct InflightGuard<'a>(&'a Shared);
+impl Drop for InflightGuard<'_> {
+    fn drop(&mut self) {
+        self.0.metrics.inflight.dec();
+    }
+}
+
+async fn chat(State(s): State<Arc<Shared>>, body: Result<Bytes, BytesRejection>) -> Response {
+    serve(s, body, Endpoint::Chat).await
+}
+
+async fn completions(
+    State(s): State<Arc<Shared>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    serve(s, body, Endpoint::Completions).await
+}
+
+async fn serve(s: Arc<Shared>, body: Result<Bytes, BytesRejection>, ep: Endpoint) -> Response {
+    let t0 = Instant::now();
+    s.metrics.inflight.inc();
+    let _guard = InflightGuard(&s);
+    let res = handle(s.clone(), body, ep, t0).await;
+    let resp = match res {
+        Ok(r) => r,
+        Err(e) => {
+            s.metrics.errors.with_label_values(&[e.metric_kind()]).inc();
+            e.into_response()
+        }
+    };
+    s.metrics
+        .requests
+        .with_label_values(&[ep.label(), resp.status().as_str()])
+        .inc();
+    resp
+}
+
+async fn handle(
+    s: Arc<Shared>,
+    body: Result<Bytes, BytesRejection>,
+    ep: Endpoint,
+    t0: Instant,
+) -> Result<Response, ApiError> {
+    if !s.is_accepting() {
+        return Err(ApiError::unavailable("This gateway is shutting down."));
+    }
+    let body = body.map_err(|r| body_error(r, s.config.max_body_bytes))?;
+    let (model, pre, gens, opts) = match ep {
+        Endpoint::Chat => {
+            let req: ChatRequest = parse_body(&body)?;
+            let opts = req.common.options()?;
+            let pre = s.models.get(&s, &req.common.model).await?;
+            let v = req.validate(&pre)?;
+            (req.common.model, pre, vec![v], opts)
+        }
+        Endpoint::Completions => {
+            let req: CompletionRequest = parse_body(&body)?;
+            let opts = req.common.options()?;
+            let pre = s.models.get(&s, &req.common.model).await?;
+            let v = req.validate(&pre)?;
+            (req.common.model, pre, v, opts)
+        }
+    };
+    for g in &gens {
+        s.metrics.input_tokens.inc_by(g.token_ids.len() as u64);
+    }
+    let timeout = opts
+        .timeout_ms
+        .map(Duration::from_millis)
+        .unwrap_or(s.config.request_timeout)
+        .min(s.config.request_timeout);
+    let deadline = t0 + timeout;
+    let mut started = Vec::with_capacity(gens.len());
+    for v in gens {
+        started.push(Generation::start(s.clone(), pre.clone(), v, deadline, t0).await?);
+    }
+    let out = if opts.stream {
+        Ok(stream_response(s.clone(), started, ep, model, opts))
+    } else {
+        collect_response(started, ep, &model).await
+    };
+    s.metrics
+        .request_duration
+        .observe(t0.elapsed().as_secs_f64());
+    out
+}
+
+fn now_s() -> u64 {
+    dynamo_bus_schema::unix_ms() / 1000
+}
+
+fn response_id(ep: Endpoint, g: &Generation) -> String {
+    match ep {
+        Endpoint::Chat => format!("chatcmpl-{}", g.request_id()),
+        Endpoint::Completions => format!("cmpl-{}", g.request_id()),
+    }
+}
+
+async fn collect_response(
+    gens: Vec<Generation>,
+    ep: Endpoint,
+    model: &str,
+) -> Result<Response, ApiError> {
+    let id = response_id(ep, &gens[0]);
+    let results = futures::future::join_all(gens.into_iter().map(|mut g| async move {
+        let mut text = String::new();
+        loop {
+            match g.next().await {
+                Some(Ok(GenEvent::Text(t))) => text.push_str(&t),
+                Some(Ok(GenEvent::Done {
+                    finish_reason,
+                    usage,
+                })) => return Ok((text, finish_reason, usage)),
+                Some(Err(e)) => return Err(e),
+                None => return Err(ApiError::internal("Stream ended without a result.")),
+            }
+        }
+    }))
+    .await;
+    let mut usage = Usage::default();
+    let mut choices = Vec::new();
+    for (i, r) in results.into_iter().enumerate() {
+        let (text, finish_reason, u) = r?;
+        usage.add(&u);
+        choices.push(match ep {
+            Endpoint::Chat => json!({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish_reason}),
+            Endpoint::Completions => json!({"index": i, "text": text, "logprobs": null, "finish_reason": finish_reason}),
+        });
+    }
+    let object = match ep {
+        Endpoint::Chat => "chat.completion",
+        Endpoint::Completions => "text_completion",
+    };
+    Ok(Json(json!({
+        "id": id, "object": object, "created": now_s(), "model": model,
+        "choices": choices, "usage": usage.json(),
+    }))
+    .into_response())
+}
+
+fn stream_response(
+    s: Arc<Shared>,
+    gens: Vec<Generation>,
+    ep: Endpoint,
+    model: String,
+    opts: ValidOptions,
+) -> Response {
+    let id = response_id(ep, &gens[0]);
+    let created = now_s();
+    let object = match ep {
+        Endpoint::Chat => "chat.completion.chunk",
+        Endpoint::Completions => "text_completion",
+    };
+    let chunk = move |choices: Value, usage: Option<Value>| -> Event {
+        let mut v = json!({"id": id, "object": object, "created": created, "model": model, "choices": choices});
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        Event::default().data(v.to_string())
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
+    let n = gens.len();
+    // The task ends when every generation ends or the client goes away (send fails),
+    // which drops the generations and cancels them on their workers.
+    tokio::spawn(async move {
+        let streams = gens.into_iter().enumerate().map(|(i, g)| {
+            stream::unfold(Some(g), move |g| async move {
+                let mut g = g?;
+                let ev = g.next().await?;
+                Some(((i, ev), Some(g)))
+            })
+            .boxed()
+        });
+        let mut all = stream::select_all(streams);
+        if ep == Endpoint::Chat {
+            for i in 0..n {
+                let c = json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
+                if tx.send(Ok(chunk(c, None))).await.is_err() {
+                    return;
+                }
+            }
+        }
+        let mut usage = Usage::default();
+        while let Some((i, ev)) = all.next().await {
+            let event = match ev {
+                Ok(GenEvent::Text(t)) => match ep {
+                    Endpoint::Chat => chunk(
+                        json!([{"index": i, "delta": {"content": t}, "logprobs": null, "finish_reason": null}]),
+                        None,
+                    ),
+                    Endpoint::Completions => chunk(
+                        json!([{"index": i, "text": t, "logprobs": null, "finish_reason": null}]),
+                        None,
+                    ),
+                },
+                Ok(GenEvent::Done {
+                    finish_reason,
+                    usage: u,
+                }) => {
+                    usage.add(&u);
+                    match ep {
+                        Endpoint::Chat => chunk(
+                            json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": finish_reason}]),
+                            None,
+                        ),
+                        Endpoint::Completions => chunk(
+                            json!([{"index": i, "text": "", "logprobs": null, "finish_reason": finish_reason}]),
+                            None,
+                        ),
+                    }
+                }
+                Err(e) => {
+                    s.metrics.errors.with_label_values(&[e.metric_kind()]).inc();
+                    let _ = tx
+                        .send(Ok(Event::default().data(e.body().to_string())))
+                        .await;
+                    return;
+                }
+            };
+            if tx.send(Ok(event)).await.is_err() {
+                return;
+            }
+        }
+        if opts.include_usage
+            && tx
+                .send(Ok(chunk(json!([]), Some(usage.json()))))
+                .await
+                .is_err()
+        {
+            return;
+        }
+        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+    });
+    Sse::new(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
+
+async fn list_models(State(s): State<Arc<Shared>>) -> Result<Json<Value>, ApiError> {
+    let models = models::list(&s).await?;
+    let data: Vec<Value> = models
+        .iter()
+        .map(|m| {
+            json!({
+                "id": m.card.name.0, "object": "model", "created": s.started_unix_s, "owned_by": "dynamo",
+                "context_length": m.card.context_length, "block_size": m.card.block_size,
+                "workers": m.workers.len(),
+            })
+        })
+        .collect();
+    Ok(Json(json!({"object": "list", "data": data})))
+}
+
+async fn health(State(s): State<Arc<Shared>>) -> Response {
+    let models = models::list(&s).await.unwrap_or_default();
+    let workers: usize = models.iter().map(|m| m.workers.len()).sum();
+    let accepting = s.is_accepting();
+    let body = json!({
+        "status": if accepting { "ok" } else { "draining" },
+        "gateway_id": s.gateway_id.to_string(),
+        "models": models.iter().map(|m| m.card.name.0.clone()).collect::<Vec<_>>(),
+        "workers": workers,
+    });
+    let code = if accepting {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (code, Json(body)).into_response()
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
+        s.metrics.render(),
+    )
+        .into_response()
+}
+
+/// Used by tests: validate without serving.
+pub fn validate_chat(pre: &Preprocessor, body: &[u8]) -> Result<ValidGenerate, ApiError> {
+    let req: ChatRequest = parse_body(body)?;
+    req.common.options()?;
+    req.validate(pre)
+}

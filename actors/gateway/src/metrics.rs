@@ -1,0 +1,109 @@
+//! Prometheus metrics of the gateway (`GET /metrics`).
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: IntCounterVec,
+    pub inflight: IntGauge,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub request_duration: Histogram,
+    pub input_tokens: IntCounter,
+    pub output_tokens: IntCounter,
+    pub cached_tokens: IntCounter,
+    pub errors: IntCounterVec,
+    pub route_retries: IntCounter,
+    bus_rejected: IntGauge,
+}
+
+fn buckets_s() -> Vec<f64> {
+    vec![
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    ]
+}
+
+impl Metrics {
+    pub fn new() -> Result<Self, prometheus::Error> {
+        let registry = Registry::new_custom(Some("dynamo_gateway".into()), None)?;
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "requests_total",
+                "HTTP requests by endpoint and status code",
+            ),
+            &["endpoint", "status"],
+        )?;
+        let inflight = IntGauge::new("inflight_requests", "Requests being served")?;
+        let ttft = Histogram::with_opts(
+            HistogramOpts::new("time_to_first_token_seconds", "Time to first token")
+                .buckets(buckets_s()),
+        )?;
+        let itl = Histogram::with_opts(
+            HistogramOpts::new("inter_token_latency_seconds", "Time between output tokens")
+                .buckets(buckets_s()),
+        )?;
+        let request_duration = Histogram::with_opts(
+            HistogramOpts::new("request_duration_seconds", "End-to-end request time")
+                .buckets(buckets_s()),
+        )?;
+        let input_tokens = IntCounter::new("input_tokens_total", "Prompt tokens")?;
+        let output_tokens = IntCounter::new("output_tokens_total", "Completion tokens")?;
+        let cached_tokens = IntCounter::new(
+            "cached_tokens_total",
+            "Prompt tokens served from a prefix cache",
+        )?;
+        let errors = IntCounterVec::new(
+            Opts::new("errors_total", "Failed requests by error kind"),
+            &["kind"],
+        )?;
+        let route_retries = IntCounter::new(
+            "route_retries_total",
+            "Requests re-routed after a worker refused or was unreachable",
+        )?;
+        let bus_rejected = IntGauge::new(
+            "bus_rejected_messages",
+            "Bus messages this process rejected (malformed or unknown)",
+        )?;
+        for c in [
+            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(inflight.clone()),
+            Box::new(ttft.clone()),
+            Box::new(itl.clone()),
+            Box::new(request_duration.clone()),
+            Box::new(input_tokens.clone()),
+            Box::new(output_tokens.clone()),
+            Box::new(cached_tokens.clone()),
+            Box::new(errors.clone()),
+            Box::new(route_retries.clone()),
+            Box::new(bus_rejected.clone()),
+        ] {
+            registry.register(c)?;
+        }
+        Ok(Metrics {
+            registry,
+            requests,
+            inflight,
+            ttft,
+            itl,
+            request_duration,
+            input_tokens,
+            output_tokens,
+            cached_tokens,
+            errors,
+            route_retries,
+            bus_rejected,
+        })
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        self.bus_rejected
+            .set(dynamo_runtime::counters::rejected_total() as i64);
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}

@@ -1,0 +1,397 @@
+//! OpenAI request shapes and their validation into [`ValidGenerate`].
+//!
+//! Parse, don't validate: handlers turn a body into a [`ChatRequest`] or
+//! [`CompletionRequest`], then into `ValidGenerate`s (one per prompt); only
+//! those reach routing. Unknown fields are ignored (as vLLM does) so clients
+//! that send extra OpenAI options keep working.
+
+use crate::error::ApiError;
+use dynamo_bus_schema::SamplingParams;
+use dynamo_model::{ChatMessage, Preprocessor};
+use serde::Deserialize;
+use serde_json::Value;
+
+#[derive(Debug, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Options shared by both endpoints.
+#[derive(Debug, Deserialize)]
+pub struct CommonParams {
+    pub model: String,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    /// Extension: top-k sampling (0 = off).
+    pub top_k: Option<i64>,
+    pub seed: Option<u64>,
+    pub stop: Option<Value>,
+    pub n: Option<i64>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+    /// Extension: keep generating past end-of-sequence tokens.
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// Extension: end-to-end deadline for this request in milliseconds.
+    pub timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<InMessage>,
+    #[serde(flatten)]
+    pub common: CommonParams,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct InMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: Value,
+    #[serde(flatten)]
+    pub common: CommonParams,
+    #[serde(default)]
+    pub echo: bool,
+}
+
+/// One prompt, ready to route.
+#[derive(Clone, Debug)]
+pub struct ValidGenerate {
+    pub token_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+}
+
+/// Request-wide options after validation.
+#[derive(Clone, Debug)]
+pub struct ValidOptions {
+    pub stream: bool,
+    pub include_usage: bool,
+    pub timeout_ms: Option<u64>,
+}
+
+/// Parses a JSON body into `T`, mapping serde's complaint to a 400.
+pub fn parse_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        let msg = if e.is_syntax() || e.is_eof() {
+            format!("We could not parse the JSON body of your request: {e}")
+        } else {
+            format!("Invalid request body: {e}")
+        };
+        let param = field_in(&e.to_string());
+        ApiError::invalid(param, msg)
+    })
+}
+
+/// Best effort: the field a serde message names (`missing field `model``).
+fn field_in(msg: &str) -> Option<String> {
+    let start = msg.find('`')? + 1;
+    let end = start + msg[start..].find('`')?;
+    let f = &msg[start..end];
+    f.chars()
+        .all(|c| c.is_ascii_alphanumeric() || c == '_')
+        .then(|| f.to_string())
+}
+
+fn stop_strings(v: &Option<Value>) -> Result<Vec<String>, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            Some("stop".into()),
+            "`stop` must be a string or an array of at most 4 non-empty strings",
+        )
+    };
+    let out = match v {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| x.as_str().map(str::to_string).ok_or_else(bad))
+            .collect::<Result<Vec<_>, _>>()?,
+        _ => return Err(bad()),
+    };
+    if out.len() > 4 || out.iter().any(String::is_empty) {
+        return Err(bad());
+    }
+    Ok(out)
+}
+
+impl CommonParams {
+    pub fn options(&self) -> Result<ValidOptions, ApiError> {
+        if let Some(n) = self.n {
+            if n != 1 {
+                return Err(ApiError::invalid(
+                    Some("n".into()),
+                    format!("n = {n} is not supported: only n = 1 is"),
+                ));
+            }
+        }
+        if self.timeout_ms == Some(0) {
+            return Err(ApiError::invalid(
+                Some("timeout_ms".into()),
+                "timeout_ms must be positive",
+            ));
+        }
+        Ok(ValidOptions {
+            stream: self.stream,
+            include_usage: self
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
+            timeout_ms: self.timeout_ms,
+        })
+    }
+
+    /// Validates sampling for a prompt of `prompt_len` tokens under `pre`'s limits.
+    fn validate(
+        &self,
+        pre: &Preprocessor,
+        token_ids: Vec<u32>,
+        prompt_param: &str,
+        default_max: Option<u32>,
+    ) -> Result<ValidGenerate, ApiError> {
+        let temperature = self.temperature.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(ApiError::invalid(
+                Some("temperature".into()),
+                format!("temperature = {temperature} is out of range: it must be between 0 and 2"),
+            ));
+        }
+        let top_p = self.top_p.unwrap_or(1.0);
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(ApiError::invalid(
+                Some("top_p".into()),
+                format!("top_p = {top_p} is out of range: it must be in (0, 1]"),
+            ));
+        }
+        let top_k = self.top_k.unwrap_or(0);
+        if top_k < 0 {
+            return Err(ApiError::invalid(
+                Some("top_k".into()),
+                "top_k must be >= 0",
+            ));
+        }
+        let (param, requested) = match (self.max_completion_tokens, self.max_tokens) {
+            (Some(m), _) => ("max_completion_tokens", Some(m)),
+            (None, m) => ("max_tokens", m),
+        };
+        if let Some(m) = requested {
+            if m < 1 {
+                return Err(ApiError::invalid(
+                    Some(param.into()),
+                    format!("{param} = {m} is invalid: it must be at least 1"),
+                ));
+            }
+        }
+        if token_ids.is_empty() {
+            return Err(ApiError::invalid(
+                Some(prompt_param.into()),
+                "The prompt is empty.",
+            ));
+        }
+        let vocab = pre.card.vocab_size;
+        if let Some(bad) = token_ids.iter().find(|&&t| t >= vocab) {
+            return Err(ApiError::invalid(
+                Some(prompt_param.into()),
+                format!("Token id {bad} is outside the vocabulary (size {vocab})."),
+            ));
+        }
+        let ctx = pre.card.context_length as u64;
+        let prompt = token_ids.len() as u64;
+        let max_tokens = match requested {
+            Some(m) => m as u64,
+            None => match default_max {
+                Some(d) => (d as u64).min(ctx.saturating_sub(prompt)),
+                None => ctx.saturating_sub(prompt),
+            },
+        };
+        if prompt + max_tokens.max(1) > ctx {
+            return Err(ApiError::invalid(
+                Some(prompt_param.into()),
+                format!("This model's maximum context length is {ctx} tokens. However, you requested {} tokens ({prompt} in the prompt, {max_tokens} for the completion). Please reduce the length of the prompt or the completion.", prompt + max_tokens.max(1)),
+            ).with_code("context_length_exceeded"));
+        }
+        Ok(ValidGenerate {
+            token_ids,
+            sampling: SamplingParams {
+                max_tokens: max_tokens as u32,
+                temperature: temperature as f32,
+                top_p: top_p as f32,
+                top_k: top_k as u32,
+                seed: self.seed,
+                // The worker adds the model's EOS ids unless ignore_eos.
+                stop_token_ids: Vec::new(),
+                ignore_eos: self.ignore_eos,
+            },
+            stop: stop_strings(&self.stop)?,
+        })
+    }
+}
+
+fn message_text(m: &InMessage, i: usize) -> Result<String, ApiError> {
+    let param = || Some(format!("messages.[{i}].content"));
+    match &m.content {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut out = String::new();
+            for p in parts {
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text"), Some(t)) => out.push_str(t),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            param(),
+                            "Only text content parts are supported.",
+                        ))
+                    }
+                }
+            }
+            Ok(out)
+        }
+        Some(_) => Err(ApiError::invalid(
+            param(),
+            "Message content must be a string or an array of text parts.",
+        )),
+    }
+}
+
+impl ChatRequest {
+    pub fn validate(&self, pre: &Preprocessor) -> Result<ValidGenerate, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::invalid(
+                Some("messages".into()),
+                "`messages` must contain at least one message.",
+            ));
+        }
+        let mut msgs = Vec::with_capacity(self.messages.len());
+        for (i, m) in self.messages.iter().enumerate() {
+            if !matches!(
+                m.role.as_str(),
+                "system" | "user" | "assistant" | "developer" | "tool"
+            ) {
+                return Err(ApiError::invalid(
+                    Some(format!("messages.[{i}].role")),
+                    format!("Invalid role {:?}.", m.role),
+                ));
+            }
+            let role = if m.role == "developer" {
+                "system".to_string()
+            } else {
+                m.role.clone()
+            };
+            msgs.push(ChatMessage {
+                role,
+                content: message_text(m, i)?,
+            });
+        }
+        let ids = pre.chat_prompt(&msgs).map_err(|e| {
+            ApiError::invalid(
+                Some("messages".into()),
+                format!("Cannot apply the chat template: {e}"),
+            )
+        })?;
+        self.common.validate(pre, ids, "messages", None)
+    }
+}
+
+/// Default `max_tokens` for `/v1/completions` (OpenAI's default).
+pub const COMPLETIONS_DEFAULT_MAX_TOKENS: u32 = 16;
+
+impl CompletionRequest {
+    /// One `ValidGenerate` per prompt.
+    pub fn validate(&self, pre: &Preprocessor) -> Result<Vec<ValidGenerate>, ApiError> {
+        if self.echo {
+            return Err(ApiError::invalid(
+                Some("echo".into()),
+                "echo is not supported.",
+            ));
+        }
+        let bad = || {
+            ApiError::invalid(Some("prompt".into()), "`prompt` must be a string, an array of strings, an array of token ids, or an array of arrays of token ids.")
+        };
+        let token = |v: &Value| -> Result<u32, ApiError> {
+            v.as_u64()
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(bad)
+        };
+        let encode = |s: &str| -> Result<Vec<u32>, ApiError> {
+            pre.tokenizer
+                .encode(s)
+                .map_err(|e| ApiError::invalid(Some("prompt".into()), e.to_string()))
+        };
+        let prompts: Vec<Vec<u32>> = match &self.prompt {
+            Value::String(s) => vec![encode(s)?],
+            Value::Array(items) if items.is_empty() => return Err(bad()),
+            Value::Array(items) => match &items[0] {
+                Value::String(_) => items
+                    .iter()
+                    .map(|v| v.as_str().ok_or_else(bad).and_then(encode))
+                    .collect::<Result<_, _>>()?,
+                Value::Number(_) => vec![items.iter().map(token).collect::<Result<_, _>>()?],
+                Value::Array(_) => items
+                    .iter()
+                    .map(|v| {
+                        v.as_array()
+                            .ok_or_else(bad)?
+                            .iter()
+                            .map(token)
+                            .collect::<Result<Vec<u32>, _>>()
+                    })
+                    .collect::<Result<_, _>>()?,
+                _ => return Err(bad()),
+            },
+            _ => return Err(bad()),
+        };
+        if prompts.len() > 64 {
+            return Err(ApiError::invalid(
+                Some("prompt".into()),
+                "At most 64 prompts per request.",
+            ));
+        }
+        prompts
+            .into_iter()
+            .map(|ids| {
+                self.common
+                    .validate(pre, ids, "prompt", Some(COMPLETIONS_DEFAULT_MAX_TOKENS))
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serde_errors_name_the_field() {
+        let e = parse_body::<ChatRequest>(br#"{"messages": []}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("model"));
+        let e = parse_body::<ChatRequest>(b"{not json").unwrap_err();
+        assert!(e.message.contains("could not parse the JSON"));
+        let e = parse_body::<ChatRequest>(br#"{"model":"m","messages":[],"temperature":"hot"}"#)
+            .unwrap_err();
+        assert_eq!(e.status.as_u16(), 400);
+    }
+
+    #[test]
+    fn stop_accepts_string_or_short_list() {
+        assert_eq!(
+            stop_strings(&Some(Value::String("x".into()))).unwrap(),
+            vec!["x"]
+        );
+        assert!(stop_strings(&Some(serde_json::json!(["a", "b", "c", "d", "e"]))).is_err());
+        assert!(stop_strings(&Some(serde_json::json!([""]))).is_err());
+        assert!(stop_strings(&Some(serde_json::json!(3))).is_err());
+    }
+}

@@ -1,0 +1,37 @@
+//! State shared by every HTTP handler of one gateway.
+
+use crate::config::GatewayConfig;
+use crate::error::ApiError;
+use crate::inbox::Inbox;
+use crate::metrics::Metrics;
+use crate::models::ModelCache;
+use dynamo_bus_schema::GatewayId;
+use dynamo_router::{RouterMsg, ROUTER_ACTOR_NAME};
+use dynamo_runtime::Bus;
+use ractor::ActorRef;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+pub struct Shared {
+    pub bus: Bus,
+    pub gateway_id: GatewayId,
+    pub frames_subject: String,
+    pub inbox: Inbox,
+    pub config: GatewayConfig,
+    pub metrics: Metrics,
+    pub models: ModelCache,
+    pub accepting: AtomicBool,
+    pub started_unix_s: u64,
+}
+
+impl Shared {
+    /// The router actor, looked up by name so a restarted router is found.
+    pub fn router(&self) -> Result<ActorRef<RouterMsg>, ApiError> {
+        ractor::registry::where_is(ROUTER_ACTOR_NAME.to_string())
+            .map(ActorRef::<RouterMsg>::from)
+            .ok_or_else(|| ApiError::unavailable("The router is restarting; retry shortly."))
+    }
+
+    pub fn is_accepting(&self) -> bool {
+        self.accepting.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,461 @@
+//! `WorkerActor`: serves one engine on the bus.
+//!
+//! Subjects: `worker.<id>.generate` (request/reply: ack, then frames to the
+//! request's `reply_to`), `worker.<id>.cancel`, `worker.<id>.artifact`.
+//! Registration: the worker's record in the workers KV bucket, rewritten
+//! every heartbeat with its load; load reports on `load.<id>` in between.
+//!
+//! Invariants: every accepted request gets exactly one terminal frame (from
+//! the engine, the deadline, or shutdown); a draining worker accepts nothing
+//! new; all tasks the actor spawns stop when its state is dropped (a
+//! `DropGuard` cancels them, also when the actor panics).
+
+use crate::forward::{Forward, Outcome};
+use dynamo_bus_schema::{
+    decode, unix_ms, ArtifactChunk, ArtifactRequest, CancelRequest, ErrorKind, ErrorReply,
+    FaultKind, GenerateAck, GenerateRequest, LoadReport, ModelCard, NodeId, RequestId, WireError,
+    WorkerId, WorkerRegistration, WorkerRole, WorkerState,
+};
+use dynamo_engine::{Engine, EngineLimits, ValidRequest};
+use dynamo_runtime::{counters, Bus};
+use futures::StreamExt;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+/// Builds a fresh engine (called at every actor (re)start).
+pub type EngineFactory = Arc<dyn Fn() -> Result<Arc<dyn Engine>, String> + Send + Sync + 'static>;
+
+/// Worker settings.
+#[derive(Clone, Debug)]
+pub struct WorkerConfig {
+    pub worker_id: WorkerId,
+    pub node_id: NodeId,
+    pub role: WorkerRole,
+    /// How often the registration is rewritten (the router's TTL should be ≥ 3×).
+    pub heartbeat_interval: Duration,
+    /// How often load is published when it changed.
+    pub load_interval: Duration,
+}
+
+pub struct WorkerArgs {
+    pub bus: Bus,
+    pub config: WorkerConfig,
+    pub card: ModelCard,
+    /// Named blobs served over `worker.<id>.artifact` (e.g. `tokenizer.json`).
+    pub artifacts: Arc<HashMap<String, Arc<Vec<u8>>>>,
+    pub engine: EngineFactory,
+    /// Strictly greater than any earlier generation of this worker.
+    pub generation: u64,
+}
+
+pub enum WorkerMsg {
+    Generate(async_nats::Message),
+    Cancel(CancelRequest),
+    Done(RequestId),
+    Heartbeat,
+    PublishLoad,
+    InjectFault(FaultKind),
+    /// Stop taking new requests; replies with the number still in flight.
+    Drain(RpcReplyPort<u32>),
+    /// In-flight request count.
+    Inflight(RpcReplyPort<u32>),
+    /// Removes the registration (before a graceful stop).
+    Deregister(RpcReplyPort<()>),
+}
+
+pub struct WorkerActor;
+
+pub struct WorkerRuntime {
+    bus: Bus,
+    cfg: WorkerConfig,
+    engine: Arc<dyn Engine>,
+    limits: EngineLimits,
+    reg: WorkerRegistration,
+    kv: async_nats::jetstream::kv::Store,
+    inflight: HashSet<RequestId>,
+    last_load: Option<dynamo_bus_schema::LoadMetrics>,
+    tasks: CancellationToken,
+    _guard: DropGuard,
+}
+
+impl Actor for WorkerActor {
+    type Msg = WorkerMsg;
+    type State = WorkerRuntime;
+    type Arguments = WorkerArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<WorkerMsg>,
+        args: WorkerArgs,
+    ) -> Result<WorkerRuntime, ActorProcessingErr> {
+        let engine = (args.engine)().map_err(|e| format!("engine failed to start: {e}"))?;
+        let tasks = CancellationToken::new();
+        let guard = tasks.clone().drop_guard();
+        let bus = args.bus.clone();
+        let s = &bus.subjects;
+        let id = args.config.worker_id;
+        let kv = bus
+            .kv_bucket(&s.workers_bucket(), Duration::ZERO)
+            .await
+            .map_err(|e| e.to_string())?;
+
+        let gen_sub = bus.client.subscribe(s.worker_generate(id)).await?;
+        let cancel_sub = bus.client.subscribe(s.worker_cancel(id)).await?;
+        let artifact_sub = bus.client.subscribe(s.worker_artifact(id)).await?;
+        spawn_pump(gen_sub, myself.clone(), tasks.child_token(), |m| {
+            Some(WorkerMsg::Generate(m))
+        });
+        spawn_pump(
+            cancel_sub,
+            myself.clone(),
+            tasks.child_token(),
+            |m| match decode::<CancelRequest>(&m.payload) {
+                Ok(c) => Some(WorkerMsg::Cancel(c)),
+                Err(e) => {
+                    counters::reject("CancelRequest", m.subject.as_str(), &e);
+                    None
+                }
+            },
+        );
+        tokio::spawn(serve_artifacts(
+            bus.clone(),
+            artifact_sub,
+            args.artifacts.clone(),
+            tasks.child_token(),
+        ));
+        spawn_ticker(
+            myself.clone(),
+            args.config.heartbeat_interval,
+            tasks.child_token(),
+            || WorkerMsg::Heartbeat,
+        );
+        spawn_ticker(
+            myself.clone(),
+            args.config.load_interval,
+            tasks.child_token(),
+            || WorkerMsg::PublishLoad,
+        );
+
+        let now = unix_ms();
+        let reg = WorkerRegistration {
+            worker_id: id,
+            generation: args.generation,
+            node_id: args.config.node_id.clone(),
+            pid: std::process::id(),
+            role: args.config.role,
+            state: WorkerState::Serving,
+            engine: engine.kind().to_string(),
+            model: args.card.clone(),
+            started_unix_ms: now,
+            heartbeat_unix_ms: now,
+            load: engine.load(),
+        };
+        let mut rt = WorkerRuntime {
+            limits: EngineLimits {
+                context_length: args.card.context_length,
+                vocab_size: args.card.vocab_size,
+            },
+            bus,
+            cfg: args.config,
+            engine,
+            reg,
+            kv,
+            inflight: HashSet::new(),
+            last_load: None,
+            tasks,
+            _guard: guard,
+        };
+        rt.heartbeat().await?;
+        tracing::info!(worker = %id, generation = args.generation, "worker serving");
+        Ok(rt)
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<WorkerMsg>,
+        rt: &mut WorkerRuntime,
+    ) -> Result<(), ActorProcessingErr> {
+        rt.tasks.cancel();
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<WorkerMsg>,
+        msg: WorkerMsg,
+        rt: &mut WorkerRuntime,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            WorkerMsg::Generate(m) => rt.generate(m, myself).await,
+            WorkerMsg::Cancel(c) => {
+                if rt.inflight.contains(&c.request_id) {
+                    tracing::debug!(request = %c.request_id, reason = ?c.reason, "cancel");
+                    rt.engine.cancel(c.request_id);
+                }
+            }
+            WorkerMsg::Done(id) => {
+                rt.inflight.remove(&id);
+            }
+            WorkerMsg::Heartbeat => {
+                if let Err(e) = rt.heartbeat().await {
+                    tracing::warn!(error = %e, "heartbeat failed");
+                }
+            }
+            WorkerMsg::PublishLoad => rt.publish_load().await,
+            WorkerMsg::InjectFault(FaultKind::PanicActor) => {
+                panic!("fault injected into worker {}", rt.cfg.worker_id);
+            }
+            WorkerMsg::InjectFault(other) => {
+                tracing::warn!(?other, "unknown fault kind ignored");
+            }
+            WorkerMsg::Drain(reply) => {
+                rt.reg.state = WorkerState::Draining;
+                if let Err(e) = rt.heartbeat().await {
+                    tracing::warn!(error = %e, "cannot publish draining state");
+                }
+                let _ = reply.send(rt.inflight.len() as u32);
+            }
+            WorkerMsg::Inflight(reply) => {
+                let _ = reply.send(rt.inflight.len() as u32);
+            }
+            WorkerMsg::Deregister(reply) => {
+                if let Err(e) = rt.kv.delete(rt.cfg.worker_id.to_string()).await {
+                    tracing::warn!(error = %e, "cannot delete registration");
+                }
+                let _ = reply.send(());
+            }
+        }
+        Ok(())
+    }
+}
+
+impl WorkerRuntime {
+    async fn heartbeat(&mut self) -> Result<(), String> {
+        self.reg.heartbeat_unix_ms = unix_ms();
+        self.reg.load = self.load();
+        let bytes = dynamo_bus_schema::encode(&self.reg).map_err(|e| e.to_string())?;
+        self.kv
+            .put(self.cfg.worker_id.to_string(), bytes.into())
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    fn load(&self) -> dynamo_bus_schema::LoadMetrics {
+        let mut l = self.engine.load();
+        l.inflight_requests = self.inflight.len() as u32;
+        l
+    }
+
+    async fn publish_load(&mut self) {
+        let load = self.load();
+        if self.last_load.as_ref() == Some(&load) {
+            return;
+        }
+        let report = LoadReport {
+            worker_id: self.cfg.worker_id,
+            generation: self.reg.generation,
+            load: load.clone(),
+        };
+        if self
+            .bus
+            .publish(self.bus.subjects.load(self.cfg.worker_id), &report)
+            .await
+            .is_ok()
+        {
+            self.last_load = Some(load);
+        }
+    }
+
+    async fn reject(&self, m: &async_nats::Message, request_id: RequestId, error: WireError) {
+        let ack = GenerateAck {
+            request_id,
+            worker_id: self.cfg.worker_id,
+            rejected: Some(error),
+        };
+        self.bus.reply(m.reply.as_ref(), &ack).await;
+    }
+
+    async fn generate(&mut self, m: async_nats::Message, myself: ActorRef<WorkerMsg>) {
+        let req = match decode::<GenerateRequest>(&m.payload) {
+            Ok(r) => r,
+            Err(e) => {
+                counters::reject("GenerateRequest", m.subject.as_str(), &e);
+                let reply = ErrorReply {
+                    error: WireError::new(ErrorKind::BadMessage, e.to_string()),
+                };
+                self.bus.reply(m.reply.as_ref(), &reply).await;
+                return;
+            }
+        };
+        let id = req.request_id;
+        if self.reg.state != WorkerState::Serving {
+            let e = WireError::new(ErrorKind::Unavailable, "worker is draining");
+            return self.reject(&m, id, e).await;
+        }
+        if req.model != self.reg.model.name {
+            let e = WireError::new(
+                ErrorKind::InvalidRequest,
+                format!(
+                    "this worker serves {}, not {}",
+                    self.reg.model.name, req.model
+                ),
+            );
+            return self.reject(&m, id, e).await;
+        }
+        let now = unix_ms();
+        if req.deadline_unix_ms != 0 && req.deadline_unix_ms <= now {
+            let e = WireError::new(
+                ErrorKind::DeadlineExceeded,
+                "deadline passed before admission",
+            );
+            return self.reject(&m, id, e).await;
+        }
+        if self.inflight.contains(&id) {
+            let e = WireError::new(
+                ErrorKind::InvalidRequest,
+                format!("request {id} is already running"),
+            );
+            return self.reject(&m, id, e).await;
+        }
+        let valid = match ValidRequest::parse(&req, self.limits) {
+            Ok(v) => v,
+            Err(e) => {
+                let e = WireError::new(ErrorKind::InvalidRequest, e.to_string());
+                return self.reject(&m, id, e).await;
+            }
+        };
+        let events = match self.engine.generate(valid) {
+            Ok(ev) => ev,
+            Err(e) => return self.reject(&m, id, e.to_wire()).await,
+        };
+        self.inflight.insert(id);
+        let ack = GenerateAck {
+            request_id: id,
+            worker_id: self.cfg.worker_id,
+            rejected: None,
+        };
+        self.bus.reply(m.reply.as_ref(), &ack).await;
+
+        let remaining = if req.deadline_unix_ms == 0 {
+            Duration::from_secs(24 * 3600)
+        } else {
+            Duration::from_millis(req.deadline_unix_ms.saturating_sub(now))
+        };
+        let fwd = Forward {
+            bus: self.bus.clone(),
+            worker_id: self.cfg.worker_id,
+            request_id: id,
+            reply_to: req.reply_to,
+            prompt_tokens: req.token_ids.len() as u32,
+            deadline: tokio::time::Instant::now() + remaining,
+        };
+        let engine = self.engine.clone();
+        let cancel = self.tasks.child_token();
+        tokio::spawn(async move {
+            let outcome = fwd.run(events, cancel, || engine.cancel(id)).await;
+            if let Outcome::Failed(kind) = &outcome {
+                tracing::debug!(request = %id, ?kind, "request failed");
+            }
+            // The actor may be gone (restart); nothing to account then.
+            let _ = myself.cast(WorkerMsg::Done(id));
+        });
+    }
+}
+
+fn spawn_pump(
+    mut sub: async_nats::Subscriber,
+    to: ActorRef<WorkerMsg>,
+    cancel: CancellationToken,
+    map: impl Fn(async_nats::Message) -> Option<WorkerMsg> + Send + 'static,
+) {
+    tokio::spawn(async move {
+        loop {
+            let m = tokio::select! {
+                _ = cancel.cancelled() => break,
+                m = sub.next() => m,
+            };
+            let Some(m) = m else { break };
+            if let Some(msg) = map(m) {
+                if to.cast(msg).is_err() {
+                    break;
+                }
+            }
+        }
+        let _ = sub.unsubscribe().await;
+    });
+}
+
+fn spawn_ticker(
+    to: ActorRef<WorkerMsg>,
+    period: Duration,
+    cancel: CancellationToken,
+    msg: impl Fn() -> WorkerMsg + Send + 'static,
+) {
+    tokio::spawn(async move {
+        let mut iv = tokio::time::interval(period);
+        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        iv.tick().await;
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => break,
+                _ = iv.tick() => if to.cast(msg()).is_err() { break },
+            }
+        }
+    });
+}
+
+/// Largest chunk served per artifact request (NATS caps messages at 1 MiB).
+pub const ARTIFACT_CHUNK: u32 = 512 * 1024;
+
+async fn serve_artifacts(
+    bus: Bus,
+    mut sub: async_nats::Subscriber,
+    artifacts: Arc<HashMap<String, Arc<Vec<u8>>>>,
+    cancel: CancellationToken,
+) {
+    loop {
+        let m = tokio::select! {
+            _ = cancel.cancelled() => break,
+            m = sub.next() => m,
+        };
+        let Some(m) = m else { break };
+        let req = match decode::<ArtifactRequest>(&m.payload) {
+            Ok(r) => r,
+            Err(e) => {
+                counters::reject("ArtifactRequest", m.subject.as_str(), &e);
+                let r = ErrorReply {
+                    error: WireError::new(ErrorKind::BadMessage, e.to_string()),
+                };
+                bus.reply(m.reply.as_ref(), &r).await;
+                continue;
+            }
+        };
+        match artifacts.get(&req.name) {
+            Some(data) if req.offset <= data.len() as u64 => {
+                let start = req.offset as usize;
+                let len = (req.max_len.min(ARTIFACT_CHUNK) as usize).min(data.len() - start);
+                let chunk = ArtifactChunk {
+                    name: req.name,
+                    total_len: data.len() as u64,
+                    offset: req.offset,
+                    data: data[start..start + len].to_vec(),
+                };
+                bus.reply(m.reply.as_ref(), &chunk).await;
+            }
+            _ => {
+                let r = ErrorReply {
+                    error: WireError::new(
+                        ErrorKind::InvalidRequest,
+                        format!("no artifact {:?} at offset {}", req.name, req.offset),
+                    ),
+                };
+                bus.reply(m.reply.as_ref(), &r).await;
+            }
+        }
+    }
+    let _ = sub.unsubscribe().await;
+}

@@ -1,0 +1,141 @@
+//! Forwarding one request's engine events to the gateway as bus frames.
+//!
+//! Invariants: frames carry consecutive `seq` numbers starting at 0; every
+//! stream ends with exactly one `FrameFinished` or `FrameError`; tokens that
+//! are already waiting when a frame is built are coalesced into it (one
+//! engine step, one frame); the request's deadline is enforced here too.
+
+use dynamo_bus_schema::{
+    ErrorKind, FinishReason, FrameError, FrameFinished, FrameSeq, FrameStarted, FrameTokens,
+    RequestId, WireError, WorkerId,
+};
+use dynamo_engine::{EngineEvent, ResponseStream};
+use dynamo_runtime::Bus;
+use tokio_util::sync::CancellationToken;
+
+pub struct Forward {
+    pub bus: Bus,
+    pub worker_id: WorkerId,
+    pub request_id: RequestId,
+    pub reply_to: String,
+    pub prompt_tokens: u32,
+    pub deadline: tokio::time::Instant,
+}
+
+/// How a forwarded request ended (for the worker's bookkeeping).
+#[derive(Debug, PartialEq)]
+pub enum Outcome {
+    Finished(FinishReason),
+    Failed(ErrorKind),
+    /// The worker shut down under it.
+    Aborted,
+}
+
+impl Forward {
+    pub async fn run(
+        self,
+        mut events: ResponseStream,
+        cancel: CancellationToken,
+        on_timeout: impl FnOnce(),
+    ) -> Outcome {
+        let mut seq = 0u32;
+        let mut next_seq = || {
+            let s = FrameSeq(seq);
+            seq += 1;
+            s
+        };
+        let mut completion = 0u32;
+        let mut pending: Vec<u32> = Vec::new();
+        loop {
+            let ev = tokio::select! {
+                ev = events.recv() => ev,
+                _ = tokio::time::sleep_until(self.deadline) => {
+                    on_timeout();
+                    let err = WireError::new(ErrorKind::DeadlineExceeded, "request deadline passed on the worker");
+                    self.error(next_seq(), err).await;
+                    return Outcome::Failed(ErrorKind::DeadlineExceeded);
+                }
+                _ = cancel.cancelled() => {
+                    let err = WireError::new(ErrorKind::Unavailable, "worker is shutting down");
+                    self.error(next_seq(), err).await;
+                    return Outcome::Aborted;
+                }
+            };
+            let Some(ev) = ev else {
+                let err = WireError::new(ErrorKind::EngineFailed, "engine dropped the request");
+                self.error(next_seq(), err).await;
+                return Outcome::Failed(ErrorKind::EngineFailed);
+            };
+            // Coalesce whatever else is ready.
+            let mut batch = vec![ev];
+            while let Ok(more) = events.try_recv() {
+                batch.push(more);
+            }
+            for ev in batch {
+                match ev {
+                    EngineEvent::Tokens(t) => {
+                        completion += t.len() as u32;
+                        pending.extend(t);
+                    }
+                    EngineEvent::Started { cached_tokens } => {
+                        let f = FrameStarted {
+                            request_id: self.request_id,
+                            seq: next_seq(),
+                            worker_id: self.worker_id,
+                            prompt_tokens: self.prompt_tokens,
+                            cached_tokens,
+                        };
+                        self.send(&f).await;
+                    }
+                    EngineEvent::Finished { reason } => {
+                        self.flush(&mut pending, &mut next_seq).await;
+                        let f = FrameFinished {
+                            request_id: self.request_id,
+                            seq: next_seq(),
+                            reason,
+                            completion_tokens: completion,
+                        };
+                        self.send(&f).await;
+                        return Outcome::Finished(reason);
+                    }
+                    EngineEvent::Failed(e) => {
+                        self.flush(&mut pending, &mut next_seq).await;
+                        let w = e.to_wire();
+                        let kind = w.kind;
+                        self.error(next_seq(), w).await;
+                        return Outcome::Failed(kind);
+                    }
+                }
+            }
+            self.flush(&mut pending, &mut next_seq).await;
+        }
+    }
+
+    async fn flush(&self, pending: &mut Vec<u32>, next_seq: &mut impl FnMut() -> FrameSeq) {
+        if pending.is_empty() {
+            return;
+        }
+        let f = FrameTokens {
+            request_id: self.request_id,
+            seq: next_seq(),
+            token_ids: std::mem::take(pending),
+        };
+        self.send(&f).await;
+    }
+
+    async fn error(&self, seq: FrameSeq, error: WireError) {
+        let f = FrameError {
+            request_id: self.request_id,
+            seq,
+            error,
+        };
+        self.send(&f).await;
+    }
+
+    async fn send<T: dynamo_bus_schema::WireMessage>(&self, msg: &T) {
+        if let Err(e) = self.bus.publish(self.reply_to.clone(), msg).await {
+            // The gateway's liveness checks turn a lost frame into an error.
+            tracing::warn!(request = %self.request_id, error = %e, "cannot publish frame");
+        }
+    }
+}
