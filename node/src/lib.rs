@@ -1,1 +1,16 @@
+//! `dynamo-node`: the node daemon (`dynamo-node --config FILE`) and the
+//! admin CLI (`dynamoctl`).
+//!
+//! A node reads a TOML config ([`config`]), connects to the bus (or runs an
+//! embedded `nats-server -js`, [`embedded_nats`]), and runs its actors under
+//! a [`supervisor::NodeSupervisor`] that restarts any that fails. SIGINT or
+//! SIGTERM stop the gateway taking requests, let in-flight ones finish within
+//! the grace period, deregister the workers and exit.
 
+pub mod bench;
+pub mod config;
+pub mod daemon;
+pub mod embedded_nats;
+pub mod env;
+pub mod status;
+pub mod supervisor;

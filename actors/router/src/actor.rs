@@ -165,7 +165,9 @@ async fn watch_workers(
     );
     while !cancel.is_cancelled() {
         let watch = async {
-            let kv = bus.kv_bucket(&bucket, Duration::ZERO).await?;
+            let kv = bus
+                .kv_bucket(&bucket, dynamo_runtime::bus::REGISTRY_MAX_AGE)
+                .await?;
             kv.watch_with_history(">")
                 .await
                 .map_err(|e| dynamo_runtime::BusError::Bucket {

@@ -9,7 +9,7 @@
 
 use crate::policy::{Candidate, RouteRequest, RoutingPolicy};
 use dynamo_bus_schema::{
-    LoadReport, ModelCard, ModelName, WorkerId, WorkerRegistration, WorkerState,
+    unix_ms, LoadReport, ModelCard, ModelName, WorkerId, WorkerRegistration, WorkerState,
 };
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -63,8 +63,14 @@ impl RouterState {
         self.policy.name()
     }
 
-    /// A registration or heartbeat arrived.
+    /// A registration or heartbeat arrived. Its own heartbeat time counts:
+    /// a record replayed from the bucket for a worker that died long ago is
+    /// not taken as a sign of life.
     pub fn upsert(&mut self, reg: WorkerRegistration, now: Instant) {
+        let age = Duration::from_millis(unix_ms().saturating_sub(reg.heartbeat_unix_ms));
+        let now = now
+            .checked_sub(age.min(self.ttl + Duration::from_secs(1)))
+            .unwrap_or(now);
         match self.workers.get_mut(&reg.worker_id) {
             Some(e) => {
                 if reg.generation > e.reg.generation {
@@ -236,7 +242,7 @@ mod tests {
                 source: String::new(),
             },
             started_unix_ms: 0,
-            heartbeat_unix_ms: 0,
+            heartbeat_unix_ms: unix_ms(),
             load: LoadMetrics::default(),
         }
     }
@@ -267,6 +273,16 @@ mod tests {
         assert!(s.route(&m, &[], &[], late).is_err());
         assert_eq!(s.expire(late).len(), 3);
         assert!(s.models().is_empty());
+    }
+
+    #[test]
+    fn a_replayed_record_of_a_dead_worker_is_not_routable() {
+        let t0 = Instant::now() + Duration::from_secs(10);
+        let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+        let mut old = reg(1, 1, "a");
+        old.heartbeat_unix_ms = unix_ms() - 60_000;
+        s.upsert(old, t0);
+        assert!(s.route(&ModelName("a".into()), &[], &[], t0).is_err());
     }
 
     #[test]

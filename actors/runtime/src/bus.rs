@@ -34,6 +34,10 @@ pub enum BusError {
     Encode(String),
 }
 
+/// Registry buckets (workers, nodes) drop a record this long after its last
+/// write, so crashed processes do not linger; live ones rewrite every second.
+pub const REGISTRY_MAX_AGE: Duration = Duration::from_secs(60);
+
 /// One process's connection to the bus.
 #[derive(Clone)]
 pub struct Bus {

@@ -98,7 +98,7 @@ impl Actor for WorkerActor {
         let s = &bus.subjects;
         let id = args.config.worker_id;
         let kv = bus
-            .kv_bucket(&s.workers_bucket(), Duration::ZERO)
+            .kv_bucket(&s.workers_bucket(), dynamo_runtime::bus::REGISTRY_MAX_AGE)
             .await
             .map_err(|e| e.to_string())?;
 

@@ -1,1 +1,132 @@
-fn main() {}
+//! The admin CLI: `dynamoctl status`, `dynamoctl bench`.
+
+use clap::{Parser, Subcommand};
+use dynamo_bus_schema::Namespace;
+use dynamo_node::{bench, env, status};
+
+#[derive(Parser)]
+#[command(
+    name = "dynamoctl",
+    version,
+    about = "Inspect and exercise a dynamo cluster"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Nodes, workers, models and load.
+    Status {
+        /// NATS URL (default: $DYNAMO_NATS_URL, or the local embedded server).
+        #[arg(long)]
+        nats: Option<String>,
+        #[arg(long, env = env::NAMESPACE, default_value = "default")]
+        namespace: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Load-test an OpenAI-compatible endpoint.
+    Bench {
+        #[arg(long, default_value = "http://127.0.0.1:8000")]
+        url: String,
+        #[arg(long, default_value = "smollm2-135m-instruct")]
+        model: String,
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+        #[arg(long, default_value_t = 100)]
+        requests: usize,
+        #[arg(long, default_value_t = 16)]
+        max_tokens: u32,
+        /// Approximate prompt length in tokens (user content).
+        #[arg(long, default_value_t = 60)]
+        prompt_tokens: usize,
+        #[arg(long)]
+        stream: bool,
+        /// `chat` or `completions`.
+        #[arg(long, default_value = "chat")]
+        endpoint: String,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("dynamoctl: {e}");
+            std::process::exit(1);
+        }
+    };
+    let res: anyhow::Result<()> = rt.block_on(async {
+        match cli.cmd {
+            Cmd::Status {
+                nats,
+                namespace,
+                json,
+            } => {
+                let ns = Namespace::new(&namespace)?;
+                let url = status::resolve_nats_url(nats, &ns)?;
+                let v = tokio::time::timeout(
+                    std::time::Duration::from_secs(15),
+                    status::collect(&url, ns),
+                )
+                .await
+                .map_err(|_| anyhow::anyhow!("timed out talking to NATS at {url}"))??;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&v)?);
+                } else {
+                    print!("{}", status::render(&v));
+                }
+                Ok(())
+            }
+            Cmd::Bench {
+                url,
+                model,
+                concurrency,
+                requests,
+                max_tokens,
+                prompt_tokens,
+                stream,
+                endpoint,
+                json,
+            } => {
+                let spec = bench::BenchSpec {
+                    url,
+                    model,
+                    concurrency,
+                    requests,
+                    max_tokens,
+                    prompt_tokens,
+                    stream,
+                    endpoint,
+                };
+                let r = bench::run(spec).await?;
+                if json {
+                    println!("{}", serde_json::to_string(&r)?);
+                } else {
+                    println!("{}", serde_json::to_string_pretty(&r)?);
+                }
+                if r.ok == 0 {
+                    anyhow::bail!(
+                        "every request failed: {}",
+                        r.first_error.unwrap_or_default()
+                    );
+                }
+                Ok(())
+            }
+        }
+    });
+    if let Err(e) = res {
+        eprintln!("dynamoctl: {e:#}");
+        std::process::exit(1);
+    }
+}

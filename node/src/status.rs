@@ -1,0 +1,179 @@
+//! `dynamoctl status`: nodes, workers, models and load, read from the
+//! registry buckets on the bus.
+
+use dynamo_bus_schema::{
+    decode, unix_ms, Namespace, NodeRegistration, Subjects, WorkerRegistration,
+};
+use dynamo_runtime::bus::REGISTRY_MAX_AGE;
+use dynamo_runtime::Bus;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+
+/// Finds the bus: `--nats`, `$DYNAMO_NATS_URL`, or the URL a local node with
+/// embedded NATS published for this namespace.
+pub fn resolve_nats_url(flag: Option<String>, ns: &Namespace) -> anyhow::Result<String> {
+    if let Some(u) = flag {
+        return Ok(u);
+    }
+    if let Ok(u) = std::env::var(crate::env::NATS_URL) {
+        return Ok(u);
+    }
+    let f = crate::env::state_dir().join(format!("{}.nats-url", ns.as_str()));
+    std::fs::read_to_string(&f)
+        .map(|s| s.trim().to_string())
+        .map_err(|_| {
+            anyhow::anyhow!(
+            "no NATS URL: pass --nats, set ${}, or start a node with embedded NATS (looked for {})",
+            crate::env::NATS_URL,
+            f.display()
+        )
+        })
+}
+
+async fn read_bucket<T: dynamo_bus_schema::WireMessage>(
+    bus: &Bus,
+    bucket: &str,
+) -> anyhow::Result<Vec<T>> {
+    let kv = bus.kv_bucket(bucket, REGISTRY_MAX_AGE).await?;
+    let mut keys = kv.keys().await?;
+    let mut out = Vec::new();
+    while let Some(k) = keys.next().await {
+        let k = k?;
+        if let Some(v) = kv.get(&k).await? {
+            match decode::<T>(&v) {
+                Ok(t) => out.push(t),
+                Err(e) => eprintln!("warning: skipping undecodable entry {k:?} in {bucket}: {e}"),
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Collects the cluster's status as JSON.
+pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
+    let bus = Bus::connect(url, "dynamoctl", Subjects::new(ns.clone())).await?;
+    let nodes: Vec<NodeRegistration> = read_bucket(&bus, &bus.subjects.nodes_bucket()).await?;
+    let workers: Vec<WorkerRegistration> =
+        read_bucket(&bus, &bus.subjects.workers_bucket()).await?;
+    let now = unix_ms();
+    let stale_after = 3_000;
+    let mut models: BTreeMap<String, Value> = BTreeMap::new();
+    let workers_json: Vec<Value> = workers
+        .iter()
+        .map(|w| {
+            let age = now.saturating_sub(w.heartbeat_unix_ms);
+            let m = models.entry(w.model.name.0.clone()).or_insert_with(|| {
+                json!({"name": w.model.name.0, "context_length": w.model.context_length,
+                       "block_size": w.model.block_size, "workers": 0})
+            });
+            m["workers"] = json!(m["workers"].as_u64().unwrap_or(0) + 1);
+            json!({
+                "worker_id": w.worker_id.to_string(),
+                "node_id": w.node_id.0,
+                "pid": w.pid,
+                "role": format!("{:?}", w.role).to_lowercase(),
+                "state": if age > stale_after { "stale".to_string() } else { format!("{:?}", w.state).to_lowercase() },
+                "engine": w.engine,
+                "model": w.model.name.0,
+                "generation": w.generation,
+                "heartbeat_age_ms": age,
+                "load": {
+                    "active_seqs": w.load.active_seqs,
+                    "waiting_seqs": w.load.waiting_seqs,
+                    "inflight_requests": w.load.inflight_requests,
+                    "kv_used_blocks": w.load.kv_used_blocks,
+                    "kv_total_blocks": w.load.kv_total_blocks,
+                },
+            })
+        })
+        .collect();
+    let nodes_json: Vec<Value> = nodes
+        .iter()
+        .map(|n| {
+            let age = now.saturating_sub(n.heartbeat_unix_ms);
+            json!({
+                "node_id": n.node_id.0, "pid": n.pid, "hostname": n.hostname, "actors": n.actors,
+                "http_addr": n.http_addr, "heartbeat_age_ms": age,
+                "state": if age > stale_after { "stale" } else { "up" },
+            })
+        })
+        .collect();
+    Ok(json!({
+        "namespace": ns.as_str(),
+        "nats_url": url,
+        "nodes": nodes_json,
+        "workers": workers_json,
+        "models": models.into_values().collect::<Vec<_>>(),
+    }))
+}
+
+/// Human-readable rendering of [`collect`]'s JSON.
+pub fn render(v: &Value) -> String {
+    let mut s = format!(
+        "namespace {}  (nats {})\n\nNODES\n",
+        v["namespace"].as_str().unwrap_or(""),
+        v["nats_url"].as_str().unwrap_or("")
+    );
+    s.push_str(&format!(
+        "{:<16} {:>8} {:<6} {:<22} {}\n",
+        "NODE", "PID", "STATE", "HTTP", "ACTORS"
+    ));
+    for n in v["nodes"].as_array().into_iter().flatten() {
+        s.push_str(&format!(
+            "{:<16} {:>8} {:<6} {:<22} {}\n",
+            n["node_id"].as_str().unwrap_or(""),
+            n["pid"].to_string(),
+            n["state"].as_str().unwrap_or(""),
+            n["http_addr"].as_str().unwrap_or("-"),
+            n["actors"]
+                .as_array()
+                .map(|a| a
+                    .iter()
+                    .filter_map(|x| x.as_str())
+                    .collect::<Vec<_>>()
+                    .join(","))
+                .unwrap_or_default()
+        ));
+    }
+    s.push_str(&format!(
+        "\nWORKERS\n{:<18} {:<12} {:>8} {:<10} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13}\n",
+        "WORKER",
+        "NODE",
+        "PID",
+        "ROLE",
+        "STATE",
+        "MODEL",
+        "ACTIVE",
+        "WAITING",
+        "INFLIGHT",
+        "KV BLOCKS"
+    ));
+    for w in v["workers"].as_array().into_iter().flatten() {
+        let l = &w["load"];
+        s.push_str(&format!(
+            "{:<18} {:<12} {:>8} {:<10} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13}\n",
+            w["worker_id"].as_str().unwrap_or(""),
+            w["node_id"].as_str().unwrap_or(""),
+            w["pid"].to_string(),
+            w["role"].as_str().unwrap_or(""),
+            w["state"].as_str().unwrap_or(""),
+            w["model"].as_str().unwrap_or(""),
+            l["active_seqs"].to_string(),
+            l["waiting_seqs"].to_string(),
+            l["inflight_requests"].to_string(),
+            format!("{}/{}", l["kv_used_blocks"], l["kv_total_blocks"]),
+        ));
+    }
+    s.push_str("\nMODELS\n");
+    for m in v["models"].as_array().into_iter().flatten() {
+        s.push_str(&format!(
+            "{}  workers={} context={} block_size={}\n",
+            m["name"].as_str().unwrap_or(""),
+            m["workers"],
+            m["context_length"],
+            m["block_size"]
+        ));
+    }
+    s
+}

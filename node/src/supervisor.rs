@@ -1,0 +1,402 @@
+//! `NodeSupervisor`: spawns the node's actors (router, workers, gateway) as
+//! linked children and restarts any that panics or stops, with exponential
+//! backoff per child. The node keeps serving with the others meanwhile.
+//!
+//! Invariants: a child is restarted only while the node is not shutting
+//! down; a restarted worker keeps its id and gets a strictly greater
+//! generation; a start that fails is retried with backoff, never dropped.
+
+use crate::config::{NodeConfig, WorkerGroup};
+use dynamo_bus_schema::blocks::hash_salt;
+use dynamo_bus_schema::{
+    decode, unix_ms, ErrorKind, ErrorReply, FaultAck, FaultInjection, WireError, WorkerId,
+};
+use dynamo_engine::Engine;
+use dynamo_gateway::{GatewayActor, GatewayArgs, GatewayMsg};
+use dynamo_mocker::{MockerEngine, MockerModel};
+use dynamo_model::LoadedModel;
+use dynamo_router::{RouterActor, RouterArgs, ROUTER_ACTOR_NAME};
+use dynamo_runtime::{counters, Backoff, Bus};
+use dynamo_worker::{EngineFactory, WorkerActor, WorkerArgs, WorkerConfig, WorkerMsg};
+use futures::StreamExt;
+use ractor::{
+    Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent,
+};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum ChildKind {
+    Router,
+    Gateway,
+    Worker {
+        group: usize,
+        slot: u32,
+        worker_id: WorkerId,
+    },
+}
+
+impl ChildKind {
+    fn name(&self) -> String {
+        match self {
+            ChildKind::Router => "router".into(),
+            ChildKind::Gateway => "gateway".into(),
+            ChildKind::Worker { group, slot, .. } => format!("worker-{group}-{slot}"),
+        }
+    }
+}
+
+/// The stable id of a worker slot on a node.
+pub fn worker_id(cfg: &NodeConfig, group: usize, slot: u32) -> WorkerId {
+    WorkerId(hash_salt(
+        &format!("{}/{}/{group}/{slot}", cfg.namespace.as_str(), cfg.node_id),
+        None,
+    ))
+}
+
+pub struct SupervisorArgs {
+    pub bus: Bus,
+    pub config: NodeConfig,
+    /// One loaded model per worker group.
+    pub models: Vec<Arc<LoadedModel>>,
+}
+
+pub enum SupervisorMsg {
+    Start(ChildKind),
+    InjectFault(FaultInjection, RpcReplyPort<FaultAck>),
+    /// Graceful stop of every child; replies when done.
+    Shutdown(RpcReplyPort<()>),
+    /// Names of the running children.
+    Children(RpcReplyPort<Vec<String>>),
+}
+
+pub struct NodeSupervisor;
+
+pub struct SupervisorState {
+    bus: Bus,
+    cfg: NodeConfig,
+    models: Vec<Arc<LoadedModel>>,
+    children: HashMap<ActorId, (ChildKind, ActorCell)>,
+    gateway: Option<ActorRef<GatewayMsg>>,
+    workers: HashMap<WorkerId, ActorRef<WorkerMsg>>,
+    backoffs: HashMap<String, Backoff>,
+    generations: HashMap<WorkerId, u64>,
+    shutting_down: bool,
+    _guard: DropGuard,
+}
+
+impl Actor for NodeSupervisor {
+    type Msg = SupervisorMsg;
+    type State = SupervisorState;
+    type Arguments = SupervisorArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        args: SupervisorArgs,
+    ) -> Result<SupervisorState, ActorProcessingErr> {
+        let tasks = CancellationToken::new();
+        let mut st = SupervisorState {
+            bus: args.bus,
+            cfg: args.config,
+            models: args.models,
+            children: HashMap::new(),
+            gateway: None,
+            workers: HashMap::new(),
+            backoffs: HashMap::new(),
+            generations: HashMap::new(),
+            shutting_down: false,
+            _guard: tasks.clone().drop_guard(),
+        };
+        if st.cfg.fault_injection {
+            let subject = st.bus.subjects.node_fault(&st.cfg.node_id);
+            let sub = st.bus.client.subscribe(subject).await?;
+            tokio::spawn(serve_faults(
+                st.bus.clone(),
+                sub,
+                myself.clone(),
+                tasks.child_token(),
+            ));
+            tracing::warn!("fault injection is enabled on this node");
+        }
+        // Start-up failures are fatal (bad port, engine config…); later ones restart.
+        let mut kinds = Vec::new();
+        if st.cfg.gateway.is_some() {
+            kinds.push(ChildKind::Router);
+        }
+        for (g, group) in st.cfg.workers.iter().enumerate() {
+            for slot in 0..group.count {
+                kinds.push(ChildKind::Worker {
+                    group: g,
+                    slot,
+                    worker_id: worker_id(&st.cfg, g, slot),
+                });
+            }
+        }
+        if st.cfg.gateway.is_some() {
+            kinds.push(ChildKind::Gateway);
+        }
+        for k in kinds {
+            st.spawn_child(k, myself.get_cell()).await?;
+        }
+        Ok(st)
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        msg: SupervisorMsg,
+        st: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            SupervisorMsg::Start(kind) => {
+                if st.shutting_down {
+                    return Ok(());
+                }
+                if let Err(e) = st.spawn_child(kind.clone(), myself.get_cell()).await {
+                    tracing::error!(child = kind.name(), error = %e, "restart failed");
+                    st.schedule_restart(kind, &myself);
+                }
+            }
+            SupervisorMsg::InjectFault(f, reply) => {
+                let ack = match st.workers.get(&f.worker_id) {
+                    Some(w) => match w.cast(WorkerMsg::InjectFault(f.fault)) {
+                        Ok(()) => FaultAck {
+                            applied: true,
+                            message: format!("{:?} sent to worker {}", f.fault, f.worker_id),
+                        },
+                        Err(e) => FaultAck {
+                            applied: false,
+                            message: format!("worker unreachable: {e}"),
+                        },
+                    },
+                    None => FaultAck {
+                        applied: false,
+                        message: format!("no worker {} on this node", f.worker_id),
+                    },
+                };
+                let _ = reply.send(ack);
+            }
+            SupervisorMsg::Shutdown(reply) => {
+                st.shutdown().await;
+                let _ = reply.send(());
+            }
+            SupervisorMsg::Children(reply) => {
+                let mut names: Vec<String> = st.children.values().map(|(k, _)| k.name()).collect();
+                names.sort();
+                let _ = reply.send(names);
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        evt: SupervisionEvent,
+        st: &mut SupervisorState,
+    ) -> Result<(), ActorProcessingErr> {
+        let (id, why) = match &evt {
+            SupervisionEvent::ActorTerminated(cell, _, reason) => {
+                (cell.get_id(), format!("stopped: {reason:?}"))
+            }
+            SupervisionEvent::ActorFailed(cell, err) => (cell.get_id(), format!("failed: {err}")),
+            _ => return Ok(()),
+        };
+        let Some((kind, _)) = st.children.remove(&id) else {
+            return Ok(());
+        };
+        match &kind {
+            ChildKind::Gateway => st.gateway = None,
+            ChildKind::Worker { worker_id, .. } => {
+                st.workers.remove(worker_id);
+            }
+            ChildKind::Router => {}
+        }
+        if st.shutting_down {
+            return Ok(());
+        }
+        tracing::error!(child = kind.name(), %why, "actor exited; restarting");
+        st.schedule_restart(kind, &myself);
+        Ok(())
+    }
+}
+
+impl SupervisorState {
+    fn schedule_restart(&mut self, kind: ChildKind, myself: &ActorRef<SupervisorMsg>) {
+        let (base, max) = (self.cfg.restart_base, self.cfg.restart_max);
+        let delay = self
+            .backoffs
+            .entry(kind.name())
+            .or_insert_with(|| Backoff::new(base, max, Duration::from_secs(60)))
+            .next_delay(Instant::now());
+        let me = myself.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            // The supervisor may be gone (shutdown): nothing to restart then.
+            let _ = me.cast(SupervisorMsg::Start(kind));
+        });
+    }
+
+    async fn spawn_child(
+        &mut self,
+        kind: ChildKind,
+        sup: ActorCell,
+    ) -> Result<(), ActorProcessingErr> {
+        let cell = match &kind {
+            ChildKind::Router => {
+                let args = RouterArgs {
+                    bus: self.bus.clone(),
+                    config: self.cfg.router.clone(),
+                };
+                let (r, _) = Actor::spawn_linked(
+                    Some(ROUTER_ACTOR_NAME.to_string()),
+                    RouterActor,
+                    args,
+                    sup,
+                )
+                .await?;
+                r.get_cell()
+            }
+            ChildKind::Gateway => {
+                let config = self.cfg.gateway.clone().ok_or("no gateway configured")?;
+                let args = GatewayArgs {
+                    bus: self.bus.clone(),
+                    config,
+                };
+                let (g, _) = Actor::spawn_linked(None, GatewayActor, args, sup).await?;
+                let cell = g.get_cell();
+                self.gateway = Some(g);
+                cell
+            }
+            ChildKind::Worker {
+                group, worker_id, ..
+            } => {
+                let grp: &WorkerGroup = &self.cfg.workers[*group];
+                let model = self.models[*group].clone();
+                let prev = self.generations.get(worker_id).copied().unwrap_or(0);
+                let generation = unix_ms().max(prev + 1);
+                self.generations.insert(*worker_id, generation);
+                let mocker_cfg = grp.mocker.clone();
+                let mocker_model = MockerModel {
+                    vocab_size: model.card.vocab_size,
+                    eos_token_ids: model.card.eos_token_ids.clone(),
+                    hash_salt: hash_salt(&model.card.name.0, None),
+                };
+                let engine: EngineFactory = Arc::new(move || {
+                    MockerEngine::start(mocker_cfg.clone(), mocker_model.clone())
+                        .map(|e| Arc::new(e) as Arc<dyn Engine>)
+                        .map_err(|e| e.to_string())
+                });
+                let mut artifacts = HashMap::new();
+                artifacts.insert(
+                    model.card.tokenizer.name.clone(),
+                    model.tokenizer_json.clone(),
+                );
+                let args = WorkerArgs {
+                    bus: self.bus.clone(),
+                    config: WorkerConfig {
+                        worker_id: *worker_id,
+                        node_id: self.cfg.node_id.clone(),
+                        role: grp.role,
+                        heartbeat_interval: grp.heartbeat,
+                        load_interval: Duration::from_millis(100),
+                    },
+                    card: model.card.clone(),
+                    artifacts: Arc::new(artifacts),
+                    engine,
+                    generation,
+                };
+                let (w, _) = Actor::spawn_linked(None, WorkerActor, args, sup).await?;
+                self.workers.insert(*worker_id, w.clone());
+                w.get_cell()
+            }
+        };
+        tracing::info!(child = kind.name(), "actor started");
+        self.children.insert(cell.get_id(), (kind, cell));
+        Ok(())
+    }
+
+    async fn shutdown(&mut self) {
+        self.shutting_down = true;
+        let grace = self.cfg.shutdown_grace;
+        if let Some(g) = self.gateway.take() {
+            let _ = g
+                .call(GatewayMsg::Shutdown, Some(grace + Duration::from_secs(1)))
+                .await;
+        }
+        for w in self.workers.values() {
+            let _ = w.call(WorkerMsg::Drain, Some(Duration::from_secs(2))).await;
+        }
+        let t0 = Instant::now();
+        loop {
+            let mut busy = 0;
+            for w in self.workers.values() {
+                if let Ok(ractor::rpc::CallResult::Success(n)) = w
+                    .call(WorkerMsg::Inflight, Some(Duration::from_secs(1)))
+                    .await
+                {
+                    busy += n;
+                }
+            }
+            if busy == 0 || t0.elapsed() > grace {
+                if busy > 0 {
+                    tracing::warn!(busy, "grace period over with requests still in flight");
+                }
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for w in self.workers.values() {
+            let _ = w
+                .call(WorkerMsg::Deregister, Some(Duration::from_secs(2)))
+                .await;
+        }
+        for (_, (_, cell)) in self.children.drain() {
+            cell.stop(Some("node shutting down".into()));
+        }
+        self.workers.clear();
+    }
+}
+
+async fn serve_faults(
+    bus: Bus,
+    mut sub: async_nats::Subscriber,
+    sup: ActorRef<SupervisorMsg>,
+    cancel: CancellationToken,
+) {
+    loop {
+        let m = tokio::select! {
+            _ = cancel.cancelled() => break,
+            m = sub.next() => m,
+        };
+        let Some(m) = m else { break };
+        match decode::<FaultInjection>(&m.payload) {
+            Ok(f) => {
+                let res = sup
+                    .call(
+                        |r| SupervisorMsg::InjectFault(f, r),
+                        Some(Duration::from_secs(2)),
+                    )
+                    .await;
+                let ack = match res {
+                    Ok(ractor::rpc::CallResult::Success(a)) => a,
+                    _ => FaultAck {
+                        applied: false,
+                        message: "supervisor did not answer".into(),
+                    },
+                };
+                bus.reply(m.reply.as_ref(), &ack).await;
+            }
+            Err(e) => {
+                counters::reject("FaultInjection", m.subject.as_str(), &e);
+                let r = ErrorReply {
+                    error: WireError::new(ErrorKind::BadMessage, e.to_string()),
+                };
+                bus.reply(m.reply.as_ref(), &r).await;
+            }
+        }
+    }
+}
