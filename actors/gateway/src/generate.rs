@@ -204,6 +204,11 @@ impl Generation {
         self.id
     }
 
+    /// The worker serving this generation.
+    pub fn worker_id(&self) -> Option<dynamo_bus_schema::WorkerId> {
+        self.decision.as_ref().map(|d| d.worker_id)
+    }
+
     /// The next event, or `None` after the last one.
     pub async fn next(&mut self) -> Option<Result<GenEvent, ApiError>> {
         loop {

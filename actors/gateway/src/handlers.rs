@@ -134,6 +134,10 @@ async fn handle(
     for v in gens {
         started.push(Generation::start(s.clone(), pre.clone(), v, deadline, t0).await?);
     }
+    let workers: Vec<String> = started
+        .iter()
+        .filter_map(|g| g.worker_id().map(|w| w.to_string()))
+        .collect();
     let out = if opts.stream {
         Ok(stream_response(s.clone(), started, ep, model, opts))
     } else {
@@ -142,8 +146,16 @@ async fn handle(
     s.metrics
         .request_duration
         .observe(t0.elapsed().as_secs_f64());
-    out
+    out.map(|mut r| {
+        if let Ok(v) = axum::http::HeaderValue::from_str(&workers.join(",")) {
+            r.headers_mut().insert(WORKER_HEADER, v);
+        }
+        r
+    })
 }
+
+/// Response header naming the worker(s) that served the request.
+pub const WORKER_HEADER: &str = "x-dynamo-worker";
 
 fn now_s() -> u64 {
     dynamo_bus_schema::unix_ms() / 1000

@@ -40,8 +40,13 @@ impl ModelCache {
         if let Some(p) = self.ready.read().ok().and_then(|r| r.get(model).cloned()) {
             return Ok(p);
         }
-        let entry = list(shared)
-            .await?
+        let all = list(shared).await?;
+        if all.is_empty() {
+            return Err(ApiError::unavailable(
+                "No workers are registered: no model can be served right now. Retry shortly.",
+            ));
+        }
+        let entry = all
             .into_iter()
             .find(|m| m.card.name.0 == model)
             .ok_or_else(|| ApiError::model_not_found(model))?;

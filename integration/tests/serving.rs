@@ -1,0 +1,480 @@
+//! The request path end to end: real nats-server, real dynamo-node processes,
+//! real HTTP, the real SmolLM2 tokenizer and chat template, mocker engines.
+
+use dynamo_integration::*;
+use serde_json::{json, Value};
+
+async fn single_node(workers: u32) -> (Nats, Node, Http) {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut node = Node::start(&node_config("n1", &nats.url, Some(port), workers, ""));
+    let http = Http::new(port);
+    http.wait_ready(workers as u64, &mut node).await;
+    (nats, node, http)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_and_completions_return_the_mockers_tokens_detokenized() {
+    let (_nats, _node, http) = single_node(2).await;
+
+    // /v1/models lists the model.
+    let r = http
+        .client
+        .get(format!("{}/v1/models", http.base))
+        .send()
+        .await
+        .unwrap();
+    let models: Value = r.json().await.unwrap();
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["id"], MODEL);
+
+    // Non-streaming chat: text = mocker tokens through the real tokenizer, usage matches.
+    let content = "What is the capital of France?";
+    let prompt = chat_tokens(content);
+    let (_, want) = expected_text(&prompt, 12);
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 12});
+    let r = http.post("/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    assert_eq!(r.json["object"], "chat.completion");
+    assert_eq!(r.json["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(r.json["choices"][0]["message"]["content"], want.as_str());
+    assert_eq!(r.json["choices"][0]["finish_reason"], "length");
+    assert_eq!(r.json["usage"]["prompt_tokens"], prompt.len());
+    assert_eq!(r.json["usage"]["completion_tokens"], 12);
+    assert_eq!(r.json["usage"]["total_tokens"], prompt.len() + 12);
+    assert!(r.json["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64());
+
+    // Streaming chat: role chunk, content deltas that concatenate to the same text,
+    // a finish chunk, a usage chunk, then [DONE].
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let (status, events) = http.stream("/v1/chat/completions", &sbody).await;
+    assert_eq!(status, 200);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, want);
+    assert!(chunks
+        .iter()
+        .all(|c| c["object"] == "chat.completion.chunk"));
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .filter(|c| !c["choices"][0]["finish_reason"].is_null())
+        .collect();
+    assert_eq!(finish.len(), 1);
+    assert_eq!(finish[0]["choices"][0]["finish_reason"], "length");
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["completion_tokens"], 12);
+    assert_eq!(usage["prompt_tokens"], prompt.len());
+
+    // Completions with a string prompt (no chat template).
+    let ptoks = preprocessor().tokenizer.encode("Once upon a time").unwrap();
+    let (_, want) = expected_text(&ptoks, 7);
+    let r = http
+        .post(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 7}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    assert_eq!(r.json["object"], "text_completion");
+    assert_eq!(r.json["choices"][0]["text"], want.as_str());
+    assert_eq!(r.json["usage"]["prompt_tokens"], ptoks.len());
+
+    // Token-id prompt, and a list of token-id prompts (one choice each).
+    let ids: Vec<u32> = (1000..1040).collect();
+    let (_, want_ids) = expected_text(&ids, 5);
+    let r = http
+        .post(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": ids, "max_tokens": 5}),
+        )
+        .await;
+    assert_eq!(r.json["choices"][0]["text"], want_ids.as_str());
+    assert_eq!(r.json["usage"]["prompt_tokens"], 40);
+    let ids2: Vec<u32> = (2000..2010).collect();
+    let (_, want2) = expected_text(&ids2, 5);
+    let r = http
+        .post(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": [ids, ids2], "max_tokens": 5}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    assert_eq!(r.json["choices"][0]["text"], want_ids.as_str());
+    assert_eq!(r.json["choices"][1]["index"], 1);
+    assert_eq!(r.json["choices"][1]["text"], want2.as_str());
+    assert_eq!(r.json["usage"]["prompt_tokens"], 50);
+    assert_eq!(r.json["usage"]["completion_tokens"], 10);
+
+    // A list of string prompts, streamed: both choices arrive, indexed.
+    let (_, events) = http
+        .stream(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": ["a b c", "d e f"], "max_tokens": 4, "stream": true}),
+        )
+        .await;
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    for (i, p) in ["a b c", "d e f"].iter().enumerate() {
+        let (_, want) = expected_text(&preprocessor().tokenizer.encode(p).unwrap(), 4);
+        let got: String = events[..events.len() - 1]
+            .iter()
+            .map(|e| serde_json::from_str::<Value>(e).unwrap())
+            .filter(|c| c["choices"][0]["index"] == i)
+            .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
+            .collect();
+        assert_eq!(got, want, "choice {i}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_and_max_tokens_end_generation() {
+    let (_nats, _node, http) = single_node(1).await;
+    let ids: Vec<u32> = (3000..3020).collect();
+    let (toks, full) = expected_text(&ids, 30);
+    // Pick a stop string from the middle of the expected output.
+    let pre = preprocessor();
+    let cut_at = pre.tokenizer.decode(&toks[..10]).unwrap().len();
+    let stop: String = full[cut_at..].chars().take(4).collect();
+    let before = &full[..full.find(&stop).unwrap()];
+    for stream in [false, true] {
+        let body = json!({"model": MODEL, "prompt": ids, "max_tokens": 30, "stop": [stop], "stream": stream});
+        let (text, finish) = if stream {
+            let (_, events) = http.stream("/v1/completions", &body).await;
+            assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+            let cs: Vec<Value> = events[..events.len() - 1]
+                .iter()
+                .map(|e| serde_json::from_str(e).unwrap())
+                .collect();
+            let text: String = cs
+                .iter()
+                .filter_map(|c| c["choices"][0]["text"].as_str())
+                .collect();
+            let finish = cs.iter().find_map(|c| {
+                c["choices"][0]["finish_reason"]
+                    .as_str()
+                    .map(str::to_string)
+            });
+            (text, finish.unwrap())
+        } else {
+            let r = http.post("/v1/completions", &body).await;
+            assert_eq!(r.status, 200, "{}", r.json);
+            (
+                r.json["choices"][0]["text"].as_str().unwrap().to_string(),
+                r.json["choices"][0]["finish_reason"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+            )
+        };
+        assert_eq!(text, before, "stream={stream}");
+        assert_eq!(finish, "stop");
+    }
+    // max_tokens is exact.
+    for n in [1, 3, 17] {
+        let r = http
+            .post(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": ids, "max_tokens": n}),
+            )
+            .await;
+        assert_eq!(r.json["usage"]["completion_tokens"], n);
+        assert_eq!(
+            r.json["choices"][0]["text"],
+            expected_text(&ids, n as usize).1.as_str()
+        );
+    }
+    // Completions default to 16 tokens.
+    let r = http
+        .post("/v1/completions", &json!({"model": MODEL, "prompt": ids}))
+        .await;
+    assert_eq!(r.json["usage"]["completion_tokens"], 16);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_prompt_reports_cached_tokens() {
+    let (_nats, _node, http) = single_node(1).await;
+    let content = "Tell me a long story about a lighthouse keeper and the sea.";
+    let prompt_len = chat_tokens(content).len();
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4});
+    let first = http.post("/v1/chat/completions", &body).await;
+    assert_eq!(
+        first.json["usage"]["prompt_tokens_details"]["cached_tokens"],
+        0
+    );
+    let second = http.post("/v1/chat/completions", &body).await;
+    let cached = second.json["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 0, "{}", second.json);
+    assert_eq!(
+        cached as usize,
+        (prompt_len - 1) / 16 * 16,
+        "every full prompt block but the last token's"
+    );
+    assert_eq!(second.json["choices"], first.json["choices"]);
+    // Streaming with include_usage reports it too.
+    let mut sbody = body.clone();
+    sbody["stream"] = json!(true);
+    sbody["stream_options"] = json!({"include_usage": true});
+    let (_, events) = http.stream("/v1/chat/completions", &sbody).await;
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(
+        usage["usage"]["prompt_tokens_details"]["cached_tokens"],
+        cached
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_the_right_status_and_error_object() {
+    let (_nats, _node, http) = single_node(1).await;
+    let chat = |extra: Value| {
+        let mut b = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let cases: Vec<(&str, Value, u16, &str, Option<&str>)> = vec![
+        (
+            "n=2",
+            chat(json!({"n": 2})),
+            400,
+            "invalid_request_error",
+            Some("n"),
+        ),
+        (
+            "temperature",
+            chat(json!({"temperature": 3.5})),
+            400,
+            "invalid_request_error",
+            Some("temperature"),
+        ),
+        (
+            "top_p",
+            chat(json!({"top_p": 0.0})),
+            400,
+            "invalid_request_error",
+            Some("top_p"),
+        ),
+        (
+            "max_tokens=0",
+            chat(json!({"max_tokens": 0})),
+            400,
+            "invalid_request_error",
+            Some("max_tokens"),
+        ),
+        (
+            "stop x5",
+            chat(json!({"stop": ["a", "b", "c", "d", "e"]})),
+            400,
+            "invalid_request_error",
+            Some("stop"),
+        ),
+        (
+            "wrong type",
+            chat(json!({"temperature": "hot"})),
+            400,
+            "invalid_request_error",
+            None,
+        ),
+        (
+            "no messages",
+            json!({"model": MODEL, "messages": []}),
+            400,
+            "invalid_request_error",
+            Some("messages"),
+        ),
+        (
+            "missing model",
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+            400,
+            "invalid_request_error",
+            Some("model"),
+        ),
+        (
+            "bad role",
+            json!({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}),
+            400,
+            "invalid_request_error",
+            Some("messages.[0].role"),
+        ),
+        (
+            "unknown model",
+            json!({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}),
+            404,
+            "invalid_request_error",
+            Some("model"),
+        ),
+        (
+            "too long",
+            chat(json!({"max_tokens": 8190})),
+            400,
+            "invalid_request_error",
+            Some("messages"),
+        ),
+    ];
+    for (name, body, status, kind, param) in cases {
+        let r = http.post("/v1/chat/completions", &body).await;
+        assert_error(&r, status, kind);
+        if let Some(p) = param {
+            assert_eq!(r.json["error"]["param"], p, "{name}: {}", r.json);
+        }
+    }
+    let r = http
+        .post("/v1/chat/completions", &chat(json!({"max_tokens": 8190})))
+        .await;
+    assert_eq!(r.json["error"]["code"], "context_length_exceeded");
+    let r = http
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": "gpt-9", "messages": []}),
+        )
+        .await;
+    assert_eq!(r.json["error"]["code"], "model_not_found");
+
+    // Malformed JSON.
+    let r = http.post_raw("/v1/chat/completions", "{\"model\": ").await;
+    assert_error(&r, 400, "invalid_request_error");
+    // Completions: out-of-vocabulary and negative token ids, empty prompt, mixed list.
+    for prompt in [
+        json!([1, 2, 999999]),
+        json!([1, -2]),
+        json!(""),
+        json!([]),
+        json!([[1], "x"]),
+        json!(5),
+    ] {
+        let r = http
+            .post(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": prompt}),
+            )
+            .await;
+        assert_error(&r, 400, "invalid_request_error");
+        assert_eq!(r.json["error"]["param"], "prompt", "{prompt}: {}", r.json);
+    }
+    // A prompt longer than the context.
+    let long: Vec<u32> = vec![300; 9000];
+    let r = http
+        .post(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": long, "max_tokens": 1}),
+        )
+        .await;
+    assert_error(&r, 400, "invalid_request_error");
+    assert_eq!(r.json["error"]["code"], "context_length_exceeded");
+    // Body over the configured limit (64 KiB in these tests) → 413.
+    let big = json!({"model": MODEL, "prompt": "x".repeat(70_000)});
+    let r = http.post("/v1/completions", &big).await;
+    assert_error(&r, 413, "invalid_request_error");
+    // Unknown path and wrong method.
+    let r = http.post("/v1/embeddingz", &json!({})).await;
+    assert_error(&r, 404, "invalid_request_error");
+    let r = http
+        .client
+        .get(format!("{}/v1/chat/completions", http.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 405);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+
+    // Errors are counted in /metrics, with the request metrics.
+    let m = http
+        .client
+        .get(format!("{}/metrics", http.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        m.contains("dynamo_gateway_errors_total{kind=\"model_not_found\"}"),
+        "{m}"
+    );
+    assert!(m.contains("dynamo_gateway_requests_total"), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_worker_means_503_with_a_clear_message() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut gw = Node::start(&node_config("gw", &nats.url, Some(port), 0, ""));
+    let http = Http::new(port);
+    http.wait_ready(0, &mut gw).await;
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]});
+    let r = http.post("/v1/chat/completions", &body).await;
+    assert_error(&r, 503, "service_unavailable_error");
+    assert!(
+        r.json["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("No workers"),
+        "{}",
+        r.json
+    );
+
+    // A worker node joins: requests succeed. It leaves (SIGKILL): 503 again, not a hang.
+    let mut w = Node::start(&node_config("w1", &nats.url, None, 1, ""));
+    http.wait_ready(1, &mut w).await;
+    let r = http.post("/v1/chat/completions", &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})).await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    w.signal(libc::SIGKILL);
+    w.wait(std::time::Duration::from_secs(5));
+    let r = http.post("/v1/chat/completions", &body).await;
+    assert_error(&r, 503, "service_unavailable_error");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_worker_processes_share_the_load() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut gw = Node::start(&node_config("gw", &nats.url, Some(port), 0, ""));
+    let _w1 = Node::start(&node_config("w1", &nats.url, None, 1, ""));
+    let _w2 = Node::start(&node_config("w2", &nats.url, None, 1, ""));
+    let http = Http::new(port);
+    http.wait_ready(2, &mut gw).await;
+    let mut served: std::collections::HashMap<String, usize> = Default::default();
+    for i in 0..20 {
+        let r = http
+            .post(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": format!("request {i}"), "max_tokens": 3}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.json);
+        *served
+            .entry(r.worker.expect("x-dynamo-worker header"))
+            .or_default() += 1;
+    }
+    assert_eq!(served.len(), 2, "{served:?}");
+    assert!(served.values().all(|&n| n >= 8), "uneven split {served:?}");
+
+    // Concurrent requests are spread too, and all complete.
+    let futs = (0..16).map(|i| {
+        let http = &http;
+        async move {
+            http.post(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": format!("c {i}"), "max_tokens": 8}),
+            )
+            .await
+        }
+    });
+    let replies = futures::future::join_all(futs).await;
+    assert!(replies.iter().all(|r| r.status == 200));
+    let distinct: std::collections::HashSet<_> =
+        replies.iter().filter_map(|r| r.worker.clone()).collect();
+    assert_eq!(distinct.len(), 2);
+}
