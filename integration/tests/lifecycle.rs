@@ -1,0 +1,256 @@
+//! Supervision, graceful shutdown and the admin CLI, with real processes.
+
+use dynamo_bus_schema::{
+    decode, encode, FaultAck, FaultInjection, FaultKind, WorkerId, WorkerRegistration,
+};
+use dynamo_integration::*;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+async fn registrations(nats_url: &str) -> Vec<WorkerRegistration> {
+    let client = async_nats::connect(nats_url).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let kv = js.get_key_value("dynamo_it_workers").await.unwrap();
+    let mut keys = kv.keys().await.unwrap();
+    let mut out = Vec::new();
+    while let Some(k) = keys.next().await {
+        if let Some(v) = kv.get(k.unwrap()).await.unwrap() {
+            out.push(decode::<WorkerRegistration>(&v).unwrap());
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_worker_is_restarted_and_serves_again() {
+    let nats = Nats::start();
+    let port = free_port();
+    let extra = "[supervision]\nrestart_base_ms = 50\nfault_injection = true\n";
+    let mut node = Node::start(&node_config("n1", &nats.url, Some(port), 1, extra));
+    let http = Http::new(port);
+    http.wait_ready(1, &mut node).await;
+    let body = json!({"model": MODEL, "prompt": [500, 501, 502], "max_tokens": 3});
+    let before = http.post("/v1/completions", &body).await;
+    assert_eq!(before.status, 200);
+    let regs = registrations(&nats.url).await;
+    assert_eq!(regs.len(), 1);
+    let (worker, gen0) = (regs[0].worker_id, regs[0].generation);
+
+    // Make the worker actor panic inside its message handler.
+    let client = async_nats::connect(&nats.url).await.unwrap();
+    let subject = "dynamo.it.node.n1.fault".to_string();
+    let msg = FaultInjection {
+        worker_id: worker,
+        fault: FaultKind::PanicActor,
+    };
+    let reply = client
+        .request(subject.clone(), encode(&msg).unwrap().into())
+        .await
+        .unwrap();
+    let ack: FaultAck = decode(&reply.payload).unwrap();
+    assert!(ack.applied, "{}", ack.message);
+
+    // The supervisor restarts it: same id, newer generation, serving again.
+    let t0 = Instant::now();
+    loop {
+        let regs = registrations(&nats.url).await;
+        if regs
+            .iter()
+            .any(|r| r.worker_id == worker && r.generation > gen0)
+        {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "worker not restarted:\n{}",
+            node.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(node.alive(), "the node must survive an actor panic");
+    let log = node.log_text();
+    assert!(
+        log.contains("fault injected into worker"),
+        "panic not logged"
+    );
+    assert!(
+        log.contains("actor exited; restarting"),
+        "restart not logged:\n{log}"
+    );
+    let mut after = http.post("/v1/completions", &body).await;
+    for _ in 0..40 {
+        if after.status == 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        after = http.post("/v1/completions", &body).await;
+    }
+    assert_eq!(after.status, 200, "{}", after.json);
+    assert_eq!(
+        after.json["choices"], before.json["choices"],
+        "same deterministic output after restart"
+    );
+
+    // Fault injection for an unknown worker is refused, not fatal.
+    let msg = FaultInjection {
+        worker_id: WorkerId(1),
+        fault: FaultKind::PanicActor,
+    };
+    let reply = client
+        .request(subject, encode(&msg).unwrap().into())
+        .await
+        .unwrap();
+    assert!(!decode::<FaultAck>(&reply.payload).unwrap().applied);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_injection_is_off_unless_configured() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut node = Node::start(&node_config("n1", &nats.url, Some(port), 1, ""));
+    Http::new(port).wait_ready(1, &mut node).await;
+    let client = async_nats::connect(&nats.url).await.unwrap();
+    let msg = FaultInjection {
+        worker_id: WorkerId(1),
+        fault: FaultKind::PanicActor,
+    };
+    let res = client
+        .request("dynamo.it.node.n1.fault", encode(&msg).unwrap().into())
+        .await;
+    assert!(res.is_err(), "nobody should answer fault injection");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_in_flight_streams_then_exits() {
+    let nats = Nats::start();
+    let port = free_port();
+    // Real-time mocker so the stream takes a while (~200 decode steps of ≥ 5.7 ms).
+    let cfg =
+        node_config("n1", &nats.url, Some(port), 1, "").replace("speedup = 0.0", "speedup = 1.0");
+    let mut node = Node::start(&cfg);
+    let http = Http::new(port);
+    http.wait_ready(1, &mut node).await;
+    let ids: Vec<u32> = (700..720).collect();
+    let body = json!({"model": MODEL, "prompt": ids, "max_tokens": 200, "stream": true});
+    let stream = tokio::spawn({
+        let http = Http::new(port);
+        async move { http.stream("/v1/completions", &body).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    node.signal(libc::SIGTERM);
+    let (status, events) = stream.await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "stream was cut: {events:?}"
+    );
+    let text: String = events[..events.len() - 1]
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(text, expected_text(&ids, 200).1);
+    assert_eq!(
+        node.wait(Duration::from_secs(20)),
+        Some(0),
+        "{}",
+        node.log_text()
+    );
+    // New requests are refused once shutdown began (the port is closed now).
+    assert!(http
+        .client
+        .get(format!("{}/health", http.base))
+        .send()
+        .await
+        .is_err());
+    // The worker deregistered.
+    assert!(registrations(&nats.url).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamoctl_status_and_bench() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut node = Node::start(&node_config("n1", &nats.url, Some(port), 2, ""));
+    let http = Http::new(port);
+    http.wait_ready(2, &mut node).await;
+    let out = std::process::Command::new(bin("dynamoctl"))
+        .args(["status", "--json", "--namespace", "it", "--nats", &nats.url])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["nodes"][0]["node_id"], "n1");
+    assert_eq!(v["nodes"][0]["pid"], node.pid());
+    assert_eq!(v["workers"].as_array().unwrap().len(), 2);
+    for w in v["workers"].as_array().unwrap() {
+        assert_eq!(w["state"], "serving");
+        assert_eq!(w["model"], MODEL);
+        assert_eq!(w["pid"], node.pid());
+        assert!(w["load"]["kv_total_blocks"].as_u64().unwrap() > 0);
+    }
+    assert_eq!(v["models"][0]["workers"], 2);
+    // Human output names the same things.
+    let out = std::process::Command::new(bin("dynamoctl"))
+        .args(["status", "--namespace", "it", "--nats", &nats.url])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("n1") && text.contains(MODEL), "{text}");
+    // A bad URL is a clear error with a non-zero exit.
+    let out = std::process::Command::new(bin("dynamoctl"))
+        .args(["status", "--nats", "nats://127.0.0.1:1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("dynamoctl:"));
+
+    for stream in [false, true] {
+        let mut args = vec![
+            "bench",
+            "--url",
+            &http.base,
+            "--concurrency",
+            "4",
+            "--requests",
+            "40",
+            "--max-tokens",
+            "8",
+            "--prompt-tokens",
+            "30",
+            "--json",
+        ];
+        if stream {
+            args.push("--stream");
+        }
+        let out = std::process::Command::new(bin("dynamoctl"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(r["requests"], 40);
+        assert_eq!(r["ok"], 40, "{r}");
+        assert_eq!(r["errors"], 0);
+        for k in [
+            "req_per_s",
+            "latency_p50_ms",
+            "latency_p99_ms",
+            "output_tokens_per_s",
+        ] {
+            assert!(r[k].as_f64().unwrap() > 0.0, "{k} in {r}");
+        }
+        assert_eq!(r["ttft_p50_ms"].is_number(), stream, "{r}");
+        assert_eq!(r["itl_p50_ms"].is_number(), stream, "{r}");
+    }
+}
