@@ -159,6 +159,21 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
 }
 
+impl SamplingParams {
+    /// Greedy decoding of up to `max_tokens` tokens, no seed, no extra stops.
+    pub fn greedy(max_tokens: u32) -> Self {
+        SamplingParams {
+            max_tokens,
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: None,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
 /// Gateway → worker (`Subjects::worker_generate`), sent as a NATS request;
 /// the worker replies with a [`GenerateAck`] and then streams frames to
 /// `reply_to`.

@@ -254,3 +254,64 @@ async fn dynamoctl_status_and_bench() {
         assert_eq!(r["itl_p50_ms"].is_number(), stream, "{r}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_disconnect_cancels_the_request_on_the_worker() {
+    let nats = Nats::start();
+    let port = free_port();
+    let cfg =
+        node_config("n1", &nats.url, Some(port), 1, "").replace("speedup = 0.0", "speedup = 1.0");
+    let mut node = Node::start(&cfg);
+    let http = Http::new(port);
+    http.wait_ready(1, &mut node).await;
+    let load = |regs: Vec<WorkerRegistration>| regs[0].load.clone();
+
+    let body = json!({"model": MODEL, "prompt": (800..900).collect::<Vec<u32>>(), "max_tokens": 2000, "stream": true});
+    let resp = http
+        .client
+        .post(format!("{}/v1/completions", http.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let mut chunks = resp.bytes_stream();
+    let first = chunks.next().await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&first).starts_with("data: "));
+    // The worker reports the request and its blocks while it runs…
+    let t0 = Instant::now();
+    loop {
+        let l = load(registrations(&nats.url).await);
+        if l.inflight_requests == 1 && l.kv_used_blocks > 0 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "request never showed up in the load: {l:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // …and drops both soon after the client goes away (long before 2,000 tokens).
+    drop(chunks);
+    let t0 = Instant::now();
+    loop {
+        let l = load(registrations(&nats.url).await);
+        if l.inflight_requests == 0 && l.kv_used_blocks == 0 && l.active_seqs == 0 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "request not cancelled: {l:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let m = http
+        .client
+        .get(format!("{}/metrics", http.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(m.contains("dynamo_gateway_inflight_requests 0"), "{m}");
+}

@@ -139,13 +139,15 @@ async fn handle(
         .filter_map(|g| g.worker_id().map(|w| w.to_string()))
         .collect();
     let out = if opts.stream {
-        Ok(stream_response(s.clone(), started, ep, model, opts))
+        // The stream task observes the duration when the stream ends.
+        Ok(stream_response(s.clone(), started, ep, model, opts, t0))
     } else {
-        collect_response(started, ep, &model).await
+        let r = collect_response(started, ep, &model).await;
+        s.metrics
+            .request_duration
+            .observe(t0.elapsed().as_secs_f64());
+        r
     };
-    s.metrics
-        .request_duration
-        .observe(t0.elapsed().as_secs_f64());
     out.map(|mut r| {
         if let Ok(v) = axum::http::HeaderValue::from_str(&workers.join(",")) {
             r.headers_mut().insert(WORKER_HEADER, v);
@@ -216,6 +218,7 @@ fn stream_response(
     ep: Endpoint,
     model: String,
     opts: ValidOptions,
+    t0: Instant,
 ) -> Response {
     let id = response_id(ep, &gens[0]);
     let created = now_s();
@@ -302,6 +305,9 @@ fn stream_response(
             return;
         }
         let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
+        s.metrics
+            .request_duration
+            .observe(t0.elapsed().as_secs_f64());
     });
     Sse::new(tokio_stream::wrappers::ReceiverStream::new(rx))
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))

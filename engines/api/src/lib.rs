@@ -13,7 +13,7 @@
 
 use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::{
-    ErrorKind, FinishReason, GenerateRequest, LoadMetrics, RequestId, WireError,
+    ErrorKind, FinishReason, GenerateRequest, LoadMetrics, RequestId, SamplingParams, WireError,
 };
 use thiserror::Error;
 use tokio::sync::mpsc;
@@ -78,12 +78,20 @@ pub enum RequestError {
 impl ValidRequest {
     /// Checks a wire request against the model's limits.
     pub fn parse(req: &GenerateRequest, limits: EngineLimits) -> Result<Self, RequestError> {
-        let s = &req.sampling;
-        if req.token_ids.is_empty() {
+        Self::from_parts(req.request_id, req.token_ids.clone(), &req.sampling, limits)
+    }
+
+    /// Checks a prompt and sampling parameters against the model's limits.
+    pub fn from_parts(
+        id: RequestId,
+        prompt: Vec<u32>,
+        s: &SamplingParams,
+        limits: EngineLimits,
+    ) -> Result<Self, RequestError> {
+        if prompt.is_empty() {
             return Err(RequestError::EmptyPrompt);
         }
-        if let Some((position, &token)) = req
-            .token_ids
+        if let Some((position, &token)) = prompt
             .iter()
             .enumerate()
             .find(|(_, &t)| t >= limits.vocab_size)
@@ -97,9 +105,9 @@ impl ValidRequest {
         if s.max_tokens == 0 {
             return Err(RequestError::ZeroMaxTokens);
         }
-        if req.token_ids.len() as u64 + s.max_tokens as u64 > limits.context_length as u64 {
+        if prompt.len() as u64 + s.max_tokens as u64 > limits.context_length as u64 {
             return Err(RequestError::TooLong {
-                prompt: req.token_ids.len(),
+                prompt: prompt.len(),
                 max_tokens: s.max_tokens,
                 context: limits.context_length,
             });
@@ -119,8 +127,8 @@ impl ValidRequest {
             });
         }
         Ok(ValidRequest {
-            id: req.request_id,
-            prompt: req.token_ids.clone(),
+            id,
+            prompt,
             sampling: ValidSampling {
                 max_tokens: s.max_tokens,
                 temperature: s.temperature,
@@ -227,22 +235,14 @@ pub trait Engine: Send + Sync + 'static {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dynamo_bus_schema::{ModelName, SamplingParams};
+    use dynamo_bus_schema::ModelName;
 
     fn req(tokens: Vec<u32>, max_tokens: u32) -> GenerateRequest {
         GenerateRequest {
             request_id: RequestId(1),
             model: ModelName("m".into()),
             token_ids: tokens,
-            sampling: SamplingParams {
-                max_tokens,
-                temperature: 0.0,
-                top_p: 1.0,
-                top_k: 0,
-                seed: None,
-                stop_token_ids: vec![],
-                ignore_eos: false,
-            },
+            sampling: SamplingParams::greedy(max_tokens),
             reply_to: "x".into(),
             deadline_unix_ms: 0,
         }

@@ -360,32 +360,20 @@ pub fn block_hashes(tokens: &[u32], bs: usize, salt: u64) -> Vec<SequenceHash> {
 mod tests {
     use super::*;
     use crate::tokens::predict;
-    use dynamo_bus_schema::{GenerateRequest, ModelName, SamplingParams};
+    use dynamo_bus_schema::SamplingParams;
     use dynamo_engine::EngineLimits;
 
+    const LIMITS: EngineLimits = EngineLimits {
+        context_length: 100_000,
+        vocab_size: 1000,
+    };
+
     fn req(id: u128, prompt: Vec<u32>, max_tokens: u32) -> ValidRequest {
-        let r = GenerateRequest {
-            request_id: RequestId(id),
-            model: ModelName("m".into()),
-            token_ids: prompt,
-            sampling: SamplingParams {
-                max_tokens,
-                temperature: 0.0,
-                top_p: 1.0,
-                top_k: 0,
-                seed: None,
-                stop_token_ids: vec![],
-                ignore_eos: false,
-            },
-            reply_to: String::new(),
-            deadline_unix_ms: 0,
-        };
-        ValidRequest::parse(
-            &r,
-            EngineLimits {
-                context_length: 100_000,
-                vocab_size: 1000,
-            },
+        ValidRequest::from_parts(
+            RequestId(id),
+            prompt,
+            &SamplingParams::greedy(max_tokens),
+            LIMITS,
         )
         .unwrap()
     }
@@ -505,36 +493,9 @@ mod tests {
         let mut c = core(MockerConfig::default());
         let prompt: Vec<u32> = (100..110).collect();
         let expect = predict(&prompt, 3, 0, 100, 1000);
-        let mut r = req(1, prompt, 50);
-        // Make the third generated token a stop token.
-        let mut wire_stop = r.sampling().stop_token_ids.clone();
-        wire_stop.push(expect[2]);
-        r = {
-            let g = GenerateRequest {
-                request_id: RequestId(1),
-                model: ModelName("m".into()),
-                token_ids: r.prompt().to_vec(),
-                sampling: SamplingParams {
-                    max_tokens: 50,
-                    temperature: 0.0,
-                    top_p: 1.0,
-                    top_k: 0,
-                    seed: None,
-                    stop_token_ids: wire_stop,
-                    ignore_eos: false,
-                },
-                reply_to: String::new(),
-                deadline_unix_ms: 0,
-            };
-            ValidRequest::parse(
-                &g,
-                EngineLimits {
-                    context_length: 1000,
-                    vocab_size: 1000,
-                },
-            )
-            .unwrap()
-        };
+        let mut sampling = SamplingParams::greedy(50);
+        sampling.stop_token_ids.push(expect[2]);
+        let r = ValidRequest::from_parts(RequestId(1), prompt, &sampling, LIMITS).unwrap();
         c.add(r).unwrap();
         let res = run_to_end(&mut c);
         let (_, toks, reason) = &res[&RequestId(1)];

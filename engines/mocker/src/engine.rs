@@ -169,34 +169,17 @@ fn publish_load(core: &MockerCore, load: &Mutex<LoadMetrics>) {
 mod tests {
     use super::*;
     use crate::tokens::predict;
-    use dynamo_bus_schema::{FinishReason, GenerateRequest, ModelName, SamplingParams};
+    use dynamo_bus_schema::{FinishReason, SamplingParams};
     use dynamo_engine::EngineLimits;
 
     fn req(id: u128, prompt: Vec<u32>, max_tokens: u32) -> ValidRequest {
-        let g = GenerateRequest {
-            request_id: RequestId(id),
-            model: ModelName("m".into()),
-            token_ids: prompt,
-            sampling: SamplingParams {
-                max_tokens,
-                temperature: 0.0,
-                top_p: 1.0,
-                top_k: 0,
-                seed: Some(3),
-                stop_token_ids: vec![],
-                ignore_eos: false,
-            },
-            reply_to: String::new(),
-            deadline_unix_ms: 0,
+        let mut sampling = SamplingParams::greedy(max_tokens);
+        sampling.seed = Some(3);
+        let limits = EngineLimits {
+            context_length: 4096,
+            vocab_size: 1000,
         };
-        ValidRequest::parse(
-            &g,
-            EngineLimits {
-                context_length: 4096,
-                vocab_size: 1000,
-            },
-        )
-        .unwrap()
+        ValidRequest::from_parts(RequestId(id), prompt, &sampling, limits).unwrap()
     }
 
     fn model() -> MockerModel {
