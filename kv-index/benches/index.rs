@@ -13,13 +13,13 @@ fn bench(c: &mut Criterion) {
     let mut rng = Rng(9);
     c.bench_function("find_matches/256 blocks, full hit, 1M-block index", |b| {
         b.iter(|| {
-            let q = &w.chains[(rng.next() % 4096) as usize];
+            let q = &w.chains[(rng.next_u64() % 4096) as usize];
             black_box(w.index.find_matches(q))
         })
     });
     c.bench_function("find_matches/256 blocks, miss", |b| {
         let miss: Vec<_> = (0..256)
-            .map(|_| dynamo_bus_schema::blocks::SequenceHash(rng.next()))
+            .map(|_| dynamo_bus_schema::blocks::SequenceHash(rng.next_u64()))
             .collect();
         b.iter(|| black_box(w.index.find_matches(&miss)))
     });

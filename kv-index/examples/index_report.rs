@@ -29,7 +29,7 @@ fn main() {
     let mut rng = Rng(1);
     let mut lat = Vec::with_capacity(200_000);
     for _ in 0..200_000 {
-        let q = &w.chains[(rng.next() % 4096) as usize];
+        let q = &w.chains[(rng.next_u64() % 4096) as usize];
         let t = Instant::now();
         let m = black_box(w.index.find_matches(q));
         lat.push(t.elapsed().as_nanos() as u64);
@@ -64,7 +64,7 @@ fn main() {
             data: IndexEventData::Stored {
                 tier: Tier::Device,
                 parent: None,
-                blocks: (0..4).map(|_| SequenceHash(rng.next())).collect(),
+                blocks: (0..4).map(|_| SequenceHash(rng.next_u64())).collect(),
             },
         });
     }

@@ -11,7 +11,7 @@ use dynamo_bus_schema::WorkerId;
 pub struct Rng(pub u64);
 
 impl Rng {
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -31,9 +31,9 @@ pub fn build(chains: usize, len: usize, workers: u64, holders: usize, seed: u64)
     let mut index = KvIndex::new();
     let mut all = Vec::with_capacity(chains);
     for _ in 0..chains {
-        let chain: Vec<SequenceHash> = (0..len).map(|_| SequenceHash(rng.next())).collect();
+        let chain: Vec<SequenceHash> = (0..len).map(|_| SequenceHash(rng.next_u64())).collect();
         for _ in 0..holders {
-            let w = WorkerId(rng.next() % workers);
+            let w = WorkerId(rng.next_u64() % workers);
             for part in chain.chunks(64) {
                 let ev = IndexEvent {
                     worker: w,
@@ -66,7 +66,7 @@ pub fn stored_events(
                 tier: Tier::Device,
                 parent: None,
                 blocks: (0..blocks_per_event)
-                    .map(|_| SequenceHash(rng.next()))
+                    .map(|_| SequenceHash(rng.next_u64()))
                     .collect(),
             },
         })
