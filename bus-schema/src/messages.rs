@@ -138,6 +138,27 @@ open_enum!(
 );
 
 open_enum!(
+    /// Where a KV block lives.
+    StorageTier {
+        Device = 1,
+        Host = 2,
+        Disk = 3,
+    }
+);
+
+open_enum!(
+    /// What happened to a worker's KV blocks.
+    KvEventKind {
+        /// `blocks` were stored after `parent`, in prefix order.
+        Stored = 1,
+        /// `blocks` were evicted from `tier`.
+        Removed = 2,
+        /// Every block of the worker is gone (engine restart, cache reset).
+        Cleared = 3,
+    }
+);
+
+open_enum!(
     /// Faults a node injects into its own actors when its config allows it.
     FaultKind {
         /// The target actor panics inside its message handler.
@@ -280,6 +301,8 @@ pub struct ModelCard {
     pub vocab_size: u32,
     /// HF `tokenizer.json` built from the model file, fetched from the worker.
     pub tokenizer: ArtifactRef,
+    /// Seed of the block hashes (`blocks::hash_salt`); router and engine must agree.
+    pub hash_salt: u64,
     /// Where the weights/metadata came from (file name), for humans.
     pub source: String,
 }
@@ -376,6 +399,45 @@ pub struct FaultAck {
     pub message: String,
 }
 wire!(FaultAck = 51);
+
+/// One KV event of one worker: `Event { id, data }`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KvEvent {
+    /// Per-worker, strictly increasing from 1 within a generation.
+    pub event_id: EventId,
+    pub kind: KvEventKind,
+    pub tier: StorageTier,
+    pub parent: Option<crate::blocks::SequenceHash>,
+    pub blocks: Vec<crate::blocks::SequenceHash>,
+}
+
+/// Worker → `Subjects::kv_events(worker)` (captured by a JetStream stream):
+/// the events of one engine step, in order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KvEventBatch {
+    pub worker_id: WorkerId,
+    pub generation: u64,
+    pub events: Vec<KvEvent>,
+}
+wire!(KvEventBatch = 60);
+
+/// Router → worker (`Subjects::worker_kv_dump`): send your whole block table.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KvDumpRequest {
+    pub reason: String,
+}
+wire!(KvDumpRequest = 61);
+
+/// A worker's whole block table, consistent with its events up to `last_event_id`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KvDump {
+    pub worker_id: WorkerId,
+    pub generation: u64,
+    pub last_event_id: EventId,
+    pub tier: StorageTier,
+    pub blocks: Vec<crate::blocks::SequenceHash>,
+}
+wire!(KvDump = 62);
 
 /// Unix time in milliseconds (0 if the clock is before 1970).
 pub fn unix_ms() -> u64 {

@@ -75,6 +75,22 @@ impl Subjects {
     pub fn load_all(&self) -> String {
         format!("{}.load.*", self.base())
     }
+    /// A worker's KV events ([`crate::KvEventBatch`]).
+    pub fn kv_events(&self, w: WorkerId) -> String {
+        format!("{}.kv.{w}", self.base())
+    }
+    /// Every worker's KV events (the subjects of the KV events stream).
+    pub fn kv_events_all(&self) -> String {
+        format!("{}.kv.*", self.base())
+    }
+    /// JetStream stream holding every worker's KV events.
+    pub fn kv_events_stream(&self) -> String {
+        format!("dynamo_{}_kv_events", self.ns.0)
+    }
+    /// Worker answers [`crate::KvDumpRequest`]s here.
+    pub fn worker_kv_dump(&self, w: WorkerId) -> String {
+        format!("{}.worker.{w}.kv_dump", self.base())
+    }
     /// A node's fault-injection endpoint.
     pub fn node_fault(&self, n: &NodeId) -> String {
         // Node ids come from configs; keep only subject-safe characters.

@@ -21,6 +21,7 @@ fn card() -> ModelCard {
             sha256: "ab".repeat(32),
         },
         source: "model.gguf".into(),
+        hash_salt: 1337,
     }
 }
 
@@ -172,6 +173,45 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             enc(encode(&FaultInjection {
                 worker_id: wid,
                 fault: FaultKind::PanicActor,
+            })),
+        ),
+        (
+            "KvEventBatch",
+            enc(encode(&KvEventBatch {
+                worker_id: wid,
+                generation: 3,
+                events: vec![
+                    KvEvent {
+                        event_id: EventId(7),
+                        kind: KvEventKind::Stored,
+                        tier: StorageTier::Device,
+                        parent: Some(blocks::SequenceHash(11)),
+                        blocks: vec![blocks::SequenceHash(12), blocks::SequenceHash(13)],
+                    },
+                    KvEvent {
+                        event_id: EventId(8),
+                        kind: KvEventKind::Cleared,
+                        tier: StorageTier::Host,
+                        parent: None,
+                        blocks: vec![],
+                    },
+                ],
+            })),
+        ),
+        (
+            "KvDumpRequest",
+            enc(encode(&KvDumpRequest {
+                reason: "gap".into(),
+            })),
+        ),
+        (
+            "KvDump",
+            enc(encode(&KvDump {
+                worker_id: wid,
+                generation: 3,
+                last_event_id: EventId(8),
+                tier: StorageTier::Device,
+                blocks: vec![blocks::SequenceHash(12)],
             })),
         ),
         (

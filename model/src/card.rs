@@ -98,6 +98,7 @@ impl LoadedModel {
                 len: tokenizer_json.len() as u64,
                 sha256: sha256_hex(&tokenizer_json),
             },
+            hash_salt: dynamo_bus_schema::blocks::hash_salt(served_name, None),
             source: path
                 .file_name()
                 .map(|f| f.to_string_lossy().into_owned())

@@ -78,6 +78,14 @@ pub struct RawGateway {
 pub struct RawRouter {
     pub policy: Option<String>,
     pub worker_ttl_ms: Option<u64>,
+    /// kv_aware: weight of prefill blocks against decode blocks.
+    pub overlap_weight: Option<f64>,
+    /// kv_aware: share of prefill cost still paid for a host-tier hit.
+    pub host_hit_cost: Option<f64>,
+    /// kv_aware: share of prefill cost still paid for a disk-tier hit.
+    pub disk_hit_cost: Option<f64>,
+    /// kv_aware: softmax temperature (0 = deterministic).
+    pub temperature: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -253,6 +261,45 @@ impl NodeConfig {
                 Some(p) => p.parse().map_err(|e: String| invalid("router.policy", e))?,
             },
         };
+        let mut router = router;
+        if let PolicyKind::KvAware(w) = &mut router.policy {
+            for (key, v, slot) in [
+                (
+                    "router.overlap_weight",
+                    r.overlap_weight,
+                    &mut w.overlap_weight,
+                ),
+                (
+                    "router.host_hit_cost",
+                    r.host_hit_cost,
+                    &mut w.host_hit_cost,
+                ),
+                (
+                    "router.disk_hit_cost",
+                    r.disk_hit_cost,
+                    &mut w.disk_hit_cost,
+                ),
+                ("router.temperature", r.temperature, &mut w.temperature),
+            ] {
+                if let Some(v) = v {
+                    if !(v.is_finite() && v >= 0.0) {
+                        return Err(invalid(key, "must be a finite number >= 0"));
+                    }
+                    *slot = v;
+                }
+            }
+        } else if r
+            .overlap_weight
+            .or(r.host_hit_cost)
+            .or(r.disk_hit_cost)
+            .or(r.temperature)
+            .is_some()
+        {
+            return Err(invalid(
+                "router.policy",
+                "cost weights are only used by policy = \"kv_aware\"",
+            ));
+        }
         if router.worker_ttl < Duration::from_millis(100) {
             return Err(invalid("router.worker_ttl_ms", "must be at least 100"));
         }

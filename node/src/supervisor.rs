@@ -283,7 +283,7 @@ impl SupervisorState {
                 let mocker_model = MockerModel {
                     vocab_size: model.card.vocab_size,
                     eos_token_ids: model.card.eos_token_ids.clone(),
-                    hash_salt: hash_salt(&model.card.name.0, None),
+                    hash_salt: model.card.hash_salt,
                 };
                 let engine: EngineFactory = Arc::new(move || {
                     MockerEngine::start(mocker_cfg.clone(), mocker_model.clone())

@@ -348,14 +348,81 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    let mut text = s.metrics.render();
+    if let Ok(r) = s.router() {
+        if let Ok(ractor::rpc::CallResult::Success(info)) = r
+            .call(
+                dynamo_router::RouterMsg::KvInfo,
+                Some(Duration::from_secs(1)),
+            )
+            .await
+        {
+            text.push_str(&router_metrics(&info));
+        }
+    }
     (
         [(
             axum::http::header::CONTENT_TYPE,
             "text/plain; version=0.0.4",
         )],
-        s.metrics.render(),
+        text,
     )
         .into_response()
+}
+
+/// The router's KV index state in the Prometheus text format.
+fn router_metrics(info: &dynamo_router::KvInfo) -> String {
+    use std::fmt::Write;
+    let st = &info.stats;
+    let mut out = String::new();
+    for (name, help, v) in [
+        (
+            "kv_events_applied_total",
+            "KV events applied to the index",
+            st.applied,
+        ),
+        (
+            "kv_event_duplicates_total",
+            "KV events dropped as duplicates",
+            st.duplicates,
+        ),
+        (
+            "kv_event_gaps_total",
+            "Gaps detected in a worker's KV event ids",
+            st.gaps,
+        ),
+        (
+            "kv_dumps_total",
+            "Worker block tables loaded (start-up and gap repair)",
+            st.dumps,
+        ),
+        (
+            "kv_events_unknown_total",
+            "KV events of a kind or tier this build does not know",
+            st.unknown,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP dynamo_router_{name} {help}");
+        let _ = writeln!(out, "# TYPE dynamo_router_{name} counter");
+        let _ = writeln!(out, "dynamo_router_{name} {v}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP dynamo_router_kv_index_blocks Blocks the router's index holds per worker and tier"
+    );
+    let _ = writeln!(out, "# TYPE dynamo_router_kv_index_blocks gauge");
+    for (w, b) in &info.blocks {
+        for (tier, n) in ["device", "host", "disk"].iter().zip(b) {
+            let _ = writeln!(
+                out,
+                "dynamo_router_kv_index_blocks{{worker=\"{w}\",tier=\"{tier}\"}} {n}"
+            );
+        }
+    }
+    let _ = writeln!(out, "# HELP dynamo_router_info Routing policy in use");
+    let _ = writeln!(out, "# TYPE dynamo_router_info gauge");
+    let _ = writeln!(out, "dynamo_router_info{{policy=\"{}\"}} 1", info.policy);
+    out
 }
 
 /// Used by tests: validate without serving.

@@ -8,7 +8,10 @@
 
 use crate::policy::{build, PolicyKind};
 use crate::state::{ModelEntry, RouteDecision, RouteError, RouterState, WorkerEntry};
-use dynamo_bus_schema::{decode, LoadReport, ModelName, WorkerId, WorkerRegistration};
+use dynamo_bus_schema::{
+    decode, KvDump, KvDumpRequest, KvEventBatch, LoadReport, ModelName, WorkerId,
+    WorkerRegistration,
+};
 use dynamo_runtime::{counters, Backoff, Bus};
 use futures::StreamExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -36,6 +39,8 @@ impl Default for RouterConfig {
 
 pub enum RouterMsg {
     Upsert(Box<WorkerRegistration>),
+    KvBatch(KvEventBatch),
+    KvDump(KvDump),
     Remove(WorkerId),
     Load(LoadReport),
     Expire,
@@ -47,7 +52,17 @@ pub enum RouterMsg {
     },
     Release(RouteDecision),
     Models(RpcReplyPort<Vec<ModelEntry>>),
+    KvInfo(RpcReplyPort<KvInfo>),
     Workers(RpcReplyPort<Vec<WorkerEntry>>),
+}
+
+/// The KV index as the router sees it (for metrics and status).
+#[derive(Clone, Debug)]
+pub struct KvInfo {
+    pub stats: crate::kv_sync::KvStats,
+    /// Indexed blocks per worker: device, host, disk.
+    pub blocks: Vec<(WorkerId, [u64; 3])>,
+    pub policy: &'static str,
 }
 
 pub struct RouterActor;
@@ -59,6 +74,7 @@ pub struct RouterArgs {
 
 pub struct RouterRuntime {
     state: RouterState,
+    bus: Bus,
     tasks: CancellationToken,
 }
 
@@ -85,6 +101,14 @@ impl Actor for RouterActor {
             myself.clone(),
             tasks.child_token(),
         ));
+        if let Err(e) = args.bus.ensure_kv_events_stream().await {
+            tracing::warn!(error = %e, "cannot create the KV events stream");
+        }
+        tokio::spawn(watch_kv_events(
+            args.bus.clone(),
+            myself.clone(),
+            tasks.child_token(),
+        ));
         let tick = tasks.child_token();
         let me = myself.clone();
         let period = args.config.worker_ttl / 4;
@@ -99,7 +123,11 @@ impl Actor for RouterActor {
         });
         let state = RouterState::new(args.config.worker_ttl, build(args.config.policy));
         tracing::info!(policy = state.policy_name(), "router started");
-        Ok(RouterRuntime { state, tasks })
+        Ok(RouterRuntime {
+            state,
+            bus: args.bus,
+            tasks,
+        })
     }
 
     async fn post_stop(
@@ -113,7 +141,7 @@ impl Actor for RouterActor {
 
     async fn handle(
         &self,
-        _myself: ActorRef<RouterMsg>,
+        myself: ActorRef<RouterMsg>,
         msg: RouterMsg,
         rt: &mut RouterRuntime,
     ) -> Result<(), ActorProcessingErr> {
@@ -121,10 +149,15 @@ impl Actor for RouterActor {
         let now = Instant::now();
         match msg {
             RouterMsg::Upsert(reg) => s.upsert(*reg, now),
+            RouterMsg::KvBatch(b) => s.kv_batch(b),
+            RouterMsg::KvDump(d) => s.kv_dump(d),
             RouterMsg::Remove(id) => s.remove(id),
             RouterMsg::Load(r) => s.load(r, now),
             RouterMsg::Expire => {
                 s.expire(now);
+                for w in s.kv_dumps_due(now) {
+                    tokio::spawn(request_dump(rt.bus.clone(), w, myself.clone()));
+                }
             }
             RouterMsg::Route {
                 model,
@@ -141,6 +174,18 @@ impl Actor for RouterActor {
                 }
             }
             RouterMsg::Release(d) => s.release(&d),
+            RouterMsg::KvInfo(reply) => {
+                let blocks = s
+                    .workers()
+                    .iter()
+                    .map(|w| (w.reg.worker_id, s.kv_blocks_of(w.reg.worker_id)))
+                    .collect();
+                let _ = reply.send(KvInfo {
+                    stats: s.kv_stats(),
+                    blocks,
+                    policy: s.policy_name(),
+                });
+            }
             RouterMsg::Models(reply) => {
                 let _ = reply.send(s.models());
             }
@@ -223,6 +268,50 @@ async fn watch_workers(
         tokio::select! {
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(backoff.next_delay(Instant::now())) => {}
+        }
+    }
+}
+
+/// Asks a worker for its block table and hands the answer to the router.
+async fn request_dump(bus: Bus, w: WorkerId, router: ActorRef<RouterMsg>) {
+    let req = KvDumpRequest {
+        reason: "router sync".into(),
+    };
+    let subject = bus.subjects.worker_kv_dump(w);
+    match bus
+        .request::<_, KvDump>(subject, &req, Duration::from_secs(2))
+        .await
+    {
+        Ok(d) => {
+            let _ = router.cast(RouterMsg::KvDump(d));
+        }
+        // Retried from the tick until the worker answers or expires.
+        Err(e) => tracing::debug!(worker = %w, error = %e, "KV dump request failed"),
+    }
+}
+
+async fn watch_kv_events(bus: Bus, router: ActorRef<RouterMsg>, cancel: CancellationToken) {
+    let subject = bus.subjects.kv_events_all();
+    let mut sub = match bus.client.subscribe(subject).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot subscribe to KV events");
+            return;
+        }
+    };
+    loop {
+        let msg = tokio::select! {
+            _ = cancel.cancelled() => return,
+            m = sub.next() => m,
+        };
+        let Some(msg) = msg else { return };
+        match decode::<KvEventBatch>(&msg.payload) {
+            Ok(b) => {
+                if router.cast(RouterMsg::KvBatch(b)).is_err() {
+                    return;
+                }
+            }
+            Err(e) => counters::reject("KvEventBatch", msg.subject.as_str(), &e),
         }
     }
 }

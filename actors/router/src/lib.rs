@@ -12,10 +12,11 @@
 //! replicas see the same registry.
 
 pub mod actor;
+pub mod kv_sync;
 pub mod policy;
 pub mod state;
 
-pub use actor::{RouterActor, RouterArgs, RouterConfig, RouterMsg};
+pub use actor::{KvInfo, RouterActor, RouterArgs, RouterConfig, RouterMsg};
 pub use policy::PolicyKind;
 pub use state::{ModelEntry, RouteDecision, RouteError, RouterState, WorkerEntry};
 

@@ -5,6 +5,7 @@
 //! workers that cannot take the request.
 
 use dynamo_bus_schema::{LoadMetrics, ModelName, WorkerId};
+use dynamo_kv_index::Overlap;
 use std::str::FromStr;
 
 /// What a policy knows about one request.
@@ -21,6 +22,12 @@ pub struct Candidate {
     pub router_inflight: u32,
     /// The worker's own last report.
     pub reported: LoadMetrics,
+    /// Leading blocks of the request this worker already holds (KV-aware policies only).
+    pub overlap: Overlap,
+    /// Uncached prompt tokens this router sent there that are not finished yet.
+    pub pending_prefill_tokens: u64,
+    /// Tokens per KV block of the worker's model.
+    pub block_size: u32,
 }
 
 impl Candidate {
@@ -33,6 +40,10 @@ impl Candidate {
 
 pub trait RoutingPolicy: Send + 'static {
     fn name(&self) -> &'static str;
+    /// Whether candidates need their KV overlap computed (costs an index query).
+    fn needs_overlap(&self) -> bool {
+        false
+    }
     /// Picks one of `candidates` (never empty).
     fn select(&mut self, req: &RouteRequest<'_>, candidates: &[Candidate]) -> WorkerId;
 }
@@ -73,12 +84,137 @@ impl RoutingPolicy for LeastLoaded {
     }
 }
 
+/// Weights of the KV-aware cost (see the crate README for the formula).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvCostWeights {
+    /// Weight of prefill work (in blocks) against decode load (in blocks).
+    pub overlap_weight: f64,
+    /// Fraction of a block's prefill cost still paid for a host-tier hit.
+    pub host_hit_cost: f64,
+    /// Fraction of a block's prefill cost still paid for a disk-tier hit.
+    pub disk_hit_cost: f64,
+    /// 0 = always the cheapest; > 0 = softmax sampling over −cost/temperature.
+    pub temperature: f64,
+}
+
+impl Default for KvCostWeights {
+    fn default() -> Self {
+        KvCostWeights {
+            overlap_weight: 1.0,
+            host_hit_cost: 0.2,
+            disk_hit_cost: 0.5,
+            temperature: 0.0,
+        }
+    }
+}
+
+/// Lowest predicted cost wins:
+/// `cost = overlap_weight × (pending_prefill + uncached) / block_size + decode_blocks`,
+/// `uncached = input − block_size × (device + host × (1 − host_hit_cost) + disk × (1 − disk_hit_cost))`,
+/// `decode_blocks = the worker's used KV blocks + this request's blocks`.
+/// Ties go to the lower load, then at random.
+pub struct KvAware {
+    w: KvCostWeights,
+    rng: rand::rngs::StdRng,
+}
+
+impl KvAware {
+    pub fn new(w: KvCostWeights) -> Self {
+        use rand::SeedableRng;
+        KvAware {
+            w,
+            rng: rand::rngs::StdRng::from_os_rng(),
+        }
+    }
+
+    /// The predicted cost of sending a request of `input` tokens to `c`.
+    pub fn cost(&self, c: &Candidate, input: usize) -> f64 {
+        let bs = c.block_size.max(1) as f64;
+        let o = &c.overlap;
+        let saved = bs
+            * (o.device as f64
+                + o.host as f64 * (1.0 - self.w.host_hit_cost)
+                + o.disk as f64 * (1.0 - self.w.disk_hit_cost));
+        let uncached = (input as f64 - saved).max(0.0);
+        let prefill_blocks = (c.pending_prefill_tokens as f64 + uncached) / bs;
+        let decode_blocks = c.reported.kv_used_blocks as f64 + (input as f64 / bs).ceil();
+        self.w.overlap_weight * prefill_blocks + decode_blocks
+    }
+}
+
+impl RoutingPolicy for KvAware {
+    fn name(&self) -> &'static str {
+        "kv_aware"
+    }
+    fn needs_overlap(&self) -> bool {
+        true
+    }
+    fn select(&mut self, req: &RouteRequest<'_>, candidates: &[Candidate]) -> WorkerId {
+        use rand::Rng;
+        let costs: Vec<f64> = candidates
+            .iter()
+            .map(|c| self.cost(c, req.token_ids.len()))
+            .collect();
+        if self.w.temperature > 0.0 {
+            let min = costs.iter().cloned().fold(f64::INFINITY, f64::min);
+            let weights: Vec<f64> = costs
+                .iter()
+                .map(|c| (-(c - min) / self.w.temperature).exp())
+                .collect();
+            let total: f64 = weights.iter().sum();
+            let mut x = self.rng.random::<f64>() * total;
+            for (c, w) in candidates.iter().zip(&weights) {
+                if x < *w {
+                    return c.worker_id;
+                }
+                x -= w;
+            }
+        }
+        let min = costs.iter().cloned().fold(f64::INFINITY, f64::min);
+        let best: Vec<&Candidate> = candidates
+            .iter()
+            .zip(&costs)
+            .filter(|(_, c)| (**c - min).abs() < 1e-9)
+            .map(|(c, _)| c)
+            .collect();
+        let least = best.iter().map(|c| c.load()).min().unwrap_or(0);
+        let tied: Vec<&&Candidate> = best.iter().filter(|c| c.load() == least).collect();
+        tied[self.rng.random_range(0..tied.len())].worker_id
+    }
+}
+
+/// Sends each request to a uniformly random candidate (a baseline).
+pub struct Random {
+    rng: rand::rngs::StdRng,
+}
+
+impl Default for Random {
+    fn default() -> Self {
+        use rand::SeedableRng;
+        Random {
+            rng: rand::rngs::StdRng::from_os_rng(),
+        }
+    }
+}
+
+impl RoutingPolicy for Random {
+    fn name(&self) -> &'static str {
+        "random"
+    }
+    fn select(&mut self, _req: &RouteRequest<'_>, candidates: &[Candidate]) -> WorkerId {
+        use rand::Rng;
+        candidates[self.rng.random_range(0..candidates.len())].worker_id
+    }
+}
+
 /// Policy names as they appear in configs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub enum PolicyKind {
     RoundRobin,
     #[default]
     LeastLoaded,
+    Random,
+    KvAware(KvCostWeights),
 }
 
 impl FromStr for PolicyKind {
@@ -87,8 +223,10 @@ impl FromStr for PolicyKind {
         match s {
             "round_robin" => Ok(PolicyKind::RoundRobin),
             "least_loaded" => Ok(PolicyKind::LeastLoaded),
+            "random" => Ok(PolicyKind::Random),
+            "kv_aware" => Ok(PolicyKind::KvAware(KvCostWeights::default())),
             other => Err(format!(
-                "unknown routing policy {other:?} (expected round_robin or least_loaded)"
+                "unknown routing policy {other:?} (expected kv_aware, least_loaded, round_robin or random)"
             )),
         }
     }
@@ -99,6 +237,8 @@ pub fn build(kind: PolicyKind) -> Box<dyn RoutingPolicy> {
     match kind {
         PolicyKind::RoundRobin => Box::new(RoundRobin::default()),
         PolicyKind::LeastLoaded => Box::new(LeastLoaded::default()),
+        PolicyKind::Random => Box::new(Random::default()),
+        PolicyKind::KvAware(w) => Box::new(KvAware::new(w)),
     }
 }
 
@@ -111,6 +251,9 @@ mod tests {
             worker_id: WorkerId(id),
             router_inflight: inflight,
             reported: LoadMetrics::default(),
+            overlap: Overlap::default(),
+            pending_prefill_tokens: 0,
+            block_size: 16,
         }
     }
 
@@ -131,5 +274,38 @@ mod tests {
         let mut reported = cand(2, 0);
         reported.reported.inflight_requests = 9;
         assert_eq!(ll.select(&req, &[cand(1, 1), reported]).0, 1);
+    }
+
+    #[test]
+    fn kv_aware_prefers_overlap_until_load_outweighs_it() {
+        let m = ModelName("m".into());
+        let tokens = vec![0u32; 160]; // 10 blocks
+        let req = RouteRequest {
+            model: &m,
+            token_ids: &tokens,
+        };
+        let mut p = KvAware::new(KvCostWeights::default());
+        let mut hit = cand(1, 0);
+        hit.overlap = Overlap {
+            blocks: 8,
+            device: 8,
+            host: 0,
+            disk: 0,
+        };
+        assert_eq!(p.select(&req, &[cand(2, 0), hit.clone()]).0, 1);
+        // Same overlap in the host tier is worth less than on device…
+        let mut host = cand(3, 0);
+        host.overlap = Overlap {
+            blocks: 8,
+            device: 0,
+            host: 8,
+            disk: 0,
+        };
+        assert!(p.cost(&host, 160) > p.cost(&hit, 160));
+        assert!(p.cost(&host, 160) < p.cost(&cand(2, 0), 160));
+        // …and a heavily loaded worker loses its advantage.
+        hit.reported.kv_used_blocks = 100;
+        assert_eq!(p.select(&req, &[cand(2, 0), hit]).0, 2);
+        assert_eq!(p.cost(&cand(2, 0), 160), 10.0 + 10.0);
     }
 }

@@ -7,10 +7,14 @@
 //!   for it (the old engine and its requests are gone);
 //! - `release` never underflows and ignores releases for an older generation.
 
+use crate::kv_sync::{KvStats, KvSync};
 use crate::policy::{Candidate, RouteRequest, RoutingPolicy};
+use dynamo_bus_schema::blocks::sequence_hashes;
 use dynamo_bus_schema::{
     unix_ms, LoadReport, ModelCard, ModelName, WorkerId, WorkerRegistration, WorkerState,
 };
+use dynamo_bus_schema::{KvDump, KvEventBatch};
+use dynamo_kv_index::Overlap;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use thiserror::Error;
@@ -28,6 +32,8 @@ pub struct WorkerEntry {
     pub reg: WorkerRegistration,
     pub last_seen: Instant,
     pub router_inflight: u32,
+    /// Uncached prompt tokens routed there and not yet finished.
+    pub pending_prefill: u64,
 }
 
 /// A routing decision.
@@ -35,6 +41,10 @@ pub struct WorkerEntry {
 pub struct RouteDecision {
     pub worker_id: WorkerId,
     pub generation: u64,
+    /// Prompt tokens the router predicted the worker must compute.
+    pub prefill_tokens: u64,
+    /// Leading prompt blocks the index says the worker holds.
+    pub overlap_blocks: u32,
 }
 
 /// A served model and the workers serving it.
@@ -48,6 +58,7 @@ pub struct RouterState {
     ttl: Duration,
     workers: BTreeMap<WorkerId, WorkerEntry>,
     policy: Box<dyn RoutingPolicy>,
+    kv: KvSync,
 }
 
 impl RouterState {
@@ -56,7 +67,32 @@ impl RouterState {
             ttl,
             workers: BTreeMap::new(),
             policy,
+            kv: KvSync::default(),
         }
+    }
+
+    /// A batch of KV events arrived.
+    pub fn kv_batch(&mut self, b: KvEventBatch) {
+        self.kv.batch(b);
+    }
+
+    /// A worker's block table arrived.
+    pub fn kv_dump(&mut self, d: KvDump) {
+        self.kv.dump(d);
+    }
+
+    /// Workers whose block table must be (re)requested now.
+    pub fn kv_dumps_due(&mut self, now: Instant) -> Vec<WorkerId> {
+        self.kv.dumps_due(now)
+    }
+
+    pub fn kv_stats(&self) -> KvStats {
+        self.kv.stats
+    }
+
+    /// Blocks the index holds for `w` (device, host, disk).
+    pub fn kv_blocks_of(&self, w: WorkerId) -> [u64; 3] {
+        self.kv.index.blocks_of(w)
     }
 
     pub fn policy_name(&self) -> &'static str {
@@ -76,6 +112,8 @@ impl RouterState {
                 if reg.generation > e.reg.generation {
                     tracing::info!(worker = %reg.worker_id, generation = reg.generation, "worker restarted");
                     e.router_inflight = 0;
+                    e.pending_prefill = 0;
+                    self.kv.worker_seen(reg.worker_id, reg.generation);
                 } else if reg.generation < e.reg.generation {
                     return; // stale record from before a restart
                 }
@@ -84,12 +122,14 @@ impl RouterState {
             }
             None => {
                 tracing::info!(worker = %reg.worker_id, node = %reg.node_id, model = %reg.model.name, "worker registered");
+                self.kv.worker_seen(reg.worker_id, reg.generation);
                 self.workers.insert(
                     reg.worker_id,
                     WorkerEntry {
                         reg,
                         last_seen: now,
                         router_inflight: 0,
+                        pending_prefill: 0,
                     },
                 );
             }
@@ -101,6 +141,7 @@ impl RouterState {
         if self.workers.remove(&id).is_some() {
             tracing::info!(worker = %id, "worker deregistered");
         }
+        self.kv.worker_gone(id);
     }
 
     /// A load report arrived; it also counts as a sign of life.
@@ -125,6 +166,7 @@ impl RouterState {
         for id in &dead {
             tracing::warn!(worker = %id, "worker expired (no heartbeat within TTL)");
             self.workers.remove(id);
+            self.kv.worker_gone(*id);
         }
         dead
     }
@@ -153,6 +195,9 @@ impl RouterState {
                 worker_id: e.reg.worker_id,
                 router_inflight: e.router_inflight,
                 reported: e.reg.load.clone(),
+                overlap: Overlap::default(),
+                pending_prefill_tokens: e.pending_prefill,
+                block_size: e.reg.model.block_size,
             })
             .collect();
         if candidates.is_empty() {
@@ -167,17 +212,39 @@ impl RouterState {
                 }
             });
         }
+        let mut candidates = candidates;
+        if self.policy.needs_overlap() {
+            // Every candidate serves `model`; they share its block size and salt.
+            let card = &self.workers[&candidates[0].worker_id].reg.model;
+            let hashes = sequence_hashes(token_ids, card.block_size as usize, card.hash_salt);
+            let matches = self.kv.index.find_matches(&hashes);
+            for c in &mut candidates {
+                if let Some((_, o)) = matches.iter().find(|(w, _)| *w == c.worker_id) {
+                    c.overlap = *o;
+                }
+            }
+        }
         let id = self
             .policy
             .select(&RouteRequest { model, token_ids }, &candidates);
+        let chosen = candidates
+            .iter()
+            .find(|c| c.worker_id == id)
+            .expect("policy picked a candidate");
+        let overlap_blocks = chosen.overlap.blocks;
+        let prefill_tokens = (token_ids.len() as u64)
+            .saturating_sub(overlap_blocks as u64 * chosen.block_size as u64);
         let e = self
             .workers
             .get_mut(&id)
             .expect("policy picked a candidate");
         e.router_inflight += 1;
+        e.pending_prefill += prefill_tokens;
         Ok(RouteDecision {
             worker_id: id,
             generation: e.reg.generation,
+            prefill_tokens,
+            overlap_blocks,
         })
     }
 
@@ -186,6 +253,7 @@ impl RouterState {
         if let Some(e) = self.workers.get_mut(&d.worker_id) {
             if e.reg.generation == d.generation {
                 e.router_inflight = e.router_inflight.saturating_sub(1);
+                e.pending_prefill = e.pending_prefill.saturating_sub(d.prefill_tokens);
             }
         }
     }
@@ -240,6 +308,7 @@ mod tests {
                     sha256: String::new(),
                 },
                 source: String::new(),
+                hash_salt: 0,
             },
             started_unix_ms: 0,
             heartbeat_unix_ms: unix_ms(),

@@ -166,6 +166,33 @@ impl Bus {
             .map_err(|e| err(e.to_string()))
     }
 
+    /// Makes sure the stream capturing every worker's KV events exists
+    /// (memory storage, bounded by age and size, oldest dropped first).
+    pub async fn ensure_kv_events_stream(&self) -> Result<(), BusError> {
+        let name = self.subjects.kv_events_stream();
+        if self.js.get_stream(&name).await.is_ok() {
+            return Ok(());
+        }
+        let cfg = stream::Config {
+            name: name.clone(),
+            subjects: vec![self.subjects.kv_events_all()],
+            max_age: Duration::from_secs(600),
+            max_bytes: 256 * 1024 * 1024,
+            discard: stream::DiscardPolicy::Old,
+            storage: stream::StorageType::Memory,
+            ..Default::default()
+        };
+        if let Err(e) = self.js.create_stream(cfg).await {
+            if self.js.get_stream(&name).await.is_err() {
+                return Err(BusError::Bucket {
+                    bucket: name,
+                    reason: e.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Replies to a request message with a typed message (no-op without a reply subject).
     pub async fn reply<T: WireMessage>(&self, reply_to: Option<&async_nats::Subject>, msg: &T) {
         if let Some(r) = reply_to {

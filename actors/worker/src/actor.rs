@@ -12,9 +12,10 @@
 
 use crate::forward::{Forward, Outcome};
 use dynamo_bus_schema::{
-    decode, unix_ms, ArtifactChunk, ArtifactRequest, CancelRequest, ErrorKind, ErrorReply,
-    FaultKind, GenerateAck, GenerateRequest, LoadReport, ModelCard, NodeId, RequestId, WireError,
-    WorkerId, WorkerRegistration, WorkerRole, WorkerState,
+    decode, unix_ms, ArtifactChunk, ArtifactRequest, CancelRequest, ErrorKind, ErrorReply, EventId,
+    FaultKind, GenerateAck, GenerateRequest, KvDump, KvDumpRequest, KvEvent, KvEventBatch,
+    KvEventKind, LoadReport, ModelCard, NodeId, RequestId, StorageTier, WireError, WorkerId,
+    WorkerRegistration, WorkerRole, WorkerState,
 };
 use dynamo_engine::{Engine, EngineLimits, ValidRequest};
 use dynamo_runtime::{counters, Bus};
@@ -120,6 +121,27 @@ impl Actor for WorkerActor {
                 }
             },
         );
+        bus.ensure_kv_events_stream()
+            .await
+            .map_err(|e| e.to_string())?;
+        if let Some(rx) = engine.take_kv_events() {
+            tokio::spawn(publish_kv_events(
+                bus.clone(),
+                id,
+                args.generation,
+                rx,
+                tasks.child_token(),
+            ));
+        }
+        let dump_sub = bus.client.subscribe(s.worker_kv_dump(id)).await?;
+        tokio::spawn(serve_kv_dumps(
+            bus.clone(),
+            dump_sub,
+            engine.clone(),
+            id,
+            args.generation,
+            tasks.child_token(),
+        ));
         tokio::spawn(serve_artifacts(
             bus.clone(),
             artifact_sub,
@@ -406,6 +428,101 @@ fn spawn_ticker(
             }
         }
     });
+}
+
+/// Publishes the engine's KV events, one batch per wake-up (one engine step
+/// usually), in order. The subject is captured by the KV events stream.
+async fn publish_kv_events(
+    bus: Bus,
+    worker_id: WorkerId,
+    generation: u64,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<dynamo_engine::KvCacheEvent>,
+    cancel: CancellationToken,
+) {
+    let subject = bus.subjects.kv_events(worker_id);
+    loop {
+        let first = tokio::select! {
+            _ = cancel.cancelled() => break,
+            e = rx.recv() => e,
+        };
+        let Some(first) = first else { break };
+        let mut events = vec![to_wire(first)];
+        while let Ok(e) = rx.try_recv() {
+            events.push(to_wire(e));
+            if events.len() >= 1024 {
+                break;
+            }
+        }
+        let batch = KvEventBatch {
+            worker_id,
+            generation,
+            events,
+        };
+        if let Err(e) = bus.publish(subject.clone(), &batch).await {
+            // Routers detect the gap by event id and ask for a dump.
+            tracing::warn!(error = %e, "cannot publish KV events");
+        }
+    }
+}
+
+fn to_wire(e: dynamo_engine::KvCacheEvent) -> KvEvent {
+    use dynamo_engine::KvCacheEventData as D;
+    let (kind, parent, blocks) = match e.data {
+        D::Stored { parent, blocks } => (KvEventKind::Stored, parent, blocks),
+        D::Removed { blocks } => (KvEventKind::Removed, None, blocks),
+        D::Cleared => (KvEventKind::Cleared, None, Vec::new()),
+    };
+    KvEvent {
+        event_id: EventId(e.event_id),
+        kind,
+        tier: StorageTier::Device,
+        parent,
+        blocks,
+    }
+}
+
+async fn serve_kv_dumps(
+    bus: Bus,
+    mut sub: async_nats::Subscriber,
+    engine: Arc<dyn Engine>,
+    worker_id: WorkerId,
+    generation: u64,
+    cancel: CancellationToken,
+) {
+    loop {
+        let m = tokio::select! {
+            _ = cancel.cancelled() => break,
+            m = sub.next() => m,
+        };
+        let Some(m) = m else { break };
+        if let Err(e) = decode::<KvDumpRequest>(&m.payload) {
+            counters::reject("KvDumpRequest", m.subject.as_str(), &e);
+            continue;
+        }
+        let snap = match engine.kv_snapshot() {
+            Ok(rx) => rx.await.ok(),
+            Err(_) => None,
+        };
+        match snap {
+            Some(s) => {
+                let dump = KvDump {
+                    worker_id,
+                    generation,
+                    last_event_id: EventId(s.last_event_id),
+                    tier: StorageTier::Device,
+                    blocks: s.blocks,
+                };
+                bus.reply(m.reply.as_ref(), &dump).await;
+            }
+            None => {
+                let r = ErrorReply {
+                    error: WireError::new(ErrorKind::EngineFailed, "engine stopped"),
+                };
+                bus.reply(m.reply.as_ref(), &r).await;
+            }
+        }
+    }
+    let _ = sub.unsubscribe().await;
 }
 
 /// Largest chunk served per artifact request (NATS caps messages at 1 MiB).

@@ -218,6 +218,14 @@ pub enum KvCacheEventData {
     Cleared,
 }
 
+/// An engine's whole block table, consistent with its KV events up to
+/// `last_event_id` (later events apply on top of it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvSnapshot {
+    pub last_event_id: u64,
+    pub blocks: Vec<SequenceHash>,
+}
+
 /// The engine seam.
 pub trait Engine: Send + Sync + 'static {
     /// Short engine kind for registration and logs (e.g. `mocker`).
@@ -230,6 +238,8 @@ pub trait Engine: Send + Sync + 'static {
     fn load(&self) -> LoadMetrics;
     /// Takes the stream of KV cache events (only the first caller gets it).
     fn take_kv_events(&self) -> Option<mpsc::UnboundedReceiver<KvCacheEvent>>;
+    /// Asks for a snapshot of the block table (answered between engine steps).
+    fn kv_snapshot(&self) -> Result<tokio::sync::oneshot::Receiver<KvSnapshot>, EngineError>;
 }
 
 #[cfg(test)]

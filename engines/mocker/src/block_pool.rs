@@ -177,6 +177,14 @@ impl BlockPool {
         self.next_event_id += 1;
     }
 
+    /// Every cached block hash, and the id of the last event emitted.
+    pub fn snapshot(&self) -> (u64, Vec<SequenceHash>) {
+        (
+            self.next_event_id - 1,
+            self.by_hash.keys().copied().collect(),
+        )
+    }
+
     /// Takes the events recorded since the last call.
     pub fn drain_events(&mut self) -> Vec<KvCacheEvent> {
         std::mem::take(&mut self.events)

@@ -149,6 +149,15 @@ impl MockerCore {
         }
     }
 
+    /// The block table, consistent with every event drained so far.
+    pub fn kv_snapshot(&self) -> dynamo_engine::KvSnapshot {
+        let (last_event_id, blocks) = self.pool.snapshot();
+        dynamo_engine::KvSnapshot {
+            last_event_id,
+            blocks,
+        }
+    }
+
     pub fn drain_kv_events(&mut self) -> Vec<KvCacheEvent> {
         self.pool.drain_events()
     }

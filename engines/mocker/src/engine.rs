@@ -6,7 +6,9 @@
 use crate::config::{ConfigError, MockerConfig};
 use crate::core::MockerCore;
 use dynamo_bus_schema::{LoadMetrics, RequestId};
-use dynamo_engine::{Engine, EngineError, EngineEvent, KvCacheEvent, ResponseStream, ValidRequest};
+use dynamo_engine::{
+    Engine, EngineError, EngineEvent, KvCacheEvent, KvSnapshot, ResponseStream, ValidRequest,
+};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
@@ -14,6 +16,7 @@ use tokio::sync::mpsc;
 enum Cmd {
     Add(ValidRequest, mpsc::UnboundedSender<EngineEvent>),
     Cancel(RequestId),
+    Snapshot(tokio::sync::oneshot::Sender<KvSnapshot>),
 }
 
 /// What the mocker needs to know about the model it pretends to run.
@@ -75,6 +78,13 @@ impl Engine for MockerEngine {
     fn take_kv_events(&self) -> Option<mpsc::UnboundedReceiver<KvCacheEvent>> {
         self.kv_rx.lock().ok()?.take()
     }
+    fn kv_snapshot(&self) -> Result<tokio::sync::oneshot::Receiver<KvSnapshot>, EngineError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.tx
+            .send(Cmd::Snapshot(tx))
+            .map_err(|_| EngineError::Stopped)?;
+        Ok(rx)
+    }
 }
 
 async fn run(
@@ -100,6 +110,11 @@ async fn run(
                             let _ = tx.send(EngineEvent::Failed(e));
                         }
                     }
+                }
+                Cmd::Snapshot(tx) => {
+                    // Events are drained after every step, so the snapshot is
+                    // consistent with everything already sent.
+                    let _ = tx.send(core.kv_snapshot());
                 }
                 Cmd::Cancel(id) => {
                     if core.cancel(id) {

@@ -1,0 +1,380 @@
+//! Keeping the KV index exact per worker.
+//!
+//! Each worker's events carry ids that increase by one within a generation.
+//! Per worker the router is either `Live` (expecting event `next`) or
+//! `Syncing` (waiting for a dump of the worker's block table, buffering what
+//! arrives meanwhile).
+//!
+//! Invariants:
+//! - an event is applied at most once and only in id order: an id below
+//!   `next` is a duplicate (dropped, counted), an id above it is a gap
+//!   (counted; the worker is re-synced from a dump);
+//! - a dump replaces everything known about the worker (`Cleared`, then its
+//!   blocks) and events up to its `last_event_id` are skipped afterwards;
+//! - a newer generation (the engine restarted) clears the worker's blocks
+//!   and expects event 1; an older generation's events are dropped;
+//! - a worker first seen is synced from a dump (a router that starts late
+//!   learns what workers already hold).
+
+use dynamo_bus_schema::{KvDump, KvEvent, KvEventBatch, KvEventKind, StorageTier, WorkerId};
+use dynamo_kv_index::{IndexEvent, IndexEventData, KvIndex, Tier};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// Most events buffered per worker while its dump is outstanding.
+const MAX_BUFFER: usize = 100_000;
+/// A dump not answered within this long is asked for again.
+const DUMP_RETRY: Duration = Duration::from_secs(2);
+
+#[derive(Debug)]
+enum Sync {
+    Live {
+        generation: u64,
+        next: u64,
+    },
+    Syncing {
+        generation: u64,
+        buffer: Vec<KvEvent>,
+        asked_at: Option<Instant>,
+    },
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvStats {
+    pub applied: u64,
+    pub duplicates: u64,
+    pub gaps: u64,
+    pub dumps: u64,
+    pub unknown: u64,
+}
+
+#[derive(Default)]
+pub struct KvSync {
+    pub index: KvIndex,
+    workers: HashMap<WorkerId, Sync>,
+    pub stats: KvStats,
+}
+
+fn tier(t: StorageTier) -> Option<Tier> {
+    match t {
+        StorageTier::Device => Some(Tier::Device),
+        StorageTier::Host => Some(Tier::Host),
+        StorageTier::Disk => Some(Tier::Disk),
+        StorageTier::Unknown(_) => None,
+    }
+}
+
+impl KvSync {
+    /// A worker appeared (or restarted: `generation` grew). Returns true if a dump should be requested.
+    pub fn worker_seen(&mut self, w: WorkerId, generation: u64) -> bool {
+        match self.workers.get(&w) {
+            Some(Sync::Live { generation: g, .. }) | Some(Sync::Syncing { generation: g, .. })
+                if *g >= generation =>
+            {
+                false
+            }
+            Some(_) => {
+                // Restarted engine: empty cache, events from 1.
+                self.clear(w);
+                self.workers.insert(
+                    w,
+                    Sync::Live {
+                        generation,
+                        next: 1,
+                    },
+                );
+                false
+            }
+            None => {
+                self.workers.insert(
+                    w,
+                    Sync::Syncing {
+                        generation,
+                        buffer: Vec::new(),
+                        asked_at: None,
+                    },
+                );
+                true
+            }
+        }
+    }
+
+    /// The worker is gone.
+    pub fn worker_gone(&mut self, w: WorkerId) {
+        self.workers.remove(&w);
+        self.index.remove_worker(w);
+    }
+
+    fn clear(&mut self, w: WorkerId) {
+        let _ = self.index.apply(&IndexEvent {
+            worker: w,
+            data: IndexEventData::Cleared,
+        });
+    }
+
+    /// Applies a batch; returns true if the worker needs a dump.
+    pub fn batch(&mut self, b: KvEventBatch) -> bool {
+        let w = b.worker_id;
+        match self.workers.get(&w) {
+            None => {
+                self.workers.insert(
+                    w,
+                    Sync::Syncing {
+                        generation: b.generation,
+                        buffer: b.events,
+                        asked_at: None,
+                    },
+                );
+                return true;
+            }
+            Some(Sync::Live { generation, .. }) | Some(Sync::Syncing { generation, .. })
+                if *generation > b.generation =>
+            {
+                return false; // from before a restart
+            }
+            Some(Sync::Live { generation, .. }) | Some(Sync::Syncing { generation, .. })
+                if *generation < b.generation =>
+            {
+                self.clear(w);
+                self.workers.insert(
+                    w,
+                    Sync::Live {
+                        generation: b.generation,
+                        next: 1,
+                    },
+                );
+            }
+            _ => {}
+        }
+        self.feed(w, b.events)
+    }
+
+    fn feed(&mut self, w: WorkerId, events: Vec<KvEvent>) -> bool {
+        let mut iter = events.into_iter();
+        while let Some(ev) = iter.next() {
+            let Some(state) = self.workers.get_mut(&w) else {
+                return false;
+            };
+            match state {
+                Sync::Syncing { buffer, .. } => {
+                    if buffer.len() < MAX_BUFFER {
+                        buffer.push(ev);
+                    }
+                }
+                Sync::Live { generation, next } => {
+                    let id = ev.event_id.0;
+                    if id < *next {
+                        self.stats.duplicates += 1;
+                    } else if id > *next {
+                        self.stats.gaps += 1;
+                        tracing::warn!(worker = %w, expected = *next, got = id, "KV event gap; re-syncing from a dump");
+                        let mut buffer = vec![ev];
+                        buffer.extend(iter);
+                        *state = Sync::Syncing {
+                            generation: *generation,
+                            buffer,
+                            asked_at: None,
+                        };
+                        return true;
+                    } else {
+                        *next += 1;
+                        self.apply(w, ev);
+                    }
+                }
+            }
+        }
+        false
+    }
+
+    fn apply(&mut self, w: WorkerId, ev: KvEvent) {
+        let data = match (ev.kind, tier(ev.tier)) {
+            (KvEventKind::Stored, Some(tier)) => IndexEventData::Stored {
+                tier,
+                parent: ev.parent,
+                blocks: ev.blocks,
+            },
+            (KvEventKind::Removed, Some(tier)) => IndexEventData::Removed {
+                tier,
+                blocks: ev.blocks,
+            },
+            (KvEventKind::Cleared, _) => IndexEventData::Cleared,
+            _ => {
+                self.stats.unknown += 1;
+                return;
+            }
+        };
+        match self.index.apply(&IndexEvent { worker: w, data }) {
+            Ok(()) => self.stats.applied += 1,
+            Err(e) => tracing::error!(error = %e, "KV index refused an event"),
+        }
+    }
+
+    /// A dump arrived: replace the worker's blocks, then replay what was buffered.
+    pub fn dump(&mut self, d: KvDump) {
+        let w = d.worker_id;
+        let buffer = match self.workers.get_mut(&w) {
+            Some(Sync::Syncing {
+                generation, buffer, ..
+            }) if *generation <= d.generation => std::mem::take(buffer),
+            Some(Sync::Live { generation, .. }) if *generation < d.generation => Vec::new(),
+            None => Vec::new(),
+            _ => return, // stale dump
+        };
+        self.stats.dumps += 1;
+        self.clear(w);
+        if let Some(tier) = tier(d.tier) {
+            let data = IndexEventData::Stored {
+                tier,
+                parent: None,
+                blocks: d.blocks,
+            };
+            if let Err(e) = self.index.apply(&IndexEvent { worker: w, data }) {
+                tracing::error!(error = %e, "KV index refused a dump");
+            }
+        }
+        self.workers.insert(
+            w,
+            Sync::Live {
+                generation: d.generation,
+                next: d.last_event_id.0 + 1,
+            },
+        );
+        // Replay only the contiguous run that follows the dump; anything past
+        // a hole is dropped (a later real event reveals a true gap), so one
+        // bogus event cannot cause dump after dump.
+        let mut next = d.last_event_id.0 + 1;
+        let mut rest = Vec::new();
+        for e in buffer {
+            if e.event_id.0 < next {
+                continue;
+            }
+            if e.event_id.0 > next {
+                self.stats.gaps += 1;
+                tracing::warn!(worker = %w, expected = next, got = e.event_id.0, "dropping buffered KV events past a hole");
+                break;
+            }
+            next += 1;
+            rest.push(e);
+        }
+        self.feed(w, rest);
+    }
+
+    /// Workers whose dump should be (re-)requested now; marks them asked.
+    pub fn dumps_due(&mut self, now: Instant) -> Vec<WorkerId> {
+        let mut due = Vec::new();
+        for (w, s) in &mut self.workers {
+            if let Sync::Syncing { asked_at, .. } = s {
+                if asked_at.is_none_or(|t| now.duration_since(t) >= DUMP_RETRY) {
+                    *asked_at = Some(now);
+                    due.push(*w);
+                }
+            }
+        }
+        due
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dynamo_bus_schema::blocks::SequenceHash;
+    use dynamo_bus_schema::EventId;
+
+    fn stored(id: u64, blocks: &[u64]) -> KvEvent {
+        KvEvent {
+            event_id: EventId(id),
+            kind: KvEventKind::Stored,
+            tier: StorageTier::Device,
+            parent: None,
+            blocks: blocks.iter().map(|b| SequenceHash(*b)).collect(),
+        }
+    }
+
+    fn batch(gen: u64, events: Vec<KvEvent>) -> KvEventBatch {
+        KvEventBatch {
+            worker_id: WorkerId(1),
+            generation: gen,
+            events,
+        }
+    }
+
+    fn held(s: &KvSync, q: &[u64]) -> u32 {
+        let q: Vec<SequenceHash> = q.iter().map(|b| SequenceHash(*b)).collect();
+        s.index
+            .find_matches(&q)
+            .first()
+            .map(|(_, o)| o.blocks)
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn first_sight_dumps_then_applies_in_order_and_skips_duplicates() {
+        let mut s = KvSync::default();
+        assert!(s.worker_seen(WorkerId(1), 5));
+        assert_eq!(s.dumps_due(Instant::now()), vec![WorkerId(1)]);
+        // Events arriving before the dump are buffered…
+        assert!(!s.batch(batch(5, vec![stored(3, &[10]), stored(4, &[11])])));
+        // …the dump covers up to event 3.
+        s.dump(KvDump {
+            worker_id: WorkerId(1),
+            generation: 5,
+            last_event_id: EventId(3),
+            tier: StorageTier::Device,
+            blocks: vec![SequenceHash(10)],
+        });
+        assert_eq!(held(&s, &[10, 11]), 2);
+        // A duplicate is ignored, the next one applies.
+        assert!(!s.batch(batch(5, vec![stored(4, &[99]), stored(5, &[12])])));
+        assert_eq!(s.stats.duplicates, 1);
+        assert_eq!(held(&s, &[10, 11, 12]), 3);
+        assert_eq!(held(&s, &[99]), 0);
+    }
+
+    #[test]
+    fn a_gap_triggers_a_dump_and_a_restart_clears() {
+        let mut s = KvSync::default();
+        s.worker_seen(WorkerId(1), 1);
+        s.dump(KvDump {
+            worker_id: WorkerId(1),
+            generation: 1,
+            last_event_id: EventId(0),
+            tier: StorageTier::Device,
+            blocks: vec![],
+        });
+        assert!(!s.batch(batch(1, vec![stored(1, &[1])])));
+        assert!(s.batch(batch(1, vec![stored(3, &[3])])), "event 2 was lost");
+        assert_eq!(s.stats.gaps, 1);
+        assert_eq!(s.dumps_due(Instant::now()), vec![WorkerId(1)]);
+        s.dump(KvDump {
+            worker_id: WorkerId(1),
+            generation: 1,
+            last_event_id: EventId(3),
+            tier: StorageTier::Device,
+            blocks: vec![SequenceHash(1), SequenceHash(2), SequenceHash(3)],
+        });
+        assert_eq!(held(&s, &[1, 2, 3]), 3);
+        // A bogus far-future event: one re-sync, then live again (no dump loop).
+        assert!(s.batch(batch(1, vec![stored(1_000_000, &[66])])));
+        s.dump(KvDump {
+            worker_id: WorkerId(1),
+            generation: 1,
+            last_event_id: EventId(3),
+            tier: StorageTier::Device,
+            blocks: vec![SequenceHash(1), SequenceHash(2), SequenceHash(3)],
+        });
+        assert!(s.dumps_due(Instant::now()).is_empty());
+        assert_eq!(held(&s, &[66]), 0);
+        assert!(!s.batch(batch(1, vec![stored(4, &[4])])));
+        assert_eq!(held(&s, &[1, 2, 3, 4]), 4);
+        // The engine restarts: its blocks are gone, events start at 1 again.
+        assert!(!s.worker_seen(WorkerId(1), 2));
+        assert_eq!(held(&s, &[1]), 0);
+        assert!(!s.batch(batch(2, vec![stored(1, &[7])])));
+        assert_eq!(held(&s, &[7]), 1);
+        // Late events of the old generation are dropped.
+        assert!(!s.batch(batch(1, vec![stored(4, &[8])])));
+        assert_eq!(held(&s, &[8]), 0);
+        s.worker_gone(WorkerId(1));
+        assert_eq!(held(&s, &[7]), 0);
+    }
+}

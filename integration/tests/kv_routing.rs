@@ -1,0 +1,170 @@
+//! KV-aware routing against real processes: the router's index is fed by the
+//! workers' KV events over NATS, repairs gaps and duplicates, and forgets a
+//! restarted worker's blocks.
+
+use dynamo_bus_schema::blocks::SequenceHash;
+use dynamo_bus_schema::{
+    decode, encode, EventId, FaultAck, FaultInjection, FaultKind, KvEvent, KvEventBatch,
+    KvEventKind, StorageTier, WorkerId, WorkerRegistration,
+};
+use dynamo_integration::*;
+use futures::StreamExt;
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+async fn registrations(nats_url: &str) -> Vec<WorkerRegistration> {
+    let client = async_nats::connect(nats_url).await.unwrap();
+    let kv = async_nats::jetstream::new(client)
+        .get_key_value("dynamo_it_workers")
+        .await
+        .unwrap();
+    let mut keys = kv.keys().await.unwrap();
+    let mut out = Vec::new();
+    while let Some(k) = keys.next().await {
+        if let Some(v) = kv.get(k.unwrap()).await.unwrap() {
+            out.push(decode::<WorkerRegistration>(&v).unwrap());
+        }
+    }
+    out
+}
+
+async fn metric(http: &Http, line_prefix: &str) -> u64 {
+    let m = http
+        .client
+        .get(format!("{}/metrics", http.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    m.lines()
+        .find(|l| l.starts_with(line_prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+async fn wait_for(what: &str, mut f: impl AsyncFnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f().await {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_aware_routing_follows_the_cache_and_the_index_stays_exact() {
+    let nats = Nats::start();
+    let port = free_port();
+    let cfg = node_config(
+        "n1",
+        &nats.url,
+        Some(port),
+        2,
+        "[supervision]\nrestart_base_ms = 50\nfault_injection = true\n",
+    )
+    .replace("policy = \"least_loaded\"", "policy = \"kv_aware\"");
+    let mut node = Node::start(&cfg);
+    let http = Http::new(port);
+    http.wait_ready(2, &mut node).await;
+
+    // A long prompt goes somewhere, then keeps going to the worker that caches it.
+    let prompt: Vec<u32> = (300..600).collect(); // 18 full blocks + 12 tokens
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+    let first = http.post("/v1/completions", &body).await;
+    assert_eq!(first.status, 200, "{}", first.json);
+    let x = first.worker.clone().unwrap();
+    let device = format!("dynamo_router_kv_index_blocks{{worker=\"{x}\",tier=\"device\"}}");
+    wait_for("the index to learn the prompt's blocks", async || {
+        metric(&http, &device).await >= 18
+    })
+    .await;
+    for _ in 0..6 {
+        let r = http.post("/v1/completions", &body).await;
+        assert_eq!(
+            r.worker.as_deref(),
+            Some(x.as_str()),
+            "KV-aware routing left the cached worker"
+        );
+        assert_eq!(
+            r.json["usage"]["prompt_tokens_details"]["cached_tokens"],
+            288
+        );
+    }
+    let held = metric(&http, &device).await;
+
+    // A duplicate event (old id) and a bogus far-future event: detected, repaired from a dump.
+    let regs = registrations(&nats.url).await;
+    let reg = regs.iter().find(|r| r.worker_id.to_string() == x).unwrap();
+    let client = async_nats::connect(&nats.url).await.unwrap();
+    let subject = format!("dynamo.it.kv.{x}");
+    let bogus = |id: u64| KvEventBatch {
+        worker_id: reg.worker_id,
+        generation: reg.generation,
+        events: vec![KvEvent {
+            event_id: EventId(id),
+            kind: KvEventKind::Stored,
+            tier: StorageTier::Device,
+            parent: None,
+            blocks: vec![SequenceHash(42), SequenceHash(43)],
+        }],
+    };
+    let dumps0 = metric(&http, "dynamo_router_kv_dumps_total").await;
+    client
+        .publish(subject.clone(), encode(&bogus(1)).unwrap().into())
+        .await
+        .unwrap();
+    wait_for("a duplicate to be counted", async || {
+        metric(&http, "dynamo_router_kv_event_duplicates_total").await >= 1
+    })
+    .await;
+    client
+        .publish(subject, encode(&bogus(1_000_000)).unwrap().into())
+        .await
+        .unwrap();
+    wait_for("a gap to be counted", async || {
+        metric(&http, "dynamo_router_kv_event_gaps_total").await >= 1
+    })
+    .await;
+    wait_for("the gap to be repaired by a dump", async || {
+        metric(&http, "dynamo_router_kv_dumps_total").await > dumps0
+    })
+    .await;
+    assert_eq!(
+        metric(&http, &device).await,
+        held,
+        "the index must equal the worker's own table again"
+    );
+    let r = http.post("/v1/completions", &body).await;
+    assert_eq!(r.worker.as_deref(), Some(x.as_str()));
+
+    // Restarting the worker (actor panic → new engine) clears its blocks from the index.
+    let msg = FaultInjection {
+        worker_id: reg.worker_id,
+        fault: FaultKind::PanicActor,
+    };
+    let ack = client
+        .request("dynamo.it.node.n1.fault", encode(&msg).unwrap().into())
+        .await
+        .unwrap();
+    assert!(decode::<FaultAck>(&ack.payload).unwrap().applied);
+    let gen0 = reg.generation;
+    let wid: WorkerId = reg.worker_id;
+    let url = nats.url.clone();
+    wait_for("the restarted worker", async || {
+        registrations(&url)
+            .await
+            .iter()
+            .any(|r| r.worker_id == wid && r.generation > gen0)
+    })
+    .await;
+    wait_for(
+        "the restarted worker's blocks to leave the index",
+        async || metric(&http, &device).await == 0,
+    )
+    .await;
+}
