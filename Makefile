@@ -35,9 +35,11 @@ test: deps lint
 	$(CARGO) build --bins
 	$(CARGO) test --workspace
 
-## bench: the serving benchmark in BENCHMARKS.md (mocker at no delay)
+## bench: the benchmarks in BENCHMARKS.md (serving path, KV index, KV routing replay)
 bench: build
 	./scripts/bench.sh
+	$(CARGO) run --release -q -p dynamo-kv-index --example index_report
+	./scripts/replay_bench.sh
 
 clean:
 	$(CARGO) clean

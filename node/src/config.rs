@@ -102,6 +102,8 @@ pub struct RawWorkers {
     #[serde(default = "auto")]
     pub model_path: String,
     pub heartbeat_ms: Option<u64>,
+    /// Overrides the model file's context length (a mocker simulating a larger model).
+    pub context_length: Option<u32>,
     #[serde(default)]
     pub mocker: MockerConfig,
 }
@@ -148,6 +150,8 @@ pub struct WorkerGroup {
     /// Engine settings.
     pub mocker: MockerConfig,
     pub role: WorkerRole,
+    /// Context length served instead of the model file's.
+    pub context_length: Option<u32>,
 }
 
 /// The validated node configuration.
@@ -323,6 +327,9 @@ impl NodeConfig {
                 ));
             }
             // Vocabulary-dependent checks run when the model is loaded.
+            if w.context_length == Some(0) {
+                return Err(invalid(&key("context_length"), "must be positive"));
+            }
             w.mocker
                 .validate(u32::MAX)
                 .map_err(|e| invalid(&key("mocker"), e.to_string()))?;
@@ -333,6 +340,7 @@ impl NodeConfig {
                 heartbeat,
                 mocker: w.mocker,
                 role: WorkerRole::Aggregated,
+                context_length: w.context_length,
             });
         }
         if gateway.is_none() && workers.is_empty() {

@@ -48,8 +48,11 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
             None => locate_default_gguf()?,
         };
         let (name, bs) = (group.model.clone(), group.mocker.block_size);
-        let m =
+        let mut m =
             tokio::task::spawn_blocking(move || LoadedModel::from_gguf(&path, &name, bs)).await??;
+        if let Some(ctx) = group.context_length {
+            m.card.context_length = ctx;
+        }
         group
             .mocker
             .validate(m.card.vocab_size)

@@ -12,5 +12,6 @@ pub mod config;
 pub mod daemon;
 pub mod embedded_nats;
 pub mod env;
+pub mod replay;
 pub mod status;
 pub mod supervisor;

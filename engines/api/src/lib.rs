@@ -176,6 +176,8 @@ pub enum EngineError {
     Invalid(#[from] RequestError),
     #[error("request {0} is already running")]
     Duplicate(RequestId),
+    #[error("request needs {needed} KV blocks but the engine has only {capacity}")]
+    TooLarge { needed: usize, capacity: usize },
     #[error("internal engine error: {0}")]
     Internal(String),
 }
@@ -186,7 +188,9 @@ impl EngineError {
         let kind = match self {
             EngineError::Overloaded(_) => ErrorKind::Overloaded,
             EngineError::Stopped => ErrorKind::EngineFailed,
-            EngineError::Invalid(_) | EngineError::Duplicate(_) => ErrorKind::InvalidRequest,
+            EngineError::Invalid(_) | EngineError::Duplicate(_) | EngineError::TooLarge { .. } => {
+                ErrorKind::InvalidRequest
+            }
             EngineError::Internal(_) => ErrorKind::Internal,
         };
         WireError::new(kind, self.to_string())

@@ -92,10 +92,10 @@ impl MockerCore {
         let bs = self.cfg.block_size as usize;
         let needed = (req.prompt().len() + req.sampling().max_tokens as usize).div_ceil(bs);
         if needed > self.pool.total() as usize {
-            return Err(EngineError::Overloaded(format!(
-                "request needs {needed} KV blocks, the pool has {}",
-                self.pool.total()
-            )));
+            return Err(EngineError::TooLarge {
+                needed,
+                capacity: self.pool.total() as usize,
+            });
         }
         let s = req.sampling();
         let mut stop_ids = s.stop_token_ids.clone();
@@ -481,7 +481,7 @@ mod tests {
         // A request that can never fit is refused up front.
         assert!(matches!(
             c.add(req(9, vec![100; 40], 20)),
-            Err(EngineError::Overloaded(_))
+            Err(EngineError::TooLarge { .. })
         ));
     }
 

@@ -2,7 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use dynamo_bus_schema::Namespace;
-use dynamo_node::{bench, env, status};
+use dynamo_node::{bench, env, replay, status};
 
 #[derive(Parser)]
 #[command(
@@ -48,6 +48,29 @@ enum Cmd {
         /// `chat` or `completions`.
         #[arg(long, default_value = "chat")]
         endpoint: String,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Replay a Mooncake-format JSONL trace against an OpenAI /v1/completions endpoint.
+    Replay {
+        #[arg(long)]
+        trace: std::path::PathBuf,
+        #[arg(long, default_value = "http://127.0.0.1:8000")]
+        url: String,
+        #[arg(long, default_value = "smollm2-135m-instruct")]
+        model: String,
+        /// Time compression: the trace's clock runs this many times faster.
+        #[arg(long, default_value_t = 1.0)]
+        speedup: f64,
+        #[arg(long)]
+        max_requests: Option<usize>,
+        /// Cap each request's output tokens.
+        #[arg(long)]
+        max_output: Option<u32>,
+        /// Token ids are drawn from [256, vocab).
+        #[arg(long, default_value_t = 49152)]
+        vocab: u32,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -110,6 +133,39 @@ fn main() {
                     endpoint,
                 };
                 let r = bench::run(spec).await?;
+                if json {
+                    println!("{}", serde_json::to_string(&r)?);
+                } else {
+                    println!("{}", serde_json::to_string_pretty(&r)?);
+                }
+                if r.ok == 0 {
+                    anyhow::bail!(
+                        "every request failed: {}",
+                        r.first_error.unwrap_or_default()
+                    );
+                }
+                Ok(())
+            }
+            Cmd::Replay {
+                trace,
+                url,
+                model,
+                speedup,
+                max_requests,
+                max_output,
+                vocab,
+                json,
+            } => {
+                let spec = replay::ReplaySpec {
+                    trace,
+                    url,
+                    model,
+                    speedup,
+                    max_requests,
+                    max_output,
+                    vocab,
+                };
+                let r = replay::run(spec).await?;
                 if json {
                     println!("{}", serde_json::to_string(&r)?);
                 } else {

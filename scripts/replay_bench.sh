@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# KV-routing benchmark of BENCHMARKS.md: replays the Mooncake conversation
+# trace (time-compressed) against one node with 8 mocker workers whose KV
+# pools are small enough to force eviction, once per routing policy, and
+# prints dynamoctl replay's JSON for each.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=./target/release
+TRACE=${TRACE:-../shared/traces/mooncake/conversation_trace.jsonl}
+REQUESTS=${REQUESTS:-1000}
+SPEEDUP=${SPEEDUP:-20}
+BLOCKS=${BLOCKS:-4096}          # per worker, 16-token blocks (65,536 tokens)
+MAX_OUTPUT=${MAX_OUTPUT:-64}
+POLICIES=${POLICIES:-"kv_aware round_robin random"}
+PORT=${PORT:-8000}
+[ -f "$TRACE" ] || { echo "replay_bench: no trace at $TRACE" >&2; exit 1; }
+
+for policy in $POLICIES; do
+  cfg=$(mktemp /tmp/dynamo-replay.XXXXXX.toml)
+  cat >"$cfg" <<TOML
+node_id = "replay"
+namespace = "replay"
+[nats]
+url = "embedded"
+[gateway]
+listen = "127.0.0.1:$PORT"
+max_body_bytes = 16777216
+[router]
+policy = "$policy"
+[[workers]]
+count = 8
+engine = "mocker"
+context_length = 131072
+[workers.mocker]
+num_blocks = $BLOCKS
+speedup = $SPEEDUP
+TOML
+  "$BIN/dynamo-node" --config "$cfg" >"$cfg.log" 2>&1 &
+  node=$!
+  for _ in $(seq 1 300); do
+    curl -s "http://127.0.0.1:$PORT/health" | grep -q '"workers":8' && break
+    sleep 0.1
+  done
+  out=$("$BIN/dynamoctl" replay --trace "$TRACE" --url "http://127.0.0.1:$PORT" \
+        --speedup "$SPEEDUP" --max-requests "$REQUESTS" --max-output "$MAX_OUTPUT" --json || true)
+  echo "$policy $out"
+  kill -TERM $node; wait $node || true
+  rm -f "$cfg" "$cfg.log"
+done
