@@ -40,6 +40,10 @@ hex_id!(
     /// One gateway process-actor; its inbox subject is derived from it.
     GatewayId(u64), 16
 );
+hex_id!(
+    /// One router replica.
+    RouterId(u64), 16
+);
 
 /// A node daemon, named in its config (e.g. `node-a`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -80,6 +84,12 @@ impl RequestId {
 impl GatewayId {
     pub fn random() -> Self {
         GatewayId(random_u128() as u64)
+    }
+}
+
+impl RouterId {
+    pub fn random() -> Self {
+        RouterId(random_u128() as u64)
     }
 }
 

@@ -439,6 +439,51 @@ pub struct KvDump {
 }
 wire!(KvDump = 62);
 
+open_enum!(
+    /// A change in one router's view of a request's load.
+    ActiveLoadKind {
+        /// Routed to `worker_id`; `prefill_tokens` still to compute.
+        Added = 1,
+        /// The first token came back: its prefill is done.
+        PrefillDone = 2,
+        /// Finished, failed or cancelled.
+        Finished = 3,
+    }
+);
+
+/// Router → `Subjects::router_load`: one request's load, shared by replicas.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ActiveLoadEvent {
+    pub router_id: RouterId,
+    pub request_id: RequestId,
+    pub worker_id: WorkerId,
+    pub generation: u64,
+    pub kind: ActiveLoadKind,
+    pub prefill_tokens: u64,
+}
+wire!(ActiveLoadEvent = 70);
+
+/// Router → `Subjects::router_load`, every second: "my entries are live".
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RouterHeartbeat {
+    pub router_id: RouterId,
+}
+wire!(RouterHeartbeat = 71);
+
+/// A starting router asks a peer (`Subjects::router_snapshot`) for the active load.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ActiveLoadSnapshotRequest {
+    pub router_id: RouterId,
+}
+wire!(ActiveLoadSnapshotRequest = 72);
+
+/// Every request a router knows to be active (its own and its peers'), as `Added` events.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ActiveLoadSnapshot {
+    pub entries: Vec<ActiveLoadEvent>,
+}
+wire!(ActiveLoadSnapshot = 73);
+
 /// Unix time in milliseconds (0 if the clock is before 1970).
 pub fn unix_ms() -> u64 {
     std::time::SystemTime::now()

@@ -91,6 +91,14 @@ impl Subjects {
     pub fn worker_kv_dump(&self, w: WorkerId) -> String {
         format!("{}.worker.{w}.kv_dump", self.base())
     }
+    /// Routers share per-request load here ([`crate::ActiveLoadEvent`], [`crate::RouterHeartbeat`]).
+    pub fn router_load(&self) -> String {
+        format!("{}.router.load", self.base())
+    }
+    /// Routers answer [`crate::ActiveLoadSnapshotRequest`]s here.
+    pub fn router_snapshot(&self) -> String {
+        format!("{}.router.snapshot", self.base())
+    }
     /// A node's fault-injection endpoint.
     pub fn node_fault(&self, n: &NodeId) -> String {
         // Node ids come from configs; keep only subject-safe characters.

@@ -215,6 +215,33 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             })),
         ),
         (
+            "ActiveLoadEvent",
+            enc(encode(&ActiveLoadEvent {
+                router_id: RouterId(5),
+                request_id: rid,
+                worker_id: wid,
+                generation: 2,
+                kind: ActiveLoadKind::Added,
+                prefill_tokens: 900,
+            })),
+        ),
+        (
+            "RouterHeartbeat",
+            enc(encode(&RouterHeartbeat {
+                router_id: RouterId(5),
+            })),
+        ),
+        (
+            "ActiveLoadSnapshotRequest",
+            enc(encode(&ActiveLoadSnapshotRequest {
+                router_id: RouterId(5),
+            })),
+        ),
+        (
+            "ActiveLoadSnapshot",
+            enc(encode(&ActiveLoadSnapshot { entries: vec![] })),
+        ),
+        (
             "FaultAck",
             enc(encode(&FaultAck {
                 applied: true,

@@ -117,7 +117,7 @@ impl Generation {
             if attempt > 0 {
                 shared.metrics.route_retries.inc();
             }
-            let decision = route(&shared, &model, &tokens, &exclude).await?;
+            let decision = route(&shared, id, &model, &tokens, &exclude).await?;
             let rx = shared.inbox.register(id);
             let req = GenerateRequest {
                 request_id: id,
@@ -165,7 +165,7 @@ impl Generation {
                     }
                     Some(e) if e.kind.is_retryable() => Some(map_wire(&e)),
                     Some(e) => {
-                        release(&shared, decision, id);
+                        release(&shared, id);
                         return Err(map_wire(&e));
                     }
                 },
@@ -194,7 +194,7 @@ impl Generation {
             };
             tracing::debug!(request = %id, worker = %decision.worker_id, ?failure, "worker did not take request");
             exclude.push(decision.worker_id);
-            release(&shared, decision, id);
+            release(&shared, id);
             last_error = failure;
         }
         Err(last_error.unwrap_or_else(|| ApiError::unavailable("No worker accepted the request.")))
@@ -277,6 +277,11 @@ impl Generation {
                         }
                     }
                     _ => {}
+                }
+                if self.last_token_at.is_none() {
+                    if let Ok(r) = self.shared.router() {
+                        let _ = r.cast(RouterMsg::PrefillDone(self.id));
+                    }
                 }
                 self.last_token_at = Some(now);
                 self.usage.completion_tokens += n;
@@ -371,7 +376,7 @@ impl Drop for Generation {
                 send_cancel(&self.shared, d.worker_id, self.id, self.cancel_reason);
             }
             if let Ok(r) = self.shared.router() {
-                let _ = r.cast(RouterMsg::Release(d));
+                let _ = r.cast(RouterMsg::Release(self.id));
             }
         }
     }
@@ -379,6 +384,7 @@ impl Drop for Generation {
 
 async fn route(
     shared: &Shared,
+    request_id: RequestId,
     model: &ModelName,
     tokens: &Arc<Vec<u32>>,
     exclude: &[dynamo_bus_schema::WorkerId],
@@ -387,6 +393,7 @@ async fn route(
     let call = router
         .call(
             |reply| RouterMsg::Route {
+                request_id,
                 model: model.clone(),
                 token_ids: tokens.clone(),
                 exclude: exclude.to_vec(),
@@ -409,10 +416,10 @@ async fn route(
     }
 }
 
-fn release(shared: &Shared, d: RouteDecision, id: RequestId) {
+fn release(shared: &Shared, id: RequestId) {
     shared.inbox.unregister(id);
     if let Ok(r) = shared.router() {
-        let _ = r.cast(RouterMsg::Release(d));
+        let _ = r.cast(RouterMsg::Release(id));
     }
 }
 

@@ -44,6 +44,7 @@ pub fn app(shared: Arc<Shared>) -> Router {
         .route("/v1/models", get(list_models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
+        .route("/v1/dynamo/overlap", post(overlap))
         .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .layer(DefaultBodyLimit::max(limit))
@@ -419,10 +420,76 @@ fn router_metrics(info: &dynamo_router::KvInfo) -> String {
             );
         }
     }
+    let _ = writeln!(
+        out,
+        "# HELP dynamo_router_worker_inflight Requests in flight per worker, all router replicas"
+    );
+    let _ = writeln!(out, "# TYPE dynamo_router_worker_inflight gauge");
+    for (w, l) in &info.load {
+        let _ = writeln!(
+            out,
+            "dynamo_router_worker_inflight{{worker=\"{w}\"}} {}",
+            l.inflight
+        );
+    }
+    let _ = writeln!(out, "# HELP dynamo_router_worker_pending_prefill_tokens Uncached prompt tokens not yet prefilled per worker, all replicas");
+    let _ = writeln!(
+        out,
+        "# TYPE dynamo_router_worker_pending_prefill_tokens gauge"
+    );
+    for (w, l) in &info.load {
+        let _ = writeln!(
+            out,
+            "dynamo_router_worker_pending_prefill_tokens{{worker=\"{w}\"}} {}",
+            l.prefill_tokens
+        );
+    }
     let _ = writeln!(out, "# HELP dynamo_router_info Routing policy in use");
     let _ = writeln!(out, "# TYPE dynamo_router_info gauge");
     let _ = writeln!(out, "dynamo_router_info{{policy=\"{}\"}} 1", info.policy);
     out
+}
+
+/// `POST /v1/dynamo/overlap` `{"model", "prompt": [token ids]}`: how many
+/// leading KV blocks of the prompt each worker holds, by tier, according to
+/// this gateway's router (for debugging routing decisions).
+async fn overlap(
+    State(s): State<Arc<Shared>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    #[derive(serde::Deserialize)]
+    struct Req {
+        model: String,
+        prompt: Vec<u32>,
+    }
+    let body = body.map_err(|r| body_error(r, s.config.max_body_bytes))?;
+    let req: Req = parse_body(&body)?;
+    let router = s.router()?;
+    let res = router
+        .call(
+            |reply| dynamo_router::RouterMsg::Overlap {
+                model: dynamo_bus_schema::ModelName(req.model),
+                token_ids: req.prompt,
+                reply,
+            },
+            Some(Duration::from_secs(2)),
+        )
+        .await;
+    let Ok(ractor::rpc::CallResult::Success(m)) = res else {
+        return Err(ApiError::unavailable(
+            "The router did not answer; retry shortly.",
+        ));
+    };
+    let workers: serde_json::Map<String, Value> = m
+        .into_iter()
+        .map(|(w, o)| {
+            (
+                w.to_string(),
+                json!({"blocks": o.blocks, "device": o.device, "host": o.host, "disk": o.disk}),
+            )
+        })
+        .collect();
+    Ok(Json(json!({"workers": workers})))
 }
 
 /// Used by tests: validate without serving.

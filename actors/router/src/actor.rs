@@ -9,8 +9,9 @@
 use crate::policy::{build, PolicyKind};
 use crate::state::{ModelEntry, RouteDecision, RouteError, RouterState, WorkerEntry};
 use dynamo_bus_schema::{
-    decode, KvDump, KvDumpRequest, KvEventBatch, LoadReport, ModelName, WorkerId,
-    WorkerRegistration,
+    decode, decode_payload, peek_kind, ActiveLoadEvent, ActiveLoadSnapshot,
+    ActiveLoadSnapshotRequest, KvDump, KvDumpRequest, KvEventBatch, LoadReport, ModelName,
+    RequestId, RouterHeartbeat, RouterId, WireMessage, WorkerId, WorkerRegistration,
 };
 use dynamo_runtime::{counters, Backoff, Bus};
 use futures::StreamExt;
@@ -45,14 +46,29 @@ pub enum RouterMsg {
     Load(LoadReport),
     Expire,
     Route {
+        request_id: RequestId,
         model: ModelName,
         token_ids: Arc<Vec<u32>>,
         exclude: Vec<WorkerId>,
         reply: RpcReplyPort<Result<RouteDecision, RouteError>>,
     },
-    Release(RouteDecision),
+    /// An own request finished (in any way).
+    Release(RequestId),
+    /// An own request's first token came back.
+    PrefillDone(RequestId),
+    RemoteLoad(ActiveLoadEvent),
+    PeerHeartbeat(RouterId),
+    LoadSnapshot(Vec<ActiveLoadEvent>),
+    ServeSnapshot(RpcReplyPort<Vec<ActiveLoadEvent>>),
+    /// Publish this router's heartbeat.
+    Heartbeat,
     Models(RpcReplyPort<Vec<ModelEntry>>),
     KvInfo(RpcReplyPort<KvInfo>),
+    Overlap {
+        model: ModelName,
+        token_ids: Vec<u32>,
+        reply: RpcReplyPort<Vec<(WorkerId, dynamo_kv_index::Overlap)>>,
+    },
     Workers(RpcReplyPort<Vec<WorkerEntry>>),
 }
 
@@ -62,6 +78,8 @@ pub struct KvInfo {
     pub stats: crate::kv_sync::KvStats,
     /// Indexed blocks per worker: device, host, disk.
     pub blocks: Vec<(WorkerId, [u64; 3])>,
+    /// Active load per worker, as all replicas together see it.
+    pub load: Vec<(WorkerId, crate::active::WorkerLoad)>,
     pub policy: &'static str,
 }
 
@@ -122,6 +140,23 @@ impl Actor for RouterActor {
             }
         });
         let state = RouterState::new(args.config.worker_ttl, build(args.config.policy));
+        tokio::spawn(share_load(
+            args.bus.clone(),
+            state.router_id(),
+            myself.clone(),
+            tasks.child_token(),
+        ));
+        let hb = tasks.child_token();
+        let me2 = myself.clone();
+        tokio::spawn(async move {
+            let mut iv = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    _ = hb.cancelled() => break,
+                    _ = iv.tick() => if me2.cast(RouterMsg::Heartbeat).is_err() { break },
+                }
+            }
+        });
         tracing::info!(policy = state.policy_name(), "router started");
         Ok(RouterRuntime {
             state,
@@ -160,31 +195,78 @@ impl Actor for RouterActor {
                 }
             }
             RouterMsg::Route {
+                request_id,
                 model,
                 token_ids,
                 exclude,
                 reply,
-            } => {
-                let d = s.route(&model, &token_ids, &exclude, now);
-                if reply.send(d.clone()).is_err() {
-                    // The caller gave up: undo the accounting.
-                    if let Ok(d) = d {
-                        s.release(&d);
+            } => match s.route(request_id, &model, &token_ids, &exclude, now) {
+                Ok((d, ev)) => {
+                    if reply.send(Ok(d)).is_err() {
+                        // The caller gave up: undo the accounting.
+                        s.release(request_id);
+                    } else {
+                        publish_load(&rt.bus, &ev).await;
                     }
                 }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            },
+            RouterMsg::Release(id) => {
+                if let Some(ev) = s.release(id) {
+                    publish_load(&rt.bus, &ev).await;
+                }
             }
-            RouterMsg::Release(d) => s.release(&d),
+            RouterMsg::PrefillDone(id) => {
+                if let Some(ev) = s.prefill_done(id) {
+                    publish_load(&rt.bus, &ev).await;
+                }
+            }
+            RouterMsg::RemoteLoad(ev) => s.remote_load(&ev, now),
+            RouterMsg::PeerHeartbeat(p) => s.peer_heartbeat(p, now),
+            RouterMsg::LoadSnapshot(entries) => {
+                tracing::info!(
+                    entries = entries.len(),
+                    "loaded the active-load snapshot of a peer"
+                );
+                s.load_snapshot(&entries, now);
+            }
+            RouterMsg::ServeSnapshot(reply) => {
+                let _ = reply.send(s.active_snapshot());
+            }
+            RouterMsg::Heartbeat => {
+                let hb = RouterHeartbeat {
+                    router_id: s.router_id(),
+                };
+                if let Err(e) = rt.bus.publish(rt.bus.subjects.router_load(), &hb).await {
+                    tracing::debug!(error = %e, "cannot publish router heartbeat");
+                }
+            }
             RouterMsg::KvInfo(reply) => {
                 let blocks = s
                     .workers()
                     .iter()
                     .map(|w| (w.reg.worker_id, s.kv_blocks_of(w.reg.worker_id)))
                     .collect();
+                let load = s
+                    .workers()
+                    .iter()
+                    .map(|w| (w.reg.worker_id, s.worker_load(w.reg.worker_id)))
+                    .collect();
                 let _ = reply.send(KvInfo {
                     stats: s.kv_stats(),
                     blocks,
+                    load,
                     policy: s.policy_name(),
                 });
+            }
+            RouterMsg::Overlap {
+                model,
+                token_ids,
+                reply,
+            } => {
+                let _ = reply.send(s.overlap(&model, &token_ids));
             }
             RouterMsg::Models(reply) => {
                 let _ = reply.send(s.models());
@@ -269,6 +351,113 @@ async fn watch_workers(
             _ = cancel.cancelled() => return,
             _ = tokio::time::sleep(backoff.next_delay(Instant::now())) => {}
         }
+    }
+}
+
+async fn publish_load(bus: &Bus, ev: &ActiveLoadEvent) {
+    if let Err(e) = bus.publish(bus.subjects.router_load(), ev).await {
+        // Peers expire what they miss; our own view stays exact.
+        tracing::debug!(error = %e, "cannot publish active load");
+    }
+}
+
+/// Follows the other replicas' load: subscribes first, then asks a peer for
+/// a snapshot (so nothing between the two is lost), then serves snapshots to
+/// replicas that start after this one.
+async fn share_load(
+    bus: Bus,
+    me: RouterId,
+    router: ActorRef<RouterMsg>,
+    cancel: CancellationToken,
+) {
+    let mut sub = match bus.client.subscribe(bus.subjects.router_load()).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot subscribe to router load");
+            return;
+        }
+    };
+    let fwd_cancel = cancel.clone();
+    let fwd_router = router.clone();
+    tokio::spawn(async move {
+        loop {
+            let m = tokio::select! {
+                _ = fwd_cancel.cancelled() => return,
+                m = sub.next() => m,
+            };
+            let Some(m) = m else { return };
+            let msg = match peek_kind(&m.payload) {
+                Ok((k, p)) if k == ActiveLoadEvent::KIND => {
+                    decode_payload(p).map(RouterMsg::RemoteLoad)
+                }
+                Ok((k, p)) if k == RouterHeartbeat::KIND => decode_payload::<RouterHeartbeat>(p)
+                    .map(|h| RouterMsg::PeerHeartbeat(h.router_id)),
+                Ok((k, _)) => {
+                    counters::reject(
+                        "router load",
+                        m.subject.as_str(),
+                        &format!("unknown kind {}", k.0),
+                    );
+                    continue;
+                }
+                Err(e) => Err(e),
+            };
+            match msg {
+                Ok(msg) => {
+                    if fwd_router.cast(msg).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => counters::reject("router load", m.subject.as_str(), &e),
+            }
+        }
+    });
+    let req = ActiveLoadSnapshotRequest { router_id: me };
+    match bus
+        .request::<_, ActiveLoadSnapshot>(
+            bus.subjects.router_snapshot(),
+            &req,
+            Duration::from_secs(2),
+        )
+        .await
+    {
+        Ok(snap) => {
+            let _ = router.cast(RouterMsg::LoadSnapshot(snap.entries));
+        }
+        Err(e) => {
+            tracing::info!(reason = %e, "no peer snapshot of the active load (first replica?)")
+        }
+    }
+    let mut snap_sub = match bus
+        .client
+        .queue_subscribe(bus.subjects.router_snapshot(), "routers".into())
+        .await
+    {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot serve load snapshots");
+            return;
+        }
+    };
+    loop {
+        let m = tokio::select! {
+            _ = cancel.cancelled() => return,
+            m = snap_sub.next() => m,
+        };
+        let Some(m) = m else { return };
+        if let Err(e) = decode::<ActiveLoadSnapshotRequest>(&m.payload) {
+            counters::reject("ActiveLoadSnapshotRequest", m.subject.as_str(), &e);
+            continue;
+        }
+        let entries = match router
+            .call(RouterMsg::ServeSnapshot, Some(Duration::from_secs(2)))
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(e)) => e,
+            _ => return,
+        };
+        bus.reply(m.reply.as_ref(), &ActiveLoadSnapshot { entries })
+            .await;
     }
 }
 

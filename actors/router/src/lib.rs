@@ -11,6 +11,7 @@
 //! to the decision arrives over the bus, so any number of gateway+router
 //! replicas see the same registry.
 
+pub mod active;
 pub mod actor;
 pub mod kv_sync;
 pub mod policy;

@@ -7,13 +7,14 @@
 //!   for it (the old engine and its requests are gone);
 //! - `release` never underflows and ignores releases for an older generation.
 
+use crate::active::{ActiveLoad, WorkerLoad};
 use crate::kv_sync::{KvStats, KvSync};
 use crate::policy::{Candidate, RouteRequest, RoutingPolicy};
 use dynamo_bus_schema::blocks::sequence_hashes;
 use dynamo_bus_schema::{
     unix_ms, LoadReport, ModelCard, ModelName, WorkerId, WorkerRegistration, WorkerState,
 };
-use dynamo_bus_schema::{KvDump, KvEventBatch};
+use dynamo_bus_schema::{ActiveLoadEvent, KvDump, KvEventBatch, RequestId, RouterId};
 use dynamo_kv_index::Overlap;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -31,9 +32,6 @@ pub enum RouteError {
 pub struct WorkerEntry {
     pub reg: WorkerRegistration,
     pub last_seen: Instant,
-    pub router_inflight: u32,
-    /// Uncached prompt tokens routed there and not yet finished.
-    pub pending_prefill: u64,
 }
 
 /// A routing decision.
@@ -59,16 +57,57 @@ pub struct RouterState {
     workers: BTreeMap<WorkerId, WorkerEntry>,
     policy: Box<dyn RoutingPolicy>,
     kv: KvSync,
+    active: ActiveLoad,
 }
 
 impl RouterState {
     pub fn new(ttl: Duration, policy: Box<dyn RoutingPolicy>) -> Self {
+        Self::with_id(RouterId::random(), ttl, policy)
+    }
+
+    pub fn with_id(id: RouterId, ttl: Duration, policy: Box<dyn RoutingPolicy>) -> Self {
         RouterState {
             ttl,
             workers: BTreeMap::new(),
             policy,
             kv: KvSync::default(),
+            // Peers heartbeat every second; entries outlive any request deadline.
+            active: ActiveLoad::new(id, Duration::from_secs(3600), Duration::from_secs(3)),
         }
+    }
+
+    pub fn router_id(&self) -> RouterId {
+        self.active.me()
+    }
+
+    /// A peer router's load event.
+    pub fn remote_load(&mut self, ev: &ActiveLoadEvent, now: Instant) {
+        self.active.remote(ev, now);
+    }
+
+    /// A peer router is alive.
+    pub fn peer_heartbeat(&mut self, peer: RouterId, now: Instant) {
+        self.active.heartbeat(peer, now);
+    }
+
+    /// A peer's snapshot of the active load (at start-up).
+    pub fn load_snapshot(&mut self, entries: &[ActiveLoadEvent], now: Instant) {
+        self.active.load_snapshot(entries, now);
+    }
+
+    /// The active load, for a peer that starts late.
+    pub fn active_snapshot(&self) -> Vec<ActiveLoadEvent> {
+        self.active.snapshot()
+    }
+
+    /// A worker's load as all replicas together see it.
+    pub fn worker_load(&self, w: WorkerId) -> WorkerLoad {
+        self.active.load_of(w)
+    }
+
+    /// The first token of an own request came back; returns the event to publish.
+    pub fn prefill_done(&mut self, id: RequestId) -> Option<ActiveLoadEvent> {
+        self.active.prefill_done_own(id)
     }
 
     /// A batch of KV events arrived.
@@ -111,8 +150,7 @@ impl RouterState {
             Some(e) => {
                 if reg.generation > e.reg.generation {
                     tracing::info!(worker = %reg.worker_id, generation = reg.generation, "worker restarted");
-                    e.router_inflight = 0;
-                    e.pending_prefill = 0;
+                    self.active.worker_changed(reg.worker_id, reg.generation);
                     self.kv.worker_seen(reg.worker_id, reg.generation);
                 } else if reg.generation < e.reg.generation {
                     return; // stale record from before a restart
@@ -128,8 +166,6 @@ impl RouterState {
                     WorkerEntry {
                         reg,
                         last_seen: now,
-                        router_inflight: 0,
-                        pending_prefill: 0,
                     },
                 );
             }
@@ -142,6 +178,7 @@ impl RouterState {
             tracing::info!(worker = %id, "worker deregistered");
         }
         self.kv.worker_gone(id);
+        self.active.worker_changed(id, u64::MAX);
     }
 
     /// A load report arrived; it also counts as a sign of life.
@@ -167,18 +204,22 @@ impl RouterState {
             tracing::warn!(worker = %id, "worker expired (no heartbeat within TTL)");
             self.workers.remove(id);
             self.kv.worker_gone(*id);
+            self.active.worker_changed(*id, u64::MAX);
         }
+        self.active.expire(now);
         dead
     }
 
-    /// Picks a worker for a request, skipping `exclude`.
+    /// Picks a worker for request `id`, skipping `exclude`; returns the
+    /// decision and the load event to publish to the other replicas.
     pub fn route(
         &mut self,
+        id: RequestId,
         model: &ModelName,
         token_ids: &[u32],
         exclude: &[WorkerId],
         now: Instant,
-    ) -> Result<RouteDecision, RouteError> {
+    ) -> Result<(RouteDecision, ActiveLoadEvent), RouteError> {
         let ttl = self.ttl;
         let mut registered = 0;
         let candidates: Vec<Candidate> = self
@@ -191,13 +232,16 @@ impl RouterState {
                     && now.duration_since(e.last_seen) <= ttl
                     && !exclude.contains(&e.reg.worker_id)
             })
-            .map(|e| Candidate {
-                worker_id: e.reg.worker_id,
-                router_inflight: e.router_inflight,
-                reported: e.reg.load.clone(),
-                overlap: Overlap::default(),
-                pending_prefill_tokens: e.pending_prefill,
-                block_size: e.reg.model.block_size,
+            .map(|e| {
+                let l = self.active.load_of(e.reg.worker_id);
+                Candidate {
+                    worker_id: e.reg.worker_id,
+                    router_inflight: l.inflight,
+                    reported: e.reg.load.clone(),
+                    overlap: Overlap::default(),
+                    pending_prefill_tokens: l.prefill_tokens,
+                    block_size: e.reg.model.block_size,
+                }
             })
             .collect();
         if candidates.is_empty() {
@@ -224,38 +268,48 @@ impl RouterState {
                 }
             }
         }
-        let id = self
+        let wid = self
             .policy
             .select(&RouteRequest { model, token_ids }, &candidates);
         let chosen = candidates
             .iter()
-            .find(|c| c.worker_id == id)
+            .find(|c| c.worker_id == wid)
             .expect("policy picked a candidate");
         let overlap_blocks = chosen.overlap.blocks;
         let prefill_tokens = (token_ids.len() as u64)
             .saturating_sub(overlap_blocks as u64 * chosen.block_size as u64);
-        let e = self
-            .workers
-            .get_mut(&id)
-            .expect("policy picked a candidate");
-        e.router_inflight += 1;
-        e.pending_prefill += prefill_tokens;
-        Ok(RouteDecision {
-            worker_id: id,
-            generation: e.reg.generation,
-            prefill_tokens,
-            overlap_blocks,
-        })
+        let generation = self.workers[&wid].reg.generation;
+        let ev = self
+            .active
+            .add_own(id, wid, generation, prefill_tokens, now);
+        Ok((
+            RouteDecision {
+                worker_id: wid,
+                generation,
+                prefill_tokens,
+                overlap_blocks,
+            },
+            ev,
+        ))
     }
 
-    /// A routed request finished (in any way).
-    pub fn release(&mut self, d: &RouteDecision) {
-        if let Some(e) = self.workers.get_mut(&d.worker_id) {
-            if e.reg.generation == d.generation {
-                e.router_inflight = e.router_inflight.saturating_sub(1);
-                e.pending_prefill = e.pending_prefill.saturating_sub(d.prefill_tokens);
-            }
-        }
+    /// What each worker serving `model` holds of `token_ids` (for debugging routing).
+    pub fn overlap(&self, model: &ModelName, token_ids: &[u32]) -> Vec<(WorkerId, Overlap)> {
+        let Some(card) = self
+            .workers
+            .values()
+            .find(|e| &e.reg.model.name == model)
+            .map(|e| &e.reg.model)
+        else {
+            return Vec::new();
+        };
+        let hashes = sequence_hashes(token_ids, card.block_size as usize, card.hash_salt);
+        self.kv.index.find_matches(&hashes)
+    }
+
+    /// An own request finished (in any way); returns the event to publish.
+    pub fn release(&mut self, id: RequestId) -> Option<ActiveLoadEvent> {
+        self.active.finish_own(id)
     }
 
     /// Every served model with its workers (any state).
@@ -283,6 +337,16 @@ mod tests {
     use super::*;
     use crate::policy::{LeastLoaded, RoundRobin};
     use dynamo_bus_schema::*;
+
+    fn route(
+        s: &mut RouterState,
+        m: &ModelName,
+        exclude: &[WorkerId],
+        now: Instant,
+    ) -> Result<RouteDecision, RouteError> {
+        s.route(RequestId::random(), m, &[], exclude, now)
+            .map(|(d, _)| d)
+    }
 
     fn reg(id: u64, gen: u64, model: &str) -> WorkerRegistration {
         WorkerRegistration {
@@ -322,7 +386,7 @@ mod tests {
         let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
         let m = ModelName("a".into());
         assert_eq!(
-            s.route(&m, &[], &[], t0),
+            route(&mut s, &m, &[], t0),
             Err(RouteError::UnknownModel { model: "a".into() })
         );
         s.upsert(reg(1, 1, "a"), t0);
@@ -331,15 +395,15 @@ mod tests {
         draining.state = WorkerState::Draining;
         s.upsert(draining, t0);
         for _ in 0..3 {
-            assert_eq!(s.route(&m, &[], &[], t0).unwrap().worker_id, WorkerId(1));
+            assert_eq!(route(&mut s, &m, &[], t0).unwrap().worker_id, WorkerId(1));
         }
         assert!(matches!(
-            s.route(&m, &[], &[WorkerId(1)], t0),
+            route(&mut s, &m, &[WorkerId(1)], t0),
             Err(RouteError::NoWorkers { registered: 2, .. })
         ));
         // Stale → not routable, then expired.
         let late = t0 + Duration::from_secs(4);
-        assert!(s.route(&m, &[], &[], late).is_err());
+        assert!(route(&mut s, &m, &[], late).is_err());
         assert_eq!(s.expire(late).len(), 3);
         assert!(s.models().is_empty());
     }
@@ -351,7 +415,7 @@ mod tests {
         let mut old = reg(1, 1, "a");
         old.heartbeat_unix_ms = unix_ms() - 60_000;
         s.upsert(old, t0);
-        assert!(s.route(&ModelName("a".into()), &[], &[], t0).is_err());
+        assert!(route(&mut s, &ModelName("a".into()), &[], t0).is_err());
     }
 
     #[test]
@@ -361,17 +425,20 @@ mod tests {
         let m = ModelName("a".into());
         s.upsert(reg(1, 1, "a"), t0);
         s.upsert(reg(2, 1, "a"), t0);
-        let d: Vec<RouteDecision> = (0..4).map(|_| s.route(&m, &[], &[], t0).unwrap()).collect();
+        let ids: Vec<RequestId> = (0..4).map(RequestId).collect();
+        let d: Vec<RouteDecision> = ids
+            .iter()
+            .map(|id| s.route(*id, &m, &[], &[], t0).unwrap().0)
+            .collect();
         let on1 = d.iter().filter(|x| x.worker_id == WorkerId(1)).count();
         assert_eq!(on1, 2, "least-loaded shares evenly");
-        s.upsert(reg(1, 2, "a"), t0); // worker 1 restarted
-        s.release(&d[0]); // old generation: ignored, no underflow
-        let w1 = s
-            .workers()
-            .into_iter()
-            .find(|w| w.reg.worker_id == WorkerId(1))
-            .unwrap();
-        assert_eq!(w1.router_inflight, 0);
+        assert_eq!(s.worker_load(WorkerId(1)).inflight, 2);
+        s.upsert(reg(1, 2, "a"), t0); // worker 1 restarted: its requests are gone
+        assert_eq!(s.worker_load(WorkerId(1)).inflight, 0);
+        for id in &ids {
+            s.release(*id); // no underflow for the voided ones
+        }
+        assert_eq!(s.worker_load(WorkerId(2)).inflight, 0);
         s.upsert(reg(1, 1, "a"), t0); // stale record ignored
         let w1 = s
             .workers()

@@ -1,0 +1,289 @@
+//! Active load shared by router replicas.
+//!
+//! Every replica records the requests it routes (`own`) and publishes
+//! `Added` / `PrefillDone` / `Finished`; it applies its peers' events to
+//! `remote`. A worker's load as every replica sees it is the sum of both, so
+//! replicas behind one load balancer do not all pick the same "idle" worker.
+//!
+//! Invariants:
+//! - per-worker totals always equal the sum over own + remote entries;
+//! - an entry lives until `Finished`, its worker restarts or leaves, its
+//!   router stops heartbeating for `peer_ttl`, or it is older than `entry_ttl`;
+//! - applying the same event twice changes nothing (idempotent), so a
+//!   snapshot and the event tail may overlap.
+
+use dynamo_bus_schema::{ActiveLoadEvent, ActiveLoadKind, RequestId, RouterId, WorkerId};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkerLoad {
+    /// Requests in flight there (all replicas).
+    pub inflight: u32,
+    /// Uncached prompt tokens not yet prefilled there (all replicas).
+    pub prefill_tokens: u64,
+}
+
+#[derive(Clone, Debug)]
+struct Entry {
+    worker: WorkerId,
+    generation: u64,
+    prefill_tokens: u64,
+    added: Instant,
+}
+
+pub struct ActiveLoad {
+    me: RouterId,
+    entries: HashMap<(RouterId, RequestId), Entry>,
+    peers: HashMap<RouterId, Instant>,
+    per_worker: HashMap<WorkerId, WorkerLoad>,
+    entry_ttl: Duration,
+    peer_ttl: Duration,
+}
+
+impl ActiveLoad {
+    pub fn new(me: RouterId, entry_ttl: Duration, peer_ttl: Duration) -> Self {
+        ActiveLoad {
+            me,
+            entries: HashMap::new(),
+            peers: HashMap::new(),
+            per_worker: HashMap::new(),
+            entry_ttl,
+            peer_ttl,
+        }
+    }
+
+    pub fn me(&self) -> RouterId {
+        self.me
+    }
+
+    pub fn load_of(&self, w: WorkerId) -> WorkerLoad {
+        self.per_worker.get(&w).copied().unwrap_or_default()
+    }
+
+    fn insert(&mut self, key: (RouterId, RequestId), e: Entry) {
+        if self.entries.contains_key(&key) {
+            return;
+        }
+        let l = self.per_worker.entry(e.worker).or_default();
+        l.inflight += 1;
+        l.prefill_tokens += e.prefill_tokens;
+        self.entries.insert(key, e);
+    }
+
+    fn remove(&mut self, key: &(RouterId, RequestId)) -> Option<Entry> {
+        let e = self.entries.remove(key)?;
+        if let Some(l) = self.per_worker.get_mut(&e.worker) {
+            l.inflight = l.inflight.saturating_sub(1);
+            l.prefill_tokens = l.prefill_tokens.saturating_sub(e.prefill_tokens);
+        }
+        Some(e)
+    }
+
+    fn prefill_done(&mut self, key: &(RouterId, RequestId)) -> Option<&Entry> {
+        let e = self.entries.get_mut(key)?;
+        if let Some(l) = self.per_worker.get_mut(&e.worker) {
+            l.prefill_tokens = l.prefill_tokens.saturating_sub(e.prefill_tokens);
+        }
+        e.prefill_tokens = 0;
+        Some(e)
+    }
+
+    fn event(&self, id: RequestId, e: &Entry, kind: ActiveLoadKind) -> ActiveLoadEvent {
+        ActiveLoadEvent {
+            router_id: self.me,
+            request_id: id,
+            worker_id: e.worker,
+            generation: e.generation,
+            kind,
+            prefill_tokens: e.prefill_tokens,
+        }
+    }
+
+    /// This router routed a request; returns the event to publish.
+    pub fn add_own(
+        &mut self,
+        id: RequestId,
+        worker: WorkerId,
+        generation: u64,
+        prefill_tokens: u64,
+        now: Instant,
+    ) -> ActiveLoadEvent {
+        let e = Entry {
+            worker,
+            generation,
+            prefill_tokens,
+            added: now,
+        };
+        let ev = self.event(id, &e, ActiveLoadKind::Added);
+        self.insert((self.me, id), e);
+        ev
+    }
+
+    pub fn prefill_done_own(&mut self, id: RequestId) -> Option<ActiveLoadEvent> {
+        let me = self.me;
+        let e = self.prefill_done(&(me, id))?.clone();
+        Some(self.event(id, &e, ActiveLoadKind::PrefillDone))
+    }
+
+    pub fn finish_own(&mut self, id: RequestId) -> Option<ActiveLoadEvent> {
+        let e = self.remove(&(self.me, id))?;
+        Some(self.event(id, &e, ActiveLoadKind::Finished))
+    }
+
+    /// Whether this router holds `id` as its own.
+    pub fn is_own(&self, id: RequestId) -> bool {
+        self.entries.contains_key(&(self.me, id))
+    }
+
+    /// A peer's event (own events echoed back are ignored).
+    pub fn remote(&mut self, ev: &ActiveLoadEvent, now: Instant) {
+        if ev.router_id == self.me {
+            return;
+        }
+        self.peers.insert(ev.router_id, now);
+        let key = (ev.router_id, ev.request_id);
+        match ev.kind {
+            ActiveLoadKind::Added => self.insert(
+                key,
+                Entry {
+                    worker: ev.worker_id,
+                    generation: ev.generation,
+                    prefill_tokens: ev.prefill_tokens,
+                    added: now,
+                },
+            ),
+            ActiveLoadKind::PrefillDone => {
+                self.prefill_done(&key);
+            }
+            ActiveLoadKind::Finished => {
+                self.remove(&key);
+            }
+            ActiveLoadKind::Unknown(_) => {}
+        }
+    }
+
+    pub fn heartbeat(&mut self, peer: RouterId, now: Instant) {
+        if peer != self.me {
+            self.peers.insert(peer, now);
+        }
+    }
+
+    /// Drops entries of silent peers, too-old entries, and entries for `alive` workers' older generations.
+    pub fn expire(&mut self, now: Instant) {
+        let peer_ttl = self.peer_ttl;
+        let dead: Vec<RouterId> = self
+            .peers
+            .iter()
+            .filter(|(_, t)| now.duration_since(**t) > peer_ttl)
+            .map(|(p, _)| *p)
+            .collect();
+        for p in &dead {
+            self.peers.remove(p);
+        }
+        let me = self.me;
+        let ttl = self.entry_ttl;
+        let stale: Vec<(RouterId, RequestId)> = self
+            .entries
+            .iter()
+            .filter(|((r, _), e)| {
+                (*r != me && !self.peers.contains_key(r)) || now.duration_since(e.added) > ttl
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        for k in stale {
+            self.remove(&k);
+        }
+    }
+
+    /// A worker restarted (entries of older generations are void) or left (`generation = u64::MAX`).
+    pub fn worker_changed(&mut self, w: WorkerId, generation: u64) {
+        let stale: Vec<(RouterId, RequestId)> = self
+            .entries
+            .iter()
+            .filter(|(_, e)| e.worker == w && e.generation < generation)
+            .map(|(k, _)| *k)
+            .collect();
+        for k in stale {
+            self.remove(&k);
+        }
+    }
+
+    /// Everything active, as `Added` events (for a replica that starts late).
+    pub fn snapshot(&self) -> Vec<ActiveLoadEvent> {
+        self.entries
+            .iter()
+            .map(|((r, id), e)| ActiveLoadEvent {
+                router_id: *r,
+                request_id: *id,
+                worker_id: e.worker,
+                generation: e.generation,
+                kind: ActiveLoadKind::Added,
+                prefill_tokens: e.prefill_tokens,
+            })
+            .collect()
+    }
+
+    /// Loads a peer's snapshot (entries of routers other than this one).
+    pub fn load_snapshot(&mut self, entries: &[ActiveLoadEvent], now: Instant) {
+        for e in entries {
+            self.remote(e, now);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replicas_converge_and_stale_entries_expire() {
+        let t0 = Instant::now();
+        let (a, b) = (RouterId(1), RouterId(2));
+        let mut ra = ActiveLoad::new(a, Duration::from_secs(600), Duration::from_secs(3));
+        let mut rb = ActiveLoad::new(b, Duration::from_secs(600), Duration::from_secs(3));
+        let w = WorkerId(9);
+        let ev = ra.add_own(RequestId(1), w, 1, 500, t0);
+        rb.remote(&ev, t0);
+        rb.remote(&ev, t0); // duplicate: no double count
+        assert_eq!(
+            rb.load_of(w),
+            WorkerLoad {
+                inflight: 1,
+                prefill_tokens: 500
+            }
+        );
+        let ev = ra.prefill_done_own(RequestId(1)).unwrap();
+        rb.remote(&ev, t0);
+        assert_eq!(
+            rb.load_of(w),
+            WorkerLoad {
+                inflight: 1,
+                prefill_tokens: 0
+            }
+        );
+        // A late replica C loads B's snapshot and agrees.
+        let mut rc = ActiveLoad::new(
+            RouterId(3),
+            Duration::from_secs(600),
+            Duration::from_secs(3),
+        );
+        rc.load_snapshot(&rb.snapshot(), t0);
+        assert_eq!(rc.load_of(w), rb.load_of(w));
+        let ev = ra.finish_own(RequestId(1)).unwrap();
+        rb.remote(&ev, t0);
+        rc.remote(&ev, t0);
+        assert_eq!(rb.load_of(w), WorkerLoad::default());
+        assert_eq!(rc.load_of(w), WorkerLoad::default());
+        // A replica that goes silent loses its entries.
+        let ev = ra.add_own(RequestId(2), w, 1, 10, t0);
+        rb.remote(&ev, t0);
+        rb.expire(t0 + Duration::from_secs(2));
+        assert_eq!(rb.load_of(w).inflight, 1);
+        rb.expire(t0 + Duration::from_secs(4));
+        assert_eq!(rb.load_of(w).inflight, 0);
+        // A restarted worker voids older generations.
+        ra.worker_changed(w, 2);
+        assert_eq!(ra.load_of(w).inflight, 0);
+    }
+}
