@@ -460,6 +460,8 @@ pub struct ActiveLoadEvent {
     pub generation: u64,
     pub kind: ActiveLoadKind,
     pub prefill_tokens: u64,
+    /// KV blocks the request occupies (its prompt's).
+    pub blocks: u64,
 }
 wire!(ActiveLoadEvent = 70);
 

@@ -223,6 +223,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                 generation: 2,
                 kind: ActiveLoadKind::Added,
                 prefill_tokens: 900,
+                blocks: 57,
             })),
         ),
         (

@@ -22,6 +22,8 @@ pub struct WorkerLoad {
     pub inflight: u32,
     /// Uncached prompt tokens not yet prefilled there (all replicas).
     pub prefill_tokens: u64,
+    /// KV blocks of the requests in flight there (all replicas).
+    pub active_blocks: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -29,6 +31,7 @@ struct Entry {
     worker: WorkerId,
     generation: u64,
     prefill_tokens: u64,
+    blocks: u64,
     added: Instant,
 }
 
@@ -68,6 +71,7 @@ impl ActiveLoad {
         let l = self.per_worker.entry(e.worker).or_default();
         l.inflight += 1;
         l.prefill_tokens += e.prefill_tokens;
+        l.active_blocks += e.blocks;
         self.entries.insert(key, e);
     }
 
@@ -76,6 +80,7 @@ impl ActiveLoad {
         if let Some(l) = self.per_worker.get_mut(&e.worker) {
             l.inflight = l.inflight.saturating_sub(1);
             l.prefill_tokens = l.prefill_tokens.saturating_sub(e.prefill_tokens);
+            l.active_blocks = l.active_blocks.saturating_sub(e.blocks);
         }
         Some(e)
     }
@@ -97,6 +102,7 @@ impl ActiveLoad {
             generation: e.generation,
             kind,
             prefill_tokens: e.prefill_tokens,
+            blocks: e.blocks,
         }
     }
 
@@ -106,13 +112,14 @@ impl ActiveLoad {
         id: RequestId,
         worker: WorkerId,
         generation: u64,
-        prefill_tokens: u64,
+        (prefill_tokens, blocks): (u64, u64),
         now: Instant,
     ) -> ActiveLoadEvent {
         let e = Entry {
             worker,
             generation,
             prefill_tokens,
+            blocks,
             added: now,
         };
         let ev = self.event(id, &e, ActiveLoadKind::Added);
@@ -150,6 +157,7 @@ impl ActiveLoad {
                     worker: ev.worker_id,
                     generation: ev.generation,
                     prefill_tokens: ev.prefill_tokens,
+                    blocks: ev.blocks,
                     added: now,
                 },
             ),
@@ -220,6 +228,7 @@ impl ActiveLoad {
                 generation: e.generation,
                 kind: ActiveLoadKind::Added,
                 prefill_tokens: e.prefill_tokens,
+                blocks: e.blocks,
             })
             .collect()
     }
@@ -243,14 +252,15 @@ mod tests {
         let mut ra = ActiveLoad::new(a, Duration::from_secs(600), Duration::from_secs(3));
         let mut rb = ActiveLoad::new(b, Duration::from_secs(600), Duration::from_secs(3));
         let w = WorkerId(9);
-        let ev = ra.add_own(RequestId(1), w, 1, 500, t0);
+        let ev = ra.add_own(RequestId(1), w, 1, (500, 40), t0);
         rb.remote(&ev, t0);
         rb.remote(&ev, t0); // duplicate: no double count
         assert_eq!(
             rb.load_of(w),
             WorkerLoad {
                 inflight: 1,
-                prefill_tokens: 500
+                prefill_tokens: 500,
+                active_blocks: 40,
             }
         );
         let ev = ra.prefill_done_own(RequestId(1)).unwrap();
@@ -259,7 +269,8 @@ mod tests {
             rb.load_of(w),
             WorkerLoad {
                 inflight: 1,
-                prefill_tokens: 0
+                prefill_tokens: 0,
+                active_blocks: 40,
             }
         );
         // A late replica C loads B's snapshot and agrees.
@@ -276,7 +287,7 @@ mod tests {
         assert_eq!(rb.load_of(w), WorkerLoad::default());
         assert_eq!(rc.load_of(w), WorkerLoad::default());
         // A replica that goes silent loses its entries.
-        let ev = ra.add_own(RequestId(2), w, 1, 10, t0);
+        let ev = ra.add_own(RequestId(2), w, 1, (10, 1), t0);
         rb.remote(&ev, t0);
         rb.expire(t0 + Duration::from_secs(2));
         assert_eq!(rb.load_of(w).inflight, 1);

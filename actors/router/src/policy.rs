@@ -24,8 +24,10 @@ pub struct Candidate {
     pub reported: LoadMetrics,
     /// Leading blocks of the request this worker already holds (KV-aware policies only).
     pub overlap: Overlap,
-    /// Uncached prompt tokens this router sent there that are not finished yet.
+    /// Uncached prompt tokens sent there (by any replica) and not prefilled yet.
     pub pending_prefill_tokens: u64,
+    /// KV blocks of the requests in flight there (by any replica).
+    pub active_blocks: u64,
     /// Tokens per KV block of the worker's model.
     pub block_size: u32,
 }
@@ -111,7 +113,7 @@ impl Default for KvCostWeights {
 /// Lowest predicted cost wins:
 /// `cost = overlap_weight × (pending_prefill + uncached) / block_size + decode_blocks`,
 /// `uncached = input − block_size × (device + host × (1 − host_hit_cost) + disk × (1 − disk_hit_cost))`,
-/// `decode_blocks = the worker's used KV blocks + this request's blocks`.
+/// `decode_blocks = max(the worker's used KV blocks, blocks in flight there) + this request's blocks`.
 /// Ties go to the lower load, then at random.
 pub struct KvAware {
     w: KvCostWeights,
@@ -137,7 +139,10 @@ impl KvAware {
                 + o.disk as f64 * (1.0 - self.w.disk_hit_cost));
         let uncached = (input as f64 - saved).max(0.0);
         let prefill_blocks = (c.pending_prefill_tokens as f64 + uncached) / bs;
-        let decode_blocks = c.reported.kv_used_blocks as f64 + (input as f64 / bs).ceil();
+        // The worker's report lags by up to one report interval; the routers'
+        // own count of in-flight blocks does not.
+        let active = (c.reported.kv_used_blocks as u64).max(c.active_blocks) as f64;
+        let decode_blocks = active + (input as f64 / bs).ceil();
         self.w.overlap_weight * prefill_blocks + decode_blocks
     }
 }
@@ -253,6 +258,7 @@ mod tests {
             reported: LoadMetrics::default(),
             overlap: Overlap::default(),
             pending_prefill_tokens: 0,
+            active_blocks: 0,
             block_size: 16,
         }
     }

@@ -240,6 +240,7 @@ impl RouterState {
                     reported: e.reg.load.clone(),
                     overlap: Overlap::default(),
                     pending_prefill_tokens: l.prefill_tokens,
+                    active_blocks: l.active_blocks,
                     block_size: e.reg.model.block_size,
                 }
             })
@@ -279,9 +280,10 @@ impl RouterState {
         let prefill_tokens = (token_ids.len() as u64)
             .saturating_sub(overlap_blocks as u64 * chosen.block_size as u64);
         let generation = self.workers[&wid].reg.generation;
+        let blocks = (token_ids.len() as u64).div_ceil(chosen.block_size.max(1) as u64);
         let ev = self
             .active
-            .add_own(id, wid, generation, prefill_tokens, now);
+            .add_own(id, wid, generation, (prefill_tokens, blocks), now);
         Ok((
             RouteDecision {
                 worker_id: wid,

@@ -1,0 +1,172 @@
+//! Several gateway+router replicas on one bus: they share active load, and a
+//! replica started late agrees with the others (index and load) at once.
+
+use dynamo_integration::*;
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+async fn metric(http: &Http, line_prefix: &str) -> Option<u64> {
+    let m = http
+        .client
+        .get(format!("{}/metrics", http.base))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    m.lines()
+        .find(|l| l.starts_with(line_prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+async fn overlap(http: &Http, prompt: &[u32]) -> Value {
+    http.post(
+        "/v1/dynamo/overlap",
+        &json!({"model": MODEL, "prompt": prompt}),
+    )
+    .await
+    .json["workers"]
+        .clone()
+}
+
+fn gateway_cfg(id: &str, nats: &str, port: u16) -> String {
+    node_config(id, nats, Some(port), 0, "")
+        .replace("policy = \"least_loaded\"", "policy = \"kv_aware\"")
+}
+
+/// Sends `n` requests open-loop, one every 5 ms (each lasts ~250 ms, so ~50
+/// overlap), round-robin over `gws`; returns per-worker counts.
+async fn spread(gws: &[Http], n: usize, tag: &str) -> HashMap<String, usize> {
+    let futs = (0..n).map(|i| {
+        let gw = &gws[i % gws.len()];
+        let prompt: Vec<u32> = (0..64)
+            .map(|k| 1000 + (i as u32 * 64 + k) % 30000)
+            .collect();
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 40, "user": tag});
+        async move {
+            tokio::time::sleep(Duration::from_millis(5 * i as u64)).await;
+            gw.post("/v1/completions", &body).await
+        }
+    });
+    let mut counts = HashMap::new();
+    for r in futures::future::join_all(futs).await {
+        assert_eq!(r.status, 200, "{}", r.json);
+        *counts.entry(r.worker.unwrap()).or_default() += 1;
+    }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_share_load_and_a_late_replica_agrees() {
+    let nats = Nats::start();
+    // Four workers in real time (≈ 6 ms per decode step), so requests overlap.
+    let wcfg = node_config("w", &nats.url, None, 4, "").replace("speedup = 0.0", "speedup = 1.0");
+    let mut workers = Node::start(&wcfg);
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let mut gw_nodes: Vec<Node> = ports
+        .iter()
+        .enumerate()
+        .map(|(i, p)| Node::start(&gateway_cfg(&format!("gw{i}"), &nats.url, *p)))
+        .collect();
+    let gws: Vec<Http> = ports.iter().map(|p| Http::new(*p)).collect();
+    for (gw, node) in gws.iter().zip(gw_nodes.iter_mut()) {
+        gw.wait_ready(4, node).await;
+    }
+    assert!(workers.alive());
+
+    // Three replicas fed round-robin spread overlapping requests as evenly as one does.
+    let one = spread(&gws[..1], 60, "one").await;
+    let three = spread(&gws, 60, "three").await;
+    let imbalance =
+        |c: &HashMap<String, usize>| c.values().max().unwrap() - c.values().min().unwrap();
+    assert_eq!(three.len(), 4, "{three:?}");
+    assert!(
+        imbalance(&three) <= imbalance(&one) + 3,
+        "one replica {one:?}, three replicas {three:?}"
+    );
+
+    // A long request through replica 0 is visible in replica 1's load view.
+    let long =
+        json!({"model": MODEL, "prompt": (5000..5100).collect::<Vec<u32>>(), "max_tokens": 400});
+    let h = {
+        let gw = Http::new(ports[0]);
+        tokio::spawn(async move { gw.post("/v1/completions", &long).await })
+    };
+    let t0 = Instant::now();
+    let busy_worker = loop {
+        let m = gws[1]
+            .client
+            .get(format!("{}/metrics", gws[1].base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let busy = m
+            .lines()
+            .filter(|l| l.starts_with("dynamo_router_worker_inflight{") && l.ends_with(" 1"))
+            .map(|l| l.split('"').nth(1).unwrap().to_string())
+            .next();
+        if let Some(w) = busy {
+            break w;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "replica 1 never saw replica 0's request:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+
+    // A replica started now loads the active load and the KV index from its peers.
+    let late_port = free_port();
+    let mut late_node = Node::start(&gateway_cfg("late", &nats.url, late_port));
+    let late = Http::new(late_port);
+    late.wait_ready(4, &mut late_node).await;
+    let key = format!("dynamo_router_worker_inflight{{worker=\"{busy_worker}\"}}");
+    let t0 = Instant::now();
+    while metric(&late, &key).await != Some(1) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(3),
+            "late replica does not see the in-flight request"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for i in [0usize, 7, 21, 40] {
+        let prompt: Vec<u32> = (0..64)
+            .map(|k| 1000 + (i as u32 * 64 + k) % 30000)
+            .collect();
+        let t0 = Instant::now();
+        loop {
+            let (a, b) = (
+                overlap(&gws[0], &prompt).await,
+                overlap(&late, &prompt).await,
+            );
+            if a == b && a.as_object().is_some_and(|o| !o.is_empty()) {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(3),
+                "replicas disagree on prompt {i}: {a} vs {b}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let r = h.await.unwrap();
+    assert_eq!(r.status, 200);
+    // Once it finished, every replica sees the worker idle again.
+    for gw in gws.iter().chain([&late]) {
+        let t0 = Instant::now();
+        while metric(gw, &key).await != Some(0) {
+            assert!(
+                t0.elapsed() < Duration::from_secs(3),
+                "stale load entry at {}",
+                gw.base
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
