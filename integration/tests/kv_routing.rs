@@ -168,3 +168,53 @@ async fn kv_aware_routing_follows_the_cache_and_the_index_stays_exact() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_size_mismatch_is_reported_loudly() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut gw = Node::start(
+        &node_config("gw", &nats.url, Some(port), 0, "")
+            .replace("policy = \"least_loaded\"", "policy = \"kv_aware\""),
+    );
+    let _good = Node::start(&node_config("good", &nats.url, None, 1, ""));
+    let http = Http::new(port);
+    http.wait_ready(1, &mut gw).await;
+    let _odd = Node::start(
+        &node_config("odd", &nats.url, None, 1, "")
+            .replace("speedup = 0.0", "speedup = 0.0\nblock_size = 32"),
+    );
+    http.wait_ready(2, &mut gw).await;
+    wait_for("the mismatch metric", async || {
+        metric(&http, "dynamo_router_kv_config_mismatch ").await == 1
+    })
+    .await;
+    assert!(
+        gw.log_text().contains("KV block configuration mismatch"),
+        "not logged"
+    );
+    let out = std::process::Command::new(bin("dynamoctl"))
+        .args(["status", "--json", "--namespace", "it", "--nats", &nats.url])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let flagged: Vec<&serde_json::Value> = v["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|w| w["kv_config_mismatch"] == true)
+        .collect();
+    assert_eq!(flagged.len(), 1, "{v}");
+    assert_eq!(flagged[0]["node_id"], "odd");
+    assert_eq!(flagged[0]["block_size"], 32);
+    // Requests still succeed on both workers.
+    for i in 0..4 {
+        let r = http
+            .post(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": format!("x {i}"), "max_tokens": 2}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.json);
+    }
+}

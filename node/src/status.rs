@@ -59,6 +59,18 @@ pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
     let now = unix_ms();
     let stale_after = 3_000;
     let mut models: BTreeMap<String, Value> = BTreeMap::new();
+    // The KV block configuration each model's earliest worker uses.
+    let mut reference: BTreeMap<&str, (u64, u32, u64)> = BTreeMap::new();
+    for w in &workers {
+        let e = reference.entry(w.model.name.0.as_str()).or_insert((
+            w.started_unix_ms,
+            w.model.block_size,
+            w.model.hash_salt,
+        ));
+        if w.started_unix_ms < e.0 {
+            *e = (w.started_unix_ms, w.model.block_size, w.model.hash_salt);
+        }
+    }
     let workers_json: Vec<Value> = workers
         .iter()
         .map(|w| {
@@ -77,6 +89,11 @@ pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
                 "engine": w.engine,
                 "model": w.model.name.0,
                 "generation": w.generation,
+                "block_size": w.model.block_size,
+                "hash_salt": format!("{:016x}", w.model.hash_salt),
+                "kv_config_mismatch": reference
+                    .get(w.model.name.0.as_str())
+                    .is_some_and(|r| (r.1, r.2) != (w.model.block_size, w.model.hash_salt)),
                 "heartbeat_age_ms": age,
                 "load": {
                     "active_seqs": w.load.active_seqs,
@@ -164,6 +181,16 @@ pub fn render(v: &Value) -> String {
             l["inflight_requests"].to_string(),
             format!("{}/{}", l["kv_used_blocks"], l["kv_total_blocks"]),
         ));
+    }
+    for w in v["workers"].as_array().into_iter().flatten() {
+        if w["kv_config_mismatch"].as_bool() == Some(true) {
+            s.push_str(&format!(
+                "!! worker {} has block_size {} / hash_salt {}, unlike its model's other workers: KV-aware routing cannot use its cache\n",
+                w["worker_id"].as_str().unwrap_or(""),
+                w["block_size"],
+                w["hash_salt"].as_str().unwrap_or("")
+            ));
+        }
     }
     s.push_str("\nMODELS\n");
     for m in v["models"].as_array().into_iter().flatten() {

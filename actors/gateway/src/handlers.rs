@@ -444,6 +444,19 @@ fn router_metrics(info: &dynamo_router::KvInfo) -> String {
             l.prefill_tokens
         );
     }
+    let _ = writeln!(out, "# HELP dynamo_router_kv_config_mismatch Workers whose KV block size or hash salt differ from their model's (excluded from KV scoring)");
+    let _ = writeln!(out, "# TYPE dynamo_router_kv_config_mismatch gauge");
+    let _ = writeln!(
+        out,
+        "dynamo_router_kv_config_mismatch {}",
+        info.mismatched.len()
+    );
+    for w in &info.mismatched {
+        let _ = writeln!(
+            out,
+            "dynamo_router_kv_config_mismatch_worker{{worker=\"{w}\"}} 1"
+        );
+    }
     let _ = writeln!(out, "# HELP dynamo_router_info Routing policy in use");
     let _ = writeln!(out, "# TYPE dynamo_router_info gauge");
     let _ = writeln!(out, "dynamo_router_info{{policy=\"{}\"}} 1", info.policy);

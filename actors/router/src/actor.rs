@@ -78,6 +78,8 @@ pub struct KvInfo {
     pub stats: crate::kv_sync::KvStats,
     /// Indexed blocks per worker: device, host, disk.
     pub blocks: Vec<(WorkerId, [u64; 3])>,
+    /// Workers whose block size / hash salt disagree with their model's.
+    pub mismatched: Vec<WorkerId>,
     /// Active load per worker, as all replicas together see it.
     pub load: Vec<(WorkerId, crate::active::WorkerLoad)>,
     pub policy: &'static str,
@@ -258,6 +260,7 @@ impl Actor for RouterActor {
                     stats: s.kv_stats(),
                     blocks,
                     load,
+                    mismatched: s.kv_mismatches(),
                     policy: s.policy_name(),
                 });
             }

@@ -32,6 +32,8 @@ pub enum RouteError {
 pub struct WorkerEntry {
     pub reg: WorkerRegistration,
     pub last_seen: Instant,
+    /// Its block size or hash salt differs from its model's other workers.
+    pub kv_mismatch: bool,
 }
 
 /// A routing decision.
@@ -142,6 +144,12 @@ impl RouterState {
     /// a record replayed from the bucket for a worker that died long ago is
     /// not taken as a sign of life.
     pub fn upsert(&mut self, reg: WorkerRegistration, now: Instant) {
+        let id = reg.worker_id;
+        self.upsert_inner(reg, now);
+        self.check_kv_config(id);
+    }
+
+    fn upsert_inner(&mut self, reg: WorkerRegistration, now: Instant) {
         let age = Duration::from_millis(unix_ms().saturating_sub(reg.heartbeat_unix_ms));
         let now = now
             .checked_sub(age.min(self.ttl + Duration::from_secs(1)))
@@ -166,10 +174,56 @@ impl RouterState {
                     WorkerEntry {
                         reg,
                         last_seen: now,
+                        kv_mismatch: false,
                     },
                 );
             }
         }
+    }
+
+    /// Marks a worker whose block size or hash salt differs from the first
+    /// registered worker of the same model, and says so loudly: the router
+    /// could never match its blocks and would route as if it had none.
+    fn check_kv_config(&mut self, id: WorkerId) {
+        let Some(me) = self.workers.get(&id) else {
+            return;
+        };
+        let (model, mine) = (
+            me.reg.model.name.clone(),
+            (me.reg.model.block_size, me.reg.model.hash_salt),
+        );
+        let reference = self
+            .workers
+            .values()
+            .filter(|e| e.reg.model.name == model && e.reg.worker_id != id && !e.kv_mismatch)
+            .min_by_key(|e| e.reg.started_unix_ms)
+            .map(|e| {
+                (
+                    e.reg.worker_id,
+                    e.reg.model.block_size,
+                    e.reg.model.hash_salt,
+                )
+            });
+        let mismatch = matches!(reference, Some((_, bs, salt)) if (bs, salt) != mine);
+        let e = self.workers.get_mut(&id).expect("present");
+        if mismatch && !e.kv_mismatch {
+            let (rw, bs, salt) = reference.expect("mismatch has a reference");
+            tracing::error!(
+                worker = %id, model = %model, block_size = mine.0, hash_salt = mine.1,
+                reference_worker = %rw, reference_block_size = bs, reference_hash_salt = salt,
+                "KV block configuration mismatch: this worker's blocks can never match the router's hashes; it is excluded from KV-aware scoring"
+            );
+        }
+        e.kv_mismatch = mismatch;
+    }
+
+    /// Workers whose KV block configuration disagrees with their model's.
+    pub fn kv_mismatches(&self) -> Vec<WorkerId> {
+        self.workers
+            .values()
+            .filter(|e| e.kv_mismatch)
+            .map(|e| e.reg.worker_id)
+            .collect()
     }
 
     /// A worker's registration was deleted (graceful shutdown).
@@ -264,6 +318,9 @@ impl RouterState {
             let hashes = sequence_hashes(token_ids, card.block_size as usize, card.hash_salt);
             let matches = self.kv.index.find_matches(&hashes);
             for c in &mut candidates {
+                if self.workers[&c.worker_id].kv_mismatch {
+                    continue;
+                }
                 if let Some((_, o)) = matches.iter().find(|(w, _)| *w == c.worker_id) {
                     c.overlap = *o;
                 }
@@ -418,6 +475,19 @@ mod tests {
         old.heartbeat_unix_ms = unix_ms() - 60_000;
         s.upsert(old, t0);
         assert!(route(&mut s, &ModelName("a".into()), &[], t0).is_err());
+    }
+
+    #[test]
+    fn a_worker_with_another_block_config_is_flagged() {
+        let t0 = Instant::now();
+        let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+        s.upsert(reg(1, 1, "a"), t0);
+        let mut odd = reg(2, 1, "a");
+        odd.started_unix_ms = 5;
+        odd.model.block_size = 32;
+        s.upsert(odd, t0);
+        s.upsert(reg(3, 1, "b"), t0); // another model: no comparison
+        assert_eq!(s.kv_mismatches(), vec![WorkerId(2)]);
     }
 
     #[test]
