@@ -96,6 +96,13 @@ async fn kv_aware_routing_follows_the_cache_and_the_index_stays_exact() {
         );
     }
     let held = metric(&http, &device).await;
+    // The router's prediction matched what the engine reported, request for request.
+    let predicted = metric(&http, "dynamo_gateway_predicted_cached_tokens_total").await;
+    let actual = metric(&http, "dynamo_gateway_cached_tokens_total").await;
+    assert_eq!(predicted, 6 * 288);
+    assert_eq!(actual, 6 * 288);
+    assert!(metric(&http, "dynamo_router_find_matches_seconds_count").await >= 7);
+    assert!(metric(&http, "dynamo_router_route_seconds_count").await >= 7);
 
     // A duplicate event (old id) and a bogus far-future event: detected, repaired from a dump.
     let regs = registrations(&nats.url).await;

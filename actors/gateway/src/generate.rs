@@ -138,6 +138,11 @@ impl Generation {
             let failure = match res {
                 Ok(ack) => match ack.rejected {
                     None => {
+                        let bs = pre.card.block_size as u64;
+                        shared
+                            .metrics
+                            .predicted_cached_tokens
+                            .inc_by((decision.overlap_blocks as u64 * bs).min(tokens.len() as u64));
                         let max_stop_len = v.stop.iter().map(String::len).max().unwrap_or(0);
                         return Ok(Generation {
                             shared,

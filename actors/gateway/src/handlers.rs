@@ -457,6 +457,19 @@ fn router_metrics(info: &dynamo_router::KvInfo) -> String {
             "dynamo_router_kv_config_mismatch_worker{{worker=\"{w}\"}} 1"
         );
     }
+    let t = &info.timings;
+    out.push_str(&t.hashing.render(
+        "dynamo_router_hashing_seconds",
+        "Time to hash a request's blocks (KV-aware policies)",
+    ));
+    out.push_str(&t.find_matches.render(
+        "dynamo_router_find_matches_seconds",
+        "Time to query the KV index",
+    ));
+    out.push_str(&t.total.render(
+        "dynamo_router_route_seconds",
+        "Time of a whole routing decision",
+    ));
     let _ = writeln!(out, "# HELP dynamo_router_info Routing policy in use");
     let _ = writeln!(out, "# TYPE dynamo_router_info gauge");
     let _ = writeln!(out, "dynamo_router_info{{policy=\"{}\"}} 1", info.policy);

@@ -15,6 +15,7 @@ pub struct Metrics {
     pub input_tokens: IntCounter,
     pub output_tokens: IntCounter,
     pub cached_tokens: IntCounter,
+    pub predicted_cached_tokens: IntCounter,
     pub errors: IntCounterVec,
     pub route_retries: IntCounter,
     bus_rejected: IntGauge,
@@ -55,6 +56,10 @@ impl Metrics {
             "cached_tokens_total",
             "Prompt tokens served from a prefix cache",
         )?;
+        let predicted_cached_tokens = IntCounter::new(
+            "predicted_cached_tokens_total",
+            "Prompt tokens the router predicted cached on the chosen worker (compare with cached_tokens_total for the index hit rate)",
+        )?;
         let errors = IntCounterVec::new(
             Opts::new("errors_total", "Failed requests by error kind"),
             &["kind"],
@@ -76,6 +81,7 @@ impl Metrics {
             Box::new(input_tokens.clone()),
             Box::new(output_tokens.clone()),
             Box::new(cached_tokens.clone()),
+            Box::new(predicted_cached_tokens.clone()),
             Box::new(errors.clone()),
             Box::new(route_retries.clone()),
             Box::new(bus_rejected.clone()),
@@ -92,6 +98,7 @@ impl Metrics {
             input_tokens,
             output_tokens,
             cached_tokens,
+            predicted_cached_tokens,
             errors,
             route_retries,
             bus_rejected,

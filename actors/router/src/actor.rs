@@ -78,6 +78,8 @@ pub struct KvInfo {
     pub stats: crate::kv_sync::KvStats,
     /// Indexed blocks per worker: device, host, disk.
     pub blocks: Vec<(WorkerId, [u64; 3])>,
+    /// Where routing time went.
+    pub timings: crate::timing::RouteTimings,
     /// Workers whose block size / hash salt disagree with their model's.
     pub mismatched: Vec<WorkerId>,
     /// Active load per worker, as all replicas together see it.
@@ -261,6 +263,7 @@ impl Actor for RouterActor {
                     blocks,
                     load,
                     mismatched: s.kv_mismatches(),
+                    timings: s.timings().clone(),
                     policy: s.policy_name(),
                 });
             }

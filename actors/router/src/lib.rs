@@ -16,6 +16,7 @@ pub mod actor;
 pub mod kv_sync;
 pub mod policy;
 pub mod state;
+pub mod timing;
 
 pub use actor::{KvInfo, RouterActor, RouterArgs, RouterConfig, RouterMsg};
 pub use policy::PolicyKind;

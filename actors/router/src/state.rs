@@ -10,6 +10,7 @@
 use crate::active::{ActiveLoad, WorkerLoad};
 use crate::kv_sync::{KvStats, KvSync};
 use crate::policy::{Candidate, RouteRequest, RoutingPolicy};
+use crate::timing::RouteTimings;
 use dynamo_bus_schema::blocks::sequence_hashes;
 use dynamo_bus_schema::{
     unix_ms, LoadReport, ModelCard, ModelName, WorkerId, WorkerRegistration, WorkerState,
@@ -60,6 +61,7 @@ pub struct RouterState {
     policy: Box<dyn RoutingPolicy>,
     kv: KvSync,
     active: ActiveLoad,
+    timings: RouteTimings,
 }
 
 impl RouterState {
@@ -75,6 +77,7 @@ impl RouterState {
             kv: KvSync::default(),
             // Peers heartbeat every second; entries outlive any request deadline.
             active: ActiveLoad::new(id, Duration::from_secs(3600), Duration::from_secs(3)),
+            timings: RouteTimings::default(),
         }
     }
 
@@ -217,6 +220,10 @@ impl RouterState {
         e.kv_mismatch = mismatch;
     }
 
+    pub fn timings(&self) -> &RouteTimings {
+        &self.timings
+    }
+
     /// Workers whose KV block configuration disagrees with their model's.
     pub fn kv_mismatches(&self) -> Vec<WorkerId> {
         self.workers
@@ -274,6 +281,7 @@ impl RouterState {
         exclude: &[WorkerId],
         now: Instant,
     ) -> Result<(RouteDecision, ActiveLoadEvent), RouteError> {
+        let t0 = Instant::now();
         let ttl = self.ttl;
         let mut registered = 0;
         let candidates: Vec<Candidate> = self
@@ -316,7 +324,10 @@ impl RouterState {
             // Every candidate serves `model`; they share its block size and salt.
             let card = &self.workers[&candidates[0].worker_id].reg.model;
             let hashes = sequence_hashes(token_ids, card.block_size as usize, card.hash_salt);
+            let t1 = Instant::now();
             let matches = self.kv.index.find_matches(&hashes);
+            self.timings.hashing.observe(t1 - t0);
+            self.timings.find_matches.observe(t1.elapsed());
             for c in &mut candidates {
                 if self.workers[&c.worker_id].kv_mismatch {
                     continue;
@@ -341,6 +352,7 @@ impl RouterState {
         let ev = self
             .active
             .add_own(id, wid, generation, (prefill_tokens, blocks), now);
+        self.timings.total.observe(t0.elapsed());
         Ok((
             RouteDecision {
                 worker_id: wid,
