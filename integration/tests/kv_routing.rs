@@ -148,6 +148,12 @@ async fn kv_aware_routing_follows_the_cache_and_the_index_stays_exact() {
     );
     let r = http.post("/v1/completions", &body).await;
     assert_eq!(r.worker.as_deref(), Some(x.as_str()));
+    // Per-request weights (the `routing` extension) are accepted.
+    let mut weighted = body.clone();
+    weighted["routing"] = json!({"overlap_weight": 4.0, "temperature": 0.0});
+    let r = http.post("/v1/completions", &weighted).await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    assert_eq!(r.worker.as_deref(), Some(x.as_str()));
 
     // Restarting the worker (actor panic → new engine) clears its blocks from the index.
     let msg = FaultInjection {

@@ -280,6 +280,13 @@ async fn bad_input_gets_the_right_status_and_error_object() {
             Some("stop"),
         ),
         (
+            "routing weight",
+            chat(json!({"routing": {"overlap_weight": -1.0}})),
+            400,
+            "invalid_request_error",
+            Some("routing.overlap_weight"),
+        ),
+        (
             "wrong type",
             chat(json!({"temperature": "hot"})),
             400,

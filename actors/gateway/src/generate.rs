@@ -117,7 +117,7 @@ impl Generation {
             if attempt > 0 {
                 shared.metrics.route_retries.inc();
             }
-            let decision = route(&shared, id, &model, &tokens, &exclude).await?;
+            let decision = route(&shared, id, &model, &tokens, &exclude, v.routing).await?;
             let rx = shared.inbox.register(id);
             let req = GenerateRequest {
                 request_id: id,
@@ -393,6 +393,7 @@ async fn route(
     model: &ModelName,
     tokens: &Arc<Vec<u32>>,
     exclude: &[dynamo_bus_schema::WorkerId],
+    weights: Option<dynamo_router::policy::KvCostWeights>,
 ) -> Result<RouteDecision, ApiError> {
     let router = shared.router()?;
     let call = router
@@ -402,6 +403,7 @@ async fn route(
                 model: model.clone(),
                 token_ids: tokens.clone(),
                 exclude: exclude.to_vec(),
+                weights,
                 reply,
             },
             Some(Duration::from_secs(2)),

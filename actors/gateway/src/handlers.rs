@@ -132,7 +132,8 @@ async fn handle(
         .min(s.config.request_timeout);
     let deadline = t0 + timeout;
     let mut started = Vec::with_capacity(gens.len());
-    for v in gens {
+    for mut v in gens {
+        v.routing = opts.routing;
         started.push(Generation::start(s.clone(), pre.clone(), v, deadline, t0).await?);
     }
     let workers: Vec<String> = started

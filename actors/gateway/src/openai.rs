@@ -8,6 +8,7 @@
 use crate::error::ApiError;
 use dynamo_bus_schema::SamplingParams;
 use dynamo_model::{ChatMessage, Preprocessor};
+use dynamo_router::policy::KvCostWeights;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -38,6 +39,19 @@ pub struct CommonParams {
     pub ignore_eos: bool,
     /// Extension: end-to-end deadline for this request in milliseconds.
     pub timeout_ms: Option<u64>,
+    /// Extension: KV-aware routing weights for this request.
+    pub routing: Option<RoutingWeights>,
+}
+
+/// `"routing": {...}` in a request body: overrides the router's KV cost
+/// weights for this request (each field optional).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RoutingWeights {
+    pub overlap_weight: Option<f64>,
+    pub host_hit_cost: Option<f64>,
+    pub disk_hit_cost: Option<f64>,
+    pub temperature: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -69,6 +83,8 @@ pub struct ValidGenerate {
     pub token_ids: Vec<u32>,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
+    /// Per-request KV cost weights (the `routing` extension).
+    pub routing: Option<KvCostWeights>,
 }
 
 /// Request-wide options after validation.
@@ -77,6 +93,7 @@ pub struct ValidOptions {
     pub stream: bool,
     pub include_usage: bool,
     pub timeout_ms: Option<u64>,
+    pub routing: Option<KvCostWeights>,
 }
 
 /// Parses a JSON body into `T`, mapping serde's complaint to a 400.
@@ -140,6 +157,29 @@ impl CommonParams {
                 "timeout_ms must be positive",
             ));
         }
+        let routing = match &self.routing {
+            None => None,
+            Some(r) => {
+                let mut w = KvCostWeights::default();
+                for (name, v, slot) in [
+                    ("overlap_weight", r.overlap_weight, &mut w.overlap_weight),
+                    ("host_hit_cost", r.host_hit_cost, &mut w.host_hit_cost),
+                    ("disk_hit_cost", r.disk_hit_cost, &mut w.disk_hit_cost),
+                    ("temperature", r.temperature, &mut w.temperature),
+                ] {
+                    if let Some(v) = v {
+                        if !(v.is_finite() && v >= 0.0) {
+                            return Err(ApiError::invalid(
+                                Some(format!("routing.{name}")),
+                                format!("routing.{name} = {v} is invalid: it must be a finite number >= 0"),
+                            ));
+                        }
+                        *slot = v;
+                    }
+                }
+                Some(w)
+            }
+        };
         Ok(ValidOptions {
             stream: self.stream,
             include_usage: self
@@ -147,6 +187,7 @@ impl CommonParams {
                 .as_ref()
                 .is_some_and(|o| o.include_usage),
             timeout_ms: self.timeout_ms,
+            routing,
         })
     }
 
@@ -232,6 +273,7 @@ impl CommonParams {
                 ignore_eos: self.ignore_eos,
             },
             stop: stop_strings(&self.stop)?,
+            routing: None,
         })
     }
 }

@@ -50,6 +50,8 @@ pub enum RouterMsg {
         model: ModelName,
         token_ids: Arc<Vec<u32>>,
         exclude: Vec<WorkerId>,
+        /// Per-request KV cost weights.
+        weights: Option<crate::policy::KvCostWeights>,
         reply: RpcReplyPort<Result<RouteDecision, RouteError>>,
     },
     /// An own request finished (in any way).
@@ -203,8 +205,9 @@ impl Actor for RouterActor {
                 model,
                 token_ids,
                 exclude,
+                weights,
                 reply,
-            } => match s.route(request_id, &model, &token_ids, &exclude, now) {
+            } => match s.route_with(request_id, &model, &token_ids, &exclude, weights, now) {
                 Ok((d, ev)) => {
                     if reply.send(Ok(d)).is_err() {
                         // The caller gave up: undo the accounting.

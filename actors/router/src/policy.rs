@@ -12,6 +12,8 @@ use std::str::FromStr;
 pub struct RouteRequest<'a> {
     pub model: &'a ModelName,
     pub token_ids: &'a [u32],
+    /// Per-request KV cost weights (replace the configured ones).
+    pub weights: Option<KvCostWeights>,
 }
 
 /// What a policy knows about one eligible worker.
@@ -131,19 +133,23 @@ impl KvAware {
 
     /// The predicted cost of sending a request of `input` tokens to `c`.
     pub fn cost(&self, c: &Candidate, input: usize) -> f64 {
+        Self::cost_with(&self.w, c, input)
+    }
+
+    fn cost_with(w: &KvCostWeights, c: &Candidate, input: usize) -> f64 {
         let bs = c.block_size.max(1) as f64;
         let o = &c.overlap;
         let saved = bs
             * (o.device as f64
-                + o.host as f64 * (1.0 - self.w.host_hit_cost)
-                + o.disk as f64 * (1.0 - self.w.disk_hit_cost));
+                + o.host as f64 * (1.0 - w.host_hit_cost)
+                + o.disk as f64 * (1.0 - w.disk_hit_cost));
         let uncached = (input as f64 - saved).max(0.0);
         let prefill_blocks = (c.pending_prefill_tokens as f64 + uncached) / bs;
         // The worker's report lags by up to one report interval; the routers'
         // own count of in-flight blocks does not.
         let active = (c.reported.kv_used_blocks as u64).max(c.active_blocks) as f64;
         let decode_blocks = active + (input as f64 / bs).ceil();
-        self.w.overlap_weight * prefill_blocks + decode_blocks
+        w.overlap_weight * prefill_blocks + decode_blocks
     }
 }
 
@@ -156,15 +162,16 @@ impl RoutingPolicy for KvAware {
     }
     fn select(&mut self, req: &RouteRequest<'_>, candidates: &[Candidate]) -> WorkerId {
         use rand::Rng;
+        let w = req.weights.unwrap_or(self.w);
         let costs: Vec<f64> = candidates
             .iter()
-            .map(|c| self.cost(c, req.token_ids.len()))
+            .map(|c| Self::cost_with(&w, c, req.token_ids.len()))
             .collect();
-        if self.w.temperature > 0.0 {
+        if w.temperature > 0.0 {
             let min = costs.iter().cloned().fold(f64::INFINITY, f64::min);
             let weights: Vec<f64> = costs
                 .iter()
-                .map(|c| (-(c - min) / self.w.temperature).exp())
+                .map(|c| (-(c - min) / w.temperature).exp())
                 .collect();
             let total: f64 = weights.iter().sum();
             let mut x = self.rng.random::<f64>() * total;
@@ -269,6 +276,7 @@ mod tests {
         let req = RouteRequest {
             model: &m,
             token_ids: &[],
+            weights: None,
         };
         let cs = [cand(1, 5), cand(2, 0), cand(3, 0)];
         let mut rr = RoundRobin::default();
@@ -289,6 +297,7 @@ mod tests {
         let req = RouteRequest {
             model: &m,
             token_ids: &tokens,
+            weights: None,
         };
         let mut p = KvAware::new(KvCostWeights::default());
         let mut hit = cand(1, 0);
@@ -311,7 +320,16 @@ mod tests {
         assert!(p.cost(&host, 160) < p.cost(&cand(2, 0), 160));
         // …and a heavily loaded worker loses its advantage.
         hit.reported.kv_used_blocks = 100;
-        assert_eq!(p.select(&req, &[cand(2, 0), hit]).0, 2);
+        assert_eq!(p.select(&req, &[cand(2, 0), hit.clone()]).0, 2);
+        // A request that weighs prefill heavily goes back to its cache.
+        let heavy = RouteRequest {
+            weights: Some(KvCostWeights {
+                overlap_weight: 100.0,
+                ..KvCostWeights::default()
+            }),
+            ..req
+        };
+        assert_eq!(p.select(&heavy, &[cand(2, 0), hit]).0, 1);
         assert_eq!(p.cost(&cand(2, 0), 160), 10.0 + 10.0);
     }
 }

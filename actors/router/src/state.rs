@@ -9,7 +9,7 @@
 
 use crate::active::{ActiveLoad, WorkerLoad};
 use crate::kv_sync::{KvStats, KvSync};
-use crate::policy::{Candidate, RouteRequest, RoutingPolicy};
+use crate::policy::{Candidate, KvCostWeights, RouteRequest, RoutingPolicy};
 use crate::timing::RouteTimings;
 use dynamo_bus_schema::blocks::sequence_hashes;
 use dynamo_bus_schema::{
@@ -281,6 +281,19 @@ impl RouterState {
         exclude: &[WorkerId],
         now: Instant,
     ) -> Result<(RouteDecision, ActiveLoadEvent), RouteError> {
+        self.route_with(id, model, token_ids, exclude, None, now)
+    }
+
+    /// [`Self::route`] with per-request KV cost weights.
+    pub fn route_with(
+        &mut self,
+        id: RequestId,
+        model: &ModelName,
+        token_ids: &[u32],
+        exclude: &[WorkerId],
+        weights: Option<KvCostWeights>,
+        now: Instant,
+    ) -> Result<(RouteDecision, ActiveLoadEvent), RouteError> {
         let t0 = Instant::now();
         let ttl = self.ttl;
         let mut registered = 0;
@@ -337,9 +350,14 @@ impl RouterState {
                 }
             }
         }
-        let wid = self
-            .policy
-            .select(&RouteRequest { model, token_ids }, &candidates);
+        let wid = self.policy.select(
+            &RouteRequest {
+                model,
+                token_ids,
+                weights,
+            },
+            &candidates,
+        );
         let chosen = candidates
             .iter()
             .find(|c| c.worker_id == wid)
