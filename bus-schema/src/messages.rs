@@ -346,6 +346,8 @@ pub struct WorkerRegistration {
     pub started_unix_ms: u64,
     pub heartbeat_unix_ms: u64,
     pub load: LoadMetrics,
+    /// Whether the engine publishes KV events (else routers track it approximately).
+    pub kv_events: bool,
 }
 wire!(WorkerRegistration = 30);
 

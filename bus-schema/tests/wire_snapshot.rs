@@ -137,6 +137,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                 started_unix_ms: 1,
                 heartbeat_unix_ms: 2,
                 load: load(),
+                kv_events: true,
             })),
         ),
         (

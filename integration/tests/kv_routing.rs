@@ -231,3 +231,46 @@ async fn a_block_size_mismatch_is_reported_loudly() {
         assert_eq!(r.status, 200, "{}", r.json);
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_without_kv_events_are_routed_approximately() {
+    let nats = Nats::start();
+    let port = free_port();
+    let cfg = node_config("n1", &nats.url, Some(port), 2, "")
+        .replace("policy = \"least_loaded\"", "policy = \"kv_aware\"")
+        .replace("speedup = 0.0", "speedup = 0.0\nemit_kv_events = false");
+    let mut node = Node::start(&cfg);
+    let http = Http::new(port);
+    http.wait_ready(2, &mut node).await;
+    assert!(registrations(&nats.url).await.iter().all(|r| !r.kv_events));
+    let prompt: Vec<u32> = (900..1100).collect();
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+    let first = http.post("/v1/completions", &body).await;
+    let x = first.worker.clone().unwrap();
+    for _ in 0..4 {
+        let r = http.post("/v1/completions", &body).await;
+        assert_eq!(
+            r.worker.as_deref(),
+            Some(x.as_str()),
+            "approximate routing left the worker it sent the prompt to"
+        );
+        assert!(
+            r.json["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+                > 0
+        );
+    }
+    let o = http
+        .post(
+            "/v1/dynamo/overlap",
+            &json!({"model": MODEL, "prompt": prompt}),
+        )
+        .await
+        .json;
+    assert_eq!(o["workers"][&x]["blocks"], 12, "{o}");
+    assert_eq!(
+        metric(&http, "dynamo_router_kv_events_applied_total").await,
+        0
+    );
+}

@@ -13,6 +13,7 @@
 
 pub mod active;
 pub mod actor;
+pub mod approx;
 pub mod kv_sync;
 pub mod policy;
 pub mod state;

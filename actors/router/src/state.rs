@@ -8,6 +8,7 @@
 //! - `release` never underflows and ignores releases for an older generation.
 
 use crate::active::{ActiveLoad, WorkerLoad};
+use crate::approx::Approx;
 use crate::kv_sync::{KvStats, KvSync};
 use crate::policy::{Candidate, KvCostWeights, RouteRequest, RoutingPolicy};
 use crate::timing::RouteTimings;
@@ -62,6 +63,7 @@ pub struct RouterState {
     kv: KvSync,
     active: ActiveLoad,
     timings: RouteTimings,
+    approx: Approx,
 }
 
 impl RouterState {
@@ -78,6 +80,7 @@ impl RouterState {
             // Peers heartbeat every second; entries outlive any request deadline.
             active: ActiveLoad::new(id, Duration::from_secs(3600), Duration::from_secs(3)),
             timings: RouteTimings::default(),
+            approx: Approx::default(),
         }
     }
 
@@ -162,7 +165,12 @@ impl RouterState {
                 if reg.generation > e.reg.generation {
                     tracing::info!(worker = %reg.worker_id, generation = reg.generation, "worker restarted");
                     self.active.worker_changed(reg.worker_id, reg.generation);
-                    self.kv.worker_seen(reg.worker_id, reg.generation);
+                    self.approx.forget(reg.worker_id);
+                    if reg.kv_events {
+                        self.kv.worker_seen(reg.worker_id, reg.generation);
+                    } else {
+                        self.kv.worker_gone(reg.worker_id);
+                    }
                 } else if reg.generation < e.reg.generation {
                     return; // stale record from before a restart
                 }
@@ -170,8 +178,10 @@ impl RouterState {
                 e.last_seen = now;
             }
             None => {
-                tracing::info!(worker = %reg.worker_id, node = %reg.node_id, model = %reg.model.name, "worker registered");
-                self.kv.worker_seen(reg.worker_id, reg.generation);
+                tracing::info!(worker = %reg.worker_id, node = %reg.node_id, model = %reg.model.name, kv_events = reg.kv_events, "worker registered");
+                if reg.kv_events {
+                    self.kv.worker_seen(reg.worker_id, reg.generation);
+                }
                 self.workers.insert(
                     reg.worker_id,
                     WorkerEntry {
@@ -240,6 +250,7 @@ impl RouterState {
         }
         self.kv.worker_gone(id);
         self.active.worker_changed(id, u64::MAX);
+        self.approx.forget(id);
     }
 
     /// A load report arrived; it also counts as a sign of life.
@@ -266,8 +277,10 @@ impl RouterState {
             self.workers.remove(id);
             self.kv.worker_gone(*id);
             self.active.worker_changed(*id, u64::MAX);
+            self.approx.forget(*id);
         }
         self.active.expire(now);
+        self.approx.expire(&mut self.kv.index, now);
         dead
     }
 
@@ -333,13 +346,16 @@ impl RouterState {
             });
         }
         let mut candidates = candidates;
+        let mut hashes = None;
         if self.policy.needs_overlap() {
             // Every candidate serves `model`; they share its block size and salt.
             let card = &self.workers[&candidates[0].worker_id].reg.model;
-            let hashes = sequence_hashes(token_ids, card.block_size as usize, card.hash_salt);
+            let th = Instant::now();
+            let h = sequence_hashes(token_ids, card.block_size as usize, card.hash_salt);
             let t1 = Instant::now();
-            let matches = self.kv.index.find_matches(&hashes);
-            self.timings.hashing.observe(t1 - t0);
+            let matches = self.kv.index.find_matches(&h);
+            hashes = Some(h);
+            self.timings.hashing.observe(t1 - th);
             self.timings.find_matches.observe(t1.elapsed());
             for c in &mut candidates {
                 if self.workers[&c.worker_id].kv_mismatch {
@@ -366,6 +382,12 @@ impl RouterState {
         let prefill_tokens = (token_ids.len() as u64)
             .saturating_sub(overlap_blocks as u64 * chosen.block_size as u64);
         let generation = self.workers[&wid].reg.generation;
+        if let Some(h) = &hashes {
+            if !self.workers[&wid].reg.kv_events {
+                // No events will tell us what it caches: assume it keeps this prompt.
+                self.approx.record(&mut self.kv.index, wid, h, now);
+            }
+        }
         let blocks = (token_ids.len() as u64).div_ceil(chosen.block_size.max(1) as u64);
         let ev = self
             .active
@@ -466,6 +488,7 @@ mod tests {
             started_unix_ms: 0,
             heartbeat_unix_ms: unix_ms(),
             load: LoadMetrics::default(),
+            kv_events: true,
         }
     }
 
@@ -505,6 +528,49 @@ mod tests {
         old.heartbeat_unix_ms = unix_ms() - 60_000;
         s.upsert(old, t0);
         assert!(route(&mut s, &ModelName("a".into()), &[], t0).is_err());
+    }
+
+    #[test]
+    fn workers_without_kv_events_are_tracked_approximately() {
+        let t0 = Instant::now();
+        let policy =
+            crate::policy::build(crate::policy::PolicyKind::KvAware(KvCostWeights::default()));
+        let mut s = RouterState::new(Duration::from_secs(3), policy);
+        let m = ModelName("a".into());
+        for id in [1, 2] {
+            let mut r = reg(id, 1, "a");
+            r.kv_events = false;
+            s.upsert(r, t0);
+        }
+        let prompt: Vec<u32> = (0..64).collect();
+        let first = s.route(RequestId(1), &m, &prompt, &[], t0).unwrap().0;
+        s.release(RequestId(1));
+        assert_eq!(
+            s.overlap(&m, &prompt),
+            vec![(
+                first.worker_id,
+                dynamo_kv_index::Overlap {
+                    blocks: 4,
+                    device: 4,
+                    host: 0,
+                    disk: 0
+                }
+            )]
+        );
+        // The same prompt follows its recorded blocks.
+        let again = s.route(RequestId(2), &m, &prompt, &[], t0).unwrap().0;
+        assert_eq!(again.worker_id, first.worker_id);
+        assert_eq!(again.overlap_blocks, 4);
+        s.release(RequestId(2));
+        // Records expire with their TTL (checked on the expiry tick).
+        let later = t0 + crate::approx::DEFAULT_TTL + Duration::from_secs(1);
+        for id in [1, 2] {
+            let mut r = reg(id, 1, "a");
+            r.kv_events = false;
+            s.upsert(r, later);
+        }
+        s.expire(later);
+        assert!(s.overlap(&m, &prompt).is_empty());
     }
 
     #[test]

@@ -124,7 +124,9 @@ impl Actor for WorkerActor {
         bus.ensure_kv_events_stream()
             .await
             .map_err(|e| e.to_string())?;
-        if let Some(rx) = engine.take_kv_events() {
+        let kv_events = engine.take_kv_events();
+        let emits_kv_events = kv_events.is_some();
+        if let Some(rx) = kv_events {
             tokio::spawn(publish_kv_events(
                 bus.clone(),
                 id,
@@ -174,6 +176,7 @@ impl Actor for WorkerActor {
             started_unix_ms: now,
             heartbeat_unix_ms: now,
             load: engine.load(),
+            kv_events: emits_kv_events,
         };
         let mut rt = WorkerRuntime {
             limits: EngineLimits {

@@ -20,6 +20,9 @@ pub struct MockerConfig {
     pub speedup: f64,
     /// Reuse cached blocks across requests by block hash.
     pub enable_prefix_caching: bool,
+    /// Publish KV events (off simulates an engine without them: routers
+    /// then track its cache approximately).
+    pub emit_kv_events: bool,
     /// Output token ids are drawn from `[token_lo, token_hi)`.
     pub token_lo: u32,
     /// Upper bound (exclusive) of output token ids; 0 = the model's vocabulary size.
@@ -39,6 +42,7 @@ impl Default for MockerConfig {
             max_num_batched_tokens: 8192,
             speedup: 1.0,
             enable_prefix_caching: true,
+            emit_kv_events: true,
             token_lo: 256,
             token_hi: 0,
             prefill_ms: [4.21e-7, 1.518e-2, 16.5],

@@ -43,16 +43,17 @@ impl MockerEngine {
             model.hash_salt,
             range,
             model.eos_token_ids,
-            true,
+            cfg.emit_kv_events,
         );
         let (tx, rx) = mpsc::unbounded_channel();
         let (kv_tx, kv_rx) = mpsc::unbounded_channel();
         let load = Arc::new(Mutex::new(core.load()));
+        let emit = cfg.emit_kv_events;
         tokio::spawn(run(core, cfg, rx, kv_tx, load.clone()));
         Ok(MockerEngine {
             tx,
             load,
-            kv_rx: Mutex::new(Some(kv_rx)),
+            kv_rx: Mutex::new(emit.then_some(kv_rx)),
         })
     }
 }
