@@ -420,6 +420,8 @@ pub struct KvEventBatch {
     pub worker_id: WorkerId,
     pub generation: u64,
     pub events: Vec<KvEvent>,
+    /// When the worker published the batch (for event-lag reporting).
+    pub published_unix_ms: u64,
 }
 wire!(KvEventBatch = 60);
 
@@ -487,6 +489,37 @@ pub struct ActiveLoadSnapshot {
     pub entries: Vec<ActiveLoadEvent>,
 }
 wire!(ActiveLoadSnapshot = 73);
+
+/// `dynamoctl` → any router (`Subjects::router_info`): describe your index.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RouterInfoRequest {}
+wire!(RouterInfoRequest = 74);
+
+/// One worker as a router's index sees it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct IndexedWorker {
+    pub worker_id: WorkerId,
+    /// Blocks indexed: device, host, disk.
+    pub blocks: [u64; 3],
+    /// Publish-to-apply delay of the last KV event batch, ms.
+    pub event_lag_ms: u64,
+    pub inflight: u32,
+    /// Block size / hash salt differ from the model's other workers.
+    pub kv_config_mismatch: bool,
+}
+
+/// A router's answer to [`RouterInfoRequest`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RouterInfo {
+    pub router_id: RouterId,
+    pub policy: String,
+    pub workers: Vec<IndexedWorker>,
+    pub events_applied: u64,
+    pub event_gaps: u64,
+    pub event_duplicates: u64,
+    pub dumps: u64,
+}
+wire!(RouterInfo = 75);
 
 /// Unix time in milliseconds (0 if the clock is before 1970).
 pub fn unix_ms() -> u64 {

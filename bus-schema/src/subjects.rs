@@ -95,6 +95,10 @@ impl Subjects {
     pub fn router_load(&self) -> String {
         format!("{}.router.load", self.base())
     }
+    /// Routers answer [`crate::RouterInfoRequest`]s here (queue group: any one answers).
+    pub fn router_info(&self) -> String {
+        format!("{}.router.info", self.base())
+    }
     /// Routers answer [`crate::ActiveLoadSnapshotRequest`]s here.
     pub fn router_snapshot(&self) -> String {
         format!("{}.router.snapshot", self.base())

@@ -197,6 +197,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                         blocks: vec![],
                     },
                 ],
+                published_unix_ms: 1_700_000_000_123,
             })),
         ),
         (
@@ -242,6 +243,25 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
         (
             "ActiveLoadSnapshot",
             enc(encode(&ActiveLoadSnapshot { entries: vec![] })),
+        ),
+        ("RouterInfoRequest", enc(encode(&RouterInfoRequest {}))),
+        (
+            "RouterInfo",
+            enc(encode(&RouterInfo {
+                router_id: RouterId(5),
+                policy: "kv_aware".into(),
+                workers: vec![IndexedWorker {
+                    worker_id: wid,
+                    blocks: [10, 2, 0],
+                    event_lag_ms: 3,
+                    inflight: 1,
+                    kv_config_mismatch: false,
+                }],
+                events_applied: 100,
+                event_gaps: 1,
+                event_duplicates: 2,
+                dumps: 3,
+            })),
         ),
         (
             "FaultAck",

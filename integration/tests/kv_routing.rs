@@ -119,6 +119,7 @@ async fn kv_aware_routing_follows_the_cache_and_the_index_stays_exact() {
             parent: None,
             blocks: vec![SequenceHash(42), SequenceHash(43)],
         }],
+        published_unix_ms: dynamo_bus_schema::unix_ms(),
     };
     let dumps0 = metric(&http, "dynamo_router_kv_dumps_total").await;
     client

@@ -196,6 +196,12 @@ async fn dynamoctl_status_and_bench() {
         assert!(w["load"]["kv_total_blocks"].as_u64().unwrap() > 0);
     }
     assert_eq!(v["models"][0]["workers"], 2);
+    // The router's view of its index: per-worker indexed blocks and event lag.
+    assert_eq!(v["router"]["policy"], "least_loaded");
+    for w in v["workers"].as_array().unwrap() {
+        assert!(w["index"]["device_blocks"].is_u64(), "{w}");
+        assert!(w["index"]["event_lag_ms"].is_u64(), "{w}");
+    }
     // Human output names the same things.
     let out = std::process::Command::new(bin("dynamoctl"))
         .args(["status", "--namespace", "it", "--nats", &nats.url])
@@ -203,6 +209,7 @@ async fn dynamoctl_status_and_bench() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("n1") && text.contains(MODEL), "{text}");
+    assert!(text.contains("INDEXED") && text.contains("LAG MS"), "{text}");
     // A bad URL is a clear error with a non-zero exit.
     let out = std::process::Command::new(bin("dynamoctl"))
         .args(["status", "--nats", "nats://127.0.0.1:1"])

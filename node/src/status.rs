@@ -2,7 +2,8 @@
 //! registry buckets on the bus.
 
 use dynamo_bus_schema::{
-    decode, unix_ms, Namespace, NodeRegistration, Subjects, WorkerRegistration,
+    decode, unix_ms, Namespace, NodeRegistration, RouterInfo, RouterInfoRequest, Subjects,
+    WorkerRegistration,
 };
 use dynamo_runtime::bus::REGISTRY_MAX_AGE;
 use dynamo_runtime::Bus;
@@ -56,6 +57,15 @@ pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
     let nodes: Vec<NodeRegistration> = read_bucket(&bus, &bus.subjects.nodes_bucket()).await?;
     let workers: Vec<WorkerRegistration> =
         read_bucket(&bus, &bus.subjects.workers_bucket()).await?;
+    // Any router's view of its KV index (optional: none may be running).
+    let info: Option<RouterInfo> = bus
+        .request(
+            bus.subjects.router_info(),
+            &RouterInfoRequest {},
+            std::time::Duration::from_secs(2),
+        )
+        .await
+        .ok();
     let now = unix_ms();
     let stale_after = 3_000;
     let mut models: BTreeMap<String, Value> = BTreeMap::new();
@@ -95,6 +105,10 @@ pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
                     .get(w.model.name.0.as_str())
                     .is_some_and(|r| (r.1, r.2) != (w.model.block_size, w.model.hash_salt)),
                 "heartbeat_age_ms": age,
+                "index": info.as_ref().and_then(|i| i.workers.iter().find(|x| x.worker_id == w.worker_id)).map(|x| json!({
+                    "device_blocks": x.blocks[0], "host_blocks": x.blocks[1], "disk_blocks": x.blocks[2],
+                    "event_lag_ms": x.event_lag_ms, "router_inflight": x.inflight,
+                })),
                 "load": {
                     "active_seqs": w.load.active_seqs,
                     "waiting_seqs": w.load.waiting_seqs,
@@ -117,6 +131,11 @@ pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
         })
         .collect();
     Ok(json!({
+        "router": info.as_ref().map(|i| json!({
+            "router_id": i.router_id.to_string(), "policy": i.policy,
+            "events_applied": i.events_applied, "event_gaps": i.event_gaps,
+            "event_duplicates": i.event_duplicates, "dumps": i.dumps,
+        })),
         "namespace": ns.as_str(),
         "nats_url": url,
         "nodes": nodes_json,
@@ -154,7 +173,7 @@ pub fn render(v: &Value) -> String {
         ));
     }
     s.push_str(&format!(
-        "\nWORKERS\n{:<18} {:<12} {:>8} {:<10} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13}\n",
+        "\nWORKERS\n{:<18} {:<12} {:>8} {:<10} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13} {:>9} {:>7}\n",
         "WORKER",
         "NODE",
         "PID",
@@ -164,12 +183,14 @@ pub fn render(v: &Value) -> String {
         "ACTIVE",
         "WAITING",
         "INFLIGHT",
-        "KV BLOCKS"
+        "KV BLOCKS",
+        "INDEXED",
+        "LAG MS"
     ));
     for w in v["workers"].as_array().into_iter().flatten() {
         let l = &w["load"];
         s.push_str(&format!(
-            "{:<18} {:<12} {:>8} {:<10} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13}\n",
+            "{:<18} {:<12} {:>8} {:<10} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13} {:>9} {:>7}\n",
             w["worker_id"].as_str().unwrap_or(""),
             w["node_id"].as_str().unwrap_or(""),
             w["pid"].to_string(),
@@ -180,6 +201,14 @@ pub fn render(v: &Value) -> String {
             l["waiting_seqs"].to_string(),
             l["inflight_requests"].to_string(),
             format!("{}/{}", l["kv_used_blocks"], l["kv_total_blocks"]),
+            w["index"]["device_blocks"]
+                .as_u64()
+                .map(|n| n.to_string())
+                .unwrap_or_else(|| "-".into()),
+            w["index"]["event_lag_ms"]
+                .as_u64()
+                .map(|n| n.to_string())
+                .unwrap_or_else(|| "-".into()),
         ));
     }
     for w in v["workers"].as_array().into_iter().flatten() {

@@ -66,6 +66,7 @@ pub enum RouterMsg {
     Heartbeat,
     Models(RpcReplyPort<Vec<ModelEntry>>),
     KvInfo(RpcReplyPort<KvInfo>),
+    Info(RpcReplyPort<dynamo_bus_schema::RouterInfo>),
     Overlap {
         model: ModelName,
         token_ids: Vec<u32>,
@@ -146,6 +147,11 @@ impl Actor for RouterActor {
             }
         });
         let state = RouterState::new(args.config.worker_ttl, build(args.config.policy));
+        tokio::spawn(serve_info(
+            args.bus.clone(),
+            myself.clone(),
+            tasks.child_token(),
+        ));
         tokio::spawn(share_load(
             args.bus.clone(),
             state.router_id(),
@@ -269,6 +275,9 @@ impl Actor for RouterActor {
                     timings: s.timings().clone(),
                     policy: s.policy_name(),
                 });
+            }
+            RouterMsg::Info(reply) => {
+                let _ = reply.send(s.info());
             }
             RouterMsg::Overlap {
                 model,
@@ -467,6 +476,39 @@ async fn share_load(
         };
         bus.reply(m.reply.as_ref(), &ActiveLoadSnapshot { entries })
             .await;
+    }
+}
+
+/// Answers `dynamoctl`'s info requests (one replica of the queue group answers).
+async fn serve_info(bus: Bus, router: ActorRef<RouterMsg>, cancel: CancellationToken) {
+    let mut sub = match bus
+        .client
+        .queue_subscribe(bus.subjects.router_info(), "routers".into())
+        .await
+    {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot serve router info");
+            return;
+        }
+    };
+    loop {
+        let m = tokio::select! {
+            _ = cancel.cancelled() => return,
+            m = sub.next() => m,
+        };
+        let Some(m) = m else { return };
+        if let Err(e) = decode::<dynamo_bus_schema::RouterInfoRequest>(&m.payload) {
+            counters::reject("RouterInfoRequest", m.subject.as_str(), &e);
+            continue;
+        }
+        match router
+            .call(RouterMsg::Info, Some(Duration::from_secs(2)))
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(info)) => bus.reply(m.reply.as_ref(), &info).await,
+            _ => return,
+        }
     }
 }
 

@@ -53,6 +53,8 @@ pub struct KvSync {
     pub index: KvIndex,
     workers: HashMap<WorkerId, Sync>,
     pub stats: KvStats,
+    /// Publish-to-apply delay of each worker's last batch, ms.
+    lag_ms: HashMap<WorkerId, u64>,
 }
 
 fn tier(t: StorageTier) -> Option<Tier> {
@@ -99,9 +101,15 @@ impl KvSync {
         }
     }
 
+    /// Publish-to-apply delay of the worker's last event batch (ms).
+    pub fn lag_ms(&self, w: WorkerId) -> u64 {
+        self.lag_ms.get(&w).copied().unwrap_or(0)
+    }
+
     /// The worker is gone.
     pub fn worker_gone(&mut self, w: WorkerId) {
         self.workers.remove(&w);
+        self.lag_ms.remove(&w);
         self.index.remove_worker(w);
     }
 
@@ -115,6 +123,10 @@ impl KvSync {
     /// Applies a batch; returns true if the worker needs a dump.
     pub fn batch(&mut self, b: KvEventBatch) -> bool {
         let w = b.worker_id;
+        self.lag_ms.insert(
+            w,
+            dynamo_bus_schema::unix_ms().saturating_sub(b.published_unix_ms),
+        );
         match self.workers.get(&w) {
             None => {
                 self.workers.insert(
@@ -295,6 +307,7 @@ mod tests {
             worker_id: WorkerId(1),
             generation: gen,
             events,
+            published_unix_ms: dynamo_bus_schema::unix_ms(),
         }
     }
 

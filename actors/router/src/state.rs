@@ -234,6 +234,33 @@ impl RouterState {
         &self.timings
     }
 
+    /// This router's view of its index, for `dynamoctl status`.
+    pub fn info(&self) -> dynamo_bus_schema::RouterInfo {
+        let st = self.kv.stats;
+        dynamo_bus_schema::RouterInfo {
+            router_id: self.router_id(),
+            policy: self.policy_name().to_string(),
+            workers: self
+                .workers
+                .values()
+                .map(|e| {
+                    let w = e.reg.worker_id;
+                    dynamo_bus_schema::IndexedWorker {
+                        worker_id: w,
+                        blocks: self.kv.index.blocks_of(w),
+                        event_lag_ms: self.kv.lag_ms(w),
+                        inflight: self.active.load_of(w).inflight,
+                        kv_config_mismatch: e.kv_mismatch,
+                    }
+                })
+                .collect(),
+            events_applied: st.applied,
+            event_gaps: st.gaps,
+            event_duplicates: st.duplicates,
+            dumps: st.dumps,
+        }
+    }
+
     /// Workers whose KV block configuration disagrees with their model's.
     pub fn kv_mismatches(&self) -> Vec<WorkerId> {
         self.workers

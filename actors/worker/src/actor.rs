@@ -460,6 +460,7 @@ async fn publish_kv_events(
             worker_id,
             generation,
             events,
+            published_unix_ms: unix_ms(),
         };
         if let Err(e) = bus.publish(subject.clone(), &batch).await {
             // Routers detect the gap by event id and ask for a dump.
