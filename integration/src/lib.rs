@@ -281,6 +281,24 @@ impl Http {
         }
     }
 
+    /// The value of the first `/metrics` line starting with `line_prefix` (0 if absent).
+    pub async fn metric(&self, line_prefix: &str) -> u64 {
+        let Ok(r) = self
+            .client
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+        else {
+            return 0;
+        };
+        let text = r.text().await.unwrap_or_default();
+        text.lines()
+            .find(|l| l.starts_with(line_prefix))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
     pub async fn post(&self, path: &str, body: &Value) -> Reply {
         self.post_raw(path, body.to_string()).await
     }
@@ -306,6 +324,26 @@ impl Http {
             .collect();
         (status, events)
     }
+}
+
+/// Every worker registration in the test namespace's bucket.
+pub async fn registrations(nats_url: &str) -> Vec<dynamo_bus_schema::WorkerRegistration> {
+    use futures::StreamExt;
+    let client = async_nats::connect(nats_url)
+        .await
+        .expect("connect to NATS");
+    let kv = async_nats::jetstream::new(client)
+        .get_key_value("dynamo_it_workers")
+        .await
+        .expect("workers bucket");
+    let mut keys = kv.keys().await.expect("keys");
+    let mut out = Vec::new();
+    while let Some(k) = keys.next().await {
+        if let Some(v) = kv.get(k.expect("key")).await.expect("get") {
+            out.push(dynamo_bus_schema::decode(&v).expect("registration decodes"));
+        }
+    }
+    out
 }
 
 /// Asserts an OpenAI error object with the given status and type.

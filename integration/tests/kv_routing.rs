@@ -5,45 +5,11 @@
 use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::{
     decode, encode, EventId, FaultAck, FaultInjection, FaultKind, KvEvent, KvEventBatch,
-    KvEventKind, StorageTier, WorkerId, WorkerRegistration,
+    KvEventKind, StorageTier, WorkerId,
 };
 use dynamo_integration::*;
-use futures::StreamExt;
 use serde_json::json;
 use std::time::{Duration, Instant};
-
-async fn registrations(nats_url: &str) -> Vec<WorkerRegistration> {
-    let client = async_nats::connect(nats_url).await.unwrap();
-    let kv = async_nats::jetstream::new(client)
-        .get_key_value("dynamo_it_workers")
-        .await
-        .unwrap();
-    let mut keys = kv.keys().await.unwrap();
-    let mut out = Vec::new();
-    while let Some(k) = keys.next().await {
-        if let Some(v) = kv.get(k.unwrap()).await.unwrap() {
-            out.push(decode::<WorkerRegistration>(&v).unwrap());
-        }
-    }
-    out
-}
-
-async fn metric(http: &Http, line_prefix: &str) -> u64 {
-    let m = http
-        .client
-        .get(format!("{}/metrics", http.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    m.lines()
-        .find(|l| l.starts_with(line_prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
 
 async fn wait_for(what: &str, mut f: impl AsyncFnMut() -> bool) {
     let t0 = Instant::now();
@@ -80,7 +46,7 @@ async fn kv_aware_routing_follows_the_cache_and_the_index_stays_exact() {
     let x = first.worker.clone().unwrap();
     let device = format!("dynamo_router_kv_index_blocks{{worker=\"{x}\",tier=\"device\"}}");
     wait_for("the index to learn the prompt's blocks", async || {
-        metric(&http, &device).await >= 18
+        http.metric(&device).await >= 18
     })
     .await;
     for _ in 0..6 {
@@ -95,14 +61,20 @@ async fn kv_aware_routing_follows_the_cache_and_the_index_stays_exact() {
             288
         );
     }
-    let held = metric(&http, &device).await;
+    let held = http.metric(&device).await;
     // The router's prediction matched what the engine reported, request for request.
-    let predicted = metric(&http, "dynamo_gateway_predicted_cached_tokens_total").await;
-    let actual = metric(&http, "dynamo_gateway_cached_tokens_total").await;
+    let predicted = http
+        .metric("dynamo_gateway_predicted_cached_tokens_total")
+        .await;
+    let actual = http.metric("dynamo_gateway_cached_tokens_total").await;
     assert_eq!(predicted, 6 * 288);
     assert_eq!(actual, 6 * 288);
-    assert!(metric(&http, "dynamo_router_find_matches_seconds_count").await >= 7);
-    assert!(metric(&http, "dynamo_router_route_seconds_count").await >= 7);
+    assert!(
+        http.metric("dynamo_router_find_matches_seconds_count")
+            .await
+            >= 7
+    );
+    assert!(http.metric("dynamo_router_route_seconds_count").await >= 7);
 
     // A duplicate event (old id) and a bogus far-future event: detected, repaired from a dump.
     let regs = registrations(&nats.url).await;
@@ -121,13 +93,13 @@ async fn kv_aware_routing_follows_the_cache_and_the_index_stays_exact() {
         }],
         published_unix_ms: dynamo_bus_schema::unix_ms(),
     };
-    let dumps0 = metric(&http, "dynamo_router_kv_dumps_total").await;
+    let dumps0 = http.metric("dynamo_router_kv_dumps_total").await;
     client
         .publish(subject.clone(), encode(&bogus(1)).unwrap().into())
         .await
         .unwrap();
     wait_for("a duplicate to be counted", async || {
-        metric(&http, "dynamo_router_kv_event_duplicates_total").await >= 1
+        http.metric("dynamo_router_kv_event_duplicates_total").await >= 1
     })
     .await;
     client
@@ -135,15 +107,15 @@ async fn kv_aware_routing_follows_the_cache_and_the_index_stays_exact() {
         .await
         .unwrap();
     wait_for("a gap to be counted", async || {
-        metric(&http, "dynamo_router_kv_event_gaps_total").await >= 1
+        http.metric("dynamo_router_kv_event_gaps_total").await >= 1
     })
     .await;
     wait_for("the gap to be repaired by a dump", async || {
-        metric(&http, "dynamo_router_kv_dumps_total").await > dumps0
+        http.metric("dynamo_router_kv_dumps_total").await > dumps0
     })
     .await;
     assert_eq!(
-        metric(&http, &device).await,
+        http.metric(&device).await,
         held,
         "the index must equal the worker's own table again"
     );
@@ -178,7 +150,7 @@ async fn kv_aware_routing_follows_the_cache_and_the_index_stays_exact() {
     .await;
     wait_for(
         "the restarted worker's blocks to leave the index",
-        async || metric(&http, &device).await == 0,
+        async || http.metric(&device).await == 0,
     )
     .await;
 }
@@ -200,7 +172,7 @@ async fn a_block_size_mismatch_is_reported_loudly() {
     );
     http.wait_ready(2, &mut gw).await;
     wait_for("the mismatch metric", async || {
-        metric(&http, "dynamo_router_kv_config_mismatch ").await == 1
+        http.metric("dynamo_router_kv_config_mismatch ").await == 1
     })
     .await;
     assert!(
@@ -271,7 +243,7 @@ async fn engines_without_kv_events_are_routed_approximately() {
         .json;
     assert_eq!(o["workers"][&x]["blocks"], 12, "{o}");
     assert_eq!(
-        metric(&http, "dynamo_router_kv_events_applied_total").await,
+        http.metric("dynamo_router_kv_events_applied_total").await,
         0
     );
 }

@@ -8,20 +8,6 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
-async fn registrations(nats_url: &str) -> Vec<WorkerRegistration> {
-    let client = async_nats::connect(nats_url).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    let kv = js.get_key_value("dynamo_it_workers").await.unwrap();
-    let mut keys = kv.keys().await.unwrap();
-    let mut out = Vec::new();
-    while let Some(k) = keys.next().await {
-        if let Some(v) = kv.get(k.unwrap()).await.unwrap() {
-            out.push(decode::<WorkerRegistration>(&v).unwrap());
-        }
-    }
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panicking_worker_is_restarted_and_serves_again() {
     let nats = Nats::start();
@@ -209,7 +195,10 @@ async fn dynamoctl_status_and_bench() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("n1") && text.contains(MODEL), "{text}");
-    assert!(text.contains("INDEXED") && text.contains("LAG MS"), "{text}");
+    assert!(
+        text.contains("INDEXED") && text.contains("LAG MS"),
+        "{text}"
+    );
     // A bad URL is a clear error with a non-zero exit.
     let out = std::process::Command::new(bin("dynamoctl"))
         .args(["status", "--nats", "nats://127.0.0.1:1"])

@@ -6,22 +6,6 @@ use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-async fn metric(http: &Http, line_prefix: &str) -> Option<u64> {
-    let m = http
-        .client
-        .get(format!("{}/metrics", http.base))
-        .send()
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
-    m.lines()
-        .find(|l| l.starts_with(line_prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}
-
 async fn overlap(http: &Http, prompt: &[u32]) -> Value {
     http.post(
         "/v1/dynamo/overlap",
@@ -128,7 +112,7 @@ async fn replicas_share_load_and_a_late_replica_agrees() {
     late.wait_ready(4, &mut late_node).await;
     let key = format!("dynamo_router_worker_inflight{{worker=\"{busy_worker}\"}}");
     let t0 = Instant::now();
-    while metric(&late, &key).await != Some(1) {
+    while late.metric(&key).await != 1 {
         assert!(
             t0.elapsed() < Duration::from_secs(3),
             "late replica does not see the in-flight request"
@@ -160,7 +144,7 @@ async fn replicas_share_load_and_a_late_replica_agrees() {
     // Once it finished, every replica sees the worker idle again.
     for gw in gws.iter().chain([&late]) {
         let t0 = Instant::now();
-        while metric(gw, &key).await != Some(0) {
+        while gw.metric(&key).await != 0 {
             assert!(
                 t0.elapsed() < Duration::from_secs(3),
                 "stale load entry at {}",

@@ -121,18 +121,22 @@ impl Actor for RouterActor {
             myself.clone(),
             tasks.child_token(),
         ));
-        tokio::spawn(watch_load(
+        tokio::spawn(forward::<LoadReport>(
             args.bus.clone(),
+            args.bus.subjects.load_all(),
             myself.clone(),
             tasks.child_token(),
+            RouterMsg::Load,
         ));
         if let Err(e) = args.bus.ensure_kv_events_stream().await {
             tracing::warn!(error = %e, "cannot create the KV events stream");
         }
-        tokio::spawn(watch_kv_events(
+        tokio::spawn(forward::<KvEventBatch>(
             args.bus.clone(),
+            args.bus.subjects.kv_events_all(),
             myself.clone(),
             tasks.child_token(),
+            RouterMsg::KvBatch,
         ));
         let tick = tasks.child_token();
         let me = myself.clone();
@@ -530,38 +534,19 @@ async fn request_dump(bus: Bus, w: WorkerId, router: ActorRef<RouterMsg>) {
     }
 }
 
-async fn watch_kv_events(bus: Bus, router: ActorRef<RouterMsg>, cancel: CancellationToken) {
-    let subject = bus.subjects.kv_events_all();
-    let mut sub = match bus.client.subscribe(subject).await {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot subscribe to KV events");
-            return;
-        }
-    };
-    loop {
-        let msg = tokio::select! {
-            _ = cancel.cancelled() => return,
-            m = sub.next() => m,
-        };
-        let Some(msg) = msg else { return };
-        match decode::<KvEventBatch>(&msg.payload) {
-            Ok(b) => {
-                if router.cast(RouterMsg::KvBatch(b)).is_err() {
-                    return;
-                }
-            }
-            Err(e) => counters::reject("KvEventBatch", msg.subject.as_str(), &e),
-        }
-    }
-}
-
-async fn watch_load(bus: Bus, router: ActorRef<RouterMsg>, cancel: CancellationToken) {
-    let subject = bus.subjects.load_all();
+/// Forwards every decodable `T` published on `subject` to the router as
+/// `wrap(T)`; undecodable messages are rejected and counted.
+async fn forward<T: WireMessage>(
+    bus: Bus,
+    subject: String,
+    router: ActorRef<RouterMsg>,
+    cancel: CancellationToken,
+    wrap: fn(T) -> RouterMsg,
+) {
     let mut sub = match bus.client.subscribe(subject.clone()).await {
         Ok(s) => s,
         Err(e) => {
-            tracing::error!(error = %e, "cannot subscribe to load reports");
+            tracing::error!(subject, error = %e, "cannot subscribe");
             return;
         }
     };
@@ -571,13 +556,13 @@ async fn watch_load(bus: Bus, router: ActorRef<RouterMsg>, cancel: CancellationT
             m = sub.next() => m,
         };
         let Some(msg) = msg else { return };
-        match decode::<LoadReport>(&msg.payload) {
-            Ok(r) => {
-                if router.cast(RouterMsg::Load(r)).is_err() {
+        match decode::<T>(&msg.payload) {
+            Ok(v) => {
+                if router.cast(wrap(v)).is_err() {
                     return;
                 }
             }
-            Err(e) => counters::reject("LoadReport", msg.subject.as_str(), &e),
+            Err(e) => counters::reject(T::NAME, msg.subject.as_str(), &e),
         }
     }
 }

@@ -77,6 +77,24 @@ enum Cmd {
     },
 }
 
+/// Prints a load report; fails (non-zero exit) when no request succeeded.
+fn report(
+    r: &impl serde::Serialize,
+    json: bool,
+    ok: usize,
+    first_error: Option<&str>,
+) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(r)?);
+    } else {
+        println!("{}", serde_json::to_string_pretty(r)?);
+    }
+    if ok == 0 {
+        anyhow::bail!("every request failed: {}", first_error.unwrap_or_default());
+    }
+    Ok(())
+}
+
 fn main() {
     let cli = Cli::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -133,18 +151,7 @@ fn main() {
                     endpoint,
                 };
                 let r = bench::run(spec).await?;
-                if json {
-                    println!("{}", serde_json::to_string(&r)?);
-                } else {
-                    println!("{}", serde_json::to_string_pretty(&r)?);
-                }
-                if r.ok == 0 {
-                    anyhow::bail!(
-                        "every request failed: {}",
-                        r.first_error.unwrap_or_default()
-                    );
-                }
-                Ok(())
+                report(&r, json, r.ok, r.first_error.as_deref())
             }
             Cmd::Replay {
                 trace,
@@ -166,18 +173,7 @@ fn main() {
                     vocab,
                 };
                 let r = replay::run(spec).await?;
-                if json {
-                    println!("{}", serde_json::to_string(&r)?);
-                } else {
-                    println!("{}", serde_json::to_string_pretty(&r)?);
-                }
-                if r.ok == 0 {
-                    anyhow::bail!(
-                        "every request failed: {}",
-                        r.first_error.unwrap_or_default()
-                    );
-                }
-                Ok(())
+                report(&r, json, r.ok, r.first_error.as_deref())
             }
         }
     });
