@@ -247,3 +247,56 @@ async fn engines_without_kv_events_are_routed_approximately() {
         0
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_process_leaves_the_index_and_restarts_empty() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut gw = Node::start(
+        &node_config("gw", &nats.url, Some(port), 0, "")
+            .replace("policy = \"least_loaded\"", "policy = \"kv_aware\""),
+    );
+    let wcfg = node_config("w1", &nats.url, None, 1, "");
+    let mut w = Node::start(&wcfg);
+    let http = Http::new(port);
+    http.wait_ready(1, &mut gw).await;
+    let body = json!({"model": MODEL, "prompt": (300..600).collect::<Vec<u32>>(), "max_tokens": 2});
+    let r = http.post("/v1/completions", &body).await;
+    let x = r.worker.unwrap();
+    let device = format!("dynamo_router_kv_index_blocks{{worker=\"{x}\",tier=\"device\"}}");
+    wait_for("blocks in the index", async || {
+        http.metric(&device).await >= 18
+    })
+    .await;
+    let listed = async |http: &Http| {
+        let m = http
+            .client
+            .get(format!("{}/metrics", http.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        m.contains(&format!("worker=\"{x}\""))
+    };
+    w.signal(libc::SIGKILL);
+    w.wait(Duration::from_secs(5));
+    // After the registration TTL (3 s) the worker and its blocks are gone.
+    wait_for("the dead worker to leave the index", async || {
+        !listed(&http).await
+    })
+    .await;
+    // The same node restarts: same worker id, new engine, nothing indexed until it stores blocks.
+    let mut w2 = Node::start(&wcfg);
+    http.wait_ready(1, &mut w2).await;
+    wait_for("the restarted worker to be indexed empty", async || {
+        listed(&http).await
+    })
+    .await;
+    assert_eq!(http.metric(&device).await, 0);
+    let r = http.post("/v1/completions", &body).await;
+    assert_eq!(r.worker.as_deref(), Some(x.as_str()));
+    assert_eq!(r.json["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    wait_for("its new blocks", async || http.metric(&device).await >= 18).await;
+}
