@@ -410,7 +410,11 @@ async fn share_load(
             let Some(m) = m else { return };
             let msg = match peek_kind(&m.payload) {
                 Ok((k, p)) if k == ActiveLoadEvent::KIND => {
-                    decode_payload(p).map(RouterMsg::RemoteLoad)
+                    match decode_payload::<ActiveLoadEvent>(p) {
+                        // Our own echo: the state already has it.
+                        Ok(ev) if ev.router_id == me => continue,
+                        other => other.map(RouterMsg::RemoteLoad),
+                    }
                 }
                 Ok((k, p)) if k == RouterHeartbeat::KIND => decode_payload::<RouterHeartbeat>(p)
                     .map(|h| RouterMsg::PeerHeartbeat(h.router_id)),

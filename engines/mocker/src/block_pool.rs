@@ -34,7 +34,8 @@ pub struct BlockPool {
     by_hash: HashMap<SequenceHash, BlockIdx>,
     tick: u64,
     next_event_id: u64,
-    events: Vec<KvCacheEvent>,
+    /// Recorded since the last drain; ids are assigned when drained.
+    events: Vec<KvCacheEventData>,
     record_events: bool,
 }
 
@@ -167,14 +168,27 @@ impl BlockPool {
         self.emit(KvCacheEventData::Cleared);
     }
 
+    /// Records an event, merging it into the previous one when it extends
+    /// it: a store that continues the previous store's chain, or another
+    /// removal. Order between different kinds is kept.
     fn emit(&mut self, data: KvCacheEventData) {
-        if self.record_events {
-            self.events.push(KvCacheEvent {
-                event_id: self.next_event_id,
-                data,
-            });
+        if !self.record_events {
+            return;
         }
-        self.next_event_id += 1;
+        match (self.events.last_mut(), data) {
+            (
+                Some(KvCacheEventData::Stored { blocks, .. }),
+                KvCacheEventData::Stored {
+                    parent: Some(p),
+                    blocks: more,
+                },
+            ) if blocks.last() == Some(&p) => blocks.extend(more),
+            (
+                Some(KvCacheEventData::Removed { blocks }),
+                KvCacheEventData::Removed { blocks: more },
+            ) => blocks.extend(more),
+            (_, data) => self.events.push(data),
+        }
     }
 
     /// Every cached block hash, and the id of the last event emitted.
@@ -185,9 +199,16 @@ impl BlockPool {
         )
     }
 
-    /// Takes the events recorded since the last call.
+    /// Takes the events recorded since the last call, numbered consecutively.
     pub fn drain_events(&mut self) -> Vec<KvCacheEvent> {
         std::mem::take(&mut self.events)
+            .into_iter()
+            .map(|data| {
+                let event_id = self.next_event_id;
+                self.next_event_id += 1;
+                KvCacheEvent { event_id, data }
+            })
+            .collect()
     }
 
     #[cfg(test)]
@@ -237,14 +258,23 @@ mod tests {
         let _d = p.allocate().unwrap(); // evicts hash 2 (the tail)
         assert_eq!(p.match_prefix(&[SequenceHash(1), SequenceHash(2)]), 1);
         let ev = p.drain_events();
-        assert_eq!(ev.len(), 3);
+        // The two stores of one chain merge into one event.
+        assert_eq!(ev.len(), 2);
         assert_eq!(
-            ev[2].data,
+            ev[0].data,
+            KvCacheEventData::Stored {
+                parent: None,
+                blocks: vec![SequenceHash(1), SequenceHash(2)]
+            }
+        );
+        assert_eq!(
+            ev[1].data,
             KvCacheEventData::Removed {
                 blocks: vec![SequenceHash(2)]
             }
         );
-        assert!(ev.windows(2).all(|w| w[0].event_id < w[1].event_id));
+        assert_eq!((ev[0].event_id, ev[1].event_id), (1, 2));
+        assert_eq!(p.snapshot().0, 2);
         p.check_invariants();
     }
 
