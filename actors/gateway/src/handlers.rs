@@ -17,6 +17,7 @@ use dynamo_model::Preprocessor;
 use futures::stream::{self, StreamExt};
 use serde_json::{json, Value};
 use std::convert::Infallible;
+use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -161,6 +162,58 @@ async fn handle(
 /// Response header naming the worker(s) that served the request.
 pub const WORKER_HEADER: &str = "x-dynamo-worker";
 
+/// Renders stream chunks around a prefix built once per response.
+struct ChunkWriter {
+    /// `{"id":…,"object":…,"created":…,"model":…,"choices":`
+    prefix: String,
+}
+
+impl ChunkWriter {
+    fn new(id: &str, object: &str, created: u64, model: &str) -> Self {
+        let q = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into());
+        ChunkWriter {
+            prefix: format!(
+                "{{\"id\":{},\"object\":{},\"created\":{created},\"model\":{},\"choices\":",
+                q(id),
+                q(object),
+                q(model)
+            ),
+        }
+    }
+
+    /// A chunk with arbitrary `choices` (and optional usage).
+    fn raw(&self, choices: &Value, usage: Option<&Value>) -> Event {
+        let mut s = String::with_capacity(self.prefix.len() + 128);
+        s.push_str(&self.prefix);
+        s.push_str(&choices.to_string());
+        if let Some(u) = usage {
+            s.push_str(",\"usage\":");
+            s.push_str(&u.to_string());
+        }
+        s.push('}');
+        Event::default().data(s)
+    }
+}
+
+/// A content chunk: only the text is escaped per token.
+fn chunk_text(prefix: &str, ep: Endpoint, index: usize, text: &str) -> Event {
+    let t = serde_json::to_string(text).unwrap_or_else(|_| "\"\"".into());
+    let mut s = String::with_capacity(prefix.len() + t.len() + 96);
+    s.push_str(prefix);
+    match ep {
+        Endpoint::Chat => {
+            let _ = write!(s, "[{{\"index\":{index},\"delta\":{{\"content\":{t}}},\"logprobs\":null,\"finish_reason\":null}}]}}");
+        }
+        Endpoint::Completions => {
+            let _ = write!(
+                s,
+                "[{{\"index\":{index},\"text\":{t},\"logprobs\":null,\"finish_reason\":null}}]}}"
+            );
+        }
+    }
+    Event::default().data(s)
+}
+
 fn now_s() -> u64 {
     dynamo_bus_schema::unix_ms() / 1000
 }
@@ -228,12 +281,10 @@ fn stream_response(
         Endpoint::Chat => "chat.completion.chunk",
         Endpoint::Completions => "text_completion",
     };
+    let chunks = ChunkWriter::new(&id, object, created, &model);
+    let chunk_prefix = chunks.prefix.clone();
     let chunk = move |choices: Value, usage: Option<Value>| -> Event {
-        let mut v = json!({"id": id, "object": object, "created": created, "model": model, "choices": choices});
-        if let Some(u) = usage {
-            v["usage"] = u;
-        }
-        Event::default().data(v.to_string())
+        chunks.raw(&choices, usage.as_ref())
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
     let n = gens.len();
@@ -260,16 +311,8 @@ fn stream_response(
         let mut usage = Usage::default();
         while let Some((i, ev)) = all.next().await {
             let event = match ev {
-                Ok(GenEvent::Text(t)) => match ep {
-                    Endpoint::Chat => chunk(
-                        json!([{"index": i, "delta": {"content": t}, "logprobs": null, "finish_reason": null}]),
-                        None,
-                    ),
-                    Endpoint::Completions => chunk(
-                        json!([{"index": i, "text": t, "logprobs": null, "finish_reason": null}]),
-                        None,
-                    ),
-                },
+                // The hot path (one event per token) skips building a JSON value.
+                Ok(GenEvent::Text(t)) => chunk_text(&chunk_prefix, ep, i, &t),
                 Ok(GenEvent::Done {
                     finish_reason,
                     usage: u,
