@@ -281,17 +281,22 @@ impl Http {
         }
     }
 
-    /// The value of the first `/metrics` line starting with `line_prefix` (0 if absent).
-    pub async fn metric(&self, line_prefix: &str) -> u64 {
-        let Ok(r) = self
+    /// The whole `/metrics` text (empty if the gateway does not answer).
+    pub async fn metrics_text(&self) -> String {
+        match self
             .client
             .get(format!("{}/metrics", self.base))
             .send()
             .await
-        else {
-            return 0;
-        };
-        let text = r.text().await.unwrap_or_default();
+        {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        }
+    }
+
+    /// The value of the first `/metrics` line starting with `line_prefix` (0 if absent).
+    pub async fn metric(&self, line_prefix: &str) -> u64 {
+        let text = self.metrics_text().await;
         text.lines()
             .find(|l| l.starts_with(line_prefix))
             .and_then(|l| l.rsplit(' ').next())

@@ -269,15 +269,7 @@ async fn a_killed_worker_process_leaves_the_index_and_restarts_empty() {
     })
     .await;
     let listed = async |http: &Http| {
-        let m = http
-            .client
-            .get(format!("{}/metrics", http.base))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = http.metrics_text().await;
         m.contains(&format!("worker=\"{x}\""))
     };
     w.signal(libc::SIGKILL);

@@ -300,14 +300,6 @@ async fn a_client_disconnect_cancels_the_request_on_the_worker() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let m = http
-        .client
-        .get(format!("{}/metrics", http.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = http.metrics_text().await;
     assert!(m.contains("dynamo_gateway_inflight_requests 0"), "{m}");
 }

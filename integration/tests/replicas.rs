@@ -67,8 +67,11 @@ async fn replicas_share_load_and_a_late_replica_agrees() {
     let imbalance =
         |c: &HashMap<String, usize>| c.values().max().unwrap() - c.values().min().unwrap();
     assert_eq!(three.len(), 4, "{three:?}");
+    // 60 requests over 4 workers: 15 each on average. Herding (replicas piling
+    // onto the same "idle" worker) shows as a starved or doubled worker; the
+    // bound leaves room for random tie-breaks on a noisy 2-core machine.
     assert!(
-        imbalance(&three) <= imbalance(&one) + 3,
+        imbalance(&three) <= imbalance(&one) + 6 && three.values().all(|&n| (8..=22).contains(&n)),
         "one replica {one:?}, three replicas {three:?}"
     );
 
@@ -81,15 +84,7 @@ async fn replicas_share_load_and_a_late_replica_agrees() {
     };
     let t0 = Instant::now();
     let busy_worker = loop {
-        let m = gws[1]
-            .client
-            .get(format!("{}/metrics", gws[1].base))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let m = gws[1].metrics_text().await;
         let busy = m
             .lines()
             .filter(|l| l.starts_with("dynamo_router_worker_inflight{") && l.ends_with(" 1"))

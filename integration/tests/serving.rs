@@ -397,15 +397,7 @@ async fn bad_input_gets_the_right_status_and_error_object() {
     assert_eq!(v["error"]["type"], "invalid_request_error");
 
     // Errors are counted in /metrics, with the request metrics.
-    let m = http
-        .client
-        .get(format!("{}/metrics", http.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = http.metrics_text().await;
     assert!(
         m.contains("dynamo_gateway_errors_total{kind=\"model_not_found\"}"),
         "{m}"
