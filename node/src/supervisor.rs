@@ -8,17 +8,14 @@
 
 use crate::config::{NodeConfig, WorkerGroup};
 use dynamo_bus_schema::blocks::hash_salt;
-use dynamo_bus_schema::{
-    decode, unix_ms, ErrorKind, ErrorReply, FaultAck, FaultInjection, WireError, WorkerId,
-};
+use dynamo_bus_schema::{unix_ms, FaultAck, FaultInjection, WireError, WorkerId};
 use dynamo_engine::Engine;
 use dynamo_gateway::{GatewayActor, GatewayArgs, GatewayMsg};
 use dynamo_mocker::{MockerEngine, MockerModel};
 use dynamo_model::LoadedModel;
 use dynamo_router::{RouterActor, RouterArgs, ROUTER_ACTOR_NAME};
-use dynamo_runtime::{counters, Backoff, Bus};
+use dynamo_runtime::{Backoff, Bus};
 use dynamo_worker::{EngineFactory, WorkerActor, WorkerArgs, WorkerConfig, WorkerMsg};
-use futures::StreamExt;
 use ractor::{
     Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent,
 };
@@ -363,40 +360,27 @@ impl SupervisorState {
 
 async fn serve_faults(
     bus: Bus,
-    mut sub: async_nats::Subscriber,
+    sub: async_nats::Subscriber,
     sup: ActorRef<SupervisorMsg>,
     cancel: CancellationToken,
 ) {
-    loop {
-        let m = tokio::select! {
-            _ = cancel.cancelled() => break,
-            m = sub.next() => m,
-        };
-        let Some(m) = m else { break };
-        match decode::<FaultInjection>(&m.payload) {
-            Ok(f) => {
-                let res = sup
-                    .call(
-                        |r| SupervisorMsg::InjectFault(f, r),
-                        Some(Duration::from_secs(2)),
-                    )
-                    .await;
-                let ack = match res {
-                    Ok(ractor::rpc::CallResult::Success(a)) => a,
-                    _ => FaultAck {
-                        applied: false,
-                        message: "supervisor did not answer".into(),
-                    },
-                };
-                bus.reply(m.reply.as_ref(), &ack).await;
-            }
-            Err(e) => {
-                counters::reject("FaultInjection", m.subject.as_str(), &e);
-                let r = ErrorReply {
-                    error: WireError::new(ErrorKind::BadMessage, e.to_string()),
-                };
-                bus.reply(m.reply.as_ref(), &r).await;
-            }
+    bus.serve(sub, cancel, |f: FaultInjection| {
+        let sup = sup.clone();
+        async move {
+            let res = sup
+                .call(
+                    |r| SupervisorMsg::InjectFault(f, r),
+                    Some(Duration::from_secs(2)),
+                )
+                .await;
+            Ok::<_, WireError>(match res {
+                Ok(ractor::rpc::CallResult::Success(a)) => a,
+                _ => FaultAck {
+                    applied: false,
+                    message: "supervisor did not answer".into(),
+                },
+            })
         }
-    }
+    })
+    .await;
 }

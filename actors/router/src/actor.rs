@@ -10,8 +10,9 @@ use crate::policy::{build, PolicyKind};
 use crate::state::{ModelEntry, RouteDecision, RouteError, RouterState, WorkerEntry};
 use dynamo_bus_schema::{
     decode, decode_payload, peek_kind, ActiveLoadEvent, ActiveLoadSnapshot,
-    ActiveLoadSnapshotRequest, KvDump, KvDumpRequest, KvEventBatch, LoadReport, ModelName,
-    RequestId, RouterHeartbeat, RouterId, WireMessage, WorkerId, WorkerRegistration,
+    ActiveLoadSnapshotRequest, ErrorKind, KvDump, KvDumpRequest, KvEventBatch, LoadReport,
+    ModelName, RequestId, RouterHeartbeat, RouterId, WireError, WireMessage, WorkerId,
+    WorkerRegistration,
 };
 use dynamo_runtime::{counters, Backoff, Bus};
 use futures::StreamExt;
@@ -454,7 +455,7 @@ async fn share_load(
             tracing::info!(reason = %e, "no peer snapshot of the active load (first replica?)")
         }
     }
-    let mut snap_sub = match bus
+    let snap_sub = match bus
         .client
         .queue_subscribe(bus.subjects.router_snapshot(), "routers".into())
         .await
@@ -465,31 +466,17 @@ async fn share_load(
             return;
         }
     };
-    loop {
-        let m = tokio::select! {
-            _ = cancel.cancelled() => return,
-            m = snap_sub.next() => m,
-        };
-        let Some(m) = m else { return };
-        if let Err(e) = decode::<ActiveLoadSnapshotRequest>(&m.payload) {
-            counters::reject("ActiveLoadSnapshotRequest", m.subject.as_str(), &e);
-            continue;
-        }
-        let entries = match router
-            .call(RouterMsg::ServeSnapshot, Some(Duration::from_secs(2)))
+    bus.serve(snap_sub, cancel, |_: ActiveLoadSnapshotRequest| async {
+        ask(&router, RouterMsg::ServeSnapshot)
             .await
-        {
-            Ok(ractor::rpc::CallResult::Success(e)) => e,
-            _ => return,
-        };
-        bus.reply(m.reply.as_ref(), &ActiveLoadSnapshot { entries })
-            .await;
-    }
+            .map(|entries| ActiveLoadSnapshot { entries })
+    })
+    .await;
 }
 
 /// Answers `dynamoctl`'s info requests (one replica of the queue group answers).
 async fn serve_info(bus: Bus, router: ActorRef<RouterMsg>, cancel: CancellationToken) {
-    let mut sub = match bus
+    let sub = match bus
         .client
         .queue_subscribe(bus.subjects.router_info(), "routers".into())
         .await
@@ -500,23 +487,23 @@ async fn serve_info(bus: Bus, router: ActorRef<RouterMsg>, cancel: CancellationT
             return;
         }
     };
-    loop {
-        let m = tokio::select! {
-            _ = cancel.cancelled() => return,
-            m = sub.next() => m,
-        };
-        let Some(m) = m else { return };
-        if let Err(e) = decode::<dynamo_bus_schema::RouterInfoRequest>(&m.payload) {
-            counters::reject("RouterInfoRequest", m.subject.as_str(), &e);
-            continue;
-        }
-        match router
-            .call(RouterMsg::Info, Some(Duration::from_secs(2)))
-            .await
-        {
-            Ok(ractor::rpc::CallResult::Success(info)) => bus.reply(m.reply.as_ref(), &info).await,
-            _ => return,
-        }
+    bus.serve(sub, cancel, |_: dynamo_bus_schema::RouterInfoRequest| {
+        ask(&router, RouterMsg::Info)
+    })
+    .await;
+}
+
+/// Asks the router actor for something on behalf of a bus request.
+async fn ask<T: Send + 'static>(
+    router: &ActorRef<RouterMsg>,
+    msg: fn(RpcReplyPort<T>) -> RouterMsg,
+) -> Result<T, WireError> {
+    match router.call(msg, Some(Duration::from_secs(2))).await {
+        Ok(ractor::rpc::CallResult::Success(v)) => Ok(v),
+        _ => Err(WireError::new(
+            ErrorKind::Unavailable,
+            "router is restarting",
+        )),
     }
 }
 

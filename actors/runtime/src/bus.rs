@@ -193,6 +193,47 @@ impl Bus {
         Ok(())
     }
 
+    /// Serves request/reply on `sub` until `cancel` fires or the subscription
+    /// ends: each request is decoded as `Req` and answered with the handler's
+    /// message, or an [`ErrorReply`] carrying its error. An undecodable request
+    /// is counted, logged and answered with a `BadMessage` error, never dropped
+    /// silently.
+    pub async fn serve<Req, Resp, F, Fut>(
+        &self,
+        mut sub: async_nats::Subscriber,
+        cancel: tokio_util::sync::CancellationToken,
+        mut handler: F,
+    ) where
+        Req: WireMessage,
+        Resp: WireMessage,
+        F: FnMut(Req) -> Fut,
+        Fut: std::future::Future<Output = Result<Resp, WireError>>,
+    {
+        use futures::StreamExt;
+        loop {
+            let m = tokio::select! {
+                _ = cancel.cancelled() => break,
+                m = sub.next() => m,
+            };
+            let Some(m) = m else { break };
+            let answer = match decode::<Req>(&m.payload) {
+                Ok(req) => handler(req).await,
+                Err(e) => {
+                    crate::counters::reject(Req::NAME, m.subject.as_str(), &e);
+                    Err(WireError::new(
+                        dynamo_bus_schema::ErrorKind::BadMessage,
+                        e.to_string(),
+                    ))
+                }
+            };
+            match answer {
+                Ok(resp) => self.reply(m.reply.as_ref(), &resp).await,
+                Err(error) => self.reply(m.reply.as_ref(), &ErrorReply { error }).await,
+            }
+        }
+        let _ = sub.unsubscribe().await;
+    }
+
     /// Replies to a request message with a typed message (no-op without a reply subject).
     pub async fn reply<T: WireMessage>(&self, reply_to: Option<&async_nats::Subject>, msg: &T) {
         if let Some(r) = reply_to {

@@ -136,20 +136,22 @@ impl Actor for WorkerActor {
             ));
         }
         let dump_sub = bus.client.subscribe(s.worker_kv_dump(id)).await?;
-        tokio::spawn(serve_kv_dumps(
-            bus.clone(),
-            dump_sub,
-            engine.clone(),
-            id,
-            args.generation,
-            tasks.child_token(),
-        ));
-        tokio::spawn(serve_artifacts(
-            bus.clone(),
-            artifact_sub,
-            args.artifacts.clone(),
-            tasks.child_token(),
-        ));
+        let (b, eng, generation) = (bus.clone(), engine.clone(), args.generation);
+        let cancel = tasks.child_token();
+        tokio::spawn(async move {
+            b.serve(dump_sub, cancel, |_: KvDumpRequest| {
+                kv_dump(eng.clone(), id, generation)
+            })
+            .await
+        });
+        let (b, artifacts) = (bus.clone(), args.artifacts.clone());
+        let cancel = tasks.child_token();
+        tokio::spawn(async move {
+            b.serve(artifact_sub, cancel, |req: ArtifactRequest| {
+                std::future::ready(artifact_chunk(&artifacts, req))
+            })
+            .await
+        });
         spawn_ticker(
             myself.clone(),
             args.config.heartbeat_interval,
@@ -485,98 +487,49 @@ fn to_wire(e: dynamo_engine::KvCacheEvent) -> KvEvent {
     }
 }
 
-async fn serve_kv_dumps(
-    bus: Bus,
-    mut sub: async_nats::Subscriber,
+/// The engine's block table, consistent with its events so far.
+async fn kv_dump(
     engine: Arc<dyn Engine>,
     worker_id: WorkerId,
     generation: u64,
-    cancel: CancellationToken,
-) {
-    loop {
-        let m = tokio::select! {
-            _ = cancel.cancelled() => break,
-            m = sub.next() => m,
-        };
-        let Some(m) = m else { break };
-        if let Err(e) = decode::<KvDumpRequest>(&m.payload) {
-            counters::reject("KvDumpRequest", m.subject.as_str(), &e);
-            continue;
-        }
-        let snap = match engine.kv_snapshot() {
-            Ok(rx) => rx.await.ok(),
-            Err(_) => None,
-        };
-        match snap {
-            Some(s) => {
-                let dump = KvDump {
-                    worker_id,
-                    generation,
-                    last_event_id: EventId(s.last_event_id),
-                    tier: StorageTier::Device,
-                    blocks: s.blocks,
-                };
-                bus.reply(m.reply.as_ref(), &dump).await;
-            }
-            None => {
-                let r = ErrorReply {
-                    error: WireError::new(ErrorKind::EngineFailed, "engine stopped"),
-                };
-                bus.reply(m.reply.as_ref(), &r).await;
-            }
-        }
-    }
-    let _ = sub.unsubscribe().await;
+) -> Result<KvDump, WireError> {
+    let stopped = || WireError::new(ErrorKind::EngineFailed, "engine stopped");
+    let snap = engine
+        .kv_snapshot()
+        .map_err(|_| stopped())?
+        .await
+        .map_err(|_| stopped())?;
+    Ok(KvDump {
+        worker_id,
+        generation,
+        last_event_id: EventId(snap.last_event_id),
+        tier: StorageTier::Device,
+        blocks: snap.blocks,
+    })
 }
 
 /// Largest chunk served per artifact request (NATS caps messages at 1 MiB).
 pub const ARTIFACT_CHUNK: u32 = 512 * 1024;
 
-async fn serve_artifacts(
-    bus: Bus,
-    mut sub: async_nats::Subscriber,
-    artifacts: Arc<HashMap<String, Arc<Vec<u8>>>>,
-    cancel: CancellationToken,
-) {
-    loop {
-        let m = tokio::select! {
-            _ = cancel.cancelled() => break,
-            m = sub.next() => m,
-        };
-        let Some(m) = m else { break };
-        let req = match decode::<ArtifactRequest>(&m.payload) {
-            Ok(r) => r,
-            Err(e) => {
-                counters::reject("ArtifactRequest", m.subject.as_str(), &e);
-                let r = ErrorReply {
-                    error: WireError::new(ErrorKind::BadMessage, e.to_string()),
-                };
-                bus.reply(m.reply.as_ref(), &r).await;
-                continue;
-            }
-        };
-        match artifacts.get(&req.name) {
-            Some(data) if req.offset <= data.len() as u64 => {
-                let start = req.offset as usize;
-                let len = (req.max_len.min(ARTIFACT_CHUNK) as usize).min(data.len() - start);
-                let chunk = ArtifactChunk {
-                    name: req.name,
-                    total_len: data.len() as u64,
-                    offset: req.offset,
-                    data: data[start..start + len].to_vec(),
-                };
-                bus.reply(m.reply.as_ref(), &chunk).await;
-            }
-            _ => {
-                let r = ErrorReply {
-                    error: WireError::new(
-                        ErrorKind::InvalidRequest,
-                        format!("no artifact {:?} at offset {}", req.name, req.offset),
-                    ),
-                };
-                bus.reply(m.reply.as_ref(), &r).await;
-            }
+/// One byte range of a named artifact.
+fn artifact_chunk(
+    artifacts: &HashMap<String, Arc<Vec<u8>>>,
+    req: ArtifactRequest,
+) -> Result<ArtifactChunk, WireError> {
+    match artifacts.get(&req.name) {
+        Some(data) if req.offset <= data.len() as u64 => {
+            let start = req.offset as usize;
+            let len = (req.max_len.min(ARTIFACT_CHUNK) as usize).min(data.len() - start);
+            Ok(ArtifactChunk {
+                name: req.name,
+                total_len: data.len() as u64,
+                offset: req.offset,
+                data: data[start..start + len].to_vec(),
+            })
         }
+        _ => Err(WireError::new(
+            ErrorKind::InvalidRequest,
+            format!("no artifact {:?} at offset {}", req.name, req.offset),
+        )),
     }
-    let _ = sub.unsubscribe().await;
 }
