@@ -35,10 +35,12 @@ pub struct Candidate {
 }
 
 impl Candidate {
-    /// The load figure least-loaded compares: the larger of the router's own
-    /// count (fresh) and the worker's report (sees other routers' requests).
+    /// The load figure least-loaded compares: requests in flight there from
+    /// every router replica (shared over the bus, so it is fresh and complete).
+    /// The worker's own report lags by up to one report interval and would
+    /// make a just-finished request look busy, so it is not used here.
     pub fn load(&self) -> u32 {
-        self.router_inflight.max(self.reported.inflight_requests)
+        self.router_inflight
     }
 }
 
@@ -285,9 +287,10 @@ mod tests {
         let mut ll = LeastLoaded::default();
         let picks: Vec<u64> = (0..4).map(|_| ll.select(&req, &cs).0).collect();
         assert_eq!(picks, vec![2, 3, 2, 3]);
-        let mut reported = cand(2, 0);
-        reported.reported.inflight_requests = 9;
-        assert_eq!(ll.select(&req, &[cand(1, 1), reported]).0, 1);
+        // A stale worker report does not outweigh the routers' shared count.
+        let mut stale = cand(2, 0);
+        stale.reported.inflight_requests = 9;
+        assert_eq!(ll.select(&req, &[cand(1, 1), stale]).0, 2);
     }
 
     #[test]
