@@ -1,5 +1,6 @@
-//! Paged KV block pool with prefix caching and LRU eviction (no tensors: the
-//! mocker only tracks which blocks exist).
+//! Paged KV block pool with prefix caching and LRU eviction. It holds no
+//! tensors: an engine keeps its KV data in slots indexed by [`BlockIdx`]
+//! (the mocker keeps none at all).
 //!
 //! Invariants (checked by `check_invariants` in tests):
 //! - every block is in exactly one of: referenced (`refs > 0`), evictable
@@ -86,6 +87,11 @@ impl BlockPool {
                     .is_some_and(|b| self.blocks[b.0 as usize].refs == 0)
             })
             .count()
+    }
+
+    /// The cached block holding `hash`, if any (no reference is taken).
+    pub fn lookup(&self, hash: SequenceHash) -> Option<BlockIdx> {
+        self.by_hash.get(&hash).copied()
     }
 
     /// Takes a reference on the cached block holding `hash`.

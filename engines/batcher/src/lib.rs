@@ -1,0 +1,15 @@
+//! `dynamo-batcher`: what every paged engine shares, with no tensors and no
+//! I/O, so the mocker and the CPU engine schedule, cache and announce
+//! blocks identically.
+//!
+//! - [`block_pool`]: paged KV blocks, prefix cache by sequence hash, LRU
+//!   eviction of unreferenced blocks (tails first), exact KV events.
+//! - [`scheduler`]: continuous batching with `max_num_seqs` and
+//!   `max_num_batched_tokens`, chunked prefill, preemption, cancellation,
+//!   stop tokens and `max_tokens`.
+
+pub mod block_pool;
+pub mod scheduler;
+
+pub use block_pool::{BlockIdx, BlockPool};
+pub use scheduler::{Plan, Planned, Scheduler, SchedulerConfig, Seq};
