@@ -1,7 +1,9 @@
 //! A reader for GGUF metadata (v2 and v3).
 //!
-//! Only the header and the key/value metadata are read; tensor data is never
-//! touched, so opening a model for its tokenizer costs a few megabytes of I/O.
+//! The header, the key/value metadata and the tensor directory are read;
+//! tensor data is never touched, so opening a model for its tokenizer costs
+//! a few megabytes of I/O. [`GgufMetadata::data_offset`] says where the
+//! tensor data starts for engines that load weights.
 //! Every length read from the file is bounded before allocating, so a corrupt
 //! or hostile file yields a [`GgufError`], never a panic or an OOM.
 
@@ -13,6 +15,8 @@ use thiserror::Error;
 const MAX_STRING: u64 = 64 * 1024 * 1024;
 const MAX_ARRAY: u64 = 16 * 1024 * 1024;
 const MAX_KEYS: u64 = 1 << 16;
+const MAX_TENSORS: u64 = 1 << 20;
+const MAX_DIMS: u32 = 8;
 
 #[derive(Debug, Error)]
 pub enum GgufError {
@@ -66,12 +70,27 @@ impl Value {
     }
 }
 
+/// One entry of the tensor directory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorInfo {
+    pub name: String,
+    /// ggml order: `dims[0]` is the innermost (row length).
+    pub dims: Vec<u64>,
+    /// ggml type id (0 = F32, 1 = F16, 3 = Q4_1, 8 = Q8_0, ...).
+    pub ggml_type: u32,
+    /// Offset from [`GgufMetadata::data_offset`].
+    pub offset: u64,
+}
+
 /// The metadata of one GGUF file.
 #[derive(Clone, Debug)]
 pub struct GgufMetadata {
     pub version: u32,
     pub tensor_count: u64,
     pub kv: BTreeMap<String, Value>,
+    pub tensors: Vec<TensorInfo>,
+    /// Absolute file offset of the tensor data section.
+    pub data_offset: u64,
 }
 
 impl GgufMetadata {
@@ -94,6 +113,7 @@ impl GgufMetadata {
             r,
             path: name,
             key: String::new(),
+            pos: 0,
         };
         let magic = rd.bytes4()?;
         if &magic != b"GGUF" {
@@ -123,10 +143,39 @@ impl GgufMetadata {
             let value = rd.value(ty, 0)?;
             kv.insert(key, value);
         }
+        if tensor_count > MAX_TENSORS {
+            return Err(rd.bad(format!("{tensor_count} tensors is implausible")));
+        }
+        let mut tensors = Vec::with_capacity(tensor_count as usize);
+        for _ in 0..tensor_count {
+            rd.key = "tensor directory".into();
+            let name = rd.string()?;
+            let n_dims = rd.u32()?;
+            if n_dims > MAX_DIMS {
+                return Err(rd.bad(format!("tensor {name} has {n_dims} dimensions")));
+            }
+            let dims = (0..n_dims).map(|_| rd.u64()).collect::<Result<_, _>>()?;
+            let ggml_type = rd.u32()?;
+            let offset = rd.u64()?;
+            tensors.push(TensorInfo {
+                name,
+                dims,
+                ggml_type,
+                offset,
+            });
+        }
+        let align = kv
+            .get("general.alignment")
+            .and_then(Value::as_u64)
+            .filter(|a| *a > 0)
+            .unwrap_or(32);
+        let data_offset = rd.pos.div_ceil(align) * align;
         Ok(GgufMetadata {
             version,
             tensor_count,
             kv,
+            tensors,
+            data_offset,
         })
     }
 }
@@ -135,6 +184,8 @@ struct Reader<'a, R: Read> {
     r: &'a mut R,
     path: &'a str,
     key: String,
+    /// Bytes consumed so far.
+    pos: u64,
 }
 
 impl<R: Read> Reader<'_, R> {
@@ -149,7 +200,9 @@ impl<R: Read> Reader<'_, R> {
         self.r.read_exact(buf).map_err(|source| GgufError::Io {
             path: self.path.into(),
             source,
-        })
+        })?;
+        self.pos += buf.len() as u64;
+        Ok(())
     }
     fn bytes4(&mut self) -> Result<[u8; 4], GgufError> {
         let mut b = [0u8; 4];
@@ -236,7 +289,7 @@ mod tests {
     fn reads_a_small_file_and_rejects_garbage() {
         let mut f = b"GGUF".to_vec();
         f.extend_from_slice(&3u32.to_le_bytes());
-        f.extend_from_slice(&0u64.to_le_bytes());
+        f.extend_from_slice(&1u64.to_le_bytes());
         f.extend_from_slice(&2u64.to_le_bytes());
         s(&mut f, "a.len");
         f.extend_from_slice(&4u32.to_le_bytes());
@@ -247,7 +300,23 @@ mod tests {
         f.extend_from_slice(&2u64.to_le_bytes());
         s(&mut f, "x");
         s(&mut f, "yz");
+        s(&mut f, "w");
+        f.extend_from_slice(&2u32.to_le_bytes());
+        f.extend_from_slice(&32u64.to_le_bytes());
+        f.extend_from_slice(&4u64.to_le_bytes());
+        f.extend_from_slice(&3u32.to_le_bytes());
+        f.extend_from_slice(&0u64.to_le_bytes());
         let m = GgufMetadata::read(&mut f.as_slice(), "t").unwrap();
+        assert_eq!(
+            m.tensors,
+            vec![TensorInfo {
+                name: "w".into(),
+                dims: vec![32, 4],
+                ggml_type: 3,
+                offset: 0
+            }]
+        );
+        assert_eq!(m.data_offset, (f.len() as u64).div_ceil(32) * 32);
         assert_eq!(m.get("a.len").and_then(Value::as_u64), Some(7));
         assert_eq!(
             m.get("a.list").and_then(Value::as_array).map(|a| a.len()),

@@ -1,0 +1,80 @@
+//! The forward pass on the real SmolLM2-135M-Instruct GGUF.
+
+use dynamo_batcher::BlockIdx;
+use dynamo_cpu_engine::kv::KvCache;
+use dynamo_cpu_engine::model::{Batch, BatchRow, Model};
+use dynamo_cpu_engine::pool::ThreadPool;
+use dynamo_cpu_engine::reference::ReferenceRun;
+use dynamo_cpu_engine::weights::Weights;
+use dynamo_model::{ChatMessage, LoadedModel, Preprocessor, Tokenizer};
+use std::sync::OnceLock;
+
+struct Fixture {
+    model: Model,
+    pre: Preprocessor,
+    tok: Tokenizer,
+}
+
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let path = dynamo_model::locate_default_gguf().expect("model installed (make deps)");
+        let lm = LoadedModel::from_gguf(&path, "smollm2", 16).unwrap();
+        Fixture {
+            model: Model::new(Weights::load(&path).unwrap()),
+            pre: Preprocessor::new(lm.card.clone(), &lm.tokenizer_json).unwrap(),
+            tok: Tokenizer::from_json(&lm.tokenizer_json).unwrap(),
+        }
+    })
+}
+
+fn chat(text: &str) -> Vec<u32> {
+    fixture()
+        .pre
+        .chat_prompt(&[ChatMessage {
+            role: "user".into(),
+            content: text.into(),
+        }])
+        .unwrap()
+}
+
+fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[test]
+fn paged_forward_matches_the_contiguous_reference() {
+    let f = fixture();
+    let pool = ThreadPool::new(2).unwrap();
+    let prompt = chat("Name three primary colours.");
+    let n = prompt.len();
+    // Blocks deliberately out of order.
+    let table: Vec<BlockIdx> = [5u32, 2, 7, 0, 3, 1, 4, 6].iter().map(|&b| BlockIdx(b)).collect();
+    let mut kv = KvCache::new(f.model.w.cfg.n_layers, 8, 16, f.model.w.cfg.kv_dim());
+    let split = 19;
+    let mut paged = Vec::new();
+    for (lo, hi) in [(0, split), (split, n)] {
+        let batch = Batch {
+            rows: (lo..hi).map(|p| BatchRow { token: prompt[p], pos: p, seq: 0 }).collect(),
+            tables: vec![&table],
+            logits_for: (0..hi - lo).collect(),
+        };
+        paged.extend(f.model.forward(&pool, &mut kv, &batch));
+    }
+    let vocab = f.model.w.cfg.vocab;
+    let mut reference = ReferenceRun::new(&f.model);
+    for (p, &t) in prompt.iter().enumerate() {
+        let want = reference.push(t);
+        let got = &paged[p * vocab..(p + 1) * vocab];
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = want.iter().zip(got).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(diff <= 1e-3 * scale, "position {p}: max diff {diff} (scale {scale})");
+        assert_eq!(argmax(&want), argmax(got), "position {p}");
+    }
+}
