@@ -148,7 +148,13 @@ mod tests {
             }
         }
         assert_eq!(b.export_block(2).unwrap(), bytes);
-        assert!(matches!(b.import_block(3, &bytes), Err(KvError::NoSuchBlock { .. })));
-        assert!(matches!(b.import_block(0, &bytes[1..]), Err(KvError::BadLength { .. })));
+        assert!(matches!(
+            b.import_block(3, &bytes),
+            Err(KvError::NoSuchBlock { .. })
+        ));
+        assert!(matches!(
+            b.import_block(0, &bytes[1..]),
+            Err(KvError::BadLength { .. })
+        ));
     }
 }

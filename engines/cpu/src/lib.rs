@@ -9,10 +9,18 @@
 //! - [`kv`]: the paged K/V store, blocks exportable/importable as bytes.
 //! - [`model`]: the batched forward pass over paged K/V.
 //! - [`reference`]: a straightforward contiguous-cache forward pass (tests).
+//! - [`sampler`]: greedy / temperature / top-k / top-p with seeded draws.
+//! - [`engine`]: the driver thread implementing [`dynamo_engine::Engine`].
 
+pub mod engine;
 pub mod kv;
 pub mod model;
 pub mod pool;
 pub mod quant;
 pub mod reference;
+pub mod sampler;
 pub mod weights;
+
+pub use engine::{CpuEngine, CpuEngineConfig, CpuModelInfo, KvBlockData};
+pub use model::Model;
+pub use weights::Weights;

@@ -12,7 +12,9 @@
 
 use crate::kv::KvCache;
 use crate::pool::{split, SharedMut, ThreadPool};
-use crate::quant::{dequant_q4_1, dequant_q8_0, dot_many, f32ops, quantize_row, ActBlock, QType, QK};
+use crate::quant::{
+    dequant_q4_1, dequant_q8_0, dot_many, f32ops, quantize_row, ActBlock, QType, QK,
+};
 use crate::weights::{QMatrix, Weights};
 use dynamo_batcher::BlockIdx;
 
@@ -58,7 +60,13 @@ impl Model {
 
     /// `out_m = W_m · x` for every pair, for `n` activation rows, with the
     /// rows of all matrices shared out between the threads.
-    fn matmul(&self, pool: &ThreadPool, mats: &mut [(&QMatrix, &mut [f32])], acts: &[ActBlock], n: usize) {
+    fn matmul(
+        &self,
+        pool: &ThreadPool,
+        mats: &mut [(&QMatrix, &mut [f32])],
+        acts: &[ActBlock],
+        n: usize,
+    ) {
         let outs: Vec<(QMatrix, SharedMut<f32>)> = mats
             .iter_mut()
             .map(|(m, o)| {
@@ -163,12 +171,25 @@ impl Model {
                 Self::rms_norm(&x[r.clone()], &lw.attn_norm, c.norm_eps, &mut xn[r]);
             }
             Self::quantize(&xn, dim, &mut acts);
-            self.matmul(pool, &mut [(&lw.wq, &mut q), (&lw.wk, &mut k), (&lw.wv, &mut v)], &acts, n);
+            self.matmul(
+                pool,
+                &mut [(&lw.wq, &mut q), (&lw.wk, &mut k), (&lw.wv, &mut v)],
+                &acts,
+                n,
+            );
             for i in 0..n {
-                let (co, si) = (&cos[i * half..(i + 1) * half], &sin[i * half..(i + 1) * half]);
+                let (co, si) = (
+                    &cos[i * half..(i + 1) * half],
+                    &sin[i * half..(i + 1) * half],
+                );
                 Self::rope(&mut q[i * dim..(i + 1) * dim], hd, co, si);
                 Self::rope(&mut k[i * kvd..(i + 1) * kvd], hd, co, si);
-                kv.write(l, slots[i], &k[i * kvd..(i + 1) * kvd], &v[i * kvd..(i + 1) * kvd]);
+                kv.write(
+                    l,
+                    slots[i],
+                    &k[i * kvd..(i + 1) * kvd],
+                    &v[i * kvd..(i + 1) * kvd],
+                );
             }
             self.attention(pool, kv, l, batch, &q, &mut att);
             Self::quantize(&att, dim, &mut acts);
@@ -181,7 +202,12 @@ impl Model {
                 Self::rms_norm(&x[r.clone()], &lw.ffn_norm, c.norm_eps, &mut xn[r]);
             }
             Self::quantize(&xn, dim, &mut acts);
-            self.matmul(pool, &mut [(&lw.w_gate, &mut g), (&lw.w_up, &mut u)], &acts, n);
+            self.matmul(
+                pool,
+                &mut [(&lw.w_gate, &mut g), (&lw.w_up, &mut u)],
+                &acts,
+                n,
+            );
             for (a, b) in g.iter_mut().zip(&u) {
                 *a = *a / (1.0 + (-*a).exp()) * b;
             }
@@ -195,7 +221,12 @@ impl Model {
         let m = batch.logits_for.len();
         let mut hn = vec![0f32; m * dim];
         for (o, &i) in batch.logits_for.iter().enumerate() {
-            Self::rms_norm(&x[i * dim..(i + 1) * dim], &self.w.out_norm, c.norm_eps, &mut hn[o * dim..(o + 1) * dim]);
+            Self::rms_norm(
+                &x[i * dim..(i + 1) * dim],
+                &self.w.out_norm,
+                c.norm_eps,
+                &mut hn[o * dim..(o + 1) * dim],
+            );
         }
         Self::quantize(&hn, dim, &mut acts);
         let mut logits = vec![0f32; m * c.vocab];
@@ -206,7 +237,15 @@ impl Model {
     }
 
     /// Causal attention of every row and head over its sequence's cache.
-    fn attention(&self, pool: &ThreadPool, kv: &KvCache, l: usize, batch: &Batch, q: &[f32], out: &mut [f32]) {
+    fn attention(
+        &self,
+        pool: &ThreadPool,
+        kv: &KvCache,
+        l: usize,
+        batch: &Batch,
+        q: &[f32],
+        out: &mut [f32],
+    ) {
         let c = &self.w.cfg;
         let (hd, nh, group) = (c.head_dim, c.n_heads, c.n_heads / c.n_kv_heads);
         let bs = kv.block_size();

@@ -132,7 +132,7 @@ fn helper(s: &Shared, t: usize) {
                 break;
             }
             spins += 1;
-            if spins % 256 != 0 || started.elapsed() < SPIN {
+            if !spins.is_multiple_of(256) || started.elapsed() < SPIN {
                 std::hint::spin_loop();
                 continue;
             }

@@ -229,7 +229,13 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_many_q4_1(row: &[u8], a: &[ActBlock], nb: usize, out: *mut f32, stride: usize) {
+    pub unsafe fn dot_many_q4_1(
+        row: &[u8],
+        a: &[ActBlock],
+        nb: usize,
+        out: *mut f32,
+        stride: usize,
+    ) {
         debug_assert!(row.len() >= nb * Q4_1_BYTES);
         let n = a.len() / nb;
         let mask = _mm_set1_epi8(0x0f);
@@ -288,7 +294,13 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_many_q8_0(row: &[u8], a: &[ActBlock], nb: usize, out: *mut f32, stride: usize) {
+    pub unsafe fn dot_many_q8_0(
+        row: &[u8],
+        a: &[ActBlock],
+        nb: usize,
+        out: *mut f32,
+        stride: usize,
+    ) {
         debug_assert!(row.len() >= nb * Q8_0_BYTES);
         let n = a.len() / nb;
         let rp = row.as_ptr();
@@ -379,7 +391,9 @@ mod tests {
     use super::*;
 
     fn rng(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
@@ -445,7 +459,10 @@ mod tests {
             let x: Vec<f32> = (0..n * nb * QK).map(|_| rng(&mut seed)).collect();
             let mut a = vec![ActBlock::default(); n * nb];
             for i in 0..n {
-                quantize_row(&x[i * nb * QK..(i + 1) * nb * QK], &mut a[i * nb..(i + 1) * nb]);
+                quantize_row(
+                    &x[i * nb * QK..(i + 1) * nb * QK],
+                    &mut a[i * nb..(i + 1) * nb],
+                );
             }
             let mut out = vec![0f32; n * 3];
             unsafe { dot_many(qt, &row, &a, nb, out.as_mut_ptr(), 3) };
@@ -458,8 +475,14 @@ mod tests {
                     QType::Q8_0 => dot_q8_0_scalar(&row, ai),
                 };
                 let norm: f32 = w.iter().zip(xi).map(|(a, b)| (a * b).abs()).sum();
-                assert!((scalar - out[i * 3]).abs() <= 1e-5 * norm, "{qt:?} simd vs scalar");
-                assert!((scalar - exact).abs() <= 0.02 * norm, "{qt:?}: {scalar} vs {exact}");
+                assert!(
+                    (scalar - out[i * 3]).abs() <= 1e-5 * norm,
+                    "{qt:?} simd vs scalar"
+                );
+                assert!(
+                    (scalar - exact).abs() <= 0.02 * norm,
+                    "{qt:?}: {scalar} vs {exact}"
+                );
             }
         }
     }

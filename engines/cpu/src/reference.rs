@@ -83,7 +83,13 @@ impl<'m> ReferenceRun<'m> {
                     })
                     .collect();
                 let max = w.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                let sum: f32 = w.iter_mut().map(|s| { *s = (*s - max).exp(); *s }).sum();
+                let sum: f32 = w
+                    .iter_mut()
+                    .map(|s| {
+                        *s = (*s - max).exp();
+                        *s
+                    })
+                    .sum();
                 for (p, wp) in w.iter().enumerate() {
                     let vp = &self.v[l][p * c.kv_dim() + kvh * hd..][..hd];
                     for d in 0..hd {
@@ -98,7 +104,11 @@ impl<'m> ReferenceRun<'m> {
             let xn = Self::norm(&x, &lw.ffn_norm, c.norm_eps);
             let g = self.matvec(&lw.w_gate, &xn);
             let u = self.matvec(&lw.w_up, &xn);
-            let hmid: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+            let hmid: Vec<f32> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
             let d = self.matvec(&lw.w_down, &hmid);
             for (a, b) in x.iter_mut().zip(&d) {
                 *a += b;

@@ -133,7 +133,10 @@ impl Weights {
             let key = format!("llama.{k}");
             match meta.get(&key) {
                 Some(Value::F64(v)) => Ok(*v),
-                Some(v) => v.as_u64().map(|v| v as f64).ok_or(LoadError::MissingKey(key)),
+                Some(v) => v
+                    .as_u64()
+                    .map(|v| v as f64)
+                    .ok_or(LoadError::MissingKey(key)),
                 None => Err(LoadError::MissingKey(key)),
             }
         };
@@ -156,7 +159,7 @@ impl Weights {
             dim,
             n_heads,
             n_kv_heads,
-            head_dim: if n_heads > 0 { dim / n_heads } else { 0 },
+            head_dim: dim.checked_div(n_heads).unwrap_or(0),
             ffn_dim: num("feed_forward_length")? as usize,
             vocab,
             context: num("context_length")? as usize,
@@ -165,9 +168,9 @@ impl Weights {
         };
         if cfg.n_heads == 0
             || cfg.n_kv_heads == 0
-            || cfg.n_heads % cfg.n_kv_heads != 0
-            || cfg.dim % cfg.n_heads != 0
-            || cfg.head_dim % 2 != 0
+            || !cfg.n_heads.is_multiple_of(cfg.n_kv_heads)
+            || !cfg.dim.is_multiple_of(cfg.n_heads)
+            || !cfg.head_dim.is_multiple_of(2)
         {
             return Err(LoadError::BadTensor {
                 name: "attention".into(),
@@ -181,14 +184,21 @@ impl Weights {
                 reason,
             };
             if t.dims != [cols as u64, rows as u64] {
-                return Err(bad(format!("shape {:?}, expected [{cols}, {rows}]", t.dims)));
+                return Err(bad(format!(
+                    "shape {:?}, expected [{cols}, {rows}]",
+                    t.dims
+                )));
             }
             let qt = match t.ggml_type {
                 3 => QType::Q4_1,
                 8 => QType::Q8_0,
-                other => return Err(bad(format!("ggml type {other} is not supported (Q4_1, Q8_0 are)"))),
+                other => {
+                    return Err(bad(format!(
+                        "ggml type {other} is not supported (Q4_1, Q8_0 are)"
+                    )))
+                }
             };
-            if cols % QK != 0 {
+            if !cols.is_multiple_of(QK) {
                 return Err(bad(format!("{cols} columns is not a multiple of {QK}")));
             }
             let m = QMatrix {
@@ -209,7 +219,10 @@ impl Weights {
                 reason,
             };
             if t.ggml_type != 0 || t.dims != [n as u64] {
-                return Err(bad(format!("expected f32 [{n}], got type {} {:?}", t.ggml_type, t.dims)));
+                return Err(bad(format!(
+                    "expected f32 [{n}], got type {} {:?}",
+                    t.ggml_type, t.dims
+                )));
             }
             let o = t.offset as usize;
             let bytes = data

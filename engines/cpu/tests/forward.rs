@@ -6,13 +6,12 @@ use dynamo_cpu_engine::model::{Batch, BatchRow, Model};
 use dynamo_cpu_engine::pool::ThreadPool;
 use dynamo_cpu_engine::reference::ReferenceRun;
 use dynamo_cpu_engine::weights::Weights;
-use dynamo_model::{ChatMessage, LoadedModel, Preprocessor, Tokenizer};
+use dynamo_model::{ChatMessage, LoadedModel, Preprocessor};
 use std::sync::OnceLock;
 
 struct Fixture {
     model: Model,
     pre: Preprocessor,
-    tok: Tokenizer,
 }
 
 fn fixture() -> &'static Fixture {
@@ -23,7 +22,6 @@ fn fixture() -> &'static Fixture {
         Fixture {
             model: Model::new(Weights::load(&path).unwrap()),
             pre: Preprocessor::new(lm.card.clone(), &lm.tokenizer_json).unwrap(),
-            tok: Tokenizer::from_json(&lm.tokenizer_json).unwrap(),
         }
     })
 }
@@ -55,13 +53,22 @@ fn paged_forward_matches_the_contiguous_reference() {
     let prompt = chat("Name three primary colours.");
     let n = prompt.len();
     // Blocks deliberately out of order.
-    let table: Vec<BlockIdx> = [5u32, 2, 7, 0, 3, 1, 4, 6].iter().map(|&b| BlockIdx(b)).collect();
+    let table: Vec<BlockIdx> = [5u32, 2, 7, 0, 3, 1, 4, 6]
+        .iter()
+        .map(|&b| BlockIdx(b))
+        .collect();
     let mut kv = KvCache::new(f.model.w.cfg.n_layers, 8, 16, f.model.w.cfg.kv_dim());
     let split = 19;
     let mut paged = Vec::new();
     for (lo, hi) in [(0, split), (split, n)] {
         let batch = Batch {
-            rows: (lo..hi).map(|p| BatchRow { token: prompt[p], pos: p, seq: 0 }).collect(),
+            rows: (lo..hi)
+                .map(|p| BatchRow {
+                    token: prompt[p],
+                    pos: p,
+                    seq: 0,
+                })
+                .collect(),
             tables: vec![&table],
             logits_for: (0..hi - lo).collect(),
         };
@@ -73,8 +80,14 @@ fn paged_forward_matches_the_contiguous_reference() {
         let want = reference.push(t);
         let got = &paged[p * vocab..(p + 1) * vocab];
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let diff = want.iter().zip(got).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(diff <= 1e-3 * scale, "position {p}: max diff {diff} (scale {scale})");
+        let diff = want
+            .iter()
+            .zip(got)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            diff <= 1e-3 * scale,
+            "position {p}: max diff {diff} (scale {scale})"
+        );
         assert_eq!(argmax(&want), argmax(got), "position {p}");
     }
 }

@@ -1,0 +1,450 @@
+//! The engine driver: one OS thread owns the scheduler, the KV store and
+//! the thread pool, and loops schedule → forward → sample → commit. Commands
+//! (new requests, cancels, snapshots, block import/export) are applied
+//! between steps; the thread sleeps when there is nothing to do and ends
+//! when the engine handle is dropped, failing whatever is still running
+//! with [`EngineError::Stopped`].
+//!
+//! Invariants: every accepted request gets exactly one terminal event; a
+//! request whose receiver is dropped is cancelled at the next step; a
+//! panic inside a step fails the requests of that step's engine state
+//! (all of them, their blocks freed) with an internal error instead of
+//! killing the engine.
+
+use crate::kv::{KvCache, KvError};
+use crate::model::{Batch, BatchRow, Model};
+use crate::pool::ThreadPool;
+use crate::sampler::{sample, Rng};
+use dynamo_batcher::{Scheduler, SchedulerConfig};
+use dynamo_bus_schema::blocks::SequenceHash;
+use dynamo_bus_schema::{FinishReason, LoadMetrics, RequestId};
+use dynamo_engine::{
+    Engine, EngineError, EngineEvent, KvCacheEvent, KvSnapshot, ResponseStream, ValidRequest,
+};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+use thiserror::Error;
+use tokio::sync::{mpsc, oneshot};
+
+/// Settings of the CPU engine.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CpuEngineConfig {
+    /// Threads of the forward pass (the engine thread included).
+    pub threads: u32,
+    /// KV blocks in the pool (each holds `block_size` tokens of K and V for
+    /// every layer: 737 KiB for SmolLM2-135M at 16 tokens). Memory is
+    /// touched only as blocks are used.
+    pub num_blocks: u32,
+    /// Most sequences running at once.
+    pub max_num_seqs: u32,
+    /// Most tokens (prefill chunks + decodes) in one step.
+    pub max_num_batched_tokens: u32,
+    /// Reuse cached blocks across requests by block hash.
+    pub enable_prefix_caching: bool,
+    /// Publish KV events for KV-aware routing.
+    pub emit_kv_events: bool,
+}
+
+impl Default for CpuEngineConfig {
+    fn default() -> Self {
+        CpuEngineConfig {
+            threads: 2,
+            num_blocks: 512,
+            max_num_seqs: 16,
+            max_num_batched_tokens: 512,
+            enable_prefix_caching: true,
+            emit_kv_events: true,
+        }
+    }
+}
+
+#[derive(Debug, Error, PartialEq)]
+pub enum CpuConfigError {
+    #[error("cpu.{field} must be at least {min} (got {value})")]
+    TooSmall {
+        field: &'static str,
+        min: u64,
+        value: u64,
+    },
+    #[error("cpu.threads = {0} is more than 256")]
+    TooManyThreads(u32),
+}
+
+impl CpuEngineConfig {
+    pub fn validate(&self) -> Result<(), CpuConfigError> {
+        for (field, value, min) in [
+            ("threads", self.threads as u64, 1),
+            ("num_blocks", self.num_blocks as u64, 1),
+            ("max_num_seqs", self.max_num_seqs as u64, 1),
+            (
+                "max_num_batched_tokens",
+                self.max_num_batched_tokens as u64,
+                1,
+            ),
+        ] {
+            if value < min {
+                return Err(CpuConfigError::TooSmall { field, min, value });
+            }
+        }
+        if self.threads > 256 {
+            return Err(CpuConfigError::TooManyThreads(self.threads));
+        }
+        Ok(())
+    }
+}
+
+/// What the engine needs besides weights: the model card's block identity.
+#[derive(Clone, Debug)]
+pub struct CpuModelInfo {
+    pub block_size: u32,
+    /// Block-hash salt (see `dynamo_bus_schema::blocks::hash_salt`).
+    pub hash_salt: u64,
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// One exported KV block: its hash, its parent's, and its K/V bytes.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvBlockData {
+    pub hash: SequenceHash,
+    pub parent: Option<SequenceHash>,
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Debug, Error, PartialEq)]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] CpuConfigError),
+    #[error("cannot start engine threads: {0}")]
+    Threads(String),
+}
+
+enum Cmd {
+    Add(ValidRequest, mpsc::UnboundedSender<EngineEvent>),
+    Cancel(RequestId),
+    Snapshot(oneshot::Sender<KvSnapshot>),
+    Export(Vec<SequenceHash>, oneshot::Sender<Vec<KvBlockData>>),
+    Import(Vec<KvBlockData>, oneshot::Sender<Result<usize, KvError>>),
+}
+
+pub struct CpuEngine {
+    tx: std_mpsc::Sender<Cmd>,
+    load: Arc<Mutex<LoadMetrics>>,
+    kv_rx: Mutex<Option<mpsc::UnboundedReceiver<KvCacheEvent>>>,
+}
+
+impl CpuEngine {
+    /// Starts an engine over shared weights.
+    pub fn start(
+        cfg: CpuEngineConfig,
+        model: Arc<Model>,
+        info: CpuModelInfo,
+    ) -> Result<Self, StartError> {
+        cfg.validate()?;
+        let sc = SchedulerConfig {
+            block_size: info.block_size,
+            num_blocks: cfg.num_blocks,
+            max_num_seqs: cfg.max_num_seqs,
+            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            enable_prefix_caching: cfg.enable_prefix_caching,
+            record_kv_events: cfg.emit_kv_events,
+        };
+        let sched = Scheduler::new(sc, info.hash_salt, info.eos_token_ids.clone());
+        let (tx, rx) = std_mpsc::channel();
+        let (kv_tx, kv_rx) = mpsc::unbounded_channel();
+        let load = Arc::new(Mutex::new(sched.load()));
+        let pool = ThreadPool::new(cfg.threads as usize)
+            .map_err(|e| StartError::Threads(e.to_string()))?;
+        let c = &model.w.cfg;
+        let kv = KvCache::new(
+            c.n_layers,
+            cfg.num_blocks as usize,
+            info.block_size as usize,
+            c.kv_dim(),
+        );
+        let mut driver = Driver {
+            model,
+            pool,
+            kv,
+            sched,
+            outs: HashMap::new(),
+            rngs: HashMap::new(),
+            kv_tx,
+            load: load.clone(),
+        };
+        std::thread::Builder::new()
+            .name("cpu-engine".into())
+            .spawn(move || driver.run(rx))
+            .map_err(|e| StartError::Threads(e.to_string()))?;
+        Ok(CpuEngine {
+            tx,
+            load,
+            kv_rx: Mutex::new(cfg.emit_kv_events.then_some(kv_rx)),
+        })
+    }
+
+    /// K/V of the cached blocks among `hashes` (missing ones are skipped).
+    pub fn export_blocks(
+        &self,
+        hashes: Vec<SequenceHash>,
+    ) -> Result<oneshot::Receiver<Vec<KvBlockData>>, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Cmd::Export(hashes, tx))
+            .map_err(|_| EngineError::Stopped)?;
+        Ok(rx)
+    }
+
+    /// Stores blocks exported by another engine of the same model into the
+    /// prefix cache (in order; blocks already cached are skipped). Answers
+    /// how many were stored.
+    pub fn import_blocks(
+        &self,
+        blocks: Vec<KvBlockData>,
+    ) -> Result<oneshot::Receiver<Result<usize, KvError>>, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Cmd::Import(blocks, tx))
+            .map_err(|_| EngineError::Stopped)?;
+        Ok(rx)
+    }
+}
+
+impl Engine for CpuEngine {
+    fn kind(&self) -> &'static str {
+        "cpu"
+    }
+    fn generate(&self, req: ValidRequest) -> Result<ResponseStream, EngineError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.tx
+            .send(Cmd::Add(req, tx))
+            .map_err(|_| EngineError::Stopped)?;
+        Ok(rx)
+    }
+    fn cancel(&self, id: RequestId) {
+        // A stopped engine has nothing left to cancel.
+        let _ = self.tx.send(Cmd::Cancel(id));
+    }
+    fn load(&self) -> LoadMetrics {
+        self.load.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+    fn take_kv_events(&self) -> Option<mpsc::UnboundedReceiver<KvCacheEvent>> {
+        self.kv_rx.lock().ok()?.take()
+    }
+    fn kv_snapshot(&self) -> Result<oneshot::Receiver<KvSnapshot>, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Cmd::Snapshot(tx))
+            .map_err(|_| EngineError::Stopped)?;
+        Ok(rx)
+    }
+}
+
+struct Driver {
+    model: Arc<Model>,
+    pool: ThreadPool,
+    kv: KvCache,
+    sched: Scheduler,
+    outs: HashMap<RequestId, mpsc::UnboundedSender<EngineEvent>>,
+    rngs: HashMap<RequestId, Rng>,
+    kv_tx: mpsc::UnboundedSender<KvCacheEvent>,
+    load: Arc<Mutex<LoadMetrics>>,
+}
+
+impl Driver {
+    fn run(&mut self, rx: std_mpsc::Receiver<Cmd>) {
+        'outer: loop {
+            if self.sched.is_idle() {
+                self.publish();
+                match rx.recv() {
+                    Ok(cmd) => self.apply(cmd),
+                    Err(_) => break 'outer,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(cmd) => self.apply(cmd),
+                    Err(std_mpsc::TryRecvError::Empty) => break,
+                    Err(std_mpsc::TryRecvError::Disconnected) => break 'outer,
+                }
+            }
+            if self.sched.is_idle() {
+                continue;
+            }
+            if catch_unwind(AssertUnwindSafe(|| self.step())).is_err() {
+                tracing::error!("cpu engine step panicked; failing its requests");
+                for id in self.sched.abort_all() {
+                    self.rngs.remove(&id);
+                    if let Some(tx) = self.outs.remove(&id) {
+                        let _ = tx.send(EngineEvent::Failed(EngineError::Internal(
+                            "engine step failed".into(),
+                        )));
+                    }
+                }
+            }
+            self.flush_kv_events();
+            self.publish();
+        }
+        for id in self.sched.abort_all() {
+            if let Some(tx) = self.outs.remove(&id) {
+                let _ = tx.send(EngineEvent::Failed(EngineError::Stopped));
+            }
+        }
+        self.publish();
+    }
+
+    fn apply(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Add(req, tx) => {
+                let id = req.id();
+                let seed = req.sampling().seed.unwrap_or_else(|| {
+                    (id.0 as u64) ^ (id.0 >> 64) as u64 ^ std::process::id() as u64
+                });
+                match self.sched.add(req) {
+                    Ok(()) => {
+                        self.outs.insert(id, tx);
+                        self.rngs.insert(id, Rng::new(seed));
+                    }
+                    Err(e) => {
+                        let _ = tx.send(EngineEvent::Failed(e));
+                    }
+                }
+            }
+            Cmd::Cancel(id) => {
+                if self.sched.cancel(id) {
+                    self.rngs.remove(&id);
+                    if let Some(tx) = self.outs.remove(&id) {
+                        let _ = tx.send(EngineEvent::Finished {
+                            reason: FinishReason::Cancelled,
+                        });
+                    }
+                }
+            }
+            Cmd::Snapshot(tx) => {
+                // Events are drained after every step, so the snapshot is
+                // consistent with everything already sent.
+                self.flush_kv_events();
+                let _ = tx.send(self.sched.kv_snapshot());
+            }
+            Cmd::Export(hashes, tx) => {
+                let mut out = Vec::new();
+                let mut parent = None;
+                for h in hashes {
+                    if let Some(b) = self.sched.cached_block(h) {
+                        if let Ok(bytes) = self.kv.export_block(b.0 as usize) {
+                            out.push(KvBlockData {
+                                hash: h,
+                                parent,
+                                bytes,
+                            });
+                        }
+                    }
+                    parent = Some(h);
+                }
+                let _ = tx.send(out);
+            }
+            Cmd::Import(blocks, tx) => {
+                let mut stored = 0;
+                let mut result = Ok(0);
+                for b in blocks {
+                    if b.bytes.len() != self.kv.block_bytes() {
+                        result = Err(KvError::BadLength {
+                            got: b.bytes.len(),
+                            expected: self.kv.block_bytes(),
+                        });
+                        break;
+                    }
+                    if let Some(idx) = self.sched.import_block(b.hash, b.parent) {
+                        // Length checked above, and the index comes from the pool.
+                        if let Err(e) = self.kv.import_block(idx.0 as usize, &b.bytes) {
+                            result = Err(e);
+                            break;
+                        }
+                        stored += 1;
+                    }
+                }
+                self.flush_kv_events();
+                let _ = tx.send(result.map(|_| stored));
+            }
+        }
+        self.publish();
+    }
+
+    fn step(&mut self) {
+        let plan = self.sched.schedule();
+        let mut rows = Vec::with_capacity(plan.tokens());
+        let mut tables = Vec::with_capacity(plan.items.len());
+        let mut logits_for = Vec::new();
+        for (s, item) in plan.items.iter().enumerate() {
+            let seq = self.sched.seq(item.id).expect("planned seq exists");
+            for p in item.start..item.start + item.len {
+                rows.push(BatchRow {
+                    token: seq.tokens[p],
+                    pos: p,
+                    seq: s,
+                });
+            }
+            tables.push(seq.blocks.as_slice());
+            if item.sample {
+                logits_for.push(rows.len() - 1);
+            }
+        }
+        let batch = Batch {
+            rows,
+            tables,
+            logits_for,
+        };
+        let logits = if batch.rows.is_empty() {
+            Vec::new()
+        } else {
+            self.model.forward(&self.pool, &mut self.kv, &batch)
+        };
+        drop(batch);
+        let vocab = self.model.w.cfg.vocab;
+        let mut k = 0;
+        let sampled: Vec<Option<u32>> = plan
+            .items
+            .iter()
+            .map(|item| {
+                if !item.sample {
+                    return None;
+                }
+                let row = &logits[k * vocab..(k + 1) * vocab];
+                k += 1;
+                let seq = self.sched.seq(item.id).expect("planned seq exists");
+                let rng = self.rngs.entry(item.id).or_insert_with(|| Rng::new(0));
+                Some(sample(row, &seq.sampling, rng))
+            })
+            .collect();
+        for (id, ev) in self.sched.commit(plan, &sampled) {
+            let terminal = matches!(ev, EngineEvent::Finished { .. } | EngineEvent::Failed(_));
+            let gone = match self.outs.get(&id) {
+                Some(tx) => tx.send(ev).is_err(),
+                None => false,
+            };
+            if terminal {
+                self.outs.remove(&id);
+                self.rngs.remove(&id);
+            } else if gone {
+                // The receiver went away: nobody wants the rest.
+                self.outs.remove(&id);
+                self.rngs.remove(&id);
+                self.sched.cancel(id);
+            }
+        }
+    }
+
+    fn flush_kv_events(&mut self) {
+        for ev in self.sched.drain_kv_events() {
+            let _ = self.kv_tx.send(ev);
+        }
+    }
+
+    fn publish(&self) {
+        if let Ok(mut l) = self.load.lock() {
+            *l = self.sched.load();
+        }
+    }
+}

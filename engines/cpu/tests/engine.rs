@@ -1,0 +1,307 @@
+//! The CPU engine behind the `Engine` trait, on the real SmolLM2-135M GGUF.
+
+use dynamo_bus_schema::blocks::sequence_hashes;
+use dynamo_bus_schema::{FinishReason, RequestId, SamplingParams};
+use dynamo_cpu_engine::{CpuEngine, CpuEngineConfig, CpuModelInfo, Model, Weights};
+use dynamo_engine::{Engine, EngineEvent, EngineLimits, KvCacheEventData, ValidRequest};
+use dynamo_model::{ChatMessage, LoadedModel, Preprocessor, Tokenizer};
+use std::sync::{Arc, OnceLock};
+
+struct Fixture {
+    model: Arc<Model>,
+    pre: Preprocessor,
+    tok: Tokenizer,
+    lm: LoadedModel,
+}
+
+fn fixture() -> &'static Fixture {
+    static F: OnceLock<Fixture> = OnceLock::new();
+    F.get_or_init(|| {
+        let path = dynamo_model::locate_default_gguf().expect("model installed (make deps)");
+        let lm = LoadedModel::from_gguf(&path, "smollm2", 16).unwrap();
+        Fixture {
+            model: Arc::new(Model::new(Weights::load(&path).unwrap())),
+            pre: Preprocessor::new(lm.card.clone(), &lm.tokenizer_json).unwrap(),
+            tok: Tokenizer::from_json(&lm.tokenizer_json).unwrap(),
+            lm,
+        }
+    })
+}
+
+fn engine(cfg: CpuEngineConfig) -> CpuEngine {
+    let f = fixture();
+    let info = CpuModelInfo {
+        block_size: 16,
+        hash_salt: f.lm.card.hash_salt,
+        eos_token_ids: f.lm.card.eos_token_ids.clone(),
+    };
+    CpuEngine::start(cfg, f.model.clone(), info).unwrap()
+}
+
+fn chat(system: Option<&str>, text: &str) -> Vec<u32> {
+    let mut m = Vec::new();
+    if let Some(s) = system {
+        m.push(ChatMessage {
+            role: "system".into(),
+            content: s.into(),
+        });
+    }
+    m.push(ChatMessage {
+        role: "user".into(),
+        content: text.into(),
+    });
+    fixture().pre.chat_prompt(&m).unwrap()
+}
+
+fn request(id: u128, prompt: Vec<u32>, sampling: SamplingParams) -> ValidRequest {
+    let limits = EngineLimits {
+        context_length: 8192,
+        vocab_size: 49152,
+    };
+    ValidRequest::from_parts(RequestId(id), prompt, &sampling, limits).unwrap()
+}
+
+#[derive(Debug, PartialEq)]
+struct Outcome {
+    cached: u32,
+    tokens: Vec<u32>,
+    reason: FinishReason,
+}
+
+async fn run(e: &CpuEngine, req: ValidRequest) -> Outcome {
+    collect(e.generate(req).unwrap()).await
+}
+
+async fn collect(mut rx: dynamo_engine::ResponseStream) -> Outcome {
+    let mut out = Outcome {
+        cached: u32::MAX,
+        tokens: vec![],
+        reason: FinishReason::Unknown(0),
+    };
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            EngineEvent::Started { cached_tokens } => out.cached = cached_tokens,
+            EngineEvent::Tokens(t) => out.tokens.extend(t),
+            EngineEvent::Finished { reason } => {
+                out.reason = reason;
+                return out;
+            }
+            EngineEvent::Failed(e) => panic!("{e}"),
+        }
+    }
+    panic!("stream ended without a terminal event");
+}
+
+fn text(tokens: &[u32]) -> String {
+    fixture().tok.decode(tokens).unwrap()
+}
+
+#[tokio::test]
+async fn greedy_chat_answer_is_stable_across_runs_and_engines() {
+    let prompt = chat(None, "What is the capital of France?");
+    let a = run(
+        &engine(CpuEngineConfig::default()),
+        request(1, prompt.clone(), SamplingParams::greedy(24)),
+    )
+    .await;
+    let b = run(
+        &engine(CpuEngineConfig::default()),
+        request(1, prompt, SamplingParams::greedy(24)),
+    )
+    .await;
+    assert_eq!(a, b);
+    assert_eq!(a.reason, FinishReason::Stop, "ends with <|im_end|>");
+    assert_eq!(text(&a.tokens), "The capital of France is Paris.");
+}
+
+#[tokio::test]
+async fn answers_simple_factual_questions() {
+    let e = engine(CpuEngineConfig::default());
+    for (i, (q, want)) in [
+        ("What is the capital of France?", "Paris"),
+        ("What is the capital of Japan?", "Tokyo"),
+        ("What color is the sky on a clear day?", "blue"),
+        ("What is the largest ocean on Earth?", "Pacific"),
+        ("What is the chemical symbol for water?", "H2O"),
+        ("What language is spoken in Spain?", "Spanish"),
+        ("How many days are in a week?", "7"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let out = run(
+            &e,
+            request(i as u128, chat(None, q), SamplingParams::greedy(48)),
+        )
+        .await;
+        let answer = text(&out.tokens);
+        assert!(
+            answer.to_lowercase().contains(&want.to_lowercase()),
+            "{q} → {answer:?} (expected {want})"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_prefix_cache_hit_gives_the_same_continuation_as_a_miss() {
+    let system = "You are a careful assistant. Answer in one short sentence, \
+                  and never add anything the user did not ask for. "
+        .repeat(3);
+    let prompt = chat(Some(&system), "Which planet is known as the red planet?");
+    let e = engine(CpuEngineConfig::default());
+    let miss = run(&e, request(1, prompt.clone(), SamplingParams::greedy(16))).await;
+    assert_eq!(miss.cached, 0);
+    let hit = run(&e, request(2, prompt.clone(), SamplingParams::greedy(16))).await;
+    assert_eq!(hit.cached as usize, (prompt.len() - 1) / 16 * 16);
+    assert!(hit.cached > 64);
+    assert_eq!(hit.tokens, miss.tokens);
+    // A different question behind the same system prompt reuses its blocks too.
+    let other = chat(Some(&system), "What is two plus two?");
+    let partial = run(&e, request(3, other, SamplingParams::greedy(4))).await;
+    assert!(partial.cached >= 64, "{}", partial.cached);
+}
+
+#[tokio::test]
+async fn batched_generation_equals_generating_each_alone() {
+    let prompts: Vec<Vec<u32>> = [
+        "Write a haiku about the sea.",
+        "List three fruits.",
+        "What is the boiling point of water?",
+        "Say hello in French.",
+    ]
+    .iter()
+    .map(|q| chat(None, q))
+    .collect();
+    let cfg = CpuEngineConfig {
+        enable_prefix_caching: false,
+        ..CpuEngineConfig::default()
+    };
+    let alone_engine = engine(cfg.clone());
+    let mut alone = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        alone.push(
+            run(
+                &alone_engine,
+                request(i as u128, p.clone(), SamplingParams::greedy(20)),
+            )
+            .await,
+        );
+    }
+    // Small token budget: prefills are chunked and interleave with decodes.
+    let batched_engine = engine(CpuEngineConfig {
+        max_num_batched_tokens: 24,
+        ..cfg
+    });
+    // Every request is queued before the first step runs, so they share steps.
+    let streams: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            batched_engine
+                .generate(request(
+                    10 + i as u128,
+                    p.clone(),
+                    SamplingParams::greedy(20),
+                ))
+                .unwrap()
+        })
+        .collect();
+    let mut batched = Vec::new();
+    for rx in streams {
+        batched.push(collect(rx).await);
+    }
+    assert_eq!(batched, alone);
+}
+
+#[tokio::test]
+async fn seeded_sampling_is_reproducible() {
+    let prompt = chat(None, "Tell me a short story about a cat.");
+    let sampling = |seed| SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 40,
+        seed: Some(seed),
+        ..SamplingParams::greedy(24)
+    };
+    let e = engine(CpuEngineConfig::default());
+    let a = run(&e, request(1, prompt.clone(), sampling(7))).await;
+    let b = run(&e, request(2, prompt.clone(), sampling(7))).await;
+    let c = run(&e, request(3, prompt, sampling(8))).await;
+    assert_eq!(a.tokens, b.tokens);
+    assert_ne!(a.tokens, c.tokens);
+}
+
+#[tokio::test]
+async fn kv_blocks_move_between_engines_as_bytes() {
+    let prompt = chat(Some(&"Be brief. ".repeat(20)), "Name a large animal.");
+    let a = engine(CpuEngineConfig::default());
+    let first = run(&a, request(1, prompt.clone(), SamplingParams::greedy(12))).await;
+    let hashes = sequence_hashes(&prompt, 16, fixture().lm.card.hash_salt);
+    let blocks = a.export_blocks(hashes.clone()).unwrap().await.unwrap();
+    assert_eq!(blocks.len(), hashes.len());
+
+    let b = engine(CpuEngineConfig::default());
+    let mut events = b.take_kv_events().unwrap();
+    let stored = b.import_blocks(blocks).unwrap().await.unwrap().unwrap();
+    assert_eq!(stored, hashes.len());
+    match events.recv().await.unwrap().data {
+        KvCacheEventData::Stored { parent, blocks } => {
+            assert_eq!(parent, None);
+            assert_eq!(blocks, hashes);
+        }
+        other => panic!("{other:?}"),
+    }
+    let second = run(&b, request(2, prompt.clone(), SamplingParams::greedy(12))).await;
+    assert_eq!(second.cached as usize, (prompt.len() - 1) / 16 * 16);
+    assert_eq!(second.tokens, first.tokens);
+    // Bad bytes are refused, not stored.
+    let bad = dynamo_cpu_engine::KvBlockData {
+        hash: dynamo_bus_schema::blocks::SequenceHash(1),
+        parent: None,
+        bytes: vec![0; 3],
+    };
+    assert!(b.import_blocks(vec![bad]).unwrap().await.unwrap().is_err());
+}
+
+#[tokio::test]
+async fn cancel_and_drop_free_blocks_and_stop_fails_the_rest() {
+    let e = engine(CpuEngineConfig::default());
+    let mut rx = e
+        .generate(request(
+            1,
+            chat(None, "Count to one hundred."),
+            SamplingParams::greedy(200),
+        ))
+        .unwrap();
+    assert!(matches!(rx.recv().await, Some(EngineEvent::Started { .. })));
+    assert!(matches!(rx.recv().await, Some(EngineEvent::Tokens(_))));
+    e.cancel(RequestId(1));
+    let mut last = None;
+    while let Some(ev) = rx.recv().await {
+        last = Some(ev);
+    }
+    assert_eq!(
+        last,
+        Some(EngineEvent::Finished {
+            reason: FinishReason::Cancelled
+        })
+    );
+    let snapshot = e.kv_snapshot().unwrap().await.unwrap();
+    assert!(!snapshot.blocks.is_empty(), "prompt blocks stay cached");
+    assert_eq!(e.load().kv_used_blocks, 0);
+
+    let mut rx = e
+        .generate(request(
+            2,
+            chat(None, "Count to ten."),
+            SamplingParams::greedy(200),
+        ))
+        .unwrap();
+    assert!(matches!(rx.recv().await, Some(EngineEvent::Started { .. })));
+    drop(e);
+    let mut last = None;
+    while let Some(ev) = rx.recv().await {
+        last = Some(ev);
+    }
+    assert!(matches!(last, Some(EngineEvent::Failed(_))), "{last:?}");
+}
