@@ -248,7 +248,6 @@ impl Model {
     ) {
         let c = &self.w.cfg;
         let (hd, nh, group) = (c.head_dim, c.n_heads, c.n_heads / c.n_kv_heads);
-        let bs = kv.block_size();
         let scale = 1.0 / (hd as f32).sqrt();
         let items = batch.rows.len() * nh;
         let threads = pool.threads();
@@ -259,31 +258,76 @@ impl Model {
             for item in lo..hi {
                 let (i, h) = (item / nh, item % nh);
                 let row = batch.rows[i];
-                let table = batch.tables[row.seq];
-                let kvh = h / group;
+                let head = Head {
+                    kv,
+                    layer: l,
+                    kv_off: (h / group) * hd,
+                    table: batch.tables[row.seq],
+                    pos: row.pos,
+                    scale,
+                };
                 let qh = &q[(i * nh + h) * hd..(i * nh + h + 1) * hd];
-                scores.clear();
-                let mut max = f32::NEG_INFINITY;
-                for p in 0..=row.pos {
-                    let slot = table[p / bs].0 as usize * bs + p % bs;
-                    let s = f32ops::dot(qh, &kv.k(l, slot)[kvh * hd..(kvh + 1) * hd]) * scale;
-                    max = max.max(s);
-                    scores.push(s);
-                }
-                let mut sum = 0f32;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
                 // SAFETY: head `h` of row `i` is written by this thread only.
                 let o = unsafe { outp.slice((i * nh + h) * hd, hd) };
-                o.fill(0.0);
-                let inv = 1.0 / sum;
-                for (p, s) in scores.iter().enumerate() {
-                    let slot = table[p / bs].0 as usize * bs + p % bs;
-                    f32ops::axpy(s * inv, &kv.v(l, slot)[kvh * hd..(kvh + 1) * hd], o);
-                }
+                head.attend(qh, &mut scores, o);
             }
         });
+    }
+}
+
+/// One query head's view of its sequence's cache.
+struct Head<'a> {
+    kv: &'a KvCache,
+    layer: usize,
+    /// Offset of the K/V head inside a slot's row.
+    kv_off: usize,
+    table: &'a [BlockIdx],
+    pos: usize,
+    scale: f32,
+}
+
+impl Head<'_> {
+    /// `out = softmax(q·K[0..=pos] · scale) · V[0..=pos]`.
+    fn attend(&self, q: &[f32], scores: &mut Vec<f32>, out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if crate::quant::simd_available() {
+            // SAFETY: avx2 and fma are present.
+            return unsafe { self.attend_avx2(q, scores, out) };
+        }
+        self.attend_impl(q, scores, out)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn attend_avx2(&self, q: &[f32], scores: &mut Vec<f32>, out: &mut [f32]) {
+        self.attend_impl(q, scores, out)
+    }
+
+    #[inline(always)]
+    fn attend_impl(&self, q: &[f32], scores: &mut Vec<f32>, out: &mut [f32]) {
+        let hd = q.len();
+        let (l, off) = (self.layer, self.kv_off);
+        let bs = self.kv.block_size();
+        let n = self.pos + 1;
+        scores.clear();
+        scores.resize(n, 0.0);
+        let mut max = f32::NEG_INFINITY;
+        for (p, s) in scores.iter_mut().enumerate() {
+            let slot = self.table[p / bs].0 as usize * bs + p % bs;
+            let v = f32ops::dot_generic(q, &self.kv.k(l, slot)[off..off + hd]) * self.scale;
+            max = max.max(v);
+            *s = v;
+        }
+        let mut sum = 0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        out.fill(0.0);
+        for (p, s) in scores.iter().enumerate() {
+            let slot = self.table[p / bs].0 as usize * bs + p % bs;
+            f32ops::axpy_generic(s * inv, &self.kv.v(l, slot)[off..off + hd], out);
+        }
     }
 }

@@ -328,7 +328,7 @@ mod avx2 {
 /// `target_feature` functions when the CPU allows).
 pub mod f32ops {
     #[inline(always)]
-    fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
+    pub(crate) fn dot_generic(a: &[f32], b: &[f32]) -> f32 {
         let mut acc = [0f32; 8];
         let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
         let (ra, rb) = (ca.remainder(), cb.remainder());
@@ -345,7 +345,7 @@ pub mod f32ops {
     }
 
     #[inline(always)]
-    fn axpy_generic(alpha: f32, x: &[f32], y: &mut [f32]) {
+    pub(crate) fn axpy_generic(alpha: f32, x: &[f32], y: &mut [f32]) {
         for (y, x) in y.iter_mut().zip(x) {
             *y = alpha.mul_add(*x, *y);
         }
