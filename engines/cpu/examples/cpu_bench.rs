@@ -9,7 +9,7 @@ use dynamo_bus_schema::{RequestId, SamplingParams};
 use dynamo_cpu_engine::{CpuEngine, CpuEngineConfig, CpuModelInfo, Model, Weights};
 use dynamo_engine::{Engine, EngineEvent, EngineLimits, ResponseStream, ValidRequest};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 fn request(id: u128, prompt: Vec<u32>, max_tokens: u32) -> ValidRequest {
     let mut s = SamplingParams::greedy(max_tokens);
@@ -77,51 +77,60 @@ async fn main() {
     // Warm-up.
     times(e.generate(request(0, prompt(0, 64), 8)).unwrap()).await;
 
+    const RUNS: u128 = 5;
     let mut prefill = Vec::new();
-    for r in 0..3 {
+    let mut empty = Vec::new();
+    let mut after = Vec::new();
+    let mut parallel = Vec::new();
+    let decode = |t: &[Instant]| (t.len() - 1) as f64 / (t[t.len() - 1] - t[0]).as_secs_f64();
+    for r in 0..RUNS {
+        let id = 100 * (r + 1);
         let t0 = Instant::now();
+        let t = times(e.generate(request(id, prompt(id as u32, 512), 1)).unwrap()).await;
+        prefill.push(512.0 / (t[0] - t0).as_secs_f64());
         let t = times(
-            e.generate(request(10 + r, prompt(r as u32 + 1, 512), 1))
+            e.generate(request(id + 1, prompt(id as u32 + 1, 1), 129))
                 .unwrap(),
         )
         .await;
-        prefill.push(512.0 / (t[0] - t0).as_secs_f64());
+        empty.push(decode(&t));
+        let t = times(
+            e.generate(request(id + 2, prompt(id as u32 + 2, 512), 129))
+                .unwrap(),
+        )
+        .await;
+        after.push(decode(&t));
+        let streams: Vec<_> = (0..8)
+            .map(|i| {
+                e.generate(request(id + 10 + i, prompt((id + i) as u32, 8), 128))
+                    .unwrap()
+            })
+            .collect();
+        let t0 = Instant::now();
+        let tasks: Vec<_> = streams
+            .into_iter()
+            .map(|s| tokio::spawn(times(s)))
+            .collect();
+        let mut all = Vec::new();
+        for t in tasks {
+            all.push(t.await.expect("stream task"));
+        }
+        let last = all.iter().map(|t| t[t.len() - 1]).max().unwrap_or(t0);
+        let tokens = all.iter().map(|t| t.len()).sum::<usize>() as f64;
+        parallel.push(tokens / (last - t0).as_secs_f64());
     }
-    let decode = |t: &[Instant]| (t.len() - 1) as f64 / (t[t.len() - 1] - t[0]).as_secs_f64();
-    let empty = times(e.generate(request(20, prompt(9, 1), 129)).unwrap()).await;
-    let after = times(e.generate(request(21, prompt(10, 512), 129)).unwrap()).await;
-
-    let streams: Vec<_> = (0..8)
-        .map(|i| {
-            e.generate(request(30 + i, prompt(20 + i as u32, 8), 128))
-                .unwrap()
-        })
-        .collect();
-    let t0 = Instant::now();
-    let tasks: Vec<_> = streams
-        .into_iter()
-        .map(|s| tokio::spawn(times(s)))
-        .collect();
-    let mut all = Vec::new();
-    for t in tasks {
-        all.push(t.await.expect("stream task"));
-    }
-    let first_all = all.iter().map(|t| t[0]).max().unwrap_or(t0);
-    let last = all.iter().map(|t| t[t.len() - 1]).max().unwrap_or(t0);
-    let after_first: usize = all
-        .iter()
-        .map(|t| t.iter().filter(|x| **x > first_all).count())
-        .sum();
-    let total = all.iter().map(|t| t.len()).sum::<usize>() as f64 / (last - t0).as_secs_f64();
-    let steady = after_first as f64
-        / (last - first_all)
-            .max(Duration::from_micros(1))
-            .as_secs_f64();
-
-    let best = prefill.iter().cloned().fold(0.0, f64::max);
-    println!("prefill 512 tokens:        {best:7.1} tok/s (runs {prefill:.1?})");
-    println!("decode batch 1, empty:     {:7.1} tok/s", decode(&empty));
-    println!("decode batch 1, after 512: {:7.1} tok/s", decode(&after));
-    println!("decode 8 parallel (total): {total:7.1} tok/s ({steady:.1} tok/s once all 8 decode)");
+    let show = |name: &str, mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        println!(
+            "{name:<28} median {:7.1} tok/s, best {:7.1} (runs {:.1?})",
+            v[v.len() / 2],
+            v[v.len() - 1],
+            v
+        );
+    };
+    show("prefill 512 tokens:", prefill);
+    show("decode batch 1, empty:", empty);
+    show("decode batch 1, after 512:", after);
+    show("decode 8 parallel (total):", parallel);
     println!("peak RSS:                  {:7.1} MiB", peak_rss_mib());
 }

@@ -208,9 +208,7 @@ impl Model {
                 &acts,
                 n,
             );
-            for (a, b) in g.iter_mut().zip(&u) {
-                *a = *a / (1.0 + (-*a).exp()) * b;
-            }
+            f32ops::silu_mul(&mut g, &u);
             Self::quantize(&g, ffn, &mut acts);
             self.matmul(pool, &mut [(&lw.w_down, &mut tmp)], &acts, n);
             for (a, b) in x.iter_mut().zip(&tmp) {
@@ -318,12 +316,7 @@ impl Head<'_> {
             max = max.max(v);
             *s = v;
         }
-        let mut sum = 0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        let inv = 1.0 / sum;
+        let inv = 1.0 / f32ops::softmax_exp_generic(scores, max);
         out.fill(0.0);
         for (p, s) in scores.iter().enumerate() {
             let slot = self.table[p / bs].0 as usize * bs + p % bs;

@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How long an idle helper spins before it sleeps.
-const SPIN: Duration = Duration::from_millis(2);
+const SPIN: Duration = Duration::from_micros(300);
 
 type Job = *const (dyn Fn(usize) + Sync + 'static);
 
@@ -103,8 +103,16 @@ impl ThreadPool {
             s.cv.notify_all();
         }
         let mine = catch_unwind(AssertUnwindSafe(|| f(0)));
+        let mut spins = 0u32;
         while s.pending.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+            // A helper that is not on a CPU (more threads than cores) gets
+            // ours rather than a spinning neighbour.
+            spins += 1;
+            if spins < 16 * 1024 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
         }
         unsafe { *s.job.get() = None };
         self.busy.store(false, Ordering::Release);
@@ -132,7 +140,7 @@ fn helper(s: &Shared, t: usize) {
                 break;
             }
             spins += 1;
-            if !spins.is_multiple_of(256) || started.elapsed() < SPIN {
+            if !spins.is_multiple_of(64) || started.elapsed() < SPIN {
                 std::hint::spin_loop();
                 continue;
             }
