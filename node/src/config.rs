@@ -3,6 +3,7 @@
 //! checked). Errors name the offending key.
 
 use dynamo_bus_schema::{Namespace, NodeId, WorkerRole};
+use dynamo_cpu_engine::CpuEngineConfig;
 use dynamo_gateway::GatewayConfig;
 use dynamo_mocker::MockerConfig;
 use dynamo_router::{PolicyKind, RouterConfig};
@@ -93,7 +94,7 @@ pub struct RawRouter {
 pub struct RawWorkers {
     #[serde(default = "one")]
     pub count: u32,
-    /// `mocker` (the only engine so far).
+    /// `cpu` (the real model on this machine's CPU) or `mocker` (simulated GPU).
     pub engine: String,
     /// Public model name.
     #[serde(default = "default_model")]
@@ -104,8 +105,12 @@ pub struct RawWorkers {
     pub heartbeat_ms: Option<u64>,
     /// Overrides the model file's context length (a mocker simulating a larger model).
     pub context_length: Option<u32>,
+    /// KV block size in tokens (cpu engine; the mocker has its own).
+    pub block_size: Option<u32>,
     #[serde(default)]
     pub mocker: MockerConfig,
+    #[serde(default)]
+    pub cpu: CpuEngineConfig,
 }
 
 fn one() -> u32 {
@@ -147,11 +152,33 @@ pub struct WorkerGroup {
     pub model_path: Option<PathBuf>,
     /// Heartbeat period (registration refresh).
     pub heartbeat: Duration,
-    /// Engine settings.
-    pub mocker: MockerConfig,
+    /// Which engine runs, with its settings.
+    pub engine: EngineSpec,
     pub role: WorkerRole,
     /// Context length served instead of the model file's.
     pub context_length: Option<u32>,
+}
+
+/// An engine and its settings.
+#[derive(Clone, Debug)]
+pub enum EngineSpec {
+    /// Simulated GPU engine.
+    Mocker(MockerConfig),
+    /// The real model on the CPU, with its KV block size.
+    Cpu {
+        config: CpuEngineConfig,
+        block_size: u32,
+    },
+}
+
+impl EngineSpec {
+    /// Tokens per KV block (part of the model card's block identity).
+    pub fn block_size(&self) -> u32 {
+        match self {
+            EngineSpec::Mocker(m) => m.block_size,
+            EngineSpec::Cpu { block_size, .. } => *block_size,
+        }
+    }
 }
 
 /// The validated node configuration.
@@ -310,12 +337,39 @@ impl NodeConfig {
         let mut workers = Vec::new();
         for (i, w) in raw.workers.into_iter().enumerate() {
             let key = |k: &str| format!("workers[{i}].{k}");
-            if w.engine != "mocker" {
-                return Err(invalid(
-                    &key("engine"),
-                    format!("unknown engine {:?} (available: mocker)", w.engine),
-                ));
-            }
+            let engine = match w.engine.as_str() {
+                "mocker" => {
+                    w.mocker
+                        .validate(u32::MAX)
+                        .map_err(|e| invalid(&key("mocker"), e.to_string()))?;
+                    if w.block_size.is_some() {
+                        return Err(invalid(
+                            &key("block_size"),
+                            "the mocker takes workers.mocker.block_size",
+                        ));
+                    }
+                    EngineSpec::Mocker(w.mocker)
+                }
+                "cpu" => {
+                    w.cpu
+                        .validate()
+                        .map_err(|e| invalid(&key("cpu"), e.to_string()))?;
+                    let block_size = w.block_size.unwrap_or(16);
+                    if block_size == 0 || block_size > 1024 {
+                        return Err(invalid(&key("block_size"), "must be 1-1024"));
+                    }
+                    EngineSpec::Cpu {
+                        config: w.cpu,
+                        block_size,
+                    }
+                }
+                other => {
+                    return Err(invalid(
+                        &key("engine"),
+                        format!("unknown engine {other:?} (available: cpu, mocker)"),
+                    ))
+                }
+            };
             if w.count == 0 || w.count > 256 {
                 return Err(invalid(&key("count"), "must be 1-256"));
             }
@@ -330,15 +384,12 @@ impl NodeConfig {
             if w.context_length == Some(0) {
                 return Err(invalid(&key("context_length"), "must be positive"));
             }
-            w.mocker
-                .validate(u32::MAX)
-                .map_err(|e| invalid(&key("mocker"), e.to_string()))?;
             workers.push(WorkerGroup {
                 count: w.count,
                 model: w.model,
                 model_path: (w.model_path != "auto").then(|| PathBuf::from(w.model_path)),
                 heartbeat,
-                mocker: w.mocker,
+                engine,
                 role: WorkerRole::Aggregated,
                 context_length: w.context_length,
             });
@@ -380,6 +431,7 @@ mod tests {
     fn example_configs_validate() {
         for f in [
             "../cluster-config/examples/single-node.toml",
+            "../cluster-config/examples/mocker.toml",
             "../cluster-config/examples/bench.toml",
         ] {
             let p = Path::new(env!("CARGO_MANIFEST_DIR")).join(f);
@@ -404,6 +456,18 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("workers[0].mocker"), "{e}");
+        let e = parse(&format!(
+            "{base}[[workers]]\nengine = \"cpu\"\n[workers.cpu]\nthreads = 0\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("workers[0].cpu"), "{e}");
+        let e = parse(&format!(
+            "{base}[[workers]]\nengine = \"cpu\"\nblock_size = 0\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("workers[0].block_size"), "{e}");
         let e = parse(base).unwrap_err().to_string();
         assert!(e.contains("gateway/workers"), "{e}");
         let e = parse("node_id = \"a\"\nnamespace = \"a.b\"\n[nats]\nurl = \"embedded\"\n")

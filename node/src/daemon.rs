@@ -1,10 +1,13 @@
 //! The node daemon's lifecycle: bus (embedded or remote), models, the
 //! supervisor, node registration, signals and graceful shutdown.
 
+use crate::config::EngineSpec;
 use crate::config::{NatsSpec, NodeConfig};
 use crate::embedded_nats::EmbeddedNats;
+use crate::supervisor::GroupModel;
 use crate::supervisor::{NodeSupervisor, SupervisorArgs, SupervisorMsg};
 use dynamo_bus_schema::{encode, unix_ms, NodeRegistration, Subjects};
+use dynamo_cpu_engine::Weights;
 use dynamo_model::{locate_default_gguf, LoadedModel};
 use dynamo_runtime::Bus;
 use ractor::Actor;
@@ -47,18 +50,42 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
             Some(p) => p.clone(),
             None => locate_default_gguf()?,
         };
-        let (name, bs) = (group.model.clone(), group.mocker.block_size);
+        let (name, bs) = (group.model.clone(), group.engine.block_size());
+        let p = path.clone();
         let mut m =
-            tokio::task::spawn_blocking(move || LoadedModel::from_gguf(&path, &name, bs)).await??;
+            tokio::task::spawn_blocking(move || LoadedModel::from_gguf(&p, &name, bs)).await??;
         if let Some(ctx) = group.context_length {
             m.card.context_length = ctx;
         }
-        group
-            .mocker
-            .validate(m.card.vocab_size)
-            .map_err(|e| anyhow::anyhow!("mocker config: {e}"))?;
+        let weights = match &group.engine {
+            EngineSpec::Mocker(mocker) => {
+                mocker
+                    .validate(m.card.vocab_size)
+                    .map_err(|e| anyhow::anyhow!("mocker config: {e}"))?;
+                None
+            }
+            EngineSpec::Cpu { .. } => {
+                let started = std::time::Instant::now();
+                let w = tokio::task::spawn_blocking(move || Weights::load(&path)).await??;
+                tracing::info!(
+                    bytes = w.bytes(),
+                    ms = started.elapsed().as_millis() as u64,
+                    "cpu engine weights loaded"
+                );
+                let model = dynamo_cpu_engine::Model::new(w);
+                if model.w.cfg.vocab as u32 != m.card.vocab_size {
+                    anyhow::bail!(
+                        "{}: embedding has {} rows but the tokenizer {} tokens",
+                        m.path.display(),
+                        model.w.cfg.vocab,
+                        m.card.vocab_size
+                    );
+                }
+                Some(Arc::new(model))
+            }
+        };
         tracing::info!(model = %m.card.name, file = %m.path.display(), "model card loaded");
-        models.push(Arc::new(m));
+        models.push(Arc::new(GroupModel { loaded: m, weights }));
     }
 
     let args = SupervisorArgs {

@@ -6,9 +6,11 @@
 //! down; a restarted worker keeps its id and gets a strictly greater
 //! generation; a start that fails is retried with backoff, never dropped.
 
+use crate::config::EngineSpec;
 use crate::config::{NodeConfig, WorkerGroup};
 use dynamo_bus_schema::blocks::hash_salt;
 use dynamo_bus_schema::{unix_ms, FaultAck, FaultInjection, WireError, WorkerId};
+use dynamo_cpu_engine::{CpuEngine, CpuModelInfo};
 use dynamo_engine::Engine;
 use dynamo_gateway::{GatewayActor, GatewayArgs, GatewayMsg};
 use dynamo_mocker::{MockerEngine, MockerModel};
@@ -57,7 +59,15 @@ pub struct SupervisorArgs {
     pub bus: Bus,
     pub config: NodeConfig,
     /// One loaded model per worker group.
-    pub models: Vec<Arc<LoadedModel>>,
+    pub models: Vec<Arc<GroupModel>>,
+}
+
+/// What a worker group's engines share: the model card and tokenizer, and
+/// for the CPU engine the weights (loaded once per group, shared by every
+/// worker and every restart).
+pub struct GroupModel {
+    pub loaded: LoadedModel,
+    pub weights: Option<Arc<dynamo_cpu_engine::Model>>,
 }
 
 pub enum SupervisorMsg {
@@ -74,7 +84,7 @@ pub struct NodeSupervisor;
 pub struct SupervisorState {
     bus: Bus,
     cfg: NodeConfig,
-    models: Vec<Arc<LoadedModel>>,
+    models: Vec<Arc<GroupModel>>,
     children: HashMap<ActorId, (ChildKind, ActorCell)>,
     gateway: Option<ActorRef<GatewayMsg>>,
     workers: HashMap<WorkerId, ActorRef<WorkerMsg>>,
@@ -276,21 +286,41 @@ impl SupervisorState {
                 let prev = self.generations.get(worker_id).copied().unwrap_or(0);
                 let generation = unix_ms().max(prev + 1);
                 self.generations.insert(*worker_id, generation);
-                let mocker_cfg = grp.mocker.clone();
-                let mocker_model = MockerModel {
-                    vocab_size: model.card.vocab_size,
-                    eos_token_ids: model.card.eos_token_ids.clone(),
-                    hash_salt: model.card.hash_salt,
+                let engine: EngineFactory = match (&grp.engine, &model.weights) {
+                    (EngineSpec::Mocker(cfg), _) => {
+                        let cfg = cfg.clone();
+                        let mocker_model = MockerModel {
+                            vocab_size: model.loaded.card.vocab_size,
+                            eos_token_ids: model.loaded.card.eos_token_ids.clone(),
+                            hash_salt: model.loaded.card.hash_salt,
+                        };
+                        Arc::new(move || {
+                            MockerEngine::start(cfg.clone(), mocker_model.clone())
+                                .map(|e| Arc::new(e) as Arc<dyn Engine>)
+                                .map_err(|e| e.to_string())
+                        })
+                    }
+                    (EngineSpec::Cpu { config, block_size }, Some(weights)) => {
+                        let (cfg, weights) = (config.clone(), weights.clone());
+                        let info = CpuModelInfo {
+                            block_size: *block_size,
+                            hash_salt: model.loaded.card.hash_salt,
+                            eos_token_ids: model.loaded.card.eos_token_ids.clone(),
+                        };
+                        Arc::new(move || {
+                            CpuEngine::start(cfg.clone(), weights.clone(), info.clone())
+                                .map(|e| Arc::new(e) as Arc<dyn Engine>)
+                                .map_err(|e| e.to_string())
+                        })
+                    }
+                    (EngineSpec::Cpu { .. }, None) => {
+                        return Err("cpu engine without loaded weights".into())
+                    }
                 };
-                let engine: EngineFactory = Arc::new(move || {
-                    MockerEngine::start(mocker_cfg.clone(), mocker_model.clone())
-                        .map(|e| Arc::new(e) as Arc<dyn Engine>)
-                        .map_err(|e| e.to_string())
-                });
                 let mut artifacts = HashMap::new();
                 artifacts.insert(
-                    model.card.tokenizer.name.clone(),
-                    model.tokenizer_json.clone(),
+                    model.loaded.card.tokenizer.name.clone(),
+                    model.loaded.tokenizer_json.clone(),
                 );
                 let args = WorkerArgs {
                     bus: self.bus.clone(),
@@ -301,7 +331,7 @@ impl SupervisorState {
                         heartbeat_interval: grp.heartbeat,
                         load_interval: Duration::from_millis(100),
                     },
-                    card: model.card.clone(),
+                    card: model.loaded.card.clone(),
                     artifacts: Arc::new(artifacts),
                     engine,
                     generation,
