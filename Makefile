@@ -35,11 +35,12 @@ test: deps lint
 	$(CARGO) build --bins
 	$(CARGO) test --workspace
 
-## bench: the benchmarks in BENCHMARKS.md (serving path, KV index, KV routing replay)
+## bench: the benchmarks in BENCHMARKS.md (serving path, KV index, KV routing replay, CPU engine)
 bench: build
 	./scripts/bench.sh
 	$(CARGO) run --release -q -p dynamo-kv-index --example index_report
 	./scripts/replay_bench.sh
+	$(CARGO) run --release -q -p dynamo-cpu-engine --example cpu_bench
 
 clean:
 	$(CARGO) clean

@@ -173,11 +173,12 @@ pub fn render(v: &Value) -> String {
         ));
     }
     s.push_str(&format!(
-        "\nWORKERS\n{:<18} {:<12} {:>8} {:<10} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13} {:>9} {:>7}\n",
+        "\nWORKERS\n{:<18} {:<12} {:>8} {:<10} {:<7} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13} {:>9} {:>7}\n",
         "WORKER",
         "NODE",
         "PID",
         "ROLE",
+        "ENGINE",
         "STATE",
         "MODEL",
         "ACTIVE",
@@ -190,11 +191,12 @@ pub fn render(v: &Value) -> String {
     for w in v["workers"].as_array().into_iter().flatten() {
         let l = &w["load"];
         s.push_str(&format!(
-            "{:<18} {:<12} {:>8} {:<10} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13} {:>9} {:>7}\n",
+            "{:<18} {:<12} {:>8} {:<10} {:<7} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13} {:>9} {:>7}\n",
             w["worker_id"].as_str().unwrap_or(""),
             w["node_id"].as_str().unwrap_or(""),
             w["pid"].to_string(),
             w["role"].as_str().unwrap_or(""),
+            w["engine"].as_str().unwrap_or(""),
             w["state"].as_str().unwrap_or(""),
             w["model"].as_str().unwrap_or(""),
             l["active_seqs"].to_string(),

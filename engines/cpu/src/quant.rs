@@ -137,8 +137,7 @@ pub fn simd_available() -> bool {
         use std::sync::OnceLock;
         static HAS: OnceLock<bool> = OnceLock::new();
         *HAS.get_or_init(|| {
-            std::env::var_os("DYNAMO_CPU_NO_SIMD").is_none()
-                && is_x86_feature_detected!("avx2")
+            is_x86_feature_detected!("avx2")
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c")
         })
