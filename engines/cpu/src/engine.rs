@@ -418,7 +418,10 @@ impl Driver {
                 Some(sample(row, &seq.sampling, rng))
             })
             .collect();
-        for (id, ev) in self.sched.commit(plan, &sampled) {
+        let events = self.sched.commit(plan, &sampled);
+        // Load first: whoever sees a request finish must see its blocks freed.
+        self.publish();
+        for (id, ev) in events {
             let terminal = matches!(ev, EngineEvent::Finished { .. } | EngineEvent::Failed(_));
             let gone = match self.outs.get(&id) {
                 Some(tx) => tx.send(ev).is_err(),

@@ -305,3 +305,48 @@ async fn cancel_and_drop_free_blocks_and_stop_fails_the_rest() {
     }
     assert!(matches!(last, Some(EngineEvent::Failed(_))), "{last:?}");
 }
+
+#[tokio::test]
+async fn preempted_sequences_recompute_to_the_same_tokens() {
+    let prompts: Vec<Vec<u32>> = [
+        "Describe a forest.",
+        "Describe a desert.",
+        "Describe a city.",
+    ]
+    .iter()
+    .map(|q| chat(None, q))
+    .collect();
+    let sampling = || {
+        let mut s = SamplingParams::greedy(40);
+        s.ignore_eos = true;
+        s
+    };
+    let roomy = engine(CpuEngineConfig::default());
+    let mut alone = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        alone.push(run(&roomy, request(i as u128, p.clone(), sampling())).await);
+    }
+    // Each request needs 5 blocks of 16 by its end; 12 blocks cannot hold all three.
+    let tight = engine(CpuEngineConfig {
+        num_blocks: 12,
+        enable_prefix_caching: false,
+        ..CpuEngineConfig::default()
+    });
+    let streams: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            tight
+                .generate(request(10 + i as u128, p.clone(), sampling()))
+                .unwrap()
+        })
+        .collect();
+    let mut squeezed = Vec::new();
+    for rx in streams {
+        squeezed.push(collect(rx).await);
+    }
+    for (a, b) in alone.iter().zip(&squeezed) {
+        assert_eq!(a.tokens, b.tokens);
+    }
+    assert_eq!(tight.load().kv_used_blocks, 0);
+}
