@@ -227,6 +227,23 @@ mod avx2 {
         _mm_cvtph_ps(_mm_cvtsi32_si128((p as *const i32).read_unaligned()))
     }
 
+    /// Scale, min and the 32 weights (as i16, elements 0..16 and 16..32) of
+    /// the Q4_1 block at `p`.
+    #[inline(always)]
+    unsafe fn unpack_q4_1(p: *const u8) -> (f32, f32, __m256i, __m256i) {
+        let dm = halves(p);
+        let mask = _mm_set1_epi8(0x0f);
+        let qs = _mm_loadu_si128(p.add(4) as *const __m128i);
+        let lo = _mm_and_si128(qs, mask);
+        let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
+        (
+            _mm_cvtss_f32(dm),
+            _mm_cvtss_f32(_mm_movehdup_ps(dm)),
+            _mm256_cvtepu8_epi16(lo),
+            _mm256_cvtepu8_epi16(hi),
+        )
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_many_q4_1(
         row: &[u8],
@@ -237,7 +254,6 @@ mod avx2 {
     ) {
         debug_assert!(row.len() >= nb * Q4_1_BYTES);
         let n = a.len() / nb;
-        let mask = _mm_set1_epi8(0x0f);
         let rp = row.as_ptr();
         // Rows of activations in pairs: the unpacked weights serve both.
         let mut i = 0;
@@ -249,14 +265,7 @@ mod avx2 {
             let mut m0 = 0f32;
             let mut m1 = 0f32;
             for b in 0..nb {
-                let p = rp.add(b * Q4_1_BYTES);
-                let dm = halves(p);
-                let d = _mm_cvtss_f32(dm);
-                let m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-                let qs = _mm_loadu_si128(p.add(4) as *const __m128i);
-                let lo = _mm_and_si128(qs, mask);
-                let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-                let (wl, wh) = (_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi));
+                let (d, m, wl, wh) = unpack_q4_1(rp.add(b * Q4_1_BYTES));
                 let x0 = &*a0.add(b);
                 let x1 = &*a1.add(b);
                 let p0 = dot16(wl, wh, x0);
@@ -275,14 +284,7 @@ mod avx2 {
             let mut acc0 = _mm256_setzero_ps();
             let mut m0 = 0f32;
             for b in 0..nb {
-                let p = rp.add(b * Q4_1_BYTES);
-                let dm = halves(p);
-                let d = _mm_cvtss_f32(dm);
-                let m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-                let qs = _mm_loadu_si128(p.add(4) as *const __m128i);
-                let lo = _mm_and_si128(qs, mask);
-                let hi = _mm_and_si128(_mm_srli_epi16(qs, 4), mask);
-                let (wl, wh) = (_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi));
+                let (d, m, wl, wh) = unpack_q4_1(rp.add(b * Q4_1_BYTES));
                 let x0 = &*a0.add(b);
                 let p0 = dot16(wl, wh, x0);
                 acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d * x0.d), _mm256_cvtepi32_ps(p0), acc0);

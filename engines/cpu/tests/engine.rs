@@ -2,31 +2,11 @@
 
 use dynamo_bus_schema::blocks::sequence_hashes;
 use dynamo_bus_schema::{FinishReason, RequestId, SamplingParams};
-use dynamo_cpu_engine::{CpuEngine, CpuEngineConfig, CpuModelInfo, Model, Weights};
+use dynamo_cpu_engine::{CpuEngine, CpuEngineConfig, CpuModelInfo};
 use dynamo_engine::{Engine, EngineEvent, EngineLimits, KvCacheEventData, ValidRequest};
-use dynamo_model::{ChatMessage, LoadedModel, Preprocessor, Tokenizer};
-use std::sync::{Arc, OnceLock};
 
-struct Fixture {
-    model: Arc<Model>,
-    pre: Preprocessor,
-    tok: Tokenizer,
-    lm: LoadedModel,
-}
-
-fn fixture() -> &'static Fixture {
-    static F: OnceLock<Fixture> = OnceLock::new();
-    F.get_or_init(|| {
-        let path = dynamo_model::locate_default_gguf().expect("model installed (make deps)");
-        let lm = LoadedModel::from_gguf(&path, "smollm2", 16).unwrap();
-        Fixture {
-            model: Arc::new(Model::new(Weights::load(&path).unwrap())),
-            pre: Preprocessor::new(lm.card.clone(), &lm.tokenizer_json).unwrap(),
-            tok: Tokenizer::from_json(&lm.tokenizer_json).unwrap(),
-            lm,
-        }
-    })
-}
+mod common;
+use common::{chat, fixture};
 
 fn engine(cfg: CpuEngineConfig) -> CpuEngine {
     let f = fixture();
@@ -36,21 +16,6 @@ fn engine(cfg: CpuEngineConfig) -> CpuEngine {
         eos_token_ids: f.lm.card.eos_token_ids.clone(),
     };
     CpuEngine::start(cfg, f.model.clone(), info).unwrap()
-}
-
-fn chat(system: Option<&str>, text: &str) -> Vec<u32> {
-    let mut m = Vec::new();
-    if let Some(s) = system {
-        m.push(ChatMessage {
-            role: "system".into(),
-            content: s.into(),
-        });
-    }
-    m.push(ChatMessage {
-        role: "user".into(),
-        content: text.into(),
-    });
-    fixture().pre.chat_prompt(&m).unwrap()
 }
 
 fn request(id: u128, prompt: Vec<u32>, sampling: SamplingParams) -> ValidRequest {

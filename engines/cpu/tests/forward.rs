@@ -2,39 +2,12 @@
 
 use dynamo_batcher::BlockIdx;
 use dynamo_cpu_engine::kv::KvCache;
-use dynamo_cpu_engine::model::{Batch, BatchRow, Model};
+use dynamo_cpu_engine::model::{Batch, BatchRow};
 use dynamo_cpu_engine::pool::ThreadPool;
 use dynamo_cpu_engine::reference::ReferenceRun;
-use dynamo_cpu_engine::weights::Weights;
-use dynamo_model::{ChatMessage, LoadedModel, Preprocessor};
-use std::sync::OnceLock;
 
-struct Fixture {
-    model: Model,
-    pre: Preprocessor,
-}
-
-fn fixture() -> &'static Fixture {
-    static F: OnceLock<Fixture> = OnceLock::new();
-    F.get_or_init(|| {
-        let path = dynamo_model::locate_default_gguf().expect("model installed (make deps)");
-        let lm = LoadedModel::from_gguf(&path, "smollm2", 16).unwrap();
-        Fixture {
-            model: Model::new(Weights::load(&path).unwrap()),
-            pre: Preprocessor::new(lm.card.clone(), &lm.tokenizer_json).unwrap(),
-        }
-    })
-}
-
-fn chat(text: &str) -> Vec<u32> {
-    fixture()
-        .pre
-        .chat_prompt(&[ChatMessage {
-            role: "user".into(),
-            content: text.into(),
-        }])
-        .unwrap()
-}
+mod common;
+use common::{chat, fixture};
 
 fn argmax(x: &[f32]) -> u32 {
     let mut best = 0;
@@ -50,7 +23,7 @@ fn argmax(x: &[f32]) -> u32 {
 fn paged_forward_matches_the_contiguous_reference() {
     let f = fixture();
     let pool = ThreadPool::new(2).unwrap();
-    let prompt = chat("Name three primary colours.");
+    let prompt = chat(None, "Name three primary colours.");
     let n = prompt.len();
     // Blocks deliberately out of order.
     let table: Vec<BlockIdx> = [5u32, 2, 7, 0, 3, 1, 4, 6]
