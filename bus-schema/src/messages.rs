@@ -134,6 +134,8 @@ open_enum!(
         StopString = 2,
         DeadlineExceeded = 3,
         Admin = 4,
+        /// The gateway moved the request to another worker.
+        Migrated = 5,
     }
 );
 
@@ -267,6 +269,16 @@ pub struct FrameError {
     pub error: WireError,
 }
 wire!(FrameError = 13);
+
+/// Worker → gateway, while a stream is open but has sent nothing for a
+/// heartbeat period (queued, or in a long prefill): the worker is alive.
+/// Carries no `seq`; it never reorders or replaces a frame.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FrameHeartbeat {
+    pub request_id: RequestId,
+    pub worker_id: WorkerId,
+}
+wire!(FrameHeartbeat = 14);
 
 /// Gateway → worker (`Subjects::worker_cancel`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

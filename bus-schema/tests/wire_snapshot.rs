@@ -109,6 +109,13 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             })),
         ),
         (
+            "FrameHeartbeat",
+            enc(encode(&FrameHeartbeat {
+                request_id: rid,
+                worker_id: wid,
+            })),
+        ),
+        (
             "CancelRequest",
             enc(encode(&CancelRequest {
                 request_id: rid,
@@ -298,7 +305,12 @@ fn every_sample_round_trips() {
     let s = samples();
     let req: GenerateRequest = decode(&s[0].1).unwrap();
     assert_eq!(req.token_ids, vec![1, 2, 300, 70000]);
-    let reg: WorkerRegistration = decode(&s[9].1).unwrap();
+    let reg_bytes = &s
+        .iter()
+        .find(|(n, _)| *n == "WorkerRegistration")
+        .unwrap()
+        .1;
+    let reg: WorkerRegistration = decode(reg_bytes).unwrap();
     assert_eq!(reg.model, card());
     // Decoding as the wrong type is an error value, not a panic.
     let err = decode::<FrameTokens>(&s[0].1).unwrap_err();

@@ -68,10 +68,14 @@ pub struct RawGateway {
     pub listen: String,
     pub max_body_bytes: Option<usize>,
     pub request_timeout_ms: Option<u64>,
-    pub stream_idle_timeout_ms: Option<u64>,
+    /// No frame or worker heartbeat for this long: the worker is presumed
+    /// dead and the request migrates (or fails).
+    pub liveness_timeout_ms: Option<u64>,
     pub ack_timeout_ms: Option<u64>,
     pub max_route_attempts: Option<u32>,
     pub shutdown_grace_ms: Option<u64>,
+    /// Most migrations per request (0 = off).
+    pub max_migrations: Option<u32>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -103,6 +107,8 @@ pub struct RawWorkers {
     #[serde(default = "auto")]
     pub model_path: String,
     pub heartbeat_ms: Option<u64>,
+    /// Heartbeat frame period on an open stream that has nothing to send.
+    pub stream_heartbeat_ms: Option<u64>,
     /// Overrides the model file's context length (a mocker simulating a larger model).
     pub context_length: Option<u32>,
     /// KV block size in tokens (cpu engine; the mocker has its own).
@@ -152,6 +158,8 @@ pub struct WorkerGroup {
     pub model_path: Option<PathBuf>,
     /// Heartbeat period (registration refresh).
     pub heartbeat: Duration,
+    /// Heartbeat frame period on quiet open streams (gateway liveness).
+    pub stream_heartbeat: Duration,
     /// Which engine runs, with its settings.
     pub engine: EngineSpec,
     pub role: WorkerRole,
@@ -260,17 +268,23 @@ impl NodeConfig {
                     listen,
                     max_body_bytes: g.max_body_bytes.unwrap_or(d.max_body_bytes),
                     request_timeout: ms(g.request_timeout_ms, d.request_timeout),
-                    stream_idle_timeout: ms(g.stream_idle_timeout_ms, d.stream_idle_timeout),
+                    liveness_timeout: ms(g.liveness_timeout_ms, d.liveness_timeout),
                     ack_timeout: ms(g.ack_timeout_ms, d.ack_timeout),
                     max_route_attempts: g.max_route_attempts.unwrap_or(d.max_route_attempts),
                     shutdown_grace: ms(g.shutdown_grace_ms, d.shutdown_grace),
+                    max_migrations: g.max_migrations.unwrap_or(d.max_migrations),
                 };
+                if cfg.liveness_timeout < Duration::from_millis(300) {
+                    return Err(invalid(
+                        "gateway.liveness_timeout_ms",
+                        "must be at least 300 (a few worker stream heartbeats)",
+                    ));
+                }
                 if cfg.max_body_bytes < 1024 {
                     return Err(invalid("gateway.max_body_bytes", "must be at least 1024"));
                 }
                 for (k, v) in [
                     ("gateway.request_timeout_ms", cfg.request_timeout),
-                    ("gateway.stream_idle_timeout_ms", cfg.stream_idle_timeout),
                     ("gateway.ack_timeout_ms", cfg.ack_timeout),
                 ] {
                     if v.is_zero() {
@@ -374,6 +388,10 @@ impl NodeConfig {
                 return Err(invalid(&key("count"), "must be 1-256"));
             }
             let heartbeat = ms(w.heartbeat_ms, Duration::from_millis(1000));
+            let stream_heartbeat = ms(w.stream_heartbeat_ms, Duration::from_millis(200));
+            if stream_heartbeat < Duration::from_millis(10) {
+                return Err(invalid(&key("stream_heartbeat_ms"), "must be at least 10"));
+            }
             if heartbeat.is_zero() || heartbeat >= router.worker_ttl {
                 return Err(invalid(
                     &key("heartbeat_ms"),
@@ -389,6 +407,7 @@ impl NodeConfig {
                 model: w.model,
                 model_path: (w.model_path != "auto").then(|| PathBuf::from(w.model_path)),
                 heartbeat,
+                stream_heartbeat,
                 engine,
                 role: WorkerRole::Aggregated,
                 context_length: w.context_length,

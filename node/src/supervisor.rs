@@ -330,6 +330,7 @@ impl SupervisorState {
                         role: grp.role,
                         heartbeat_interval: grp.heartbeat,
                         load_interval: Duration::from_millis(100),
+                        stream_heartbeat: grp.stream_heartbeat,
                     },
                     card: model.loaded.card.clone(),
                     artifacts: Arc::new(artifacts),

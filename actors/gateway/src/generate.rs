@@ -4,9 +4,14 @@
 //! Invariants:
 //! - a [`Generation`] yields text deltas that never split a UTF-8 character,
 //!   then exactly one [`GenEvent::Done`] or one error, then nothing;
-//! - frames must arrive in `seq` order with no gap, else the stream fails;
-//! - no frame within the idle timeout, or the deadline passing, fails the
-//!   stream (no request can hang);
+//! - frames must arrive in `seq` order with no gap;
+//! - a worker that fails mid-stream (silent past the liveness timeout, a
+//!   frame gap, or a retryable error frame) is replaced: the request moves
+//!   to another worker with the prompt plus every token already received,
+//!   `max_tokens` reduced by those and the same seed, and the client's
+//!   stream continues with no gap and no duplicate (at most
+//!   `max_migrations` times; invalid requests and deadlines never move);
+//! - the deadline passing fails the stream (no request can hang);
 //! - dropping a `Generation` (client gone, stop string, error) releases its
 //!   router slot, removes its inbox entry and, unless the worker already
 //!   finished, cancels it on the worker.
@@ -17,7 +22,7 @@ use crate::openai::ValidGenerate;
 use crate::shared::Shared;
 use dynamo_bus_schema::{
     unix_ms, CancelReason, CancelRequest, ErrorKind, FinishReason, GenerateAck, GenerateRequest,
-    ModelName, RequestId, WireError,
+    ModelName, RequestId, SamplingParams, WireError, WorkerId,
 };
 use dynamo_model::{IncrementalDecoder, Preprocessor};
 use dynamo_router::{RouteDecision, RouteError, RouterMsg};
@@ -79,6 +84,9 @@ pub fn map_wire(e: &WireError) -> ApiError {
 pub struct Generation {
     shared: Arc<Shared>,
     pre: Arc<Preprocessor>,
+    /// The id clients see (the first attempt's).
+    public_id: RequestId,
+    /// The id of the current attempt on the bus.
     id: RequestId,
     decision: Option<RouteDecision>,
     rx: mpsc::UnboundedReceiver<Frame>,
@@ -95,6 +103,31 @@ pub struct Generation {
     done: bool,
     worker_finished: bool,
     cancel_reason: CancelReason,
+    /// What a migration needs to continue the request elsewhere.
+    plan: Attempt,
+    /// Tokens received so far (all attempts).
+    generated: Vec<u32>,
+    migrations: u32,
+    max_migrations: u32,
+    /// Workers that failed this request.
+    failed: Vec<WorkerId>,
+    /// The current attempt has reported its first token to the router.
+    prefill_reported: bool,
+}
+
+/// Everything needed to send (or re-send) a request.
+struct Attempt {
+    model: ModelName,
+    prompt: Arc<Vec<u32>>,
+    sampling: SamplingParams,
+    routing: Option<dynamo_router::policy::KvCostWeights>,
+}
+
+/// What a frame means for the stream.
+enum FrameOutcome {
+    Continue,
+    /// The worker failed in a way another worker can take over from.
+    Migrate(&'static str, ApiError),
 }
 
 impl Generation {
@@ -106,111 +139,66 @@ impl Generation {
         v: ValidGenerate,
         deadline: Instant,
         started_at: Instant,
+        max_migrations: u32,
     ) -> Result<Self, ApiError> {
         let id = RequestId::random();
-        let model = pre.card.name.clone();
-        let tokens = Arc::new(v.token_ids);
-        let mut exclude = Vec::new();
-        let attempts = shared.config.max_route_attempts.max(1);
-        let mut last_error = None;
-        for attempt in 0..attempts {
-            if attempt > 0 {
-                shared.metrics.route_retries.inc();
-            }
-            let decision = route(&shared, id, &model, &tokens, &exclude, v.routing).await?;
-            let rx = shared.inbox.register(id);
-            let req = GenerateRequest {
-                request_id: id,
-                model: model.clone(),
-                token_ids: (*tokens).clone(),
-                sampling: v.sampling.clone(),
-                reply_to: shared.frames_subject.clone(),
-                deadline_unix_ms: unix_ms()
-                    + deadline
-                        .saturating_duration_since(Instant::now())
-                        .as_millis() as u64,
-            };
-            let subject = shared.bus.subjects.worker_generate(decision.worker_id);
-            let res: Result<GenerateAck, BusError> = shared
-                .bus
-                .request(subject, &req, shared.config.ack_timeout)
-                .await;
-            let failure = match res {
-                Ok(ack) => match ack.rejected {
-                    None => {
-                        let bs = pre.card.block_size as u64;
-                        shared
-                            .metrics
-                            .predicted_cached_tokens
-                            .inc_by((decision.overlap_blocks as u64 * bs).min(tokens.len() as u64));
-                        let max_stop_len = v.stop.iter().map(String::len).max().unwrap_or(0);
-                        return Ok(Generation {
-                            shared,
-                            pre,
-                            id,
-                            decision: Some(decision),
-                            rx,
-                            next_seq: 0,
-                            decoder: IncrementalDecoder::default(),
-                            stop: v.stop,
-                            max_stop_len,
-                            held: String::new(),
-                            usage: Usage {
-                                prompt_tokens: tokens.len() as u32,
-                                ..Usage::default()
-                            },
-                            deadline,
-                            started_at,
-                            last_token_at: None,
-                            queued: VecDeque::new(),
-                            done: false,
-                            worker_finished: false,
-                            cancel_reason: CancelReason::ClientDisconnected,
-                        });
-                    }
-                    Some(e) if e.kind.is_retryable() => Some(map_wire(&e)),
-                    Some(e) => {
-                        release(&shared, id);
-                        return Err(map_wire(&e));
-                    }
-                },
-                Err(BusError::NoResponders { .. }) => {
-                    Some(ApiError::unavailable("The chosen worker is gone."))
-                }
-                Err(BusError::Timeout { .. }) => {
-                    // It may have accepted after all: make sure it stops.
-                    send_cancel(
-                        &shared,
-                        decision.worker_id,
-                        id,
-                        CancelReason::DeadlineExceeded,
-                    );
-                    Some(ApiError::unavailable(
-                        "The chosen worker did not acknowledge in time.",
-                    ))
-                }
-                Err(BusError::Remote { error, .. }) => Some(map_wire(&error)),
-                Err(e) => {
-                    tracing::warn!(request = %id, error = %e, "cannot send request");
-                    Some(ApiError::unavailable(
-                        "The bus is unavailable; retry shortly.",
-                    ))
-                }
-            };
-            tracing::debug!(request = %id, worker = %decision.worker_id, ?failure, "worker did not take request");
-            exclude.push(decision.worker_id);
-            release(&shared, id);
-            last_error = failure;
-        }
-        Err(last_error.unwrap_or_else(|| ApiError::unavailable("No worker accepted the request.")))
+        let plan = Attempt {
+            model: pre.card.name.clone(),
+            prompt: Arc::new(v.token_ids),
+            sampling: v.sampling,
+            routing: v.routing,
+        };
+        let mut failed = Vec::new();
+        let (decision, rx) = dispatch(
+            &shared,
+            &pre,
+            id,
+            &plan,
+            plan.prompt.clone(),
+            &plan.sampling,
+            deadline,
+            &mut failed,
+        )
+        .await?;
+        let max_stop_len = v.stop.iter().map(String::len).max().unwrap_or(0);
+        Ok(Generation {
+            usage: Usage {
+                prompt_tokens: plan.prompt.len() as u32,
+                ..Usage::default()
+            },
+            shared,
+            pre,
+            public_id: id,
+            id,
+            decision: Some(decision),
+            rx,
+            next_seq: 0,
+            decoder: IncrementalDecoder::default(),
+            stop: v.stop,
+            max_stop_len,
+            held: String::new(),
+            deadline,
+            started_at,
+            last_token_at: None,
+            queued: VecDeque::new(),
+            done: false,
+            worker_finished: false,
+            cancel_reason: CancelReason::ClientDisconnected,
+            plan,
+            generated: Vec::new(),
+            migrations: 0,
+            max_migrations,
+            failed,
+            prefill_reported: false,
+        })
     }
 
     pub fn request_id(&self) -> RequestId {
-        self.id
+        self.public_id
     }
 
     /// The worker serving this generation.
-    pub fn worker_id(&self) -> Option<dynamo_bus_schema::WorkerId> {
+    pub fn worker_id(&self) -> Option<WorkerId> {
         self.decision.as_ref().map(|d| d.worker_id)
     }
 
@@ -223,19 +211,19 @@ impl Generation {
             if self.done {
                 return None;
             }
-            let idle = Instant::now() + self.shared.config.stream_idle_timeout;
-            let wake = idle.min(self.deadline);
+            let silent = Instant::now() + self.shared.config.liveness_timeout;
             let frame = tokio::select! {
                 f = self.rx.recv() => f,
-                _ = tokio::time::sleep_until(wake) => {
-                    self.done = true;
-                    self.cancel_reason = CancelReason::DeadlineExceeded;
-                    let e = if Instant::now() >= self.deadline {
-                        ApiError::timeout("The request did not finish before its deadline.")
-                    } else {
-                        ApiError::bad_gateway("The worker stopped responding.")
-                    };
-                    return Some(Err(e));
+                _ = tokio::time::sleep_until(silent.min(self.deadline)) => {
+                    if Instant::now() >= self.deadline {
+                        self.done = true;
+                        self.cancel_reason = CancelReason::DeadlineExceeded;
+                        return Some(Err(ApiError::timeout(
+                            "The request did not finish before its deadline.",
+                        )));
+                    }
+                    self.migrate("worker_silent", ApiError::bad_gateway("The worker stopped responding.")).await;
+                    continue;
                 }
             };
             let Some(frame) = frame else {
@@ -244,23 +232,92 @@ impl Generation {
                     "Response stream closed unexpectedly.",
                 )));
             };
-            if frame.seq() != self.next_seq {
-                self.done = true;
-                return Some(Err(ApiError::bad_gateway(format!(
-                    "Lost response frames (expected {}, got {}).",
-                    self.next_seq,
-                    frame.seq()
-                ))));
+            let Some(seq) = frame.seq() else {
+                continue; // a heartbeat: the worker is alive
+            };
+            if seq != self.next_seq {
+                let e = ApiError::bad_gateway(format!(
+                    "Lost response frames (expected {}, got {seq}).",
+                    self.next_seq
+                ));
+                self.migrate("lost_frames", e).await;
+                continue;
             }
             self.next_seq += 1;
-            self.on_frame(frame);
+            if let FrameOutcome::Migrate(reason, e) = self.on_frame(frame) {
+                self.migrate(reason, e).await;
+            }
         }
     }
 
-    fn on_frame(&mut self, frame: Frame) {
+    /// Continues the request on another worker from the prompt plus every
+    /// token generated so far, or fails the stream with `err` when it may
+    /// not (limit reached, deadline, nobody else to take it).
+    async fn migrate(&mut self, reason: &'static str, err: ApiError) {
+        let m = &self.shared.metrics;
+        if self.migrations >= self.max_migrations {
+            m.migration_failures.with_label_values(&["limit"]).inc();
+            return self.fail(err);
+        }
+        let Some(old) = self.decision.take() else {
+            return self.fail(err);
+        };
+        tracing::warn!(request = %self.public_id, worker = %old.worker_id, reason, generated = self.generated.len(), "migrating request");
+        self.failed.push(old.worker_id);
+        send_cancel(&self.shared, old.worker_id, self.id, CancelReason::Migrated);
+        release(&self.shared, self.id);
+        let done = self.generated.len() as u32;
+        if done >= self.plan.sampling.max_tokens {
+            // Every token arrived; only the end was lost.
+            self.worker_finished = true;
+            let tail = self.decoder.flush(&self.pre.tokenizer).unwrap_or_default();
+            self.text(tail, true);
+            if !self.done {
+                self.finish("length");
+            }
+            return;
+        }
+        let mut sampling = self.plan.sampling.clone();
+        sampling.max_tokens -= done;
+        let mut tokens = Vec::with_capacity(self.plan.prompt.len() + self.generated.len());
+        tokens.extend_from_slice(&self.plan.prompt);
+        tokens.extend_from_slice(&self.generated);
+        let id = RequestId::random();
+        match dispatch(
+            &self.shared,
+            &self.pre,
+            id,
+            &self.plan,
+            Arc::new(tokens),
+            &sampling,
+            self.deadline,
+            &mut self.failed,
+        )
+        .await
+        {
+            Ok((decision, rx)) => {
+                m.migrations.with_label_values(&[reason]).inc();
+                self.migrations += 1;
+                self.id = id;
+                self.decision = Some(decision);
+                self.rx = rx;
+                self.next_seq = 0;
+                self.prefill_reported = false;
+            }
+            Err(e) => {
+                tracing::warn!(request = %self.public_id, error = %e.message, "migration found no worker");
+                m.migration_failures.with_label_values(&["no_worker"]).inc();
+                self.fail(err);
+            }
+        }
+    }
+
+    fn on_frame(&mut self, frame: Frame) -> FrameOutcome {
         match frame {
             Frame::Started(f) => {
-                self.usage.cached_tokens = f.cached_tokens;
+                if self.migrations == 0 {
+                    self.usage.cached_tokens = f.cached_tokens;
+                }
                 self.shared
                     .metrics
                     .cached_tokens
@@ -283,13 +340,15 @@ impl Generation {
                     }
                     _ => {}
                 }
-                if self.last_token_at.is_none() {
+                if !self.prefill_reported {
+                    self.prefill_reported = true;
                     if let Ok(r) = self.shared.router() {
                         let _ = r.cast(RouterMsg::PrefillDone(self.id));
                     }
                 }
                 self.last_token_at = Some(now);
                 self.usage.completion_tokens += n;
+                self.generated.extend_from_slice(&f.token_ids);
                 match self.decoder.push(&self.pre.tokenizer, &f.token_ids) {
                     Ok(delta) => self.text(delta, false),
                     Err(e) => self.fail(ApiError::internal(format!(
@@ -310,10 +369,15 @@ impl Generation {
                 }
             }
             Frame::Error(f) => {
+                if migratable(f.error.kind) {
+                    return FrameOutcome::Migrate("worker_error", map_wire(&f.error));
+                }
                 self.worker_finished = true;
                 self.fail(map_wire(&f.error));
             }
+            Frame::Heartbeat(_) => {}
         }
+        FrameOutcome::Continue
     }
 
     fn fail(&mut self, e: ApiError) {
@@ -387,12 +451,106 @@ impl Drop for Generation {
     }
 }
 
+/// Worker-side failures another worker can take over from. Invalid
+/// requests and deadlines are never migrated.
+fn migratable(kind: ErrorKind) -> bool {
+    matches!(
+        kind,
+        ErrorKind::EngineFailed | ErrorKind::Unavailable | ErrorKind::Overloaded
+    )
+}
+
+/// Routes `tokens` and gets a worker to accept them as request `id`,
+/// trying other workers when one refuses (retryable) or is unreachable;
+/// workers in `exclude` are never chosen and the ones that fail are added.
+#[allow(clippy::too_many_arguments)]
+async fn dispatch(
+    shared: &Arc<Shared>,
+    pre: &Preprocessor,
+    id: RequestId,
+    plan: &Attempt,
+    tokens: Arc<Vec<u32>>,
+    sampling: &SamplingParams,
+    deadline: Instant,
+    exclude: &mut Vec<WorkerId>,
+) -> Result<(RouteDecision, mpsc::UnboundedReceiver<Frame>), ApiError> {
+    let attempts = shared.config.max_route_attempts.max(1);
+    let mut last_error = None;
+    for attempt in 0..attempts {
+        if attempt > 0 {
+            shared.metrics.route_retries.inc();
+        }
+        let decision = route(shared, id, &plan.model, &tokens, exclude, plan.routing).await?;
+        let rx = shared.inbox.register(id);
+        let req = GenerateRequest {
+            request_id: id,
+            model: plan.model.clone(),
+            token_ids: (*tokens).clone(),
+            sampling: sampling.clone(),
+            reply_to: shared.frames_subject.clone(),
+            deadline_unix_ms: unix_ms()
+                + deadline
+                    .saturating_duration_since(Instant::now())
+                    .as_millis() as u64,
+        };
+        let subject = shared.bus.subjects.worker_generate(decision.worker_id);
+        let res: Result<GenerateAck, BusError> = shared
+            .bus
+            .request(subject, &req, shared.config.ack_timeout)
+            .await;
+        let failure = match res {
+            Ok(ack) => match ack.rejected {
+                None => {
+                    let bs = pre.card.block_size as u64;
+                    shared
+                        .metrics
+                        .predicted_cached_tokens
+                        .inc_by((decision.overlap_blocks as u64 * bs).min(tokens.len() as u64));
+                    return Ok((decision, rx));
+                }
+                Some(e) if e.kind.is_retryable() => Some(map_wire(&e)),
+                Some(e) => {
+                    release(shared, id);
+                    return Err(map_wire(&e));
+                }
+            },
+            Err(BusError::NoResponders { .. }) => {
+                Some(ApiError::unavailable("The chosen worker is gone."))
+            }
+            Err(BusError::Timeout { .. }) => {
+                // It may have accepted after all: make sure it stops.
+                send_cancel(
+                    shared,
+                    decision.worker_id,
+                    id,
+                    CancelReason::DeadlineExceeded,
+                );
+                Some(ApiError::unavailable(
+                    "The chosen worker did not acknowledge in time.",
+                ))
+            }
+            Err(BusError::Remote { error, .. }) => Some(map_wire(&error)),
+            Err(e) => {
+                tracing::warn!(request = %id, error = %e, "cannot send request");
+                Some(ApiError::unavailable(
+                    "The bus is unavailable; retry shortly.",
+                ))
+            }
+        };
+        tracing::debug!(request = %id, worker = %decision.worker_id, ?failure, "worker did not take request");
+        exclude.push(decision.worker_id);
+        release(shared, id);
+        last_error = failure;
+    }
+    Err(last_error.unwrap_or_else(|| ApiError::unavailable("No worker accepted the request.")))
+}
+
 async fn route(
     shared: &Shared,
     request_id: RequestId,
     model: &ModelName,
     tokens: &Arc<Vec<u32>>,
-    exclude: &[dynamo_bus_schema::WorkerId],
+    exclude: &[WorkerId],
     weights: Option<dynamo_router::policy::KvCostWeights>,
 ) -> Result<RouteDecision, ApiError> {
     let router = shared.router()?;
@@ -430,12 +588,7 @@ fn release(shared: &Shared, id: RequestId) {
     }
 }
 
-fn send_cancel(
-    shared: &Arc<Shared>,
-    worker: dynamo_bus_schema::WorkerId,
-    id: RequestId,
-    reason: CancelReason,
-) {
+fn send_cancel(shared: &Arc<Shared>, worker: WorkerId, id: RequestId, reason: CancelReason) {
     let Ok(handle) = tokio::runtime::Handle::try_current() else {
         return;
     };

@@ -133,9 +133,15 @@ async fn handle(
         .min(s.config.request_timeout);
     let deadline = t0 + timeout;
     let mut started = Vec::with_capacity(gens.len());
+    let max_migrations = opts
+        .max_migrations
+        .unwrap_or(s.config.max_migrations)
+        .min(s.config.max_migrations);
     for mut v in gens {
         v.routing = opts.routing;
-        started.push(Generation::start(s.clone(), pre.clone(), v, deadline, t0).await?);
+        started.push(
+            Generation::start(s.clone(), pre.clone(), v, deadline, t0, max_migrations).await?,
+        );
     }
     let workers: Vec<String> = started
         .iter()

@@ -7,8 +7,8 @@
 //! rejected and counted.
 
 use dynamo_bus_schema::{
-    decode_payload, peek_kind, FrameError, FrameFinished, FrameStarted, FrameTokens, RequestId,
-    WireMessage,
+    decode_payload, peek_kind, FrameError, FrameFinished, FrameHeartbeat, FrameStarted,
+    FrameTokens, RequestId, WireMessage,
 };
 use dynamo_runtime::counters;
 use futures::StreamExt;
@@ -23,6 +23,8 @@ pub enum Frame {
     Tokens(FrameTokens),
     Finished(FrameFinished),
     Error(FrameError),
+    /// The worker is alive; not part of the numbered sequence.
+    Heartbeat(FrameHeartbeat),
 }
 
 impl Frame {
@@ -32,14 +34,17 @@ impl Frame {
             Frame::Tokens(f) => f.request_id,
             Frame::Finished(f) => f.request_id,
             Frame::Error(f) => f.request_id,
+            Frame::Heartbeat(f) => f.request_id,
         }
     }
-    pub fn seq(&self) -> u32 {
+    /// The frame's place in its stream (`None` for heartbeats).
+    pub fn seq(&self) -> Option<u32> {
         match self {
-            Frame::Started(f) => f.seq.0,
-            Frame::Tokens(f) => f.seq.0,
-            Frame::Finished(f) => f.seq.0,
-            Frame::Error(f) => f.seq.0,
+            Frame::Started(f) => Some(f.seq.0),
+            Frame::Tokens(f) => Some(f.seq.0),
+            Frame::Finished(f) => Some(f.seq.0),
+            Frame::Error(f) => Some(f.seq.0),
+            Frame::Heartbeat(_) => None,
         }
     }
 }
@@ -82,6 +87,7 @@ impl Inbox {
             Ok((k, p)) if k == FrameStarted::KIND => decode_payload(p).map(Frame::Started),
             Ok((k, p)) if k == FrameFinished::KIND => decode_payload(p).map(Frame::Finished),
             Ok((k, p)) if k == FrameError::KIND => decode_payload(p).map(Frame::Error),
+            Ok((k, p)) if k == FrameHeartbeat::KIND => decode_payload(p).map(Frame::Heartbeat),
             Ok((k, _)) => {
                 counters::reject("frame", subject, &format!("unknown message kind {}", k.0));
                 return;

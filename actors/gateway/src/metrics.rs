@@ -18,6 +18,8 @@ pub struct Metrics {
     pub predicted_cached_tokens: IntCounter,
     pub errors: IntCounterVec,
     pub route_retries: IntCounter,
+    pub migrations: IntCounterVec,
+    pub migration_failures: IntCounterVec,
     bus_rejected: IntGauge,
 }
 
@@ -68,6 +70,20 @@ impl Metrics {
             "route_retries_total",
             "Requests re-routed after a worker refused or was unreachable",
         )?;
+        let migrations = IntCounterVec::new(
+            Opts::new(
+                "migrations_total",
+                "Requests moved to another worker mid-stream, by the failure that caused it",
+            ),
+            &["reason"],
+        )?;
+        let migration_failures = IntCounterVec::new(
+            Opts::new(
+                "migration_failures_total",
+                "Worker failures that could not be migrated, by why not",
+            ),
+            &["why"],
+        )?;
         let bus_rejected = IntGauge::new(
             "bus_rejected_messages",
             "Bus messages this process rejected (malformed or unknown)",
@@ -84,6 +100,8 @@ impl Metrics {
             Box::new(predicted_cached_tokens.clone()),
             Box::new(errors.clone()),
             Box::new(route_retries.clone()),
+            Box::new(migrations.clone()),
+            Box::new(migration_failures.clone()),
             Box::new(bus_rejected.clone()),
         ] {
             registry.register(c)?;
@@ -101,6 +119,8 @@ impl Metrics {
             predicted_cached_tokens,
             errors,
             route_retries,
+            migrations,
+            migration_failures,
             bus_rejected,
         })
     }

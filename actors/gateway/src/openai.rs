@@ -41,6 +41,9 @@ pub struct CommonParams {
     pub timeout_ms: Option<u64>,
     /// Extension: KV-aware routing weights for this request.
     pub routing: Option<RoutingWeights>,
+    /// Extension: most times this request may move to another worker after
+    /// a failure (capped by the gateway's `max_migrations`; 0 = never).
+    pub max_migrations: Option<u32>,
 }
 
 /// `"routing": {...}` in a request body: overrides the router's KV cost
@@ -94,6 +97,7 @@ pub struct ValidOptions {
     pub include_usage: bool,
     pub timeout_ms: Option<u64>,
     pub routing: Option<KvCostWeights>,
+    pub max_migrations: Option<u32>,
 }
 
 /// Parses a JSON body into `T`, mapping serde's complaint to a 400.
@@ -188,6 +192,7 @@ impl CommonParams {
                 .is_some_and(|o| o.include_usage),
             timeout_ms: self.timeout_ms,
             routing,
+            max_migrations: self.max_migrations,
         })
     }
 

@@ -39,6 +39,9 @@ pub struct WorkerConfig {
     pub heartbeat_interval: Duration,
     /// How often load is published when it changed.
     pub load_interval: Duration,
+    /// How often an open stream that sent nothing gets a heartbeat frame
+    /// (the gateway declares a silent worker dead after a few missed ones).
+    pub stream_heartbeat: Duration,
 }
 
 pub struct WorkerArgs {
@@ -379,6 +382,8 @@ impl WorkerRuntime {
             reply_to: req.reply_to,
             prompt_tokens: req.token_ids.len() as u32,
             deadline: tokio::time::Instant::now() + remaining,
+            heartbeat: self.cfg.stream_heartbeat,
+            last_sent: tokio::time::Instant::now(),
         };
         let engine = self.engine.clone();
         let cancel = self.tasks.child_token();

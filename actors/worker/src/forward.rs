@@ -3,14 +3,18 @@
 //! Invariants: frames carry consecutive `seq` numbers starting at 0; every
 //! stream ends with exactly one `FrameFinished` or `FrameError`; tokens that
 //! are already waiting when a frame is built are coalesced into it (one
-//! engine step, one frame); the request's deadline is enforced here too.
+//! engine step, one frame); the request's deadline is enforced here too;
+//! a stream that has sent nothing for `heartbeat` gets a `FrameHeartbeat`
+//! (no `seq`), so the gateway can tell a slow request from a dead worker.
 
 use dynamo_bus_schema::{
-    ErrorKind, FinishReason, FrameError, FrameFinished, FrameSeq, FrameStarted, FrameTokens,
-    RequestId, WireError, WorkerId,
+    ErrorKind, FinishReason, FrameError, FrameFinished, FrameHeartbeat, FrameSeq, FrameStarted,
+    FrameTokens, RequestId, WireError, WorkerId,
 };
 use dynamo_engine::{EngineEvent, ResponseStream};
 use dynamo_runtime::Bus;
+use std::time::Duration;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 pub struct Forward {
@@ -19,7 +23,11 @@ pub struct Forward {
     pub request_id: RequestId,
     pub reply_to: String,
     pub prompt_tokens: u32,
-    pub deadline: tokio::time::Instant,
+    pub deadline: Instant,
+    /// Silence after which a heartbeat frame is sent.
+    pub heartbeat: Duration,
+    /// When the last frame went out.
+    pub last_sent: Instant,
 }
 
 /// How a forwarded request ended (for the worker's bookkeeping).
@@ -33,7 +41,7 @@ pub enum Outcome {
 
 impl Forward {
     pub async fn run(
-        self,
+        mut self,
         mut events: ResponseStream,
         cancel: CancellationToken,
         on_timeout: impl FnOnce(),
@@ -59,6 +67,14 @@ impl Forward {
                     let err = WireError::new(ErrorKind::Unavailable, "worker is shutting down");
                     self.error(next_seq(), err).await;
                     return Outcome::Aborted;
+                }
+                _ = tokio::time::sleep_until(self.last_sent + self.heartbeat) => {
+                    let f = FrameHeartbeat {
+                        request_id: self.request_id,
+                        worker_id: self.worker_id,
+                    };
+                    self.send(&f).await;
+                    continue;
                 }
             };
             let Some(ev) = ev else {
@@ -111,7 +127,7 @@ impl Forward {
         }
     }
 
-    async fn flush(&self, pending: &mut Vec<u32>, next_seq: &mut impl FnMut() -> FrameSeq) {
+    async fn flush(&mut self, pending: &mut Vec<u32>, next_seq: &mut impl FnMut() -> FrameSeq) {
         if pending.is_empty() {
             return;
         }
@@ -123,7 +139,7 @@ impl Forward {
         self.send(&f).await;
     }
 
-    async fn error(&self, seq: FrameSeq, error: WireError) {
+    async fn error(&mut self, seq: FrameSeq, error: WireError) {
         let f = FrameError {
             request_id: self.request_id,
             seq,
@@ -132,7 +148,8 @@ impl Forward {
         self.send(&f).await;
     }
 
-    async fn send<T: dynamo_bus_schema::WireMessage>(&self, msg: &T) {
+    async fn send<T: dynamo_bus_schema::WireMessage>(&mut self, msg: &T) {
+        self.last_sent = Instant::now();
         if let Err(e) = self.bus.publish(self.reply_to.clone(), msg).await {
             // The gateway's liveness checks turn a lost frame into an error.
             tracing::warn!(request = %self.request_id, error = %e, "cannot publish frame");
