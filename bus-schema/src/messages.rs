@@ -378,6 +378,25 @@ pub struct NodeRegistration {
 }
 wire!(NodeRegistration = 31);
 
+/// Admin → worker (`Subjects::worker_drain`): stop taking new requests and
+/// let in-flight ones finish (`resume` = take requests again). Idempotent:
+/// asking again reports progress.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DrainRequest {
+    pub resume: bool,
+}
+wire!(DrainRequest = 32);
+
+/// The worker's answer to a [`DrainRequest`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DrainReply {
+    pub worker_id: WorkerId,
+    pub state: WorkerState,
+    /// Requests still running on the worker.
+    pub inflight: u32,
+}
+wire!(DrainReply = 33);
+
 /// Request for a byte range of an artifact (`Subjects::worker_artifact`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ArtifactRequest {

@@ -87,6 +87,10 @@ impl Subjects {
     pub fn kv_events_stream(&self) -> String {
         format!("dynamo_{}_kv_events", self.ns.0)
     }
+    /// Worker answers [`crate::DrainRequest`]s here.
+    pub fn worker_drain(&self, w: WorkerId) -> String {
+        format!("{}.worker.{w}.drain", self.base())
+    }
     /// Worker answers [`crate::KvDumpRequest`]s here.
     pub fn worker_kv_dump(&self, w: WorkerId) -> String {
         format!("{}.worker.{w}.kv_dump", self.base())

@@ -115,6 +115,15 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                 worker_id: wid,
             })),
         ),
+        ("DrainRequest", enc(encode(&DrainRequest { resume: true }))),
+        (
+            "DrainReply",
+            enc(encode(&DrainReply {
+                worker_id: wid,
+                state: WorkerState::Draining,
+                inflight: 3,
+            })),
+        ),
         (
             "CancelRequest",
             enc(encode(&CancelRequest {

@@ -303,3 +303,102 @@ async fn a_client_disconnect_cancels_the_request_on_the_worker() {
     let m = http.metrics_text().await;
     assert!(m.contains("dynamo_gateway_inflight_requests 0"), "{m}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamoctl_drain_stops_new_work_and_lets_in_flight_requests_finish() {
+    let nats = Nats::start();
+    let port = free_port();
+    let cfg =
+        node_config("n1", &nats.url, Some(port), 2, "").replace("speedup = 0.0", "speedup = 1.0");
+    let mut node = Node::start(&cfg);
+    let http = Http::new(port);
+    http.wait_ready(2, &mut node).await;
+    let url = nats.url.clone();
+    let ctl = move |args: &[&str]| {
+        let mut a = args.to_vec();
+        a.extend(["--namespace", "it", "--nats", url.as_str()]);
+        std::process::Command::new(bin("dynamoctl"))
+            .args(&a)
+            .output()
+            .unwrap()
+    };
+    let regs = registrations(&nats.url).await;
+    let (a, b) = (regs[0].worker_id.to_string(), regs[1].worker_id.to_string());
+
+    // Long streams on both workers, then drain one of them while they run.
+    let streams: Vec<_> = (0..6)
+        .map(|i| {
+            let body = json!({"model": MODEL, "prompt": [300 + i, 301, 302], "max_tokens": 400,
+                              "stream": true, "ignore_eos": true});
+            tokio::spawn(async move { Http::new(port).stream("/v1/completions", &body).await })
+        })
+        .collect();
+    // Registrations refresh every heartbeat (500 ms here).
+    let t0 = std::time::Instant::now();
+    loop {
+        let busy = registrations(&nats.url)
+            .await
+            .iter()
+            .find(|r| r.worker_id.to_string() == a)
+            .map(|r| r.load.inflight_requests)
+            .unwrap_or(0);
+        if busy > 0 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "the worker to drain never had work"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let out = tokio::task::spawn_blocking({
+        let a = a.clone();
+        let ctl = ctl.clone();
+        move || ctl(&["drain", &a[..6]])
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["drained"], true, "{report}");
+    assert_eq!(report["state"], "draining");
+    assert_eq!(report["worker_id"], a.as_str());
+    for s in streams {
+        let (status, events) = s.await.unwrap();
+        assert_eq!(status, 200);
+        assert_eq!(
+            events.last().map(String::as_str),
+            Some("[DONE]"),
+            "{events:?}"
+        );
+    }
+    // New work goes to the other worker only.
+    for i in 0..6 {
+        let r = http
+            .post(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": [400 + i], "max_tokens": 2}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.json);
+        assert_eq!(r.worker.as_deref(), Some(b.as_str()));
+    }
+    // Resume: the worker is serving again.
+    let out = ctl(&["drain", &a, "--resume"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reg = registrations(&nats.url).await;
+    let ra = reg.iter().find(|r| r.worker_id.to_string() == a).unwrap();
+    assert_eq!(ra.state, dynamo_bus_schema::WorkerState::Serving);
+    // An unknown worker is a clear error and a non-zero exit.
+    let out = ctl(&["drain", "ffffffffffffffffff"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no registered worker"));
+}

@@ -10,6 +10,7 @@
 pub mod bench;
 pub mod config;
 pub mod daemon;
+pub mod drain;
 pub mod embedded_nats;
 pub mod env;
 pub mod replay;

@@ -12,10 +12,10 @@
 
 use crate::forward::{Forward, Outcome};
 use dynamo_bus_schema::{
-    decode, unix_ms, ArtifactChunk, ArtifactRequest, CancelRequest, ErrorKind, ErrorReply, EventId,
-    FaultKind, GenerateAck, GenerateRequest, KvDump, KvDumpRequest, KvEvent, KvEventBatch,
-    KvEventKind, LoadReport, ModelCard, NodeId, RequestId, StorageTier, WireError, WorkerId,
-    WorkerRegistration, WorkerRole, WorkerState,
+    decode, unix_ms, ArtifactChunk, ArtifactRequest, CancelRequest, DrainReply, DrainRequest,
+    ErrorKind, ErrorReply, EventId, FaultKind, GenerateAck, GenerateRequest, KvDump, KvDumpRequest,
+    KvEvent, KvEventBatch, KvEventKind, LoadReport, ModelCard, NodeId, RequestId, StorageTier,
+    WireError, WorkerId, WorkerRegistration, WorkerRole, WorkerState,
 };
 use dynamo_engine::{Engine, EngineLimits, ValidRequest};
 use dynamo_runtime::{counters, Bus};
@@ -64,6 +64,8 @@ pub enum WorkerMsg {
     InjectFault(FaultKind),
     /// Stop taking new requests; replies with the number still in flight.
     Drain(RpcReplyPort<u32>),
+    /// Drain (or resume, with `true`) on an admin's request over the bus.
+    AdminDrain(bool, RpcReplyPort<DrainReply>),
     /// In-flight request count.
     Inflight(RpcReplyPort<u32>),
     /// Removes the registration (before a graceful stop).
@@ -144,6 +146,28 @@ impl Actor for WorkerActor {
         tokio::spawn(async move {
             b.serve(dump_sub, cancel, |_: KvDumpRequest| {
                 kv_dump(eng.clone(), id, generation)
+            })
+            .await
+        });
+        let drain_sub = bus.client.subscribe(s.worker_drain(id)).await?;
+        let (b, me) = (bus.clone(), myself.clone());
+        let cancel = tasks.child_token();
+        tokio::spawn(async move {
+            b.serve(drain_sub, cancel, |req: DrainRequest| {
+                let me = me.clone();
+                async move {
+                    me.call(
+                        |r| WorkerMsg::AdminDrain(req.resume, r),
+                        Some(Duration::from_secs(5)),
+                    )
+                    .await
+                    .ok()
+                    .and_then(|c| match c {
+                        ractor::rpc::CallResult::Success(r) => Some(r),
+                        _ => None,
+                    })
+                    .ok_or_else(|| WireError::new(ErrorKind::Unavailable, "worker is restarting"))
+                }
             })
             .await
         });
@@ -247,6 +271,25 @@ impl Actor for WorkerActor {
                     tracing::warn!(error = %e, "cannot publish draining state");
                 }
                 let _ = reply.send(rt.inflight.len() as u32);
+            }
+            WorkerMsg::AdminDrain(resume, reply) => {
+                let state = if resume {
+                    WorkerState::Serving
+                } else {
+                    WorkerState::Draining
+                };
+                if rt.reg.state != state {
+                    tracing::info!(worker = %rt.cfg.worker_id, ?state, "admin changed the worker's state");
+                    rt.reg.state = state;
+                    if let Err(e) = rt.heartbeat().await {
+                        tracing::warn!(error = %e, "cannot publish the worker's state");
+                    }
+                }
+                let _ = reply.send(DrainReply {
+                    worker_id: rt.cfg.worker_id,
+                    state: rt.reg.state,
+                    inflight: rt.inflight.len() as u32,
+                });
             }
             WorkerMsg::Inflight(reply) => {
                 let _ = reply.send(rt.inflight.len() as u32);

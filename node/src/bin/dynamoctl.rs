@@ -1,8 +1,8 @@
-//! The admin CLI: `dynamoctl status`, `dynamoctl bench`.
+//! The admin CLI: `dynamoctl status`, `drain`, `bench`, `replay`.
 
 use clap::{Parser, Subcommand};
 use dynamo_bus_schema::Namespace;
-use dynamo_node::{bench, env, replay, status};
+use dynamo_node::{bench, drain, env, replay, status};
 
 #[derive(Parser)]
 #[command(
@@ -27,6 +27,23 @@ enum Cmd {
         /// Print JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Stop new work for a worker and wait for its in-flight requests to
+    /// finish (graceful scale-down); `--resume` takes it back into service.
+    Drain {
+        /// Worker id, or an unambiguous prefix (see `dynamoctl status`).
+        worker: String,
+        /// Take requests again instead.
+        #[arg(long)]
+        resume: bool,
+        /// Seconds to wait for in-flight requests (0 = do not wait).
+        #[arg(long, default_value_t = 600)]
+        wait_secs: u64,
+        /// NATS URL (default: $DYNAMO_NATS_URL, or the local embedded server).
+        #[arg(long)]
+        nats: Option<String>,
+        #[arg(long, env = env::NAMESPACE, default_value = "default")]
+        namespace: String,
     },
     /// Load-test an OpenAI-compatible endpoint.
     Bench {
@@ -127,6 +144,24 @@ fn main() {
                 } else {
                     print!("{}", status::render(&v));
                 }
+                Ok(())
+            }
+            Cmd::Drain {
+                worker,
+                resume,
+                wait_secs,
+                nats,
+                namespace,
+            } => {
+                let ns = Namespace::new(&namespace)?;
+                let url = status::resolve_nats_url(nats, &ns)?;
+                let spec = drain::DrainSpec {
+                    worker,
+                    resume,
+                    wait: std::time::Duration::from_secs(wait_secs),
+                };
+                let v = drain::run(&url, ns, spec).await?;
+                println!("{v}");
                 Ok(())
             }
             Cmd::Bench {
