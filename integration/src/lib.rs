@@ -49,9 +49,19 @@ impl Nats {
     pub fn start() -> Self {
         let port = free_port();
         let dir = tempfile::tempdir().expect("tempdir");
+        let child = Self::spawn(port, dir.path());
+        Nats {
+            child,
+            port,
+            url: format!("nats://127.0.0.1:{port}"),
+            _dir: dir,
+        }
+    }
+
+    fn spawn(port: u16, dir: &std::path::Path) -> Child {
         let child = Command::new("nats-server")
             .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-            .arg(dir.path())
+            .arg(dir)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -64,12 +74,19 @@ impl Nats {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        Nats {
-            child,
-            port,
-            url: format!("nats://127.0.0.1:{port}"),
-            _dir: dir,
-        }
+        child
+    }
+
+    /// Stops the server (clients see the connection drop).
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the server again on the same port with the same JetStream store.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.child = Self::spawn(self.port, self._dir.path());
     }
 }
 
@@ -349,6 +366,25 @@ pub async fn registrations(nats_url: &str) -> Vec<dynamo_bus_schema::WorkerRegis
         }
     }
     out
+}
+
+/// Number of blocks a worker itself says it holds (its KV dump).
+pub async fn worker_blocks(nats_url: &str, worker: &str) -> usize {
+    let client = async_nats::connect(nats_url)
+        .await
+        .expect("connect to NATS");
+    let req = dynamo_bus_schema::KvDumpRequest {
+        reason: "test".into(),
+    };
+    let m = client
+        .request(
+            format!("dynamo.it.worker.{worker}.kv_dump"),
+            dynamo_bus_schema::encode(&req).expect("encode").into(),
+        )
+        .await
+        .expect("kv dump answered");
+    let d: dynamo_bus_schema::KvDump = dynamo_bus_schema::decode(&m.payload).expect("dump decodes");
+    d.blocks.len()
 }
 
 /// Asserts an OpenAI error object with the given status and type.

@@ -123,17 +123,31 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
     };
     let node_key = cfg.node_id.0.clone();
     let put = |reg: &NodeRegistration| {
-        let nodes = nodes.clone();
+        let (nodes, bus) = (nodes.clone(), bus.clone());
         let key = node_key.clone();
-        let bytes = encode(reg).map(|b| b.into());
+        let bytes: Result<bytes::Bytes, _> = encode(reg).map(|b| b.into());
         async move {
-            match bytes {
-                Ok(b) => {
-                    if let Err(e) = nodes.put(key, b).await {
-                        tracing::warn!(error = %e, "cannot refresh node registration");
-                    }
-                }
-                Err(e) => tracing::error!(error = %e, "cannot encode node registration"),
+            let b = match bytes {
+                Ok(b) => b,
+                Err(e) => return tracing::error!(error = %e, "cannot encode node registration"),
+            };
+            if nodes.put(key.clone(), b.clone()).await.is_ok() {
+                return;
+            }
+            // The bus may have restarted without its JetStream state: the
+            // bucket is created again and the write retried once.
+            let again = async {
+                let kv = bus
+                    .kv_bucket(
+                        &bus.subjects.nodes_bucket(),
+                        dynamo_runtime::bus::REGISTRY_MAX_AGE,
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                kv.put(key, b).await.map_err(|e| e.to_string())
+            };
+            if let Err(e) = again.await {
+                tracing::warn!(error = %e, "cannot refresh node registration");
             }
         }
     };

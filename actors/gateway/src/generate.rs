@@ -480,7 +480,22 @@ async fn dispatch(
         if attempt > 0 {
             shared.metrics.route_retries.inc();
         }
-        let decision = route(shared, id, &plan.model, &tokens, exclude, plan.routing).await?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ApiError::timeout(
+                "The request did not reach a worker before its deadline.",
+            ));
+        }
+        let decision = route(
+            shared,
+            id,
+            &plan.model,
+            &tokens,
+            exclude,
+            plan.routing,
+            left,
+        )
+        .await?;
         let rx = shared.inbox.register(id);
         let req = GenerateRequest {
             request_id: id,
@@ -496,7 +511,7 @@ async fn dispatch(
         let subject = shared.bus.subjects.worker_generate(decision.worker_id);
         let res: Result<GenerateAck, BusError> = shared
             .bus
-            .request(subject, &req, shared.config.ack_timeout)
+            .request(subject, &req, shared.config.ack_timeout.min(left))
             .await;
         let failure = match res {
             Ok(ack) => match ack.rejected {
@@ -552,6 +567,7 @@ async fn route(
     tokens: &Arc<Vec<u32>>,
     exclude: &[WorkerId],
     weights: Option<dynamo_router::policy::KvCostWeights>,
+    within: Duration,
 ) -> Result<RouteDecision, ApiError> {
     let router = shared.router()?;
     let call = router
@@ -564,7 +580,7 @@ async fn route(
                 weights,
                 reply,
             },
-            Some(Duration::from_secs(2)),
+            Some(Duration::from_secs(2).min(within)),
         )
         .await;
     match call {

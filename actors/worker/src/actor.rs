@@ -309,11 +309,27 @@ impl WorkerRuntime {
     async fn heartbeat(&mut self) -> Result<(), String> {
         self.reg.heartbeat_unix_ms = unix_ms();
         self.reg.load = self.load();
-        let bytes = dynamo_bus_schema::encode(&self.reg).map_err(|e| e.to_string())?;
-        self.kv
-            .put(self.cfg.worker_id.to_string(), bytes.into())
-            .await
-            .map_err(|e| e.to_string())?;
+        let bytes: bytes::Bytes = dynamo_bus_schema::encode(&self.reg)
+            .map_err(|e| e.to_string())?
+            .into();
+        let key = self.cfg.worker_id.to_string();
+        if let Err(e) = self.kv.put(key.clone(), bytes.clone()).await {
+            // A bus restarted without its JetStream state has lost the bucket
+            // (and the KV event stream): create them again and retry once.
+            tracing::warn!(error = %e, "registration write failed; re-creating the bucket");
+            self.kv = self
+                .bus
+                .kv_bucket(
+                    &self.bus.subjects.workers_bucket(),
+                    dynamo_runtime::bus::REGISTRY_MAX_AGE,
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            if let Err(e) = self.bus.ensure_kv_events_stream().await {
+                tracing::warn!(error = %e, "cannot re-create the KV event stream");
+            }
+            self.kv.put(key, bytes).await.map_err(|e| e.to_string())?;
+        }
         Ok(())
     }
 

@@ -1,0 +1,291 @@
+//! Gateway/router high availability and bus loss, with real processes:
+//! - killing one of two gateway+router replicas under load costs the other
+//!   nothing, and the restarted replica's index agrees with its peer's;
+//! - stopping and restarting the nats-server under load: nothing panics or
+//!   hangs, requests in the outage fail with a clear error, and service and
+//!   the KV index come back.
+
+use dynamo_integration::*;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn gateway_cfg(id: &str, nats: &str, port: u16) -> String {
+    node_config(id, nats, Some(port), 0, "")
+        .replace("policy = \"least_loaded\"", "policy = \"kv_aware\"")
+}
+
+fn prompt(i: usize) -> Vec<u32> {
+    // Eight families of prompts sharing 48-token prefixes.
+    let family = (i % 8) as u32;
+    (0..64)
+        .map(|k| {
+            if k < 48 {
+                2000 + family * 100 + k
+            } else {
+                9000 + i as u32 * 16 + k
+            }
+        })
+        .collect()
+}
+
+async fn overlap(http: &Http, prompt: &[u32]) -> Value {
+    http.post(
+        "/v1/dynamo/overlap",
+        &json!({"model": MODEL, "prompt": prompt}),
+    )
+    .await
+    .json["workers"]
+        .clone()
+}
+
+/// A completion request; `None` when the gateway cannot be reached.
+async fn try_post(http: &Http, body: &Value) -> Option<Reply> {
+    let r = http
+        .client
+        .post(format!("{}/v1/completions", http.base))
+        .json(body)
+        .send()
+        .await
+        .ok()?;
+    let status = r.status().as_u16();
+    let json = r.json::<Value>().await.unwrap_or(Value::Null);
+    Some(Reply {
+        status,
+        json,
+        worker: None,
+    })
+}
+
+/// Closed-loop load on one gateway until `stop`; counts successes and
+/// failures (with the first failure kept).
+struct Load {
+    stop: Arc<AtomicBool>,
+    ok: Arc<AtomicUsize>,
+    failed: Arc<AtomicUsize>,
+    first_failure: Arc<std::sync::Mutex<Option<String>>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(port: u16, clients: usize, timeout_ms: u64) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let ok = Arc::new(AtomicUsize::new(0));
+        let failed = Arc::new(AtomicUsize::new(0));
+        let first_failure = Arc::new(std::sync::Mutex::new(None));
+        let tasks = (0..clients)
+            .map(|c| {
+                let (stop, ok, failed, first) = (
+                    stop.clone(),
+                    ok.clone(),
+                    failed.clone(),
+                    first_failure.clone(),
+                );
+                tokio::spawn(async move {
+                    let http = Http::new(port);
+                    let mut i = c;
+                    while !stop.load(Ordering::Relaxed) {
+                        let body = json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 8,
+                                          "timeout_ms": timeout_ms});
+                        let t0 = Instant::now();
+                        let Some(r) = try_post(&http, &body).await else {
+                            failed.fetch_add(1, Ordering::Relaxed);
+                            first
+                                .lock()
+                                .unwrap()
+                                .get_or_insert("connection failed".into());
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            i += clients;
+                            continue;
+                        };
+                        // No request outlives its deadline (plus slack for the reply).
+                        assert!(
+                            t0.elapsed() < Duration::from_millis(timeout_ms + 2000),
+                            "a request hung for {:?}",
+                            t0.elapsed()
+                        );
+                        if r.status == 200 {
+                            ok.fetch_add(1, Ordering::Relaxed);
+                        } else {
+                            // Every failure is an OpenAI error object.
+                            assert!(r.json["error"]["message"].is_string(), "{}", r.json);
+                            failed.fetch_add(1, Ordering::Relaxed);
+                            first
+                                .lock()
+                                .unwrap()
+                                .get_or_insert(format!("{} {}", r.status, r.json));
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                        i += clients;
+                    }
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            ok,
+            failed,
+            first_failure,
+            tasks,
+        }
+    }
+
+    async fn finish(self) -> (usize, usize, Option<String>) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.tasks {
+            t.await.expect("load task");
+        }
+        let first = self.first_failure.lock().unwrap().clone();
+        (
+            self.ok.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+            first,
+        )
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_gateway_replica_costs_the_other_nothing() {
+    let nats = Nats::start();
+    let mut workers = Node::start(
+        &node_config("w", &nats.url, None, 2, "").replace("speedup = 0.0", "speedup = 1.0"),
+    );
+    let (pa, pb) = (free_port(), free_port());
+    let mut a = Node::start(&gateway_cfg("gw-a", &nats.url, pa));
+    let mut b = Node::start(&gateway_cfg("gw-b", &nats.url, pb));
+    let (ha, hb) = (Http::new(pa), Http::new(pb));
+    ha.wait_ready(2, &mut a).await;
+    hb.wait_ready(2, &mut b).await;
+
+    let load_a = Load::start(pa, 4, 10_000);
+    let load_b = Load::start(pb, 4, 10_000);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    a.signal(libc::SIGKILL);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (ok_b, failed_b, first) = load_b.finish().await;
+    assert!(ok_b > 20, "too little load on the survivor ({ok_b})");
+    assert_eq!(
+        failed_b, 0,
+        "the surviving replica failed requests: {first:?}"
+    );
+    // The killed replica's clients see connection errors, not hangs.
+    let (_, failed_a, _) = load_a.finish().await;
+    assert!(failed_a > 0, "requests to the killed replica should fail");
+    assert!(workers.alive());
+
+    // Restarted on the same port, it catches up with its peer before routing.
+    let mut a = Node::start(&gateway_cfg("gw-a", &nats.url, pa));
+    ha.wait_ready(2, &mut a).await;
+    for i in [0usize, 3, 5, 9, 14] {
+        let p = prompt(i);
+        let t0 = Instant::now();
+        loop {
+            let (x, y) = (overlap(&ha, &p).await, overlap(&hb, &p).await);
+            if x == y && x.as_object().is_some_and(|o| !o.is_empty()) {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "replicas disagree on prompt {i}: {x} vs {y}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let r = ha
+        .post(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": prompt(1), "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.json);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_restart_under_load_recovers_without_hangs_or_panics() {
+    let mut nats = Nats::start();
+    let port = free_port();
+    let cfg = node_config("n1", &nats.url, Some(port), 2, "")
+        .replace("policy = \"least_loaded\"", "policy = \"kv_aware\"")
+        .replace("speedup = 0.0", "speedup = 1.0");
+    let mut node = Node::start(&cfg);
+    let http = Http::new(port);
+    http.wait_ready(2, &mut node).await;
+
+    let load = Load::start(port, 4, 3_000);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    nats.stop();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    nats.restart();
+    // Service comes back by itself.
+    let t0 = Instant::now();
+    loop {
+        let r = http
+            .post(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": prompt(0), "max_tokens": 4}),
+            )
+            .await;
+        if r.status == 200 {
+            break;
+        }
+        assert!(r.json["error"]["message"].is_string(), "{}", r.json);
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "no successful request after the bus came back: {}",
+            r.json
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Keep the load on past the router's worker TTL (3 s): registrations
+    // must be refreshed on the new server, or every worker would expire.
+    let ok_before = load.ok.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let failed_before = load.failed.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        load.failed.load(Ordering::Relaxed),
+        failed_before,
+        "requests still fail 4 s after the bus came back"
+    );
+    assert!(load.ok.load(Ordering::Relaxed) > ok_before + 10);
+    let (ok, failed, first) = load.finish().await;
+    eprintln!(
+        "bus outage: {ok} ok, {failed} failed (first: {first:?}); back after {:?}",
+        t0.elapsed()
+    );
+    assert!(
+        ok > 10,
+        "too little load ({ok} ok, {failed} failed: {first:?})"
+    );
+    assert!(node.alive(), "the node died:\n{}", node.log_text());
+    let log = node.log_text();
+    assert!(!log.contains("panicked"), "a panic:\n{log}");
+
+    // The KV index converges: for every worker, the router indexes exactly
+    // the blocks the worker says it holds, and a prompt served now is found
+    // in the index.
+    let p: Vec<u32> = (7000..7100).collect();
+    let body = json!({"model": MODEL, "prompt": p, "max_tokens": 2});
+    let first = http.post("/v1/completions", &body).await;
+    assert_eq!(first.status, 200, "{}", first.json);
+    let w = first.worker.clone().unwrap();
+    let t0 = Instant::now();
+    loop {
+        let o = overlap(&http, &p).await;
+        let mut exact = o[&w]["device"].as_u64().unwrap_or(0) >= 6;
+        for r in registrations(&nats.url).await {
+            let id = r.worker_id.to_string();
+            let key = format!("dynamo_router_kv_index_blocks{{worker=\"{id}\",tier=\"device\"}}");
+            exact &= http.metric(&key).await as usize == worker_blocks(&nats.url, &id).await;
+        }
+        if exact {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the index did not converge: {o}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
