@@ -10,10 +10,14 @@ state=$(mktemp -d -t dynamo-ha.XXXXXX)
 pids=()
 stop() {
     trap - INT TERM EXIT
-    echo "stopping..."
-    for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+    echo "stopping (nodes drain and deregister, then NATS stops)..."
+    # Nodes first, while the bus is up; NATS (the first pid) last.
+    for p in "${pids[@]:1}"; do kill -TERM "$p" 2>/dev/null || true; done
+    for p in "${pids[@]:1}"; do wait "$p" 2>/dev/null || true; done
+    kill -TERM "${pids[0]}" 2>/dev/null || true
     wait 2>/dev/null || true
     echo "logs kept in $state"
+    exit 0
 }
 trap stop INT TERM EXIT
 

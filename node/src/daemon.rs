@@ -189,8 +189,9 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
     let _ = sup.call(SupervisorMsg::Shutdown, Some(grace)).await;
     sup.stop(None);
     let _ = tokio::time::timeout(Duration::from_secs(5), sup_handle).await;
-    let _ = nodes.delete(&node_key).await;
-    let _ = bus.client.flush().await;
+    // Bounded: with the bus gone these would wait for a server that is not there.
+    let _ = tokio::time::timeout(Duration::from_secs(2), nodes.delete(&node_key)).await;
+    let _ = tokio::time::timeout(Duration::from_secs(2), bus.client.flush()).await;
     tracing::info!("node stopped");
     Ok(())
 }
