@@ -39,12 +39,13 @@ test: deps lint
 	$(CARGO) build --bins
 	$(CARGO) test --workspace
 
-## bench: the benchmarks in BENCHMARKS.md (serving path, KV index, KV routing replay, CPU engine)
+## bench: the benchmarks in BENCHMARKS.md (serving path, KV index, KV routing replay, CPU engine, failover)
 bench: build
 	./scripts/bench.sh
 	$(CARGO) run --release -q -p dynamo-kv-index --example index_report
 	./scripts/replay_bench.sh
 	$(CARGO) run --release -q -p dynamo-cpu-engine --example cpu_bench
+	$(CARGO) test --release -q -p dynamo-integration --test migration -- --ignored --nocapture failover_latency
 
 clean:
 	$(CARGO) clean

@@ -174,9 +174,45 @@ async fn killing_a_gateway_replica_costs_the_other_nothing() {
     assert!(failed_a > 0, "requests to the killed replica should fail");
     assert!(workers.alive());
 
-    // Restarted on the same port, it catches up with its peer before routing.
+    // A prompt only one worker has seen.
+    let q: Vec<u32> = (30_000..30_100).collect();
+    let qb = json!({"model": MODEL, "prompt": q, "max_tokens": 2});
+    let served = hb.post("/v1/completions", &qb).await;
+    assert_eq!(served.status, 200, "{}", served.json);
+    let holder = served.worker.clone().unwrap();
+    let t0 = Instant::now();
+    while overlap(&hb, &q).await[&holder]["device"]
+        .as_u64()
+        .unwrap_or(0)
+        < 6
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "index never learned the prompt"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Restarted on the same port, it catches up with its peer before routing:
+    // its very first request already follows the cache.
     let mut a = Node::start(&gateway_cfg("gw-a", &nats.url, pa));
     ha.wait_ready(2, &mut a).await;
+    let first = ha.post("/v1/completions", &qb).await;
+    assert_eq!(first.status, 200, "{}", first.json);
+    assert_eq!(
+        first.worker.as_deref(),
+        Some(holder.as_str()),
+        "routed before catching up"
+    );
+    assert_eq!(
+        first.json["usage"]["prompt_tokens_details"]["cached_tokens"],
+        96
+    );
+    assert!(
+        a.log_text().contains("router caught up"),
+        "{}",
+        a.log_text()
+    );
     for i in [0usize, 3, 5, 9, 14] {
         let p = prompt(i);
         let t0 = Instant::now();

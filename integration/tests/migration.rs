@@ -161,17 +161,147 @@ async fn migration_can_be_turned_off_per_request() {
     let victim = c.workers[0].pid() as i32;
     let body = json!({"model": MODEL, "prompt": prompt(1), "max_tokens": 400,
                       "stream": true, "ignore_eos": true, "max_migrations": 0});
+    let (first_tx, first_rx) = tokio::sync::oneshot::channel::<()>();
+    let port = c.port;
+    let task = tokio::spawn(async move {
+        let http = Http::new(port);
+        let mut r = http
+            .client
+            .post(format!("{}/v1/completions", http.base))
+            .json(&body)
+            .send()
+            .await
+            .expect("request");
+        assert_eq!(r.status().as_u16(), 200);
+        let mut text = String::new();
+        let mut first = Some(first_tx);
+        while let Ok(Some(chunk)) = r.chunk().await {
+            text.push_str(&String::from_utf8_lossy(&chunk));
+            if text.contains("\"text\"") {
+                if let Some(tx) = first.take() {
+                    let _ = tx.send(());
+                }
+            }
+        }
+        text
+    });
+    // Strike once tokens flow: the failure happens mid-stream.
+    first_rx.await.expect("first token");
     let t0 = Instant::now();
-    let task =
-        tokio::spawn(async move { Http::new(c.port).stream("/v1/completions", &body).await });
-    tokio::time::sleep(Duration::from_millis(300)).await;
     unsafe { libc::kill(victim, libc::SIGKILL) };
-    let (status, events) = task.await.unwrap();
-    assert_eq!(status, 200);
-    let last: Value = serde_json::from_str(events.last().unwrap()).unwrap();
+    let text = task.await.unwrap();
+    let last = text
+        .split("\n\n")
+        .filter_map(|e| e.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .last()
+        .expect("an event");
+    let last: Value = serde_json::from_str(last).unwrap();
     assert_eq!(last["error"]["type"], "server_error", "{last}");
     assert!(
         t0.elapsed() < Duration::from_secs(5),
         "failure not surfaced promptly"
     );
+    assert_eq!(
+        c.http
+            .metric("dynamo_gateway_migration_failures_total{why=\"limit\"}")
+            .await,
+        1
+    );
+}
+
+/// BENCHMARKS.md: time from `kill -9` of the serving worker to the next
+/// token the client receives (detection + re-route + re-prefill), over 20
+/// trials. `cargo test --release -p dynamo-integration --test migration --
+/// --ignored --nocapture failover_latency` (after `cargo build --release --bins`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: run explicitly (make bench)"]
+async fn failover_latency() {
+    use std::sync::{Arc, Mutex};
+    const TRIALS: usize = 20;
+    let mut c = cluster(2).await;
+    let mut samples = Vec::new();
+    for (trial, spawned) in (0..TRIALS).zip(2..) {
+        let arrivals: Arc<Mutex<Vec<Instant>>> = Arc::default();
+        let (tx, rx) = tokio::sync::oneshot::channel::<String>();
+        let port = c.port;
+        let a = arrivals.clone();
+        let task = tokio::spawn(async move {
+            let http = Http::new(port);
+            let body = json!({"model": MODEL, "prompt": prompt(trial), "max_tokens": 3000,
+                              "stream": true, "ignore_eos": true});
+            let mut r = http
+                .client
+                .post(format!("{}/v1/completions", http.base))
+                .json(&body)
+                .send()
+                .await
+                .expect("request");
+            let worker = r
+                .headers()
+                .get("x-dynamo-worker")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+                .to_string();
+            let _ = tx.send(worker);
+            while let Ok(Some(chunk)) = r.chunk().await {
+                if String::from_utf8_lossy(&chunk).contains("\"text\"") {
+                    a.lock().unwrap().push(Instant::now());
+                }
+            }
+        });
+        let worker = rx.await.expect("response headers");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let regs = registrations(&c._nats.url).await;
+        let pid = regs
+            .iter()
+            .find(|r| r.worker_id.to_string() == worker)
+            .map(|r| r.pid)
+            .expect("serving worker registered");
+        let idx = c
+            .workers
+            .iter()
+            .position(|w| w.pid() == pid)
+            .expect("our node");
+        let killed_at = Instant::now();
+        c.workers[idx].signal(libc::SIGKILL);
+        let t0 = Instant::now();
+        let next = loop {
+            let after = arrivals
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|t| **t > killed_at + Duration::from_millis(5))
+                .copied();
+            if let Some(t) = after {
+                break t;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "no token after the kill"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        };
+        samples.push((next - killed_at).as_secs_f64() * 1000.0);
+        task.abort();
+        // Replace the dead worker so every trial starts with two.
+        c.workers.remove(idx);
+        c.workers.push(Node::start(
+            &node_config(&format!("w{spawned}"), &c._nats.url, None, 1, "")
+                .replace("speedup = 0.0", "speedup = 1.0"),
+        ));
+        // The router forgets the dead worker after its TTL (3 s).
+        tokio::time::sleep(Duration::from_millis(3500)).await;
+        c.http.wait_ready(2, &mut c.gateway).await;
+    }
+    samples.sort_by(f64::total_cmp);
+    let pct = |p: f64| samples[((samples.len() - 1) as f64 * p).round() as usize];
+    println!(
+        "kill -9 → next token over {TRIALS} trials: p50 {:.0} ms, p99 {:.0} ms, min {:.0} ms, max {:.0} ms",
+        pct(0.5),
+        pct(0.99),
+        samples[0],
+        samples[samples.len() - 1]
+    );
+    assert!(pct(0.5) < 5000.0);
 }

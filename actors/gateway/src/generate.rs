@@ -570,6 +570,40 @@ async fn route(
     within: Duration,
 ) -> Result<RouteDecision, ApiError> {
     let router = shared.router()?;
+    let t0 = Instant::now();
+    loop {
+        match route_once(&router, request_id, model, tokens, exclude, weights, within).await? {
+            // A replica that just started loads its view first; wait for it
+            // (bounded by the router's own cap and this request's deadline).
+            Err(RouteError::CatchingUp) if t0.elapsed() < within => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(RouteError::CatchingUp) => {
+                return Err(ApiError::unavailable(
+                    "The router is still starting; retry shortly.",
+                ))
+            }
+            Err(RouteError::UnknownModel { model }) => {
+                return Err(ApiError::model_not_found(&model))
+            }
+            Err(e @ RouteError::NoWorkers { .. }) => {
+                return Err(ApiError::unavailable(format!("{e}. Retry shortly.")))
+            }
+            Ok(d) => return Ok(d),
+        }
+    }
+}
+
+/// One routing call (the outer error: the router did not answer).
+async fn route_once(
+    router: &ractor::ActorRef<RouterMsg>,
+    request_id: RequestId,
+    model: &ModelName,
+    tokens: &Arc<Vec<u32>>,
+    exclude: &[WorkerId],
+    weights: Option<dynamo_router::policy::KvCostWeights>,
+    within: Duration,
+) -> Result<Result<RouteDecision, RouteError>, ApiError> {
     let call = router
         .call(
             |reply| RouterMsg::Route {
@@ -584,13 +618,7 @@ async fn route(
         )
         .await;
     match call {
-        Ok(CallResult::Success(Ok(d))) => Ok(d),
-        Ok(CallResult::Success(Err(RouteError::UnknownModel { model }))) => {
-            Err(ApiError::model_not_found(&model))
-        }
-        Ok(CallResult::Success(Err(e @ RouteError::NoWorkers { .. }))) => {
-            Err(ApiError::unavailable(format!("{e}. Retry shortly.")))
-        }
+        Ok(CallResult::Success(r)) => Ok(r),
         _ => Err(ApiError::unavailable(
             "The router did not answer; retry shortly.",
         )),

@@ -62,6 +62,10 @@ pub enum RouterMsg {
     RemoteLoad(ActiveLoadEvent),
     PeerHeartbeat(RouterId),
     LoadSnapshot(Vec<ActiveLoadEvent>),
+    /// The peer snapshot step is over (loaded, or no peer answered).
+    SnapshotDone,
+    /// The worker registry's history has been read.
+    RegistryLoaded,
     ServeSnapshot(RpcReplyPort<Vec<ActiveLoadEvent>>),
     /// Publish this router's heartbeat.
     Heartbeat,
@@ -151,7 +155,8 @@ impl Actor for RouterActor {
                 }
             }
         });
-        let state = RouterState::new(args.config.worker_ttl, build(args.config.policy));
+        let mut state = RouterState::new(args.config.worker_ttl, build(args.config.policy));
+        state.begin_catch_up(Instant::now());
         tokio::spawn(serve_info(
             args.bus.clone(),
             myself.clone(),
@@ -200,7 +205,14 @@ impl Actor for RouterActor {
         let s = &mut rt.state;
         let now = Instant::now();
         match msg {
-            RouterMsg::Upsert(reg) => s.upsert(*reg, now),
+            RouterMsg::Upsert(reg) => {
+                s.upsert(*reg, now);
+                // A worker seen for the first time is dumped at once, not at
+                // the next tick: a starting replica routes only after that.
+                for w in s.kv_dumps_due(now) {
+                    tokio::spawn(request_dump(rt.bus.clone(), w, myself.clone()));
+                }
+            }
             RouterMsg::KvBatch(b) => s.kv_batch(b),
             RouterMsg::KvDump(d) => s.kv_dump(d),
             RouterMsg::Remove(id) => s.remove(id),
@@ -250,6 +262,8 @@ impl Actor for RouterActor {
                 );
                 s.load_snapshot(&entries, now);
             }
+            RouterMsg::SnapshotDone => s.snapshot_done(),
+            RouterMsg::RegistryLoaded => s.registry_loaded(),
             RouterMsg::ServeSnapshot(reply) => {
                 let _ = reply.send(s.active_snapshot());
             }
@@ -335,11 +349,23 @@ async fn watch_workers(
                 }
             }
         };
+        // The history is read once an entry says nothing is pending, or
+        // when none comes at all (an empty bucket).
+        let mut history_read = false;
+        let quiet = tokio::time::sleep(Duration::from_millis(200));
+        tokio::pin!(quiet);
         loop {
             let entry = tokio::select! {
                 _ = cancel.cancelled() => return,
+                _ = &mut quiet, if !history_read => {
+                    history_read = true;
+                    let _ = router.cast(RouterMsg::RegistryLoaded);
+                    continue;
+                }
                 e = w.next() => e,
             };
+            // Signalled after this entry's own message (below).
+            let last_of_history = matches!(&entry, Some(Ok(e)) if e.delta == 0) && !history_read;
             let entry = match entry {
                 Some(Ok(e)) => e,
                 Some(Err(e)) => {
@@ -368,6 +394,10 @@ async fn watch_workers(
             };
             if router.cast(msg).is_err() {
                 return;
+            }
+            if last_of_history {
+                history_read = true;
+                let _ = router.cast(RouterMsg::RegistryLoaded);
             }
         }
         tokio::select! {
@@ -455,6 +485,7 @@ async fn share_load(
             tracing::info!(reason = %e, "no peer snapshot of the active load (first replica?)")
         }
     }
+    let _ = router.cast(RouterMsg::SnapshotDone);
     let snap_sub = match bus
         .client
         .queue_subscribe(bus.subjects.router_snapshot(), "routers".into())

@@ -101,6 +101,14 @@ impl KvSync {
         }
     }
 
+    /// Workers whose index still waits for a dump.
+    pub fn syncing(&self) -> usize {
+        self.workers
+            .values()
+            .filter(|s| matches!(s, Sync::Syncing { .. }))
+            .count()
+    }
+
     /// Publish-to-apply delay of the worker's last event batch (ms).
     pub fn lag_ms(&self, w: WorkerId) -> u64 {
         self.lag_ms.get(&w).copied().unwrap_or(0)

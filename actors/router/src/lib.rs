@@ -14,6 +14,7 @@
 pub mod active;
 pub mod actor;
 pub mod approx;
+pub mod catch_up;
 pub mod kv_sync;
 pub mod policy;
 pub mod state;

@@ -9,6 +9,7 @@
 
 use crate::active::{ActiveLoad, WorkerLoad};
 use crate::approx::Approx;
+use crate::catch_up::CatchUp;
 use crate::kv_sync::{KvStats, KvSync};
 use crate::policy::{Candidate, KvCostWeights, RouteRequest, RoutingPolicy};
 use crate::timing::RouteTimings;
@@ -28,6 +29,8 @@ pub enum RouteError {
     UnknownModel { model: String },
     #[error("no worker is available for model {model:?} ({registered} registered, none serving and fresh)")]
     NoWorkers { model: String, registered: usize },
+    #[error("the router is still loading its view of the cluster")]
+    CatchingUp,
 }
 
 #[derive(Clone, Debug)]
@@ -64,6 +67,7 @@ pub struct RouterState {
     active: ActiveLoad,
     timings: RouteTimings,
     approx: Approx,
+    catch_up: CatchUp,
 }
 
 impl RouterState {
@@ -81,7 +85,23 @@ impl RouterState {
             active: ActiveLoad::new(id, Duration::from_secs(3600), Duration::from_secs(3)),
             timings: RouteTimings::default(),
             approx: Approx::default(),
+            catch_up: CatchUp::done(),
         }
+    }
+
+    /// Holds routing until this replica's view is whole (see `catch_up`).
+    pub fn begin_catch_up(&mut self, now: Instant) {
+        self.catch_up = CatchUp::begin(now);
+    }
+
+    /// The registry's history has been read.
+    pub fn registry_loaded(&mut self) {
+        self.catch_up.registry_loaded();
+    }
+
+    /// A peer's load snapshot was loaded, or none answered.
+    pub fn snapshot_done(&mut self) {
+        self.catch_up.snapshot_done();
     }
 
     pub fn router_id(&self) -> RouterId {
@@ -334,6 +354,9 @@ impl RouterState {
         weights: Option<KvCostWeights>,
         now: Instant,
     ) -> Result<(RouteDecision, ActiveLoadEvent), RouteError> {
+        if !self.catch_up.check(self.kv.syncing(), now) {
+            return Err(RouteError::CatchingUp);
+        }
         let t0 = Instant::now();
         let ttl = self.ttl;
         let mut registered = 0;
