@@ -46,6 +46,7 @@ bench: build
 	./scripts/replay_bench.sh
 	$(CARGO) run --release -q -p dynamo-cpu-engine --example cpu_bench
 	$(CARGO) test --release -q -p dynamo-integration --test migration -- --ignored --nocapture failover_latency
+	$(CARGO) run --release -q -p dynamo-transfer --example transfer_bench
 
 clean:
 	$(CARGO) clean

@@ -1,0 +1,449 @@
+//! `dynamo-transfer`: moving KV blocks between workers over libfabric.
+//!
+//! An [`Agent`] owns one reliable-datagram endpoint (fabric, domain,
+//! address vector, completion queue). A [`Region`] is a buffer registered
+//! for remote writes; its [`RemoteRegion`] descriptor (key, base, length)
+//! is what a peer needs to write into it, and it serializes for the bus.
+//! [`Agent::write`] posts a one-sided write and waits for its completion,
+//! making progress on the way; the target must call [`Agent::progress`]
+//! (the tcp and shm providers progress manually).
+//!
+//! Invariants: every libfabric object is closed exactly once, in reverse
+//! order of creation; a region's memory stays allocated and registered
+//! while the region lives; memory-region keys are unique per process; a
+//! write either completes, fails with the provider's error, or times out:
+//! it never waits forever.
+
+use dynamo_fabric_sys as sys;
+use serde::{Deserialize, Serialize};
+use std::ffi::{CStr, CString};
+use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+#[derive(Debug, Error, PartialEq)]
+pub enum FabricError {
+    #[error("libfabric {call} failed: {message} ({code})")]
+    Call {
+        call: &'static str,
+        code: i64,
+        message: String,
+    },
+    #[error("provider {0:?} is not available here")]
+    NoProvider(String),
+    #[error("write of {len} bytes at offset {offset} does not fit a region of {size} bytes")]
+    OutOfRange { offset: u64, len: u64, size: u64 },
+    #[error("peer address is malformed ({0} bytes)")]
+    BadAddress(usize),
+    #[error("write did not complete within {0:?}")]
+    Timeout(Duration),
+    #[error("write failed on completion: {0}")]
+    Completion(String),
+}
+
+fn check(call: &'static str, rc: i64) -> Result<(), FabricError> {
+    if rc >= 0 {
+        return Ok(());
+    }
+    // SAFETY: fi_strerror returns a static string for any code.
+    let message = unsafe { CStr::from_ptr(sys::fi_strerror((-rc) as i32)) }
+        .to_string_lossy()
+        .into_owned();
+    Err(FabricError::Call {
+        call,
+        code: rc,
+        message,
+    })
+}
+
+/// Unique memory-region keys: providers with `mr_mode` 0 take the key we ask for.
+static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
+
+/// A peer inserted into this agent's address vector.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Peer(sys::fi_addr_t);
+
+/// What a peer needs to write into a [`Region`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteRegion {
+    pub key: u64,
+    /// Address of offset 0 as the provider expects it (0 unless the
+    /// provider uses virtual addresses).
+    pub base: u64,
+    pub len: u64,
+}
+
+/// The libfabric objects of one agent; regions hold it too, so the domain
+/// outlives every memory region registered in it.
+struct Inner {
+    info: *mut sys::fi_info,
+    fabric: *mut sys::fid_fabric,
+    domain: *mut sys::fid_domain,
+    av: *mut sys::fid_av,
+    cq: *mut sys::fid_cq,
+    ep: *mut sys::fid_ep,
+}
+
+// SAFETY: the domain is opened with FI_THREAD_SAFE; the objects are only
+// closed in Drop, when no agent or region refers to them any more.
+unsafe impl Send for Inner {}
+unsafe impl Sync for Inner {}
+
+/// One write: a range of a local region to an offset of a peer's region.
+#[derive(Clone, Copy)]
+pub struct WriteOp<'a> {
+    pub local: &'a Region,
+    pub offset: usize,
+    pub len: usize,
+    pub peer: Peer,
+    pub remote: &'a RemoteRegion,
+    pub remote_offset: u64,
+}
+
+/// One endpoint on one provider.
+pub struct Agent {
+    inner: std::sync::Arc<Inner>,
+    virt_addr: bool,
+    provider: String,
+}
+
+impl Agent {
+    /// Opens an RDM endpoint on `provider` (e.g. `tcp;ofi_rxm`, `shm`).
+    pub fn new(provider: &str) -> Result<Self, FabricError> {
+        // SAFETY: plain libfabric object construction; every pointer is
+        // checked and owned by the returned agent (closed in Drop).
+        unsafe {
+            let hints = sys::dfi_allocinfo();
+            if hints.is_null() {
+                return Err(FabricError::NoProvider(provider.into()));
+            }
+            (*hints).caps = (sys::FI_RMA | sys::FI_WRITE | sys::FI_REMOTE_WRITE) as u64;
+            (*(*hints).ep_attr).type_ = sys::fi_ep_type_FI_EP_RDM;
+            (*(*hints).domain_attr).threading = sys::fi_threading_FI_THREAD_SAFE;
+            // A write completes only once its data is visible at the target.
+            (*(*hints).tx_attr).op_flags = sys::FI_DELIVERY_COMPLETE as u64;
+            (*(*hints).domain_attr).mr_mode = (sys::FI_MR_LOCAL
+                | sys::FI_MR_VIRT_ADDR
+                | sys::FI_MR_ALLOCATED
+                | sys::FI_MR_PROV_KEY
+                | sys::FI_MR_ENDPOINT) as i32;
+            let name =
+                CString::new(provider).map_err(|_| FabricError::NoProvider(provider.into()))?;
+            (*(*hints).fabric_attr).prov_name = libc::strdup(name.as_ptr());
+            let mut info = ptr::null_mut();
+            let rc = sys::fi_getinfo(
+                sys::dfi_version(),
+                ptr::null(),
+                ptr::null(),
+                0,
+                hints,
+                &mut info,
+            );
+            sys::fi_freeinfo(hints);
+            if rc != 0 || info.is_null() {
+                return Err(FabricError::NoProvider(provider.into()));
+            }
+            let virt_addr = ((*(*info).domain_attr).mr_mode & sys::FI_MR_VIRT_ADDR as i32) != 0;
+            // Dropped (closing whatever was opened) if a step below fails.
+            let mut a = Inner {
+                info,
+                fabric: ptr::null_mut(),
+                domain: ptr::null_mut(),
+                av: ptr::null_mut(),
+                cq: ptr::null_mut(),
+                ep: ptr::null_mut(),
+            };
+            check(
+                "fi_fabric",
+                sys::fi_fabric((*info).fabric_attr, &mut a.fabric, ptr::null_mut()) as i64,
+            )?;
+            check(
+                "fi_domain",
+                sys::dfi_domain(a.fabric, info, &mut a.domain, ptr::null_mut()) as i64,
+            )?;
+            let mut av_attr = sys::fi_av_attr {
+                type_: sys::fi_av_type_FI_AV_TABLE,
+                ..Default::default()
+            };
+            check(
+                "fi_av_open",
+                sys::dfi_av_open(a.domain, &mut av_attr, &mut a.av, ptr::null_mut()) as i64,
+            )?;
+            let mut cq_attr = sys::fi_cq_attr {
+                format: sys::fi_cq_format_FI_CQ_FORMAT_DATA,
+                size: 1024,
+                ..Default::default()
+            };
+            check(
+                "fi_cq_open",
+                sys::dfi_cq_open(a.domain, &mut cq_attr, &mut a.cq, ptr::null_mut()) as i64,
+            )?;
+            check(
+                "fi_endpoint",
+                sys::dfi_endpoint(a.domain, info, &mut a.ep, ptr::null_mut()) as i64,
+            )?;
+            check(
+                "fi_ep_bind(av)",
+                sys::dfi_ep_bind(a.ep, &mut (*a.av).fid, 0) as i64,
+            )?;
+            check(
+                "fi_ep_bind(cq)",
+                sys::dfi_ep_bind(a.ep, &mut (*a.cq).fid, (sys::FI_SEND | sys::FI_RECV) as u64)
+                    as i64,
+            )?;
+            check("fi_enable", sys::dfi_enable(a.ep) as i64)?;
+            Ok(Agent {
+                inner: std::sync::Arc::new(a),
+                virt_addr,
+                provider: provider.into(),
+            })
+        }
+    }
+
+    pub fn provider(&self) -> &str {
+        &self.provider
+    }
+
+    /// This endpoint's address, for peers to insert.
+    pub fn address(&self) -> Result<Vec<u8>, FabricError> {
+        let mut buf = vec![0u8; 256];
+        let mut len = buf.len();
+        // SAFETY: the buffer is `len` bytes long; the endpoint is open.
+        let rc = unsafe {
+            sys::dfi_getname(&mut (*self.inner.ep).fid, buf.as_mut_ptr().cast(), &mut len)
+        };
+        check("fi_getname", rc as i64)?;
+        buf.truncate(len);
+        Ok(buf)
+    }
+
+    /// Makes a peer addressable.
+    pub fn insert_peer(&mut self, address: &[u8]) -> Result<Peer, FabricError> {
+        if address.is_empty() || address.len() > 256 {
+            return Err(FabricError::BadAddress(address.len()));
+        }
+        let mut out: sys::fi_addr_t = 0;
+        // SAFETY: one address of the provider's format; `out` receives its handle.
+        let rc = unsafe {
+            sys::dfi_av_insert(
+                self.inner.av,
+                address.as_ptr().cast(),
+                1,
+                &mut out,
+                0,
+                ptr::null_mut(),
+            )
+        };
+        if rc != 1 {
+            check(
+                "fi_av_insert",
+                if rc < 0 {
+                    rc as i64
+                } else {
+                    -(libc::EINVAL as i64)
+                },
+            )?;
+        }
+        Ok(Peer(out))
+    }
+
+    /// Allocates `len` zeroed bytes registered for local and remote access.
+    pub fn register(&mut self, len: usize) -> Result<Region, FabricError> {
+        let mut buf = vec![0u8; len.max(1)].into_boxed_slice();
+        let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
+        let mut mr = ptr::null_mut();
+        let access =
+            (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE) as u64;
+        // SAFETY: the buffer lives in the region, which closes the MR before freeing it.
+        unsafe {
+            check(
+                "fi_mr_reg",
+                sys::dfi_mr_reg(
+                    self.inner.domain,
+                    buf.as_mut_ptr().cast(),
+                    buf.len(),
+                    access,
+                    0,
+                    key,
+                    0,
+                    &mut mr,
+                    ptr::null_mut(),
+                ) as i64,
+            )?;
+            let mode = (*(*self.inner.info).domain_attr).mr_mode;
+            if mode & sys::FI_MR_ENDPOINT as i32 != 0 {
+                check(
+                    "fi_mr_bind",
+                    sys::dfi_mr_bind(mr, &mut (*self.inner.ep).fid, 0) as i64,
+                )?;
+                check("fi_mr_enable", sys::dfi_mr_enable(mr) as i64)?;
+            }
+            let remote = RemoteRegion {
+                key: sys::dfi_mr_key(mr),
+                base: if self.virt_addr {
+                    buf.as_ptr() as u64
+                } else {
+                    0
+                },
+                len: buf.len() as u64,
+            };
+            Ok(Region {
+                _owner: self.inner.clone(),
+                desc: sys::dfi_mr_desc(mr),
+                mr,
+                buf,
+                remote,
+            })
+        }
+    }
+
+    /// Reads completions (the target of writes must call this: manual progress).
+    /// Returns how many operations completed.
+    pub fn progress(&mut self) -> Result<usize, FabricError> {
+        let mut entries = [sys::fi_cq_data_entry::default(); 16];
+        let mut done = 0;
+        loop {
+            // SAFETY: the array holds 16 entries of the CQ's format.
+            let rc = unsafe {
+                sys::dfi_cq_read(self.inner.cq, entries.as_mut_ptr().cast(), entries.len())
+            };
+            if rc > 0 {
+                done += rc as usize;
+                continue;
+            }
+            if rc == -(libc::EAGAIN as isize) {
+                return Ok(done);
+            }
+            if rc == -(sys::FI_EAVAIL as isize) {
+                let mut err = sys::fi_cq_err_entry::default();
+                // SAFETY: one error entry.
+                unsafe { sys::dfi_cq_readerr(self.inner.cq, &mut err, 0) };
+                return Err(FabricError::Completion(format!(
+                    "error {} (provider {})",
+                    err.err, err.prov_errno
+                )));
+            }
+            check("fi_cq_read", rc as i64)?;
+        }
+    }
+
+    /// Writes `op.local[offset..offset+len]` to `op.remote` at
+    /// `remote_offset` on `op.peer` and waits for the completion (at most
+    /// `timeout`).
+    pub fn write(&mut self, op: WriteOp<'_>, timeout: Duration) -> Result<(), FabricError> {
+        let WriteOp {
+            local,
+            offset,
+            len,
+            peer,
+            remote,
+            remote_offset,
+        } = op;
+        if offset + len > local.buf.len() {
+            return Err(FabricError::OutOfRange {
+                offset: offset as u64,
+                len: len as u64,
+                size: local.buf.len() as u64,
+            });
+        }
+        if remote_offset + len as u64 > remote.len {
+            return Err(FabricError::OutOfRange {
+                offset: remote_offset,
+                len: len as u64,
+                size: remote.len,
+            });
+        }
+        let deadline = Instant::now() + timeout;
+        loop {
+            // SAFETY: the source range is inside a registered region that
+            // outlives the call (we wait for the completion below).
+            let rc = unsafe {
+                sys::dfi_write(
+                    self.inner.ep,
+                    local.buf.as_ptr().add(offset).cast(),
+                    len,
+                    local.desc,
+                    peer.0,
+                    remote.base + remote_offset,
+                    remote.key,
+                    ptr::null_mut(),
+                )
+            };
+            if rc == 0 {
+                break;
+            }
+            if rc != -(libc::EAGAIN as isize) {
+                check("fi_write", rc as i64)?;
+            }
+            self.progress()?;
+            if Instant::now() >= deadline {
+                return Err(FabricError::Timeout(timeout));
+            }
+        }
+        loop {
+            if self.progress()? > 0 {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(FabricError::Timeout(timeout));
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // SAFETY: each object was opened once by this agent; close in reverse order.
+        unsafe {
+            for fid in [
+                (!self.ep.is_null()).then(|| &mut (*self.ep).fid as *mut sys::fid),
+                (!self.cq.is_null()).then(|| &mut (*self.cq).fid as *mut sys::fid),
+                (!self.av.is_null()).then(|| &mut (*self.av).fid as *mut sys::fid),
+                (!self.domain.is_null()).then(|| &mut (*self.domain).fid as *mut sys::fid),
+                (!self.fabric.is_null()).then(|| &mut (*self.fabric).fid as *mut sys::fid),
+            ]
+            .into_iter()
+            .flatten()
+            {
+                sys::dfi_close(fid);
+            }
+            sys::fi_freeinfo(self.info);
+        }
+    }
+}
+
+/// A registered buffer.
+pub struct Region {
+    _owner: std::sync::Arc<Inner>,
+    mr: *mut sys::fid_mr,
+    desc: *mut libc::c_void,
+    buf: Box<[u8]>,
+    remote: RemoteRegion,
+}
+
+// SAFETY: the region's memory is owned; the MR handle is only closed in Drop.
+unsafe impl Send for Region {}
+
+impl Region {
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf
+    }
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.buf
+    }
+    /// The descriptor peers write with.
+    pub fn remote(&self) -> RemoteRegion {
+        self.remote
+    }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: registered once in `Agent::register`.
+        unsafe {
+            sys::dfi_close(&mut (*self.mr).fid);
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! Real libfabric endpoints on loopback: one-sided writes land byte for
+//! byte, and a write to a peer that is gone fails within its timeout.
+
+use dynamo_transfer::{Agent, FabricError, WriteOp};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+fn write_and_check(provider: &str) {
+    let mut target = Agent::new(provider).expect("provider available");
+    let mut dst = target.register(1 << 20).unwrap();
+    let remote = dst.remote();
+    let addr = target.address().unwrap();
+    // The target makes progress in its own thread while the write runs.
+    let stop = Arc::new(AtomicBool::new(false));
+    let target = Arc::new(Mutex::new(target));
+    let t = {
+        let (stop, target) = (stop.clone(), target.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                target.lock().unwrap().progress().unwrap();
+            }
+        })
+    };
+    let mut init = Agent::new(provider).unwrap();
+    let peer = init.insert_peer(&addr).unwrap();
+    let mut src = init.register(1 << 20).unwrap();
+    for (i, b) in src.bytes_mut().iter_mut().enumerate() {
+        *b = (i * 7 + 3) as u8;
+    }
+    let op = |offset, len, remote_offset| WriteOp {
+        local: &src,
+        offset,
+        len,
+        peer,
+        remote: &remote,
+        remote_offset,
+    };
+    init.write(op(4096, 65536, 8192), Duration::from_secs(10))
+        .unwrap();
+    init.write(
+        WriteOp {
+            local: &src,
+            offset: 0,
+            len: 100,
+            peer,
+            remote: &remote,
+            remote_offset: 0,
+        },
+        Duration::from_secs(10),
+    )
+    .unwrap();
+    stop.store(true, Ordering::Relaxed);
+    t.join().unwrap();
+    let got = dst.bytes_mut();
+    assert_eq!(&got[8192..8192 + 65536], &src.bytes()[4096..4096 + 65536]);
+    assert_eq!(&got[..100], &src.bytes()[..100]);
+    assert!(
+        got[100..8192].iter().all(|b| *b == 0),
+        "nothing else written"
+    );
+    // Out-of-range writes are refused before they reach the wire.
+    assert!(matches!(
+        init.write(op(0, 16, remote.len - 8), Duration::from_secs(1)),
+        Err(FabricError::OutOfRange { .. })
+    ));
+}
+
+#[test]
+fn tcp_rxm_write_lands_byte_for_byte() {
+    write_and_check("tcp;ofi_rxm");
+}
+
+#[test]
+fn shm_write_lands_byte_for_byte() {
+    write_and_check("shm");
+}
+
+#[test]
+fn unknown_provider_is_a_clear_error() {
+    assert!(matches!(
+        Agent::new("no-such-provider"),
+        Err(FabricError::NoProvider(_))
+    ));
+}
+
+fn write_to_a_gone_peer_fails_in_time(provider: &str) {
+    let (remote, addr) = {
+        let mut target = Agent::new(provider).unwrap();
+        let region = target.register(4096).unwrap();
+        (region.remote(), target.address().unwrap())
+        // The target and its region are dropped here: the peer is gone.
+    };
+    let mut init = Agent::new(provider).unwrap();
+    let src = init.register(4096).unwrap();
+    let t0 = std::time::Instant::now();
+    let res = init.insert_peer(&addr).and_then(|peer| {
+        init.write(
+            WriteOp {
+                local: &src,
+                offset: 0,
+                len: 4096,
+                peer,
+                remote: &remote,
+                remote_offset: 0,
+            },
+            Duration::from_secs(2),
+        )
+    });
+    assert!(res.is_err(), "a write to a gone peer succeeded");
+    assert!(
+        t0.elapsed() < Duration::from_secs(4),
+        "took {:?}",
+        t0.elapsed()
+    );
+}
+
+#[test]
+fn tcp_rxm_write_to_a_gone_peer_fails_in_time() {
+    write_to_a_gone_peer_fails_in_time("tcp;ofi_rxm");
+}
+
+/// libfabric 1.17's shm provider crashes (SIGSEGV inside libfabric) when a
+/// write targets a peer whose shared-memory region is gone, so the transfer
+/// layer must learn of a dead same-host peer before writing to it (the
+/// worker registry does); kept here to re-check on newer libfabric.
+#[test]
+#[ignore = "libfabric 1.17 shm segfaults on a gone peer"]
+fn shm_write_to_a_gone_peer_fails_in_time() {
+    write_to_a_gone_peer_fails_in_time("shm");
+}
