@@ -325,6 +325,17 @@ impl Http {
         self.post_raw(path, body.to_string()).await
     }
 
+    /// `/v1/dynamo/overlap`: what each worker holds of `prompt`, by worker id.
+    pub async fn overlap(&self, prompt: &[u32]) -> Value {
+        self.post(
+            "/v1/dynamo/overlap",
+            &serde_json::json!({"model": MODEL, "prompt": prompt}),
+        )
+        .await
+        .json["workers"]
+            .clone()
+    }
+
     /// A streaming request: the `data:` payloads in order (the last is `[DONE]` when complete).
     pub async fn stream(&self, path: &str, body: &Value) -> (u16, Vec<String>) {
         let r = self

@@ -30,16 +30,6 @@ fn prompt(i: usize) -> Vec<u32> {
         .collect()
 }
 
-async fn overlap(http: &Http, prompt: &[u32]) -> Value {
-    http.post(
-        "/v1/dynamo/overlap",
-        &json!({"model": MODEL, "prompt": prompt}),
-    )
-    .await
-    .json["workers"]
-        .clone()
-}
-
 /// A completion request; `None` when the gateway cannot be reached.
 async fn try_post(http: &Http, body: &Value) -> Option<Reply> {
     let r = http
@@ -181,7 +171,7 @@ async fn killing_a_gateway_replica_costs_the_other_nothing() {
     assert_eq!(served.status, 200, "{}", served.json);
     let holder = served.worker.clone().unwrap();
     let t0 = Instant::now();
-    while overlap(&hb, &q).await[&holder]["device"]
+    while hb.overlap(&q).await[&holder]["device"]
         .as_u64()
         .unwrap_or(0)
         < 6
@@ -217,7 +207,7 @@ async fn killing_a_gateway_replica_costs_the_other_nothing() {
         let p = prompt(i);
         let t0 = Instant::now();
         loop {
-            let (x, y) = (overlap(&ha, &p).await, overlap(&hb, &p).await);
+            let (x, y) = (ha.overlap(&p).await, hb.overlap(&p).await);
             if x == y && x.as_object().is_some_and(|o| !o.is_empty()) {
                 break;
             }
@@ -308,7 +298,7 @@ async fn a_nats_restart_under_load_recovers_without_hangs_or_panics() {
     let w = first.worker.clone().unwrap();
     let t0 = Instant::now();
     loop {
-        let o = overlap(&http, &p).await;
+        let o = http.overlap(&p).await;
         let mut exact = o[&w]["device"].as_u64().unwrap_or(0) >= 6;
         for r in registrations(&nats.url).await {
             let id = r.worker_id.to_string();

@@ -2,19 +2,9 @@
 //! replica started late agrees with the others (index and load) at once.
 
 use dynamo_integration::*;
-use serde_json::{json, Value};
+use serde_json::json;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
-
-async fn overlap(http: &Http, prompt: &[u32]) -> Value {
-    http.post(
-        "/v1/dynamo/overlap",
-        &json!({"model": MODEL, "prompt": prompt}),
-    )
-    .await
-    .json["workers"]
-        .clone()
-}
 
 fn gateway_cfg(id: &str, nats: &str, port: u16) -> String {
     node_config(id, nats, Some(port), 0, "")
@@ -120,10 +110,7 @@ async fn replicas_share_load_and_a_late_replica_agrees() {
             .collect();
         let t0 = Instant::now();
         loop {
-            let (a, b) = (
-                overlap(&gws[0], &prompt).await,
-                overlap(&late, &prompt).await,
-            );
+            let (a, b) = (gws[0].overlap(&prompt).await, late.overlap(&prompt).await);
             if a == b && a.as_object().is_some_and(|o| !o.is_empty()) {
                 break;
             }

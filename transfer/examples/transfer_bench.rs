@@ -3,10 +3,8 @@
 //!
 //! `cargo run --release -p dynamo-transfer --example transfer_bench`
 
-use dynamo_transfer::{Agent, WriteOp};
+use dynamo_transfer::{Agent, Progress, WriteOp};
 use std::io::{Read, Write};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const SIZE: usize = 64 << 20;
@@ -23,16 +21,7 @@ fn fabric(provider: &str) -> Vec<f64> {
     let dst = target.register(SIZE).expect("register");
     let remote = dst.remote();
     let addr = target.address().expect("address");
-    let stop = Arc::new(AtomicBool::new(false));
-    let target = Arc::new(Mutex::new(target));
-    let t = {
-        let (stop, target) = (stop.clone(), target.clone());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                let _ = target.lock().map(|mut t| t.progress());
-            }
-        })
-    };
+    let progress = Progress::spawn(target).expect("progress thread");
     let mut init = Agent::new(provider).expect("agent");
     let peer = init.insert_peer(&addr).expect("peer");
     let mut src = init.register(SIZE).expect("register");
@@ -54,8 +43,7 @@ fn fabric(provider: &str) -> Vec<f64> {
         .expect("write");
         out.push(SIZE as f64 / t0.elapsed().as_secs_f64() / 1e9);
     }
-    stop.store(true, Ordering::Relaxed);
-    let _ = t.join();
+    progress.stop().expect("target progress");
     out.remove(0); // warm-up
     out
 }

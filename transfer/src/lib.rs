@@ -414,6 +414,63 @@ impl Drop for Inner {
     }
 }
 
+/// Drives an agent's progress from a thread of its own (a write target on
+/// a manual-progress provider needs one) until dropped.
+pub struct Progress {
+    agent: std::sync::Arc<std::sync::Mutex<Agent>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<Result<(), FabricError>>>,
+}
+
+impl Progress {
+    pub fn spawn(agent: Agent) -> std::io::Result<Self> {
+        let agent = std::sync::Arc::new(std::sync::Mutex::new(agent));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (a, st) = (agent.clone(), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name("fabric-progress".into())
+            .spawn(move || {
+                while !st.load(Ordering::Relaxed) {
+                    if let Ok(mut a) = a.lock() {
+                        a.progress()?;
+                    }
+                    std::thread::yield_now();
+                }
+                Ok(())
+            })?;
+        Ok(Progress {
+            agent,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The agent (locked while the progress thread is between polls).
+    pub fn agent(&self) -> std::sync::MutexGuard<'_, Agent> {
+        self.agent.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Stops the thread; returns the first progress error, if any.
+    pub fn stop(mut self) -> Result<(), FabricError> {
+        self.halt()
+    }
+
+    fn halt(&mut self) -> Result<(), FabricError> {
+        self.stop.store(true, Ordering::Relaxed);
+        match self.thread.take().map(|t| t.join()) {
+            Some(Ok(r)) => r,
+            Some(Err(_)) => Err(FabricError::Completion("progress thread panicked".into())),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        let _ = self.halt();
+    }
+}
+
 /// A registered buffer.
 pub struct Region {
     _owner: std::sync::Arc<Inner>,

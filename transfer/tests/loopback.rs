@@ -1,9 +1,7 @@
 //! Real libfabric endpoints on loopback: one-sided writes land byte for
 //! byte, and a write to a peer that is gone fails within its timeout.
 
-use dynamo_transfer::{Agent, FabricError, WriteOp};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use dynamo_transfer::{Agent, FabricError, Progress, WriteOp};
 use std::time::Duration;
 
 fn write_and_check(provider: &str) {
@@ -11,17 +9,8 @@ fn write_and_check(provider: &str) {
     let mut dst = target.register(1 << 20).unwrap();
     let remote = dst.remote();
     let addr = target.address().unwrap();
-    // The target makes progress in its own thread while the write runs.
-    let stop = Arc::new(AtomicBool::new(false));
-    let target = Arc::new(Mutex::new(target));
-    let t = {
-        let (stop, target) = (stop.clone(), target.clone());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::Relaxed) {
-                target.lock().unwrap().progress().unwrap();
-            }
-        })
-    };
+    // The target makes progress in its own thread while the writes run.
+    let progress = Progress::spawn(target).unwrap();
     let mut init = Agent::new(provider).unwrap();
     let peer = init.insert_peer(&addr).unwrap();
     let mut src = init.register(1 << 20).unwrap();
@@ -50,8 +39,7 @@ fn write_and_check(provider: &str) {
         Duration::from_secs(10),
     )
     .unwrap();
-    stop.store(true, Ordering::Relaxed);
-    t.join().unwrap();
+    progress.stop().unwrap();
     let got = dst.bytes_mut();
     assert_eq!(&got[8192..8192 + 65536], &src.bytes()[4096..4096 + 65536]);
     assert_eq!(&got[..100], &src.bytes()[..100]);
