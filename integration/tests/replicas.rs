@@ -67,7 +67,7 @@ async fn replicas_share_load_and_a_late_replica_agrees() {
 
     // A long request through replica 0 is visible in replica 1's load view.
     let long =
-        json!({"model": MODEL, "prompt": (5000..5100).collect::<Vec<u32>>(), "max_tokens": 400});
+        json!({"model": MODEL, "prompt": (5000..5100).collect::<Vec<u32>>(), "max_tokens": 1500});
     let h = {
         let gw = Http::new(ports[0]);
         tokio::spawn(async move { gw.post("/v1/completions", &long).await })
@@ -96,11 +96,14 @@ async fn replicas_share_load_and_a_late_replica_agrees() {
     let late = Http::new(late_port);
     late.wait_ready(4, &mut late_node).await;
     let key = format!("dynamo_router_worker_inflight{{worker=\"{busy_worker}\"}}");
+    // The long request (~9 s of decode) is still running: the late replica
+    // must see it from the snapshot it loaded.
     let t0 = Instant::now();
     while late.metric(&key).await != 1 {
         assert!(
-            t0.elapsed() < Duration::from_secs(3),
-            "late replica does not see the in-flight request"
+            t0.elapsed() < Duration::from_secs(5),
+            "late replica does not see the in-flight request (still running: {})",
+            !h.is_finished()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
