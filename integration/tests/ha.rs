@@ -183,6 +183,25 @@ async fn killing_a_gateway_replica_costs_the_other_nothing() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
+    // Wait until the survivor's view holds no load (the killed replica's
+    // requests expire with its heartbeats), so only the index can decide.
+    let t0 = Instant::now();
+    loop {
+        let m = hb.metrics_text().await;
+        let busy = m
+            .lines()
+            .filter(|l| l.starts_with("dynamo_router_worker_inflight{"))
+            .any(|l| !l.ends_with(" 0"));
+        if !busy {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "load never drained:\n{m}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
     // Restarted on the same port, it catches up with its peer before routing:
     // its very first request already follows the cache.
     let mut a = Node::start(&gateway_cfg("gw-a", &nats.url, pa));
