@@ -572,7 +572,25 @@ async fn route(
     let router = shared.router()?;
     let t0 = Instant::now();
     loop {
-        match route_once(&router, request_id, model, tokens, exclude, weights, within).await? {
+        let call = router
+            .call(
+                |reply| RouterMsg::Route {
+                    request_id,
+                    model: model.clone(),
+                    token_ids: tokens.clone(),
+                    exclude: exclude.to_vec(),
+                    weights,
+                    reply,
+                },
+                Some(Duration::from_secs(2).min(within)),
+            )
+            .await;
+        let Ok(CallResult::Success(answer)) = call else {
+            return Err(ApiError::unavailable(
+                "The router did not answer; retry shortly.",
+            ));
+        };
+        match answer {
             // A replica that just started loads its view first; wait for it
             // (bounded by the router's own cap and this request's deadline).
             Err(RouteError::CatchingUp) if t0.elapsed() < within => {
@@ -591,37 +609,6 @@ async fn route(
             }
             Ok(d) => return Ok(d),
         }
-    }
-}
-
-/// One routing call (the outer error: the router did not answer).
-async fn route_once(
-    router: &ractor::ActorRef<RouterMsg>,
-    request_id: RequestId,
-    model: &ModelName,
-    tokens: &Arc<Vec<u32>>,
-    exclude: &[WorkerId],
-    weights: Option<dynamo_router::policy::KvCostWeights>,
-    within: Duration,
-) -> Result<Result<RouteDecision, RouteError>, ApiError> {
-    let call = router
-        .call(
-            |reply| RouterMsg::Route {
-                request_id,
-                model: model.clone(),
-                token_ids: tokens.clone(),
-                exclude: exclude.to_vec(),
-                weights,
-                reply,
-            },
-            Some(Duration::from_secs(2).min(within)),
-        )
-        .await;
-    match call {
-        Ok(CallResult::Success(r)) => Ok(r),
-        _ => Err(ApiError::unavailable(
-            "The router did not answer; retry shortly.",
-        )),
     }
 }
 
