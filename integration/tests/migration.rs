@@ -4,6 +4,8 @@
 
 use dynamo_integration::*;
 use serde_json::{json, Value};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 struct Cluster {
@@ -49,11 +51,41 @@ struct Streamed {
     error: Option<Value>,
 }
 
-async fn stream_completion(port: u16, prompt: Vec<u32>, max_tokens: u32) -> Streamed {
+/// Streams a completion; bumps `flowing` once its first token arrives.
+async fn stream_completion(
+    port: u16,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    flowing: Arc<AtomicUsize>,
+) -> Streamed {
     let http = Http::new(port);
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
                       "stream": true, "ignore_eos": true});
-    let (status, events) = http.stream("/v1/completions", &body).await;
+    let mut r = http
+        .client
+        .post(format!("{}/v1/completions", http.base))
+        .json(&body)
+        .send()
+        .await
+        .expect("HTTP request");
+    let status = r.status().as_u16();
+    let mut raw = String::new();
+    let mut counted = false;
+    while let Ok(Some(chunk)) = r.chunk().await {
+        raw.push_str(&String::from_utf8_lossy(&chunk));
+        if !counted && raw.contains("\"text\"") {
+            counted = true;
+            flowing.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let events: Vec<String> = raw
+        .split("\n\n")
+        .filter_map(|ev| {
+            ev.lines()
+                .find_map(|l| l.strip_prefix("data: "))
+                .map(str::to_string)
+        })
+        .collect();
     let mut out = Streamed {
         text: String::new(),
         finish: None,
@@ -92,9 +124,19 @@ fn prompt(i: usize) -> Vec<u32> {
 /// checks every stream against the mocker's prediction.
 async fn strike_mid_stream(c: &Cluster, n: usize, after: Duration, strike: impl FnOnce()) {
     const MAX: u32 = 200;
+    let flowing = Arc::new(AtomicUsize::new(0));
     let tasks: Vec<_> = (0..n)
-        .map(|i| tokio::spawn(stream_completion(c.port, prompt(i), MAX)))
+        .map(|i| tokio::spawn(stream_completion(c.port, prompt(i), MAX, flowing.clone())))
         .collect();
+    // Strike mid-stream: once every stream has its first token.
+    let t0 = Instant::now();
+    while flowing.load(Ordering::SeqCst) < n {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "streams never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     tokio::time::sleep(after).await;
     strike();
     let t0 = Instant::now();
@@ -119,7 +161,7 @@ async fn strike_mid_stream(c: &Cluster, n: usize, after: Duration, strike: impl 
 async fn killing_a_worker_mid_stream_loses_no_token() {
     let c = cluster(3).await;
     let victim = c.workers[1].pid() as i32;
-    strike_mid_stream(&c, 50, Duration::from_millis(400), || unsafe {
+    strike_mid_stream(&c, 50, Duration::from_millis(100), || unsafe {
         libc::kill(victim, libc::SIGKILL);
     })
     .await;
@@ -139,7 +181,7 @@ async fn killing_a_worker_mid_stream_loses_no_token() {
 async fn a_frozen_worker_is_left_behind_within_the_liveness_window() {
     let c = cluster(2).await;
     let victim = c.workers[0].pid() as i32;
-    strike_mid_stream(&c, 16, Duration::from_millis(300), || unsafe {
+    strike_mid_stream(&c, 16, Duration::from_millis(100), || unsafe {
         libc::kill(victim, libc::SIGSTOP);
     })
     .await;
@@ -151,7 +193,7 @@ async fn a_frozen_worker_is_left_behind_within_the_liveness_window() {
     );
     // Thawed, it finds its requests gone (cancelled) and serves again.
     unsafe { libc::kill(victim, libc::SIGCONT) };
-    let s = stream_completion(c.port, prompt(99), 8).await;
+    let s = stream_completion(c.port, prompt(99), 8, Arc::default()).await;
     assert!(s.error.is_none() && s.done, "{s:?}");
 }
 
