@@ -338,25 +338,32 @@ impl Http {
 
     /// A streaming request: the `data:` payloads in order (the last is `[DONE]` when complete).
     pub async fn stream(&self, path: &str, body: &Value) -> (u16, Vec<String>) {
-        let r = self
-            .client
+        let r = self.open(path, body).await;
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap_or_default();
+        (status, sse_data(&text))
+    }
+
+    /// Sends a POST and returns the response unread (to read a stream chunk by chunk).
+    pub async fn open(&self, path: &str, body: &Value) -> reqwest::Response {
+        self.client
             .post(format!("{}{path}", self.base))
             .json(body)
             .send()
             .await
-            .expect("HTTP request");
-        let status = r.status().as_u16();
-        let text = r.text().await.unwrap_or_default();
-        let events = text
-            .split("\n\n")
-            .filter_map(|ev| {
-                ev.lines()
-                    .find_map(|l| l.strip_prefix("data: "))
-                    .map(str::to_string)
-            })
-            .collect();
-        (status, events)
+            .expect("HTTP request")
     }
+}
+
+/// The `data:` payloads of an SSE body, in order.
+pub fn sse_data(raw: &str) -> Vec<String> {
+    raw.split("\n\n")
+        .filter_map(|ev| {
+            ev.lines()
+                .find_map(|l| l.strip_prefix("data: "))
+                .map(str::to_string)
+        })
+        .collect()
 }
 
 /// Every worker registration in the test namespace's bucket.

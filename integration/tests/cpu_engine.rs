@@ -29,13 +29,7 @@ async fn stream_chat(http: &Http, messages: Value, max_tokens: u32) -> (Duration
         "temperature": 0, "stream": true, "stream_options": {"include_usage": true}
     });
     let t0 = Instant::now();
-    let mut r = http
-        .client
-        .post(format!("{}/v1/chat/completions", http.base))
-        .json(&body)
-        .send()
-        .await
-        .expect("HTTP request");
+    let mut r = http.open("/v1/chat/completions", &body).await;
     assert_eq!(r.status().as_u16(), 200);
     let mut buf = String::new();
     let mut ttft = None;

@@ -263,13 +263,7 @@ async fn a_client_disconnect_cancels_the_request_on_the_worker() {
     let load = |regs: Vec<WorkerRegistration>| regs[0].load.clone();
 
     let body = json!({"model": MODEL, "prompt": (800..900).collect::<Vec<u32>>(), "max_tokens": 2000, "stream": true});
-    let resp = http
-        .client
-        .post(format!("{}/v1/completions", http.base))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let resp = http.open("/v1/completions", &body).await;
     let mut chunks = resp.bytes_stream();
     let first = chunks.next().await.unwrap().unwrap();
     assert!(String::from_utf8_lossy(&first).starts_with("data: "));

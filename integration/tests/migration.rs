@@ -61,13 +61,7 @@ async fn stream_completion(
     let http = Http::new(port);
     let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
                       "stream": true, "ignore_eos": true});
-    let mut r = http
-        .client
-        .post(format!("{}/v1/completions", http.base))
-        .json(&body)
-        .send()
-        .await
-        .expect("HTTP request");
+    let mut r = http.open("/v1/completions", &body).await;
     let status = r.status().as_u16();
     let mut raw = String::new();
     let mut counted = false;
@@ -78,14 +72,7 @@ async fn stream_completion(
             flowing.fetch_add(1, Ordering::SeqCst);
         }
     }
-    let events: Vec<String> = raw
-        .split("\n\n")
-        .filter_map(|ev| {
-            ev.lines()
-                .find_map(|l| l.strip_prefix("data: "))
-                .map(str::to_string)
-        })
-        .collect();
+    let events = sse_data(&raw);
     let mut out = Streamed {
         text: String::new(),
         finish: None,
@@ -207,13 +194,7 @@ async fn migration_can_be_turned_off_per_request() {
     let port = c.port;
     let task = tokio::spawn(async move {
         let http = Http::new(port);
-        let mut r = http
-            .client
-            .post(format!("{}/v1/completions", http.base))
-            .json(&body)
-            .send()
-            .await
-            .expect("request");
+        let mut r = http.open("/v1/completions", &body).await;
         assert_eq!(r.status().as_u16(), 200);
         let mut text = String::new();
         let mut first = Some(first_tx);
@@ -232,13 +213,11 @@ async fn migration_can_be_turned_off_per_request() {
     let t0 = Instant::now();
     unsafe { libc::kill(victim, libc::SIGKILL) };
     let text = task.await.unwrap();
-    let last = text
-        .split("\n\n")
-        .filter_map(|e| e.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .last()
+    let last = sse_data(&text)
+        .into_iter()
+        .rfind(|d| d != "[DONE]")
         .expect("an event");
-    let last: Value = serde_json::from_str(last).unwrap();
+    let last: Value = serde_json::from_str(&last).unwrap();
     assert_eq!(last["error"]["type"], "server_error", "{last}");
     assert!(
         t0.elapsed() < Duration::from_secs(5),
@@ -272,13 +251,7 @@ async fn failover_latency() {
             let http = Http::new(port);
             let body = json!({"model": MODEL, "prompt": prompt(trial), "max_tokens": 3000,
                               "stream": true, "ignore_eos": true});
-            let mut r = http
-                .client
-                .post(format!("{}/v1/completions", http.base))
-                .json(&body)
-                .send()
-                .await
-                .expect("request");
+            let mut r = http.open("/v1/completions", &body).await;
             let worker = r
                 .headers()
                 .get("x-dynamo-worker")
