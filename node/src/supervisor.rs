@@ -331,6 +331,7 @@ impl SupervisorState {
                         heartbeat_interval: grp.heartbeat,
                         load_interval: Duration::from_millis(100),
                         stream_heartbeat: grp.stream_heartbeat,
+                        transfer: grp.transfer.clone(),
                     },
                     card: model.loaded.card.clone(),
                     artifacts: Arc::new(artifacts),

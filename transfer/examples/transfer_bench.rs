@@ -22,6 +22,7 @@ fn fabric(provider: &str) -> Vec<f64> {
     let remote = dst.remote();
     let addr = target.address().expect("address");
     let progress = Progress::spawn(target).expect("progress thread");
+    let _spin = progress.expect();
     let mut init = Agent::new(provider).expect("agent");
     let peer = init.insert_peer(&addr).expect("peer");
     let mut src = init.register(SIZE).expect("register");

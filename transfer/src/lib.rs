@@ -416,31 +416,60 @@ impl Drop for Inner {
 
 /// Drives an agent's progress from a thread of its own (a write target on
 /// a manual-progress provider needs one) until dropped.
+///
+/// It spins only while someone expects traffic ([`Progress::expect`]);
+/// otherwise it polls every `IDLE_POLL`, which keeps connection set-up
+/// moving without burning a core on an idle worker.
 pub struct Progress {
     agent: std::sync::Arc<std::sync::Mutex<Agent>>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    shared: std::sync::Arc<ProgressFlags>,
     thread: Option<std::thread::JoinHandle<Result<(), FabricError>>>,
+}
+
+#[derive(Default)]
+struct ProgressFlags {
+    stop: std::sync::atomic::AtomicBool,
+    paused: std::sync::atomic::AtomicBool,
+    expecting: std::sync::atomic::AtomicUsize,
+}
+
+/// Poll period of an idle progress thread.
+pub const IDLE_POLL: Duration = Duration::from_millis(2);
+
+/// While alive, the progress thread spins (see [`Progress::expect`]).
+pub struct Expecting(std::sync::Arc<ProgressFlags>);
+
+impl Drop for Expecting {
+    fn drop(&mut self) {
+        self.0.expecting.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 impl Progress {
     pub fn spawn(agent: Agent) -> std::io::Result<Self> {
         let agent = std::sync::Arc::new(std::sync::Mutex::new(agent));
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (a, st) = (agent.clone(), stop.clone());
+        let shared = std::sync::Arc::new(ProgressFlags::default());
+        let (a, f) = (agent.clone(), shared.clone());
         let thread = std::thread::Builder::new()
             .name("fabric-progress".into())
             .spawn(move || {
-                while !st.load(Ordering::Relaxed) {
-                    if let Ok(mut a) = a.lock() {
-                        a.progress()?;
+                while !f.stop.load(Ordering::Relaxed) {
+                    if !f.paused.load(Ordering::Relaxed) {
+                        if let Ok(mut a) = a.lock() {
+                            a.progress()?;
+                        }
                     }
-                    std::thread::yield_now();
+                    if f.expecting.load(Ordering::Relaxed) > 0 {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(IDLE_POLL);
+                    }
                 }
                 Ok(())
             })?;
         Ok(Progress {
             agent,
-            stop,
+            shared,
             thread: Some(thread),
         })
     }
@@ -450,13 +479,25 @@ impl Progress {
         self.agent.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Spin (poll without pausing) until the returned guard is dropped:
+    /// call it before asking a peer to write here.
+    pub fn expect(&self) -> Expecting {
+        self.shared.expecting.fetch_add(1, Ordering::Relaxed);
+        Expecting(self.shared.clone())
+    }
+
+    /// Stops polling for good (fault injection: a peer that never polls).
+    pub fn pause(&self) {
+        self.shared.paused.store(true, Ordering::Relaxed);
+    }
+
     /// Stops the thread; returns the first progress error, if any.
     pub fn stop(mut self) -> Result<(), FabricError> {
         self.halt()
     }
 
     fn halt(&mut self) -> Result<(), FabricError> {
-        self.stop.store(true, Ordering::Relaxed);
+        self.shared.stop.store(true, Ordering::Relaxed);
         match self.thread.take().map(|t| t.join()) {
             Some(Ok(r)) => r,
             Some(Err(_)) => Err(FabricError::Completion("progress thread panicked".into())),

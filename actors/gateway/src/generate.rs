@@ -21,8 +21,8 @@ use crate::inbox::Frame;
 use crate::openai::ValidGenerate;
 use crate::shared::Shared;
 use dynamo_bus_schema::{
-    unix_ms, CancelReason, CancelRequest, ErrorKind, FinishReason, GenerateAck, GenerateRequest,
-    ModelName, RequestId, SamplingParams, WireError, WorkerId,
+    unix_ms, CancelReason, CancelRequest, ErrorKind, FinishReason, GenerateAck, GenerateDisagg,
+    GenerateRequest, ModelName, RequestId, SamplingParams, WireError, WorkerId,
 };
 use dynamo_model::{IncrementalDecoder, Preprocessor};
 use dynamo_router::{RouteDecision, RouteError, RouterMsg};
@@ -63,6 +63,8 @@ pub enum GenEvent {
     Done {
         finish_reason: &'static str,
         usage: Usage,
+        /// The phase breakdown the worker reported (last attempt's).
+        timings: Option<dynamo_bus_schema::PhaseTimings>,
     },
 }
 
@@ -113,6 +115,7 @@ pub struct Generation {
     failed: Vec<WorkerId>,
     /// The current attempt has reported its first token to the router.
     prefill_reported: bool,
+    timings: Option<dynamo_bus_schema::PhaseTimings>,
 }
 
 /// Everything needed to send (or re-send) a request.
@@ -190,6 +193,7 @@ impl Generation {
             max_migrations,
             failed,
             prefill_reported: false,
+            timings: None,
         })
     }
 
@@ -233,7 +237,9 @@ impl Generation {
                 )));
             };
             let Some(seq) = frame.seq() else {
-                continue; // a heartbeat: the worker is alive
+                // A heartbeat (the worker is alive) or the phase breakdown.
+                let _ = self.on_frame(frame);
+                continue;
             };
             if seq != self.next_seq {
                 let e = ApiError::bad_gateway(format!(
@@ -376,6 +382,29 @@ impl Generation {
                 self.fail(map_wire(&f.error));
             }
             Frame::Heartbeat(_) => {}
+            Frame::Timings(f) => {
+                let m = &self.shared.metrics;
+                let t = &f.timings;
+                let mode = if t.prefill_worker.is_some() {
+                    "remote"
+                } else {
+                    "local"
+                };
+                for (phase, v) in [
+                    ("queue", t.queue_ms),
+                    ("prefill", t.prefill_ms),
+                    ("transfer", t.transfer_ms),
+                    ("first_token", t.first_token_ms),
+                ] {
+                    m.phase
+                        .with_label_values(&[phase, mode])
+                        .observe(v as f64 / 1000.0);
+                }
+                if t.fallback.is_some() {
+                    m.disagg_fallbacks.inc();
+                }
+                self.timings = Some(f.timings);
+            }
         }
         FrameOutcome::Continue
     }
@@ -394,6 +423,7 @@ impl Generation {
         self.queued.push_back(Ok(GenEvent::Done {
             finish_reason,
             usage: self.usage,
+            timings: self.timings.take(),
         }));
     }
 
@@ -509,10 +539,18 @@ async fn dispatch(
                     .as_millis() as u64,
         };
         let subject = shared.bus.subjects.worker_generate(decision.worker_id);
-        let res: Result<GenerateAck, BusError> = shared
-            .bus
-            .request(subject, &req, shared.config.ack_timeout.min(left))
-            .await;
+        let wait = shared.config.ack_timeout.min(left);
+        let res: Result<GenerateAck, BusError> = match decision.prefill_worker {
+            Some(prefill_worker) => {
+                let req = GenerateDisagg {
+                    request: req,
+                    prefill_worker,
+                    cached_blocks: decision.overlap_blocks,
+                };
+                shared.bus.request(subject, &req, wait).await
+            }
+            None => shared.bus.request(subject, &req, wait).await,
+        };
         let failure = match res {
             Ok(ack) => match ack.rejected {
                 None => {

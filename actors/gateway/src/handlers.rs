@@ -187,18 +187,33 @@ impl ChunkWriter {
         }
     }
 
-    /// A chunk with arbitrary `choices` (and optional usage).
-    fn raw(&self, choices: &Value, usage: Option<&Value>) -> Event {
+    /// A chunk with arbitrary `choices` (and optionally one more top-level
+    /// field: `usage`, or `timings` on a choice's last chunk).
+    fn raw(&self, choices: &Value, extra: Option<(&str, &Value)>) -> Event {
         let mut s = String::with_capacity(self.prefix.len() + 128);
         s.push_str(&self.prefix);
         s.push_str(&choices.to_string());
-        if let Some(u) = usage {
-            s.push_str(",\"usage\":");
-            s.push_str(&u.to_string());
+        if let Some((key, v)) = extra {
+            let _ = write!(s, ",\"{key}\":{v}");
         }
         s.push('}');
         Event::default().data(s)
     }
+}
+
+/// The `timings` extension of a response: where its prompt time went.
+fn timings_json(t: &dynamo_bus_schema::PhaseTimings) -> Value {
+    let ms = |x: f32| (x as f64 * 10.0).round() / 10.0;
+    json!({
+        "queue_ms": ms(t.queue_ms),
+        "prefill_ms": ms(t.prefill_ms),
+        "transfer_ms": ms(t.transfer_ms),
+        "first_token_ms": ms(t.first_token_ms),
+        "prefill_worker": t.prefill_worker.map(|w| w.to_string()),
+        "decode_worker": t.decode_worker.to_string(),
+        "disaggregated": t.prefill_worker.is_some(),
+        "fallback": t.fallback,
+    })
 }
 
 /// A content chunk: only the text is escaped per token.
@@ -245,7 +260,8 @@ async fn collect_response(
                 Some(Ok(GenEvent::Done {
                     finish_reason,
                     usage,
-                })) => return Ok((text, finish_reason, usage)),
+                    timings,
+                })) => return Ok((text, finish_reason, usage, timings)),
                 Some(Err(e)) => return Err(e),
                 None => return Err(ApiError::internal("Stream ended without a result.")),
             }
@@ -254,9 +270,11 @@ async fn collect_response(
     .await;
     let mut usage = Usage::default();
     let mut choices = Vec::new();
+    let mut all_timings = Vec::new();
     for (i, r) in results.into_iter().enumerate() {
-        let (text, finish_reason, u) = r?;
+        let (text, finish_reason, u, timings) = r?;
         usage.add(&u);
+        all_timings.extend(timings.map(|t| timings_json(&t)));
         choices.push(match ep {
             Endpoint::Chat => json!({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish_reason}),
             Endpoint::Completions => json!({"index": i, "text": text, "logprobs": null, "finish_reason": finish_reason}),
@@ -266,11 +284,17 @@ async fn collect_response(
         Endpoint::Chat => "chat.completion",
         Endpoint::Completions => "text_completion",
     };
-    Ok(Json(json!({
+    let mut body = json!({
         "id": id, "object": object, "created": now_s(), "model": model,
         "choices": choices, "usage": usage.json(),
-    }))
-    .into_response())
+    });
+    // Extension: where the first choice's prompt time went (all choices' when n > 1).
+    match all_timings.len() {
+        0 => {}
+        1 => body["timings"] = all_timings.remove(0),
+        _ => body["timings"] = Value::Array(all_timings),
+    }
+    Ok(Json(body).into_response())
 }
 
 fn stream_response(
@@ -289,8 +313,8 @@ fn stream_response(
     };
     let chunks = ChunkWriter::new(&id, object, created, &model);
     let chunk_prefix = chunks.prefix.clone();
-    let chunk = move |choices: Value, usage: Option<Value>| -> Event {
-        chunks.raw(&choices, usage.as_ref())
+    let chunk = move |choices: Value, extra: Option<(&str, Value)>| -> Event {
+        chunks.raw(&choices, extra.as_ref().map(|(k, v)| (*k, v)))
     };
     let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
     let n = gens.len();
@@ -322,16 +346,18 @@ fn stream_response(
                 Ok(GenEvent::Done {
                     finish_reason,
                     usage: u,
+                    timings,
                 }) => {
                     usage.add(&u);
+                    let timings = timings.map(|t| ("timings", timings_json(&t)));
                     match ep {
                         Endpoint::Chat => chunk(
                             json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": finish_reason}]),
-                            None,
+                            timings,
                         ),
                         Endpoint::Completions => chunk(
                             json!([{"index": i, "text": "", "logprobs": null, "finish_reason": finish_reason}]),
-                            None,
+                            timings,
                         ),
                     }
                 }
@@ -349,7 +375,7 @@ fn stream_response(
         }
         if opts.include_usage
             && tx
-                .send(Ok(chunk(json!([]), Some(usage.json()))))
+                .send(Ok(chunk(json!([]), Some(("usage", usage.json())))))
                 .await
                 .is_err()
         {

@@ -8,7 +8,7 @@
 
 use dynamo_bus_schema::{
     decode_payload, peek_kind, FrameError, FrameFinished, FrameHeartbeat, FrameStarted,
-    FrameTokens, RequestId, WireMessage,
+    FrameTimings, FrameTokens, RequestId, WireMessage,
 };
 use dynamo_runtime::counters;
 use futures::StreamExt;
@@ -25,6 +25,8 @@ pub enum Frame {
     Error(FrameError),
     /// The worker is alive; not part of the numbered sequence.
     Heartbeat(FrameHeartbeat),
+    /// The phase breakdown, just before the terminal frame (not numbered).
+    Timings(FrameTimings),
 }
 
 impl Frame {
@@ -35,6 +37,7 @@ impl Frame {
             Frame::Finished(f) => f.request_id,
             Frame::Error(f) => f.request_id,
             Frame::Heartbeat(f) => f.request_id,
+            Frame::Timings(f) => f.request_id,
         }
     }
     /// The frame's place in its stream (`None` for heartbeats).
@@ -44,7 +47,7 @@ impl Frame {
             Frame::Tokens(f) => Some(f.seq.0),
             Frame::Finished(f) => Some(f.seq.0),
             Frame::Error(f) => Some(f.seq.0),
-            Frame::Heartbeat(_) => None,
+            Frame::Heartbeat(_) | Frame::Timings(_) => None,
         }
     }
 }
@@ -88,6 +91,7 @@ impl Inbox {
             Ok((k, p)) if k == FrameFinished::KIND => decode_payload(p).map(Frame::Finished),
             Ok((k, p)) if k == FrameError::KIND => decode_payload(p).map(Frame::Error),
             Ok((k, p)) if k == FrameHeartbeat::KIND => decode_payload(p).map(Frame::Heartbeat),
+            Ok((k, p)) if k == FrameTimings::KIND => decode_payload(p).map(Frame::Timings),
             Ok((k, _)) => {
                 counters::reject("frame", subject, &format!("unknown message kind {}", k.0));
                 return;

@@ -1,8 +1,8 @@
 //! Prometheus metrics of the gateway (`GET /metrics`).
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts,
+    Registry, TextEncoder,
 };
 
 pub struct Metrics {
@@ -20,6 +20,8 @@ pub struct Metrics {
     pub route_retries: IntCounter,
     pub migrations: IntCounterVec,
     pub migration_failures: IntCounterVec,
+    pub phase: HistogramVec,
+    pub disagg_fallbacks: IntCounter,
     bus_rejected: IntGauge,
 }
 
@@ -84,6 +86,18 @@ impl Metrics {
             ),
             &["why"],
         )?;
+        let phase = HistogramVec::new(
+            HistogramOpts::new(
+                "request_phase_seconds",
+                "Where prompt time went, per request: queue, prefill, transfer, first_token (mode: local or remote prefill)",
+            )
+            .buckets(buckets_s()),
+            &["phase", "mode"],
+        )?;
+        let disagg_fallbacks = IntCounter::new(
+            "disagg_fallbacks_total",
+            "Requests planned for a remote prefill that prefilled locally instead",
+        )?;
         let bus_rejected = IntGauge::new(
             "bus_rejected_messages",
             "Bus messages this process rejected (malformed or unknown)",
@@ -102,6 +116,8 @@ impl Metrics {
             Box::new(route_retries.clone()),
             Box::new(migrations.clone()),
             Box::new(migration_failures.clone()),
+            Box::new(phase.clone()),
+            Box::new(disagg_fallbacks.clone()),
             Box::new(bus_rejected.clone()),
         ] {
             registry.register(c)?;
@@ -121,6 +137,8 @@ impl Metrics {
             route_retries,
             migrations,
             migration_failures,
+            phase,
+            disagg_fallbacks,
             bus_rejected,
         })
     }

@@ -28,6 +28,8 @@ pub struct RouterConfig {
     pub worker_ttl: Duration,
     /// How to pick among eligible workers.
     pub policy: PolicyKind,
+    /// When prefill moves to prefill workers (disaggregated serving).
+    pub disagg: crate::DisaggPolicy,
 }
 
 impl Default for RouterConfig {
@@ -35,6 +37,7 @@ impl Default for RouterConfig {
         RouterConfig {
             worker_ttl: Duration::from_secs(3),
             policy: PolicyKind::LeastLoaded,
+            disagg: crate::DisaggPolicy::default(),
         }
     }
 }
@@ -156,6 +159,7 @@ impl Actor for RouterActor {
             }
         });
         let mut state = RouterState::new(args.config.worker_ttl, build(args.config.policy));
+        state.set_disagg(args.config.disagg);
         state.begin_catch_up(Instant::now());
         tokio::spawn(serve_info(
             args.bus.clone(),

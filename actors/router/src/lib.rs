@@ -15,12 +15,14 @@ pub mod active;
 pub mod actor;
 pub mod approx;
 pub mod catch_up;
+pub mod disagg;
 pub mod kv_sync;
 pub mod policy;
 pub mod state;
 pub mod timing;
 
 pub use actor::{KvInfo, RouterActor, RouterArgs, RouterConfig, RouterMsg};
+pub use disagg::DisaggPolicy;
 pub use policy::PolicyKind;
 pub use state::{ModelEntry, RouteDecision, RouteError, RouterState, WorkerEntry};
 

@@ -5,23 +5,33 @@
 //!   requested model, and was refreshed within the TTL;
 //! - a newer `generation` of a worker resets the router's in-flight count
 //!   for it (the old engine and its requests are gone);
-//! - `release` never underflows and ignores releases for an older generation.
+//! - `release` never underflows and ignores releases for an older generation;
+//! - prefill workers (role `Prefill`) never get whole requests: they are
+//!   only named as a decision's `prefill_worker`.
 
 use crate::active::{ActiveLoad, WorkerLoad};
 use crate::approx::Approx;
 use crate::catch_up::CatchUp;
+use crate::disagg::{DisaggPolicy, PrefillCandidate};
 use crate::kv_sync::{KvStats, KvSync};
 use crate::policy::{Candidate, KvCostWeights, RouteRequest, RoutingPolicy};
 use crate::timing::RouteTimings;
-use dynamo_bus_schema::blocks::sequence_hashes;
+use dynamo_bus_schema::blocks::{sequence_hashes, SequenceHash};
 use dynamo_bus_schema::{
-    unix_ms, LoadReport, ModelCard, ModelName, WorkerId, WorkerRegistration, WorkerState,
+    unix_ms, LoadReport, ModelCard, ModelName, WorkerId, WorkerRegistration, WorkerRole,
+    WorkerState,
 };
 use dynamo_bus_schema::{ActiveLoadEvent, KvDump, KvEventBatch, RequestId, RouterId};
 use dynamo_kv_index::Overlap;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 use thiserror::Error;
+
+/// Whether a worker of this role runs whole requests (prefill workers only
+/// prefill for others).
+fn generates(role: WorkerRole) -> bool {
+    role != WorkerRole::Prefill
+}
 
 #[derive(Clone, Debug, Error, PartialEq)]
 pub enum RouteError {
@@ -50,6 +60,9 @@ pub struct RouteDecision {
     pub prefill_tokens: u64,
     /// Leading prompt blocks the index says the worker holds.
     pub overlap_blocks: u32,
+    /// The prefill worker to prefill on (disaggregated serving), when the
+    /// uncached part is long enough and a prefill worker has room.
+    pub prefill_worker: Option<WorkerId>,
 }
 
 /// A served model and the workers serving it.
@@ -68,6 +81,7 @@ pub struct RouterState {
     timings: RouteTimings,
     approx: Approx,
     catch_up: CatchUp,
+    disagg: DisaggPolicy,
 }
 
 impl RouterState {
@@ -86,7 +100,13 @@ impl RouterState {
             timings: RouteTimings::default(),
             approx: Approx::default(),
             catch_up: CatchUp::done(),
+            disagg: DisaggPolicy::default(),
         }
+    }
+
+    /// Sets when prefill moves to prefill workers.
+    pub fn set_disagg(&mut self, policy: DisaggPolicy) {
+        self.disagg = policy;
     }
 
     /// Holds routing until this replica's view is whole (see `catch_up`).
@@ -363,7 +383,7 @@ impl RouterState {
         let candidates: Vec<Candidate> = self
             .workers
             .values()
-            .filter(|e| &e.reg.model.name == model)
+            .filter(|e| &e.reg.model.name == model && generates(e.reg.role))
             .inspect(|_| registered += 1)
             .filter(|e| {
                 e.reg.state == WorkerState::Serving
@@ -438,6 +458,14 @@ impl RouterState {
                 self.approx.record(&mut self.kv.index, wid, h, now);
             }
         }
+        let prefill_worker = self.pick_prefill(
+            model,
+            token_ids,
+            hashes.as_deref(),
+            prefill_tokens,
+            exclude,
+            now,
+        );
         let blocks = (token_ids.len() as u64).div_ceil(chosen.block_size.max(1) as u64);
         let ev = self
             .active
@@ -449,9 +477,61 @@ impl RouterState {
                 generation,
                 prefill_tokens,
                 overlap_blocks,
+                prefill_worker,
             },
             ev,
         ))
+    }
+
+    /// A prefill worker for a request that leaves `uncached` prompt tokens
+    /// to its decode worker (see [`DisaggPolicy`]).
+    fn pick_prefill(
+        &self,
+        model: &ModelName,
+        token_ids: &[u32],
+        hashes: Option<&[SequenceHash]>,
+        uncached: u64,
+        exclude: &[WorkerId],
+        now: Instant,
+    ) -> Option<WorkerId> {
+        let candidates: Vec<PrefillCandidate> = self
+            .workers
+            .values()
+            .filter(|e| {
+                &e.reg.model.name == model
+                    && e.reg.role == WorkerRole::Prefill
+                    && e.reg.state == WorkerState::Serving
+                    && now.duration_since(e.last_seen) <= self.ttl
+                    && !exclude.contains(&e.reg.worker_id)
+            })
+            .map(|e| PrefillCandidate {
+                worker_id: e.reg.worker_id,
+                overlap_blocks: 0,
+                reported: e.reg.load.clone(),
+            })
+            .collect();
+        if candidates.is_empty() {
+            return None;
+        }
+        let mut candidates = candidates;
+        let card = &self.workers[&candidates[0].worker_id].reg.model;
+        let computed;
+        let h = match hashes {
+            Some(h) => h,
+            None => {
+                computed = sequence_hashes(token_ids, card.block_size as usize, card.hash_salt);
+                &computed
+            }
+        };
+        {
+            let matches = self.kv.index.find_matches(h);
+            for c in &mut candidates {
+                if let Some((_, o)) = matches.iter().find(|(w, _)| *w == c.worker_id) {
+                    c.overlap_blocks = o.blocks;
+                }
+            }
+        }
+        self.disagg.pick(uncached, &candidates)
     }
 
     /// What each worker serving `model` holds of `token_ids` (for debugging routing).
@@ -540,6 +620,43 @@ mod tests {
             load: LoadMetrics::default(),
             kv_events: true,
         }
+    }
+
+    #[test]
+    fn prefill_workers_only_prefill_and_are_named_for_long_uncached_prompts() {
+        let t0 = Instant::now();
+        let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+        s.set_disagg(DisaggPolicy {
+            min_remote_prefill_tokens: 64,
+            max_prefill_queue: 2,
+        });
+        let m = ModelName("a".into());
+        let mut p = reg(1, 1, "a");
+        p.role = WorkerRole::Prefill;
+        s.upsert(p.clone(), t0);
+        // A prefill worker alone cannot serve.
+        assert!(matches!(
+            route(&mut s, &m, &[], t0),
+            Err(RouteError::UnknownModel { .. })
+        ));
+        let mut d = reg(2, 1, "a");
+        d.role = WorkerRole::Decode;
+        s.upsert(d, t0);
+        let long: Vec<u32> = (0..80).collect();
+        let pick = |s: &mut RouterState, tokens: &[u32]| {
+            s.route(RequestId::random(), &m, tokens, &[], t0)
+                .map(|(d, _)| d)
+                .unwrap()
+        };
+        let d1 = pick(&mut s, &long);
+        assert_eq!(d1.worker_id, WorkerId(2));
+        assert_eq!(d1.prefill_worker, Some(WorkerId(1)));
+        // Short prompts stay on the decode worker.
+        assert_eq!(pick(&mut s, &long[..40]).prefill_worker, None);
+        // A saturated prefill worker is skipped.
+        p.load.waiting_seqs = 2;
+        s.upsert(p, t0);
+        assert_eq!(pick(&mut s, &long).prefill_worker, None);
     }
 
     #[test]

@@ -10,14 +10,16 @@
 //! new; all tasks the actor spawns stop when its state is dropped (a
 //! `DropGuard` cancels them, also when the actor panics).
 
-use crate::forward::{Forward, Outcome};
+use crate::disagg::{KvTransfer, PrefillServer, TransferConfig};
+use crate::forward::{Forward, Outcome, PrefillOutcome};
 use dynamo_bus_schema::{
-    decode, unix_ms, ArtifactChunk, ArtifactRequest, CancelRequest, DrainReply, DrainRequest,
-    ErrorKind, ErrorReply, EventId, FaultKind, GenerateAck, GenerateRequest, KvDump, KvDumpRequest,
-    KvEvent, KvEventBatch, KvEventKind, LoadReport, ModelCard, NodeId, RequestId, StorageTier,
-    WireError, WorkerId, WorkerRegistration, WorkerRole, WorkerState,
+    decode, peek_kind, unix_ms, ArtifactChunk, ArtifactRequest, CancelRequest, DrainReply,
+    DrainRequest, ErrorKind, ErrorReply, EventId, FaultKind, GenerateAck, GenerateDisagg,
+    GenerateRequest, KvDump, KvDumpRequest, KvEvent, KvEventBatch, KvEventKind, LoadReport,
+    ModelCard, NodeId, RequestId, StorageTier, WireError, WireMessage, WorkerId,
+    WorkerRegistration, WorkerRole, WorkerState,
 };
-use dynamo_engine::{Engine, EngineLimits, ValidRequest};
+use dynamo_engine::{Engine, EngineEvent, EngineLimits, KvTier, ValidRequest};
 use dynamo_runtime::{counters, Bus};
 use futures::StreamExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -42,6 +44,8 @@ pub struct WorkerConfig {
     /// How often an open stream that sent nothing gets a heartbeat frame
     /// (the gateway declares a silent worker dead after a few missed ones).
     pub stream_heartbeat: Duration,
+    /// KV transfer endpoint of a prefill or decode worker (unused when aggregated).
+    pub transfer: TransferConfig,
 }
 
 pub struct WorkerArgs {
@@ -83,6 +87,10 @@ pub struct WorkerRuntime {
     kv: async_nats::jetstream::kv::Store,
     inflight: HashSet<RequestId>,
     last_load: Option<dynamo_bus_schema::LoadMetrics>,
+    /// Prefill and decode workers' KV transfer endpoint.
+    transfer: Option<Arc<KvTransfer>>,
+    /// Requests waiting on a remote prefill (cancelling one stops the wait).
+    prefilling: HashMap<RequestId, CancellationToken>,
     tasks: CancellationToken,
     _guard: DropGuard,
 }
@@ -108,6 +116,30 @@ impl Actor for WorkerActor {
             .await
             .map_err(|e| e.to_string())?;
 
+        let role = args.config.role;
+        let transfer = if role == WorkerRole::Prefill || role == WorkerRole::Decode {
+            let t = KvTransfer::open(args.config.transfer.clone(), role, engine.kv_block_bytes())
+                .map_err(|e| format!("KV transfer endpoint: {e}"))?;
+            Some(Arc::new(t))
+        } else {
+            None
+        };
+        let limits = EngineLimits {
+            context_length: args.card.context_length,
+            vocab_size: args.card.vocab_size,
+        };
+        if let (WorkerRole::Prefill, Some(t)) = (role, &transfer) {
+            let sub = bus.client.subscribe(s.worker_prefill(id)).await?;
+            let server = PrefillServer {
+                bus: bus.clone(),
+                engine: engine.clone(),
+                transfer: t.clone(),
+                card: args.card.clone(),
+                limits,
+                worker_id: id,
+            };
+            tokio::spawn(server.run(sub, tasks.child_token()));
+        }
         let gen_sub = bus.client.subscribe(s.worker_generate(id)).await?;
         let cancel_sub = bus.client.subscribe(s.worker_cancel(id)).await?;
         let artifact_sub = bus.client.subscribe(s.worker_artifact(id)).await?;
@@ -208,10 +240,9 @@ impl Actor for WorkerActor {
             kv_events: emits_kv_events,
         };
         let mut rt = WorkerRuntime {
-            limits: EngineLimits {
-                context_length: args.card.context_length,
-                vocab_size: args.card.vocab_size,
-            },
+            limits,
+            transfer,
+            prefilling: HashMap::new(),
             bus,
             cfg: args.config,
             engine,
@@ -247,11 +278,15 @@ impl Actor for WorkerActor {
             WorkerMsg::Cancel(c) => {
                 if rt.inflight.contains(&c.request_id) {
                     tracing::debug!(request = %c.request_id, reason = ?c.reason, "cancel");
+                    if let Some(t) = rt.prefilling.get(&c.request_id) {
+                        t.cancel();
+                    }
                     rt.engine.cancel(c.request_id);
                 }
             }
             WorkerMsg::Done(id) => {
                 rt.inflight.remove(&id);
+                rt.prefilling.remove(&id);
             }
             WorkerMsg::Heartbeat => {
                 if let Err(e) = rt.heartbeat().await {
@@ -262,6 +297,13 @@ impl Actor for WorkerActor {
             WorkerMsg::InjectFault(FaultKind::PanicActor) => {
                 panic!("fault injected into worker {}", rt.cfg.worker_id);
             }
+            WorkerMsg::InjectFault(FaultKind::StopTransferProgress) => match &rt.transfer {
+                Some(t) => {
+                    tracing::warn!(worker = %rt.cfg.worker_id, "fault injected: KV transfer endpoint stops polling");
+                    t.stop_progress();
+                }
+                None => tracing::warn!("no KV transfer endpoint to stop"),
+            },
             WorkerMsg::InjectFault(other) => {
                 tracing::warn!(?other, "unknown fault kind ignored");
             }
@@ -369,7 +411,14 @@ impl WorkerRuntime {
     }
 
     async fn generate(&mut self, m: async_nats::Message, myself: ActorRef<WorkerMsg>) {
-        let req = match decode::<GenerateRequest>(&m.payload) {
+        let received = tokio::time::Instant::now();
+        let parsed = match peek_kind(&m.payload) {
+            Ok((k, _)) if k == GenerateDisagg::KIND => {
+                decode::<GenerateDisagg>(&m.payload).map(|d| (d.request.clone(), Some(d)))
+            }
+            _ => decode::<GenerateRequest>(&m.payload).map(|r| (r, None)),
+        };
+        let (req, plan) = match parsed {
             Ok(r) => r,
             Err(e) => {
                 counters::reject("GenerateRequest", m.subject.as_str(), &e);
@@ -417,9 +466,31 @@ impl WorkerRuntime {
                 return self.reject(&m, id, e).await;
             }
         };
-        let events = match self.engine.generate(valid) {
-            Ok(ev) => ev,
-            Err(e) => return self.reject(&m, id, e.to_wire()).await,
+        let prefill = Arc::new(std::sync::Mutex::new(PrefillOutcome::default()));
+        // A decode worker given a prefill worker feeds the engine's events
+        // through a pipe that first waits for the remote prefill.
+        let events = match (plan, &self.transfer) {
+            (Some(plan), Some(t)) if self.cfg.role == WorkerRole::Decode => {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                let cancel = self.tasks.child_token();
+                self.prefilling.insert(id, cancel.clone());
+                let pipe = RemotePrefillPipe {
+                    bus: self.bus.clone(),
+                    engine: self.engine.clone(),
+                    transfer: t.clone(),
+                    card: self.reg.model.clone(),
+                    req: req.clone(),
+                    plan,
+                    valid,
+                    outcome: prefill.clone(),
+                };
+                tokio::spawn(pipe.run(tx, cancel));
+                rx
+            }
+            _ => match self.engine.generate(valid) {
+                Ok(ev) => ev,
+                Err(e) => return self.reject(&m, id, e.to_wire()).await,
+            },
         };
         self.inflight.insert(id);
         let ack = GenerateAck {
@@ -443,6 +514,8 @@ impl WorkerRuntime {
             deadline: tokio::time::Instant::now() + remaining,
             heartbeat: self.cfg.stream_heartbeat,
             last_sent: tokio::time::Instant::now(),
+            received,
+            prefill,
         };
         let engine = self.engine.clone();
         let cancel = self.tasks.child_token();
@@ -454,6 +527,63 @@ impl WorkerRuntime {
             // The actor may be gone (restart); nothing to account then.
             let _ = myself.cast(WorkerMsg::Done(id));
         });
+    }
+}
+
+/// Remote prefill, then the engine's own events, into one stream.
+struct RemotePrefillPipe {
+    bus: Bus,
+    engine: Arc<dyn Engine>,
+    transfer: Arc<KvTransfer>,
+    card: ModelCard,
+    req: GenerateRequest,
+    plan: GenerateDisagg,
+    valid: ValidRequest,
+    outcome: Arc<std::sync::Mutex<PrefillOutcome>>,
+}
+
+impl RemotePrefillPipe {
+    async fn run(
+        self,
+        tx: tokio::sync::mpsc::UnboundedSender<EngineEvent>,
+        cancel: CancellationToken,
+    ) {
+        let id = self.req.request_id;
+        let remote = tokio::select! {
+            r = self.transfer.remote_prefill(&self.bus, &self.engine, &self.card, &self.req, &self.plan) => r,
+            _ = cancel.cancelled() => {
+                let _ = tx.send(EngineEvent::Finished { reason: dynamo_bus_schema::FinishReason::Cancelled });
+                return;
+            }
+        };
+        if let Ok(mut o) = self.outcome.lock() {
+            match remote {
+                Ok(done) => {
+                    tracing::debug!(request = %id, prefill_worker = %done.reply.worker_id, blocks = done.imported, "remote prefill done");
+                    o.remote = Some(done.reply);
+                }
+                Err(why) => {
+                    tracing::warn!(request = %id, reason = %why, "remote prefill not used; prefilling locally");
+                    o.fallback = Some(why);
+                }
+            }
+        }
+        if tx.is_closed() {
+            return;
+        }
+        let mut events = match self.engine.generate(self.valid) {
+            Ok(ev) => ev,
+            Err(e) => {
+                let _ = tx.send(EngineEvent::Failed(e));
+                return;
+            }
+        };
+        while let Some(ev) = events.recv().await {
+            if tx.send(ev).is_err() {
+                self.engine.cancel(id);
+                return;
+            }
+        }
     }
 }
 
@@ -545,7 +675,11 @@ fn to_wire(e: dynamo_engine::KvCacheEvent) -> KvEvent {
     KvEvent {
         event_id: EventId(e.event_id),
         kind,
-        tier: StorageTier::Device,
+        tier: match e.tier {
+            KvTier::Device => StorageTier::Device,
+            KvTier::Host => StorageTier::Host,
+            KvTier::Disk => StorageTier::Disk,
+        },
         parent,
         blocks,
     }

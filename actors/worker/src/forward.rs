@@ -5,14 +5,17 @@
 //! are already waiting when a frame is built are coalesced into it (one
 //! engine step, one frame); the request's deadline is enforced here too;
 //! a stream that has sent nothing for `heartbeat` gets a `FrameHeartbeat`
-//! (no `seq`), so the gateway can tell a slow request from a dead worker.
+//! (no `seq`), so the gateway can tell a slow request from a dead worker;
+//! a successful stream sends its phase breakdown (`FrameTimings`, no `seq`)
+//! just before `FrameFinished`.
 
 use dynamo_bus_schema::{
     ErrorKind, FinishReason, FrameError, FrameFinished, FrameHeartbeat, FrameSeq, FrameStarted,
-    FrameTokens, RequestId, WireError, WorkerId,
+    FrameTimings, FrameTokens, PhaseTimings, PrefillReply, RequestId, WireError, WorkerId,
 };
 use dynamo_engine::{EngineEvent, ResponseStream};
 use dynamo_runtime::Bus;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -28,6 +31,19 @@ pub struct Forward {
     pub heartbeat: Duration,
     /// When the last frame went out.
     pub last_sent: Instant,
+    /// When the worker received the request.
+    pub received: Instant,
+    /// What a remote prefill did (set before the engine's first event).
+    pub prefill: Arc<Mutex<PrefillOutcome>>,
+}
+
+/// How a request's prompt was prefilled, when not simply by this engine.
+#[derive(Clone, Debug, Default)]
+pub struct PrefillOutcome {
+    /// A prefill worker computed it and wrote its blocks here.
+    pub remote: Option<PrefillReply>,
+    /// A remote prefill was planned but not used, and why.
+    pub fallback: Option<String>,
 }
 
 /// How a forwarded request ended (for the worker's bookkeeping).
@@ -54,6 +70,7 @@ impl Forward {
         };
         let mut completion = 0u32;
         let mut pending: Vec<u32> = Vec::new();
+        let (mut started, mut first) = (None, None);
         loop {
             let ev = tokio::select! {
                 ev = events.recv() => ev,
@@ -90,10 +107,12 @@ impl Forward {
             for ev in batch {
                 match ev {
                     EngineEvent::Tokens(t) => {
+                        first = first.or(Some(Instant::now()));
                         completion += t.len() as u32;
                         pending.extend(t);
                     }
                     EngineEvent::Started { cached_tokens } => {
+                        started = Some(Instant::now());
                         let f = FrameStarted {
                             request_id: self.request_id,
                             seq: next_seq(),
@@ -105,6 +124,11 @@ impl Forward {
                     }
                     EngineEvent::Finished { reason } => {
                         self.flush(&mut pending, &mut next_seq).await;
+                        let t = FrameTimings {
+                            request_id: self.request_id,
+                            timings: self.timings(started, first),
+                        };
+                        self.send(&t).await;
                         let f = FrameFinished {
                             request_id: self.request_id,
                             seq: next_seq(),
@@ -124,6 +148,37 @@ impl Forward {
                 }
             }
             self.flush(&mut pending, &mut next_seq).await;
+        }
+    }
+
+    /// The phase breakdown: the prefill worker's figures when it prefilled,
+    /// else this engine's admission and first token.
+    fn timings(&self, started: Option<Instant>, first: Option<Instant>) -> PhaseTimings {
+        let now = Instant::now();
+        let first = first.unwrap_or(now);
+        let started = started.unwrap_or(first);
+        let ms = |d: Duration| d.as_secs_f32() * 1000.0;
+        let first_token_ms = ms(first.saturating_duration_since(self.received));
+        let o = self.prefill.lock().map(|o| o.clone()).unwrap_or_default();
+        match o.remote {
+            Some(r) => PhaseTimings {
+                queue_ms: r.queue_ms,
+                prefill_ms: r.prefill_ms,
+                transfer_ms: r.transfer_ms,
+                first_token_ms,
+                prefill_worker: Some(r.worker_id),
+                decode_worker: self.worker_id,
+                fallback: None,
+            },
+            None => PhaseTimings {
+                queue_ms: ms(started.saturating_duration_since(self.received)),
+                prefill_ms: ms(first.saturating_duration_since(started)),
+                transfer_ms: 0.0,
+                first_token_ms,
+                prefill_worker: None,
+                decode_worker: self.worker_id,
+                fallback: o.fallback,
+            },
         }
     }
 

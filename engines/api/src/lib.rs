@@ -178,6 +178,8 @@ pub enum EngineError {
     Duplicate(RequestId),
     #[error("request needs {needed} KV blocks but the engine has only {capacity}")]
     TooLarge { needed: usize, capacity: usize },
+    #[error("KV block data refused: {0}")]
+    BadKvData(String),
     #[error("internal engine error: {0}")]
     Internal(String),
 }
@@ -191,7 +193,7 @@ impl EngineError {
             EngineError::Invalid(_) | EngineError::Duplicate(_) | EngineError::TooLarge { .. } => {
                 ErrorKind::InvalidRequest
             }
-            EngineError::Internal(_) => ErrorKind::Internal,
+            EngineError::Internal(_) | EngineError::BadKvData(_) => ErrorKind::Internal,
         };
         WireError::new(kind, self.to_string())
     }
@@ -200,12 +202,34 @@ impl EngineError {
 /// The events of one request, in order.
 pub type ResponseStream = mpsc::UnboundedReceiver<EngineEvent>;
 
+/// Where a cached KV block lives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum KvTier {
+    /// The engine's own pool (what a step computes with).
+    #[default]
+    Device,
+    /// Host memory, offloaded from the device pool.
+    Host,
+    /// Local disk, offloaded from the host tier.
+    Disk,
+}
+
 /// A change in which KV blocks an engine holds (for KV-aware routing).
 #[derive(Clone, Debug, PartialEq)]
 pub struct KvCacheEvent {
-    /// Per-engine, strictly increasing from 1.
+    /// Per-engine, strictly increasing from 1 (shared by every tier).
     pub event_id: u64,
+    pub tier: KvTier,
     pub data: KvCacheEventData,
+}
+
+/// One KV block as bytes: its hash, its parent's, and its K/V (layout is
+/// the engine's own; only an engine of the same model and config reads it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvBlockData {
+    pub hash: SequenceHash,
+    pub parent: Option<SequenceHash>,
+    pub bytes: Vec<u8>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -230,6 +254,19 @@ pub struct KvSnapshot {
     pub blocks: Vec<SequenceHash>,
 }
 
+/// Sends an engine a command carrying a reply channel: the receiver of the
+/// answer, or [`EngineError::Stopped`] when `send` finds the engine gone.
+pub fn ask<T>(
+    send: impl FnOnce(tokio::sync::oneshot::Sender<T>) -> bool,
+) -> Result<tokio::sync::oneshot::Receiver<T>, EngineError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    if send(tx) {
+        Ok(rx)
+    } else {
+        Err(EngineError::Stopped)
+    }
+}
+
 /// The engine seam.
 pub trait Engine: Send + Sync + 'static {
     /// Short engine kind for registration and logs (e.g. `mocker`).
@@ -244,6 +281,21 @@ pub trait Engine: Send + Sync + 'static {
     fn take_kv_events(&self) -> Option<mpsc::UnboundedReceiver<KvCacheEvent>>;
     /// Asks for a snapshot of the block table (answered between engine steps).
     fn kv_snapshot(&self) -> Result<tokio::sync::oneshot::Receiver<KvSnapshot>, EngineError>;
+    /// Bytes one KV block occupies (what a transfer moves per block).
+    fn kv_block_bytes(&self) -> usize;
+    /// The KV of the longest cached prefix of `hashes` (answered between
+    /// steps; it stops at the first block the engine does not hold).
+    fn export_blocks(
+        &self,
+        hashes: Vec<SequenceHash>,
+    ) -> Result<tokio::sync::oneshot::Receiver<Vec<KvBlockData>>, EngineError>;
+    /// Stores blocks exported by an engine of the same model and config into
+    /// the prefix cache, in order (blocks already cached are skipped).
+    /// Answers how many were stored.
+    fn import_blocks(
+        &self,
+        blocks: Vec<KvBlockData>,
+    ) -> Result<tokio::sync::oneshot::Receiver<Result<usize, EngineError>>, EngineError>;
 }
 
 #[cfg(test)]

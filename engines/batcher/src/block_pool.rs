@@ -10,10 +10,14 @@
 //! - eviction takes the least recently released evictable block; sequences
 //!   release their blocks tail first, so prefixes outlive their tails;
 //! - every registration emits `Stored`, every eviction `Removed`, with
-//!   strictly increasing event ids.
+//!   strictly increasing event ids shared with the offload tiers' events
+//!   ([`BlockPool::emit_tier`]);
+//! - with eviction recording on, every evicted hashed block is listed once
+//!   in [`BlockPool::take_evicted`] before anything can write into it, so
+//!   an engine can copy its KV to an offload tier first.
 
 use dynamo_bus_schema::blocks::SequenceHash;
-use dynamo_engine::{KvCacheEvent, KvCacheEventData};
+use dynamo_engine::{KvCacheEvent, KvCacheEventData, KvTier};
 use std::collections::{BTreeSet, HashMap};
 
 /// Index of a block in the pool.
@@ -23,6 +27,7 @@ pub struct BlockIdx(pub u32);
 #[derive(Clone, Debug, Default)]
 struct Block {
     hash: Option<SequenceHash>,
+    parent: Option<SequenceHash>,
     refs: u32,
     /// LRU key while evictable.
     released_at: u64,
@@ -36,8 +41,19 @@ pub struct BlockPool {
     tick: u64,
     next_event_id: u64,
     /// Recorded since the last drain; ids are assigned when drained.
-    events: Vec<KvCacheEventData>,
+    events: Vec<(KvTier, KvCacheEventData)>,
     record_events: bool,
+    /// Evicted blocks not yet taken: (block, its hash, its parent's).
+    evicted: Option<Vec<Evicted>>,
+}
+
+/// A cached block that was evicted to make room: its KV is still in `idx`
+/// until the engine writes there.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Evicted {
+    pub idx: BlockIdx,
+    pub hash: SequenceHash,
+    pub parent: Option<SequenceHash>,
 }
 
 impl BlockPool {
@@ -51,7 +67,21 @@ impl BlockPool {
             next_event_id: 1,
             events: Vec::new(),
             record_events,
+            evicted: None,
         }
+    }
+
+    /// Starts listing evicted blocks (for offloading).
+    pub fn record_evictions(&mut self) {
+        self.evicted.get_or_insert_with(Vec::new);
+    }
+
+    /// The blocks evicted since the last call (their KV is still in place).
+    pub fn take_evicted(&mut self) -> Vec<Evicted> {
+        self.evicted
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     pub fn total(&self) -> u32 {
@@ -112,9 +142,17 @@ impl BlockPool {
             None => {
                 let (t, idx) = self.evictable.pop_first()?;
                 debug_assert_eq!(self.blocks[idx.0 as usize].released_at, t);
-                if let Some(h) = self.blocks[idx.0 as usize].hash.take() {
-                    self.by_hash.remove(&h);
-                    self.emit(KvCacheEventData::Removed { blocks: vec![h] });
+                let b = &mut self.blocks[idx.0 as usize];
+                if let Some(hash) = b.hash.take() {
+                    let parent = b.parent.take();
+                    self.by_hash.remove(&hash);
+                    self.emit(
+                        KvTier::Device,
+                        KvCacheEventData::Removed { blocks: vec![hash] },
+                    );
+                    if let Some(ev) = &mut self.evicted {
+                        ev.push(Evicted { idx, hash, parent });
+                    }
                 }
                 idx
             }
@@ -136,11 +174,15 @@ impl BlockPool {
             return false;
         }
         self.blocks[idx.0 as usize].hash = Some(hash);
+        self.blocks[idx.0 as usize].parent = parent;
         self.by_hash.insert(hash, idx);
-        self.emit(KvCacheEventData::Stored {
-            parent,
-            blocks: vec![hash],
-        });
+        self.emit(
+            KvTier::Device,
+            KvCacheEventData::Stored {
+                parent,
+                blocks: vec![hash],
+            },
+        );
         true
     }
 
@@ -169,32 +211,39 @@ impl BlockPool {
         }
         for b in &mut self.blocks {
             b.hash = None;
+            b.parent = None;
         }
         self.by_hash.clear();
-        self.emit(KvCacheEventData::Cleared);
+        self.emit(KvTier::Device, KvCacheEventData::Cleared);
     }
 
     /// Records an event, merging it into the previous one when it extends
     /// it: a store that continues the previous store's chain, or another
     /// removal. Order between different kinds is kept.
-    fn emit(&mut self, data: KvCacheEventData) {
+    fn emit(&mut self, tier: KvTier, data: KvCacheEventData) {
         if !self.record_events {
             return;
         }
         match (self.events.last_mut(), data) {
             (
-                Some(KvCacheEventData::Stored { blocks, .. }),
+                Some((t, KvCacheEventData::Stored { blocks, .. })),
                 KvCacheEventData::Stored {
                     parent: Some(p),
                     blocks: more,
                 },
-            ) if blocks.last() == Some(&p) => blocks.extend(more),
+            ) if *t == tier && blocks.last() == Some(&p) => blocks.extend(more),
             (
-                Some(KvCacheEventData::Removed { blocks }),
+                Some((t, KvCacheEventData::Removed { blocks })),
                 KvCacheEventData::Removed { blocks: more },
-            ) => blocks.extend(more),
-            (_, data) => self.events.push(data),
+            ) if *t == tier => blocks.extend(more),
+            (_, data) => self.events.push((tier, data)),
         }
+    }
+
+    /// Records an event of an offload tier in this pool's event sequence
+    /// (one id sequence per engine, whatever the tier).
+    pub fn emit_tier(&mut self, tier: KvTier, data: KvCacheEventData) {
+        self.emit(tier, data);
     }
 
     /// Every cached block hash, and the id of the last event emitted.
@@ -209,10 +258,14 @@ impl BlockPool {
     pub fn drain_events(&mut self) -> Vec<KvCacheEvent> {
         std::mem::take(&mut self.events)
             .into_iter()
-            .map(|data| {
+            .map(|(tier, data)| {
                 let event_id = self.next_event_id;
                 self.next_event_id += 1;
-                KvCacheEvent { event_id, data }
+                KvCacheEvent {
+                    event_id,
+                    tier,
+                    data,
+                }
             })
             .collect()
     }

@@ -8,8 +8,12 @@
 //!   `max_num_batched_tokens`, chunked prefill, preemption, cancellation,
 //!   stop tokens and `max_tokens`.
 
+//! - [`offload`]: host-memory and disk tiers under the pool.
+
 pub mod block_pool;
+pub mod offload;
 pub mod scheduler;
 
-pub use block_pool::{BlockIdx, BlockPool};
-pub use scheduler::{Plan, Planned, Scheduler, SchedulerConfig, Seq};
+pub use block_pool::{BlockIdx, BlockPool, Evicted};
+pub use offload::{OffloadConfig, OffloadError, OffloadStats, TierStore};
+pub use scheduler::{BlockData, Plan, Planned, Scheduler, SchedulerConfig, Seq};

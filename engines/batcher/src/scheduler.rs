@@ -21,11 +21,21 @@
 //!   finishes a prompt yields logits to sample from.
 
 use crate::block_pool::{BlockIdx, BlockPool};
+use crate::offload::{OffloadStats, TierStore};
 use dynamo_bus_schema::blocks::{chain, local_block_hash, sequence_hashes, SequenceHash};
 use dynamo_bus_schema::{FinishReason, LoadMetrics, RequestId};
 use dynamo_engine::{
-    EngineError, EngineEvent, KvCacheEvent, KvSnapshot, ValidRequest, ValidSampling,
+    EngineError, EngineEvent, KvBlockData, KvCacheEvent, KvSnapshot, KvTier, ValidRequest,
+    ValidSampling,
 };
+
+/// An engine's KV storage as the offload tiers see it: whole blocks as bytes.
+pub trait BlockData {
+    /// The KV in block `idx` (`None` if it cannot be read).
+    fn read(&mut self, idx: BlockIdx) -> Option<Vec<u8>>;
+    /// Overwrites block `idx`; false if the bytes do not fit.
+    fn write(&mut self, idx: BlockIdx, bytes: &[u8]) -> bool;
+}
 use std::collections::{HashMap, VecDeque};
 
 /// The scheduler's limits.
@@ -97,6 +107,7 @@ pub struct Scheduler {
     seqs: HashMap<RequestId, Seq>,
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
+    tiers: Option<TierStore>,
 }
 
 impl Scheduler {
@@ -111,7 +122,83 @@ impl Scheduler {
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            tiers: None,
         }
+    }
+
+    /// Adds offload tiers: from now on evicted blocks are listed for
+    /// [`Self::offload_evicted`].
+    pub fn with_offload(mut self, tiers: TierStore) -> Self {
+        self.pool.record_evictions();
+        self.tiers = Some(tiers);
+        self
+    }
+
+    pub fn offload_stats(&self) -> Option<OffloadStats> {
+        self.tiers.as_ref().map(|t| t.stats())
+    }
+
+    /// Moves the blocks evicted since the last call to the host tier,
+    /// reading their KV from `kv`. Call it after every [`Self::schedule`]
+    /// or [`Self::import_block`], before the engine writes into the blocks
+    /// they handed out.
+    pub fn offload_evicted(&mut self, kv: &mut dyn BlockData) {
+        let Some(tiers) = self.tiers.as_mut() else {
+            return;
+        };
+        for e in self.pool.take_evicted() {
+            if let Some(bytes) = kv.read(e.idx) {
+                let block = KvBlockData {
+                    hash: e.hash,
+                    parent: e.parent,
+                    bytes,
+                };
+                tiers.offload(block, &mut self.pool);
+            }
+        }
+    }
+
+    /// Brings back from the offload tiers the blocks of `prompt` that follow
+    /// its device-cached prefix, in order, until a block no tier holds; the
+    /// prefix is pinned meanwhile so making room cannot evict it. Call it
+    /// before adding the request, so admission finds the blocks cached
+    /// instead of recomputing them. Returns how many came back, per tier.
+    pub fn onboard(&mut self, prompt: &[u32], kv: &mut dyn BlockData) -> (usize, usize) {
+        if self.tiers.is_none() {
+            return (0, 0);
+        }
+        let hashes = sequence_hashes(prompt, self.cfg.block_size as usize, self.salt);
+        let on_device = self.pool.match_prefix(&hashes);
+        let mut pinned: Vec<BlockIdx> = hashes[..on_device]
+            .iter()
+            .filter_map(|h| self.pool.acquire_cached(*h))
+            .collect();
+        let (mut host, mut disk) = (0, 0);
+        for &h in &hashes[on_device..] {
+            let Some((block, tier)) = self.tiers.as_mut().and_then(|t| t.take(h, &mut self.pool))
+            else {
+                break;
+            };
+            let Some(idx) = self.pool.allocate() else {
+                break;
+            };
+            self.offload_evicted(kv);
+            if !kv.write(idx, &block.bytes) {
+                self.pool.release(idx);
+                break;
+            }
+            self.pool.register(idx, block.hash, block.parent);
+            pinned.push(idx);
+            match tier {
+                KvTier::Disk => disk += 1,
+                _ => host += 1,
+            }
+        }
+        // Tail first, like a finished sequence, so the prefix outlives it.
+        for idx in pinned.into_iter().rev() {
+            self.pool.release(idx);
+        }
+        (host, disk)
     }
 
     pub fn config(&self) -> &SchedulerConfig {

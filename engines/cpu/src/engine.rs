@@ -15,9 +15,10 @@ use crate::kv::{KvCache, KvError};
 use crate::model::{Batch, BatchRow, Model};
 use crate::pool::ThreadPool;
 use crate::sampler::{sample, Rng};
-use dynamo_batcher::{Scheduler, SchedulerConfig};
+use dynamo_batcher::{OffloadConfig, OffloadStats, Scheduler, SchedulerConfig, TierStore};
 use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::{FinishReason, LoadMetrics, RequestId};
+pub use dynamo_engine::KvBlockData;
 use dynamo_engine::{
     Engine, EngineError, EngineEvent, KvCacheEvent, KvSnapshot, ResponseStream, ValidRequest,
 };
@@ -46,6 +47,13 @@ pub struct CpuEngineConfig {
     pub enable_prefix_caching: bool,
     /// Publish KV events for KV-aware routing.
     pub emit_kv_events: bool,
+    /// Blocks kept in host memory after eviction from the pool (0 = no
+    /// offloading); a later hit brings them back instead of recomputing.
+    pub offload_host_blocks: u32,
+    /// Blocks kept on local disk after eviction from host memory (0 = none).
+    pub offload_disk_blocks: u32,
+    /// Directory of the disk tier (needed when `offload_disk_blocks > 0`).
+    pub offload_disk_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for CpuEngineConfig {
@@ -57,6 +65,9 @@ impl Default for CpuEngineConfig {
             max_num_batched_tokens: 512,
             enable_prefix_caching: true,
             emit_kv_events: true,
+            offload_host_blocks: 0,
+            offload_disk_blocks: 0,
+            offload_disk_dir: None,
         }
     }
 }
@@ -71,6 +82,8 @@ pub enum CpuConfigError {
     },
     #[error("cpu.threads = {0} is more than 256")]
     TooManyThreads(u32),
+    #[error("cpu.{0}")]
+    Offload(String),
 }
 
 impl CpuEngineConfig {
@@ -92,8 +105,38 @@ impl CpuEngineConfig {
         if self.threads > 256 {
             return Err(CpuConfigError::TooManyThreads(self.threads));
         }
+        if self.offload_disk_blocks > 0 {
+            if self.offload_host_blocks == 0 {
+                return Err(CpuConfigError::Offload(
+                    "offload_disk_blocks needs offload_host_blocks > 0".into(),
+                ));
+            }
+            if self.offload_disk_dir.is_none() {
+                return Err(CpuConfigError::Offload(
+                    "offload_disk_blocks needs offload_disk_dir".into(),
+                ));
+            }
+        }
         Ok(())
     }
+
+    /// The offload tiers this config asks for.
+    pub fn offload(&self) -> OffloadConfig {
+        OffloadConfig {
+            host_blocks: self.offload_host_blocks as usize,
+            disk_blocks: self.offload_disk_blocks as usize,
+            disk_dir: self.offload_disk_dir.clone(),
+        }
+    }
+}
+
+/// What an engine did so far (for tests and metrics).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CpuStats {
+    /// Positions whose KV the forward pass computed (prompt and output).
+    pub computed_tokens: u64,
+    /// Offload tiers, when configured.
+    pub offload: Option<OffloadStats>,
 }
 
 /// What the engine needs besides weights: the model card's block identity.
@@ -103,14 +146,6 @@ pub struct CpuModelInfo {
     /// Block-hash salt (see `dynamo_bus_schema::blocks::hash_salt`).
     pub hash_salt: u64,
     pub eos_token_ids: Vec<u32>,
-}
-
-/// One exported KV block: its hash, its parent's, and its K/V bytes.
-#[derive(Clone, Debug, PartialEq)]
-pub struct KvBlockData {
-    pub hash: SequenceHash,
-    pub parent: Option<SequenceHash>,
-    pub bytes: Vec<u8>,
 }
 
 #[derive(Debug, Error, PartialEq)]
@@ -126,13 +161,18 @@ enum Cmd {
     Cancel(RequestId),
     Snapshot(oneshot::Sender<KvSnapshot>),
     Export(Vec<SequenceHash>, oneshot::Sender<Vec<KvBlockData>>),
-    Import(Vec<KvBlockData>, oneshot::Sender<Result<usize, KvError>>),
+    Import(
+        Vec<KvBlockData>,
+        oneshot::Sender<Result<usize, EngineError>>,
+    ),
+    Stats(oneshot::Sender<CpuStats>),
 }
 
 pub struct CpuEngine {
     tx: std_mpsc::Sender<Cmd>,
     load: Arc<Mutex<LoadMetrics>>,
     kv_rx: Mutex<Option<mpsc::UnboundedReceiver<KvCacheEvent>>>,
+    block_bytes: usize,
 }
 
 impl CpuEngine {
@@ -151,7 +191,13 @@ impl CpuEngine {
             enable_prefix_caching: cfg.enable_prefix_caching,
             record_kv_events: cfg.emit_kv_events,
         };
-        let sched = Scheduler::new(sc, info.hash_salt, info.eos_token_ids.clone());
+        let mut sched = Scheduler::new(sc, info.hash_salt, info.eos_token_ids.clone());
+        let offload = cfg.offload();
+        if offload.enabled() {
+            let tiers = TierStore::new(offload)
+                .map_err(|e| StartError::Config(CpuConfigError::Offload(e.to_string())))?;
+            sched = sched.with_offload(tiers);
+        }
         let (tx, rx) = std_mpsc::channel();
         let (kv_tx, kv_rx) = mpsc::unbounded_channel();
         let load = Arc::new(Mutex::new(sched.load()));
@@ -164,11 +210,13 @@ impl CpuEngine {
             info.block_size as usize,
             c.kv_dim(),
         );
+        let block_bytes = kv.block_bytes();
         let mut driver = Driver {
             model,
             pool,
             kv,
             sched,
+            computed_tokens: 0,
             outs: HashMap::new(),
             rngs: HashMap::new(),
             kv_tx,
@@ -182,33 +230,13 @@ impl CpuEngine {
             tx,
             load,
             kv_rx: Mutex::new(cfg.emit_kv_events.then_some(kv_rx)),
+            block_bytes,
         })
     }
 
-    /// K/V of the cached blocks among `hashes` (missing ones are skipped).
-    pub fn export_blocks(
-        &self,
-        hashes: Vec<SequenceHash>,
-    ) -> Result<oneshot::Receiver<Vec<KvBlockData>>, EngineError> {
-        let (tx, rx) = oneshot::channel();
-        self.tx
-            .send(Cmd::Export(hashes, tx))
-            .map_err(|_| EngineError::Stopped)?;
-        Ok(rx)
-    }
-
-    /// Stores blocks exported by another engine of the same model into the
-    /// prefix cache (in order; blocks already cached are skipped). Answers
-    /// how many were stored.
-    pub fn import_blocks(
-        &self,
-        blocks: Vec<KvBlockData>,
-    ) -> Result<oneshot::Receiver<Result<usize, KvError>>, EngineError> {
-        let (tx, rx) = oneshot::channel();
-        self.tx
-            .send(Cmd::Import(blocks, tx))
-            .map_err(|_| EngineError::Stopped)?;
-        Ok(rx)
+    /// What the engine computed so far and what its offload tiers did.
+    pub fn stats(&self) -> Result<oneshot::Receiver<CpuStats>, EngineError> {
+        dynamo_engine::ask(|tx| self.tx.send(Cmd::Stats(tx)).is_ok())
     }
 }
 
@@ -234,11 +262,22 @@ impl Engine for CpuEngine {
         self.kv_rx.lock().ok()?.take()
     }
     fn kv_snapshot(&self) -> Result<oneshot::Receiver<KvSnapshot>, EngineError> {
-        let (tx, rx) = oneshot::channel();
-        self.tx
-            .send(Cmd::Snapshot(tx))
-            .map_err(|_| EngineError::Stopped)?;
-        Ok(rx)
+        dynamo_engine::ask(|tx| self.tx.send(Cmd::Snapshot(tx)).is_ok())
+    }
+    fn kv_block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+    fn export_blocks(
+        &self,
+        hashes: Vec<SequenceHash>,
+    ) -> Result<oneshot::Receiver<Vec<KvBlockData>>, EngineError> {
+        dynamo_engine::ask(|tx| self.tx.send(Cmd::Export(hashes, tx)).is_ok())
+    }
+    fn import_blocks(
+        &self,
+        blocks: Vec<KvBlockData>,
+    ) -> Result<oneshot::Receiver<Result<usize, EngineError>>, EngineError> {
+        dynamo_engine::ask(|tx| self.tx.send(Cmd::Import(blocks, tx)).is_ok())
     }
 }
 
@@ -251,6 +290,7 @@ struct Driver {
     rngs: HashMap<RequestId, Rng>,
     kv_tx: mpsc::UnboundedSender<KvCacheEvent>,
     load: Arc<Mutex<LoadMetrics>>,
+    computed_tokens: u64,
 }
 
 impl Driver {
@@ -302,6 +342,13 @@ impl Driver {
                 let seed = req.sampling().seed.unwrap_or_else(|| {
                     (id.0 as u64) ^ (id.0 >> 64) as u64 ^ std::process::id() as u64
                 });
+                // Blocks of this prompt in an offload tier come back first,
+                // so admission finds them cached.
+                let (host, disk) = self.sched.onboard(req.prompt(), &mut self.kv);
+                if host + disk > 0 {
+                    tracing::debug!(request = %id, host, disk, "onboarded offloaded blocks");
+                    self.flush_kv_events();
+                }
                 match self.sched.add(req) {
                     Ok(()) => {
                         self.outs.insert(id, tx);
@@ -332,48 +379,68 @@ impl Driver {
                 let mut out = Vec::new();
                 let mut parent = None;
                 for h in hashes {
-                    if let Some(b) = self.sched.cached_block(h) {
-                        if let Ok(bytes) = self.kv.export_block(b.0 as usize) {
-                            out.push(KvBlockData {
-                                hash: h,
-                                parent,
-                                bytes,
-                            });
-                        }
-                    }
+                    let Some(b) = self.sched.cached_block(h) else {
+                        break;
+                    };
+                    let Ok(bytes) = self.kv.export_block(b.0 as usize) else {
+                        break;
+                    };
+                    out.push(KvBlockData {
+                        hash: h,
+                        parent,
+                        bytes,
+                    });
                     parent = Some(h);
                 }
                 let _ = tx.send(out);
             }
             Cmd::Import(blocks, tx) => {
-                let mut stored = 0;
-                let mut result = Ok(0);
-                for b in blocks {
-                    if b.bytes.len() != self.kv.block_bytes() {
-                        result = Err(KvError::BadLength {
-                            got: b.bytes.len(),
-                            expected: self.kv.block_bytes(),
-                        });
-                        break;
-                    }
-                    if let Some(idx) = self.sched.import_block(b.hash, b.parent) {
-                        // Length checked above, and the index comes from the pool.
-                        if let Err(e) = self.kv.import_block(idx.0 as usize, &b.bytes) {
-                            result = Err(e);
-                            break;
-                        }
-                        stored += 1;
-                    }
-                }
+                let result = self
+                    .import(blocks)
+                    .map_err(|e| EngineError::BadKvData(e.to_string()));
                 self.flush_kv_events();
-                let _ = tx.send(result.map(|_| stored));
+                let _ = tx.send(result);
+            }
+            Cmd::Stats(tx) => {
+                let _ = tx.send(CpuStats {
+                    computed_tokens: self.computed_tokens,
+                    offload: self.sched.offload_stats(),
+                });
             }
         }
         self.publish();
     }
 
+    /// Stores blocks in the prefix cache (blocks already cached are
+    /// skipped); stops at the first block of the wrong size.
+    fn import(&mut self, blocks: Vec<KvBlockData>) -> Result<usize, KvError> {
+        let mut stored = 0;
+        for b in blocks {
+            if b.bytes.len() != self.kv.block_bytes() {
+                return Err(KvError::BadLength {
+                    got: b.bytes.len(),
+                    expected: self.kv.block_bytes(),
+                });
+            }
+            if let Some(idx) = self.sched.import_block(b.hash, b.parent) {
+                self.sched.offload_evicted(&mut self.kv);
+                // Length checked above, and the index comes from the pool.
+                self.kv.import_block(idx.0 as usize, &b.bytes)?;
+                stored += 1;
+            }
+        }
+        Ok(stored)
+    }
+
     fn step(&mut self) {
-        let plan = self.sched.schedule();
+        let mut plan = self.sched.schedule();
+        // Evicted blocks go to the host tier before the forward overwrites them.
+        self.sched.offload_evicted(&mut self.kv);
+        // Admissions are news now, not after the forward pass: clients
+        // (and the phase breakdown) see queueing end when prefill begins.
+        let admitted = std::mem::take(&mut plan.events);
+        self.deliver(admitted);
+        self.computed_tokens += plan.tokens() as u64;
         let mut rows = Vec::with_capacity(plan.tokens());
         let mut tables = Vec::with_capacity(plan.items.len());
         let mut logits_for = Vec::new();
@@ -421,6 +488,12 @@ impl Driver {
         let events = self.sched.commit(plan, &sampled);
         // Load first: whoever sees a request finish must see its blocks freed.
         self.publish();
+        self.deliver(events);
+    }
+
+    /// Sends events to their requests; a request whose receiver is gone is
+    /// cancelled.
+    fn deliver(&mut self, events: Vec<(RequestId, EngineEvent)>) {
         for (id, ev) in events {
             let terminal = matches!(ev, EngineEvent::Finished { .. } | EngineEvent::Failed(_));
             let gone = match self.outs.get(&id) {

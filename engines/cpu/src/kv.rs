@@ -123,6 +123,15 @@ impl KvCache {
     }
 }
 
+impl dynamo_batcher::BlockData for KvCache {
+    fn read(&mut self, idx: dynamo_batcher::BlockIdx) -> Option<Vec<u8>> {
+        self.export_block(idx.0 as usize).ok()
+    }
+    fn write(&mut self, idx: dynamo_batcher::BlockIdx, bytes: &[u8]) -> bool {
+        self.import_block(idx.0 as usize, bytes).is_ok()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

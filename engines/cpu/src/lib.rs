@@ -21,6 +21,6 @@ pub mod reference;
 pub mod sampler;
 pub mod weights;
 
-pub use engine::{CpuEngine, CpuEngineConfig, CpuModelInfo, KvBlockData};
+pub use engine::{CpuEngine, CpuEngineConfig, CpuModelInfo, CpuStats, KvBlockData};
 pub use model::Model;
 pub use weights::Weights;

@@ -315,3 +315,75 @@ async fn preempted_sequences_recompute_to_the_same_tokens() {
     }
     assert_eq!(tight.load().kv_used_blocks, 0);
 }
+
+/// Runs prompt A, then enough other prompts to evict A's blocks from the
+/// pool, then A again; returns the two runs of A and the engine's stats
+/// around the second one.
+async fn evict_and_ask_again(
+    cfg: CpuEngineConfig,
+) -> (
+    Outcome,
+    Outcome,
+    dynamo_cpu_engine::CpuStats,
+    dynamo_cpu_engine::CpuStats,
+) {
+    let e = engine(cfg);
+    let a = chat(Some(&"Be precise and calm. ".repeat(30)), "Name a planet.");
+    let first = run(&e, request(1, a.clone(), SamplingParams::greedy(8))).await;
+    for (i, topic) in ["Name a river.", "Name a colour."].iter().enumerate() {
+        let other = chat(Some(&format!("{topic} Use one word. ").repeat(30)), topic);
+        run(
+            &e,
+            request(10 + i as u128, other, SamplingParams::greedy(2)),
+        )
+        .await;
+    }
+    let before = e.stats().unwrap().await.unwrap();
+    let second = run(&e, request(2, a.clone(), SamplingParams::greedy(8))).await;
+    let after = e.stats().unwrap().await.unwrap();
+    (first, second, before, after)
+}
+
+#[tokio::test]
+async fn a_prompt_evicted_to_host_memory_is_onboarded_not_recomputed() {
+    let cfg = CpuEngineConfig {
+        num_blocks: 24,
+        offload_host_blocks: 64,
+        ..CpuEngineConfig::default()
+    };
+    let (first, second, before, after) = evict_and_ask_again(cfg).await;
+    let host = after.offload.expect("tiers configured");
+    // A's blocks were evicted to host memory and came back from there.
+    assert!(before.offload.unwrap().offloaded > 0);
+    assert!(host.onboarded_host > 0, "{host:?}");
+    assert!(
+        second.cached >= 16 * host.onboarded_host as u32,
+        "cached {}",
+        second.cached
+    );
+    // Only the uncached tail and the decode steps were computed.
+    let computed = after.computed_tokens - before.computed_tokens;
+    assert!(
+        computed <= 16 + 8,
+        "computed {computed} positions for a prompt served from host memory"
+    );
+    assert_eq!(second.tokens, first.tokens);
+}
+
+#[tokio::test]
+async fn host_memory_spills_to_disk_and_disk_blocks_come_back_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = CpuEngineConfig {
+        num_blocks: 24,
+        offload_host_blocks: 4,
+        offload_disk_blocks: 128,
+        offload_disk_dir: Some(dir.path().to_path_buf()),
+        ..CpuEngineConfig::default()
+    };
+    let (first, second, before, after) = evict_and_ask_again(cfg).await;
+    let tiers = after.offload.expect("tiers configured");
+    assert!(tiers.onboarded_disk > 0, "{tiers:?}");
+    assert_eq!(tiers.disk_errors, 0);
+    assert!(after.computed_tokens - before.computed_tokens <= 16 + 8);
+    assert_eq!(second.tokens, first.tokens);
+}

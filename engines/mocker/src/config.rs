@@ -31,6 +31,10 @@ pub struct MockerConfig {
     pub prefill_ms: [f64; 3],
     /// Decode step time in ms at KV utilisation u: `a·u² + b·u + c` (floor 1 ms).
     pub decode_ms: [f64; 3],
+    /// Bytes of KV one block stands for: an exported block is a buffer of
+    /// this size, so moving blocks between workers costs what it would on
+    /// a real engine (default 64 KiB).
+    pub kv_bytes_per_block: u32,
 }
 
 impl Default for MockerConfig {
@@ -47,6 +51,7 @@ impl Default for MockerConfig {
             token_hi: 0,
             prefill_ms: [4.21e-7, 1.518e-2, 16.5],
             decode_ms: [-25.74, 54.01, 5.74],
+            kv_bytes_per_block: 64 * 1024,
         }
     }
 }
@@ -71,6 +76,7 @@ impl MockerConfig {
     pub fn validate(&self, vocab_size: u32) -> Result<(u32, u32), ConfigError> {
         for (field, value, min) in [
             ("block_size", self.block_size as u64, 1),
+            ("kv_bytes_per_block", self.kv_bytes_per_block as u64, 8),
             ("num_blocks", self.num_blocks as u64, 1),
             ("max_num_seqs", self.max_num_seqs as u64, 1),
             (

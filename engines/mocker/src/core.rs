@@ -6,8 +6,9 @@
 use crate::config::MockerConfig;
 use crate::tokens::next_token;
 use dynamo_batcher::{Scheduler, SchedulerConfig};
+use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::{LoadMetrics, RequestId};
-use dynamo_engine::{EngineError, EngineEvent, KvCacheEvent, ValidRequest};
+use dynamo_engine::{EngineError, EngineEvent, KvBlockData, KvCacheEvent, ValidRequest};
 
 /// What one step produced.
 #[derive(Debug, Default)]
@@ -53,6 +54,49 @@ impl MockerCore {
 
     pub fn is_idle(&self) -> bool {
         self.sched.is_idle()
+    }
+
+    /// The blocks of the longest cached prefix of `hashes`, each a buffer of
+    /// `kv_bytes_per_block` whose first 8 bytes are its hash (so an import
+    /// can tell a torn or misplaced block).
+    pub fn export_blocks(&self, hashes: &[SequenceHash]) -> Vec<KvBlockData> {
+        let n = self.cfg.kv_bytes_per_block as usize;
+        let mut out = Vec::new();
+        let mut parent = None;
+        for &h in hashes {
+            if self.sched.cached_block(h).is_none() {
+                break;
+            }
+            let mut bytes = vec![(h.0 & 0xff) as u8; n];
+            bytes[..8].copy_from_slice(&h.0.to_le_bytes());
+            out.push(KvBlockData {
+                hash: h,
+                parent,
+                bytes,
+            });
+            parent = Some(h);
+        }
+        out
+    }
+
+    /// Stores exported blocks in the prefix cache; refuses a block of the
+    /// wrong size or whose content does not carry its hash.
+    pub fn import_blocks(&mut self, blocks: Vec<KvBlockData>) -> Result<usize, EngineError> {
+        let n = self.cfg.kv_bytes_per_block as usize;
+        let mut stored = 0;
+        for b in blocks {
+            if b.bytes.len() != n || b.bytes[..8] != b.hash.0.to_le_bytes() {
+                return Err(EngineError::BadKvData(format!(
+                    "block {:016x}: {} bytes, expected {n} carrying its hash",
+                    b.hash.0,
+                    b.bytes.len()
+                )));
+            }
+            if self.sched.import_block(b.hash, b.parent).is_some() {
+                stored += 1;
+            }
+        }
+        Ok(stored)
     }
 
     /// Queues a request.

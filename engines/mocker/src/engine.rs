@@ -5,18 +5,26 @@
 
 use crate::config::{ConfigError, MockerConfig};
 use crate::core::MockerCore;
+use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::{LoadMetrics, RequestId};
 use dynamo_engine::{
-    Engine, EngineError, EngineEvent, KvCacheEvent, KvSnapshot, ResponseStream, ValidRequest,
+    Engine, EngineError, EngineEvent, KvBlockData, KvCacheEvent, KvSnapshot, ResponseStream,
+    ValidRequest,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
+use tokio::sync::oneshot;
 
 enum Cmd {
     Add(ValidRequest, mpsc::UnboundedSender<EngineEvent>),
     Cancel(RequestId),
     Snapshot(tokio::sync::oneshot::Sender<KvSnapshot>),
+    Export(Vec<SequenceHash>, oneshot::Sender<Vec<KvBlockData>>),
+    Import(
+        Vec<KvBlockData>,
+        oneshot::Sender<Result<usize, EngineError>>,
+    ),
 }
 
 /// What the mocker needs to know about the model it pretends to run.
@@ -32,6 +40,7 @@ pub struct MockerEngine {
     tx: mpsc::UnboundedSender<Cmd>,
     load: Arc<Mutex<LoadMetrics>>,
     kv_rx: Mutex<Option<mpsc::UnboundedReceiver<KvCacheEvent>>>,
+    block_bytes: usize,
 }
 
 impl MockerEngine {
@@ -49,11 +58,13 @@ impl MockerEngine {
         let (kv_tx, kv_rx) = mpsc::unbounded_channel();
         let load = Arc::new(Mutex::new(core.load()));
         let emit = cfg.emit_kv_events;
+        let block_bytes = cfg.kv_bytes_per_block as usize;
         tokio::spawn(run(core, cfg, rx, kv_tx, load.clone()));
         Ok(MockerEngine {
             tx,
             load,
             kv_rx: Mutex::new(emit.then_some(kv_rx)),
+            block_bytes,
         })
     }
 }
@@ -80,11 +91,22 @@ impl Engine for MockerEngine {
         self.kv_rx.lock().ok()?.take()
     }
     fn kv_snapshot(&self) -> Result<tokio::sync::oneshot::Receiver<KvSnapshot>, EngineError> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.tx
-            .send(Cmd::Snapshot(tx))
-            .map_err(|_| EngineError::Stopped)?;
-        Ok(rx)
+        dynamo_engine::ask(|tx| self.tx.send(Cmd::Snapshot(tx)).is_ok())
+    }
+    fn kv_block_bytes(&self) -> usize {
+        self.block_bytes
+    }
+    fn export_blocks(
+        &self,
+        hashes: Vec<SequenceHash>,
+    ) -> Result<oneshot::Receiver<Vec<KvBlockData>>, EngineError> {
+        dynamo_engine::ask(|tx| self.tx.send(Cmd::Export(hashes, tx)).is_ok())
+    }
+    fn import_blocks(
+        &self,
+        blocks: Vec<KvBlockData>,
+    ) -> Result<oneshot::Receiver<Result<usize, EngineError>>, EngineError> {
+        dynamo_engine::ask(|tx| self.tx.send(Cmd::Import(blocks, tx)).is_ok())
     }
 }
 
@@ -116,6 +138,12 @@ async fn run(
                     // Events are drained after every step, so the snapshot is
                     // consistent with everything already sent.
                     let _ = tx.send(core.kv_snapshot());
+                }
+                Cmd::Export(hashes, tx) => {
+                    let _ = tx.send(core.export_blocks(&hashes));
+                }
+                Cmd::Import(blocks, tx) => {
+                    let _ = tx.send(core.import_blocks(blocks));
                 }
                 Cmd::Cancel(id) => {
                     if core.cancel(id) {
@@ -268,5 +296,35 @@ mod tests {
         drop(e);
         let (_, end) = collect(rx).await;
         assert_eq!(end, Some(EngineEvent::Failed(EngineError::Stopped)));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn blocks_move_between_mockers_as_buffers_of_the_configured_size() {
+        let cfg = MockerConfig {
+            kv_bytes_per_block: 4096,
+            ..MockerConfig::default()
+        };
+        let a = MockerEngine::start(cfg.clone(), model()).unwrap();
+        let prompt: Vec<u32> = (100..164).collect();
+        collect(a.generate(req(1, prompt.clone(), 2)).unwrap()).await;
+        let hashes = dynamo_bus_schema::blocks::sequence_hashes(&prompt, 16, 9);
+        let blocks = a.export_blocks(hashes.clone()).unwrap().await.unwrap();
+        assert_eq!(blocks.len(), 4);
+        assert!(blocks.iter().all(|b| b.bytes.len() == 4096));
+        assert_eq!(a.kv_block_bytes(), 4096);
+
+        let b = MockerEngine::start(cfg, model()).unwrap();
+        let mut torn = blocks[0].clone();
+        torn.bytes[0] ^= 1;
+        let err = b.import_blocks(vec![torn]).unwrap().await.unwrap();
+        assert!(matches!(err, Err(EngineError::BadKvData(_))));
+        assert_eq!(b.import_blocks(blocks).unwrap().await.unwrap(), Ok(4));
+        let mut rx = b.generate(req(2, prompt, 2)).unwrap();
+        // All but the last block come from the imported cache (the last
+        // prompt token is always computed).
+        assert_eq!(
+            rx.recv().await,
+            Some(EngineEvent::Started { cached_tokens: 48 })
+        );
     }
 }

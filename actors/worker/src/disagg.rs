@@ -1,0 +1,548 @@
+//! Disaggregated serving on a worker: a prefill worker computes a prompt's
+//! KV and writes its blocks, one-sided over libfabric, straight into a
+//! registered landing region of the decode worker, which imports them into
+//! its engine's prefix cache and generates.
+//!
+//! Invariants:
+//! - a decode worker reserves consecutive landing slots before it asks for
+//!   a prefill and frees them only after it has copied them out, so two
+//!   requests never share a slot;
+//! - it accepts only blocks whose hashes are its own prompt's, in order,
+//!   and a reply arrives only after the writes completed with delivery
+//!   complete semantics (the data is in place when the reply is read);
+//! - every failure (prefill worker gone or slow, transfer timeout, bad
+//!   reply, no free slots, fenced peer) is returned as a reason: the caller
+//!   prefills locally and reports the reason; nothing waits past
+//!   `prefill_timeout`, and a write never waits past `write_timeout`;
+//! - a prefill worker that fails `fence_after` times in a row is skipped
+//!   for `fence_for`.
+
+use dynamo_bus_schema::blocks::{sequence_hashes, SequenceHash};
+use dynamo_bus_schema::{
+    decode, unix_ms, ErrorKind, ErrorReply, GenerateDisagg, GenerateRequest, KvTransferTarget,
+    ModelCard, PrefillReply, PrefillRequest, RequestId, SamplingParams, WireError, WorkerId,
+    WorkerRole,
+};
+use dynamo_engine::{Engine, EngineEvent, EngineLimits, KvBlockData, ValidRequest};
+use dynamo_runtime::{counters, Bus};
+use dynamo_transfer::{Agent, FabricError, Peer, Progress, Region, RemoteRegion, WriteOp};
+use futures::StreamExt;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// KV transfer settings of a prefill or decode worker.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TransferConfig {
+    /// libfabric provider: `tcp;ofi_rxm` (default, any host) or `shm` (same host).
+    pub provider: String,
+    /// Block slots in a decode worker's landing region.
+    pub landing_blocks: u32,
+    /// Longest one write of a request's blocks may take before it fails.
+    pub write_timeout: Duration,
+    /// Longest a decode worker waits for a remote prefill (compute and
+    /// transfer) before it prefills locally.
+    pub prefill_timeout: Duration,
+    /// Consecutive failures after which a prefill worker is fenced.
+    pub fence_after: u32,
+    /// How long a fenced prefill worker is skipped.
+    pub fence_for: Duration,
+}
+
+impl Default for TransferConfig {
+    fn default() -> Self {
+        TransferConfig {
+            provider: "tcp;ofi_rxm".into(),
+            landing_blocks: 256,
+            write_timeout: Duration::from_secs(5),
+            prefill_timeout: Duration::from_secs(60),
+            fence_after: 2,
+            fence_for: Duration::from_secs(30),
+        }
+    }
+}
+
+struct Landing {
+    region: Mutex<Region>,
+    remote: RemoteRegion,
+    used: Mutex<Vec<bool>>,
+}
+
+/// Consecutive landing slots reserved for one request.
+struct Lease<'a> {
+    landing: &'a Landing,
+    first: usize,
+    n: usize,
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut used) = self.landing.used.lock() {
+            used[self.first..self.first + self.n].fill(false);
+        }
+    }
+}
+
+impl Landing {
+    fn lease(&self, n: usize) -> Option<Lease<'_>> {
+        let mut used = self.used.lock().ok()?;
+        let mut run = 0;
+        for i in 0..used.len() {
+            run = if used[i] { 0 } else { run + 1 };
+            if run == n {
+                let first = i + 1 - n;
+                used[first..=i].fill(true);
+                return Some(Lease {
+                    landing: self,
+                    first,
+                    n,
+                });
+            }
+        }
+        None
+    }
+}
+
+struct Fence {
+    failures: u32,
+    until: Option<Instant>,
+}
+
+/// A worker's KV transfer endpoint.
+pub struct KvTransfer {
+    cfg: TransferConfig,
+    progress: Progress,
+    address: Vec<u8>,
+    block_bytes: usize,
+    landing: Option<Landing>,
+    peers: Mutex<HashMap<Vec<u8>, Peer>>,
+    fences: Mutex<HashMap<WorkerId, Fence>>,
+    /// Source regions of writes that failed or timed out: the provider may
+    /// still read them, so they are never freed (fencing bounds how many).
+    graveyard: Mutex<Vec<Region>>,
+}
+
+/// The blocks a remote prefill left in this worker's engine.
+#[derive(Clone, Debug)]
+pub struct RemoteDone {
+    pub reply: PrefillReply,
+    pub imported: usize,
+}
+
+impl KvTransfer {
+    /// Opens the endpoint (and, for a decode worker, registers its landing region).
+    pub fn open(
+        cfg: TransferConfig,
+        role: WorkerRole,
+        block_bytes: usize,
+    ) -> Result<Self, FabricError> {
+        let mut agent = Agent::new(&cfg.provider)?;
+        let landing = if role == WorkerRole::Decode {
+            let n = cfg.landing_blocks as usize;
+            let region = agent.register(n * block_bytes)?;
+            Some(Landing {
+                remote: region.remote(),
+                region: Mutex::new(region),
+                used: Mutex::new(vec![false; n]),
+            })
+        } else {
+            None
+        };
+        let address = agent.address()?;
+        let progress =
+            Progress::spawn(agent).map_err(|e| FabricError::Completion(e.to_string()))?;
+        Ok(KvTransfer {
+            cfg,
+            progress,
+            address,
+            block_bytes,
+            landing,
+            peers: Mutex::new(HashMap::new()),
+            fences: Mutex::new(HashMap::new()),
+            graveyard: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Stops polling the endpoint (fault injection: a peer that never polls).
+    pub fn stop_progress(&self) {
+        self.progress.pause();
+    }
+
+    fn fenced(&self, w: WorkerId) -> Option<Duration> {
+        let f = self.fences.lock().ok()?;
+        let until = f.get(&w)?.until?;
+        until.checked_duration_since(Instant::now())
+    }
+
+    fn record(&self, w: WorkerId, ok: bool) {
+        let Ok(mut f) = self.fences.lock() else {
+            return;
+        };
+        let e = f.entry(w).or_insert(Fence {
+            failures: 0,
+            until: None,
+        });
+        if ok {
+            e.failures = 0;
+            e.until = None;
+        } else {
+            e.failures += 1;
+            if e.failures >= self.cfg.fence_after {
+                tracing::warn!(prefill_worker = %w, failures = e.failures, fence_for = ?self.cfg.fence_for, "fencing prefill worker");
+                e.until = Some(Instant::now() + self.cfg.fence_for);
+                e.failures = 0;
+            }
+        }
+    }
+
+    /// Decode side: has `plan.prefill_worker` prefill `req`'s prompt and
+    /// imports the blocks it wrote. An error is the reason to prefill locally.
+    pub async fn remote_prefill(
+        &self,
+        bus: &Bus,
+        engine: &Arc<dyn Engine>,
+        card: &ModelCard,
+        req: &GenerateRequest,
+        plan: &GenerateDisagg,
+    ) -> Result<RemoteDone, String> {
+        let peer = plan.prefill_worker;
+        if let Some(left) = self.fenced(peer) {
+            return Err(format!(
+                "prefill worker {peer} is fenced for {}s after repeated failures",
+                left.as_secs()
+            ));
+        }
+        let landing = self
+            .landing
+            .as_ref()
+            .ok_or("this worker has no landing region (it is not a decode worker)")?;
+        let hashes = sequence_hashes(&req.token_ids, card.block_size as usize, card.hash_salt);
+        let skip = (plan.cached_blocks as usize).min(hashes.len());
+        let n = hashes.len() - skip;
+        if n == 0 {
+            return Err("no uncached full block to transfer".into());
+        }
+        let lease = landing
+            .lease(n)
+            .ok_or_else(|| format!("no {n} free consecutive landing slots"))?;
+        let _spin = self.progress.expect();
+        let preq = PrefillRequest {
+            request_id: req.request_id,
+            model: req.model.clone(),
+            token_ids: req.token_ids.clone(),
+            skip_blocks: skip as u32,
+            target: KvTransferTarget {
+                provider: self.cfg.provider.clone(),
+                address: self.address.clone(),
+                key: landing.remote.key,
+                base: landing.remote.base,
+                len: landing.remote.len,
+                block_bytes: self.block_bytes as u64,
+                first_slot: lease.first as u32,
+                slots: n as u32,
+            },
+            deadline_unix_ms: unix_ms() + self.cfg.prefill_timeout.as_millis() as u64,
+        };
+        let subject = bus.subjects.worker_prefill(peer);
+        let reply: PrefillReply = match bus.request(subject, &preq, self.cfg.prefill_timeout).await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                self.record(peer, false);
+                return Err(format!("remote prefill on {peer} failed: {e}"));
+            }
+        };
+        let expected = &hashes[skip..];
+        let parent = skip.checked_sub(1).map(|i| hashes[i]);
+        if reply.blocks.len() > n
+            || reply.blocks[..] != expected[..reply.blocks.len()]
+            || (!reply.blocks.is_empty() && reply.parent != parent)
+        {
+            self.record(peer, false);
+            return Err(format!(
+                "prefill worker {peer} named blocks that are not this prompt's"
+            ));
+        }
+        let bb = self.block_bytes;
+        let blocks: Vec<KvBlockData> = {
+            let region = landing
+                .region
+                .lock()
+                .map_err(|_| "landing region lock poisoned")?;
+            let bytes = region.bytes();
+            reply
+                .blocks
+                .iter()
+                .enumerate()
+                .map(|(i, &hash)| {
+                    let at = (lease.first + i) * bb;
+                    KvBlockData {
+                        hash,
+                        parent: if i == 0 {
+                            parent
+                        } else {
+                            Some(reply.blocks[i - 1])
+                        },
+                        bytes: bytes[at..at + bb].to_vec(),
+                    }
+                })
+                .collect()
+        };
+        drop(lease);
+        let imported = engine
+            .import_blocks(blocks)
+            .map_err(|e| e.to_string())?
+            .await
+            .map_err(|_| "engine stopped during import".to_string())?
+            .map_err(|e| {
+                self.record(peer, false);
+                format!("importing blocks from {peer}: {e}")
+            })?;
+        self.record(peer, true);
+        Ok(RemoteDone { reply, imported })
+    }
+
+    /// Prefill side: writes `blocks` into the target's slots and waits for
+    /// the completion (blocking; run it off the async executor).
+    fn write_blocks(
+        &self,
+        target: &KvTransferTarget,
+        blocks: &[KvBlockData],
+    ) -> Result<(), FabricError> {
+        let bb = self.block_bytes;
+        let total = blocks.len() * bb;
+        let mut agent = self.progress.agent();
+        let cached = self
+            .peers
+            .lock()
+            .ok()
+            .and_then(|p| p.get(&target.address).copied());
+        let peer = match cached {
+            Some(p) => p,
+            None => {
+                let p = agent.insert_peer(&target.address)?;
+                if let Ok(mut peers) = self.peers.lock() {
+                    peers.insert(target.address.clone(), p);
+                }
+                p
+            }
+        };
+        let mut src = agent.register(total)?;
+        for (i, b) in blocks.iter().enumerate() {
+            src.bytes_mut()[i * bb..(i + 1) * bb].copy_from_slice(&b.bytes);
+        }
+        let remote = RemoteRegion {
+            key: target.key,
+            base: target.base,
+            len: target.len,
+        };
+        let res = agent.write(
+            WriteOp {
+                local: &src,
+                offset: 0,
+                len: total,
+                peer,
+                remote: &remote,
+                remote_offset: target.first_slot as u64 * bb as u64,
+            },
+            self.cfg.write_timeout,
+        );
+        if res.is_err() {
+            match self.graveyard.lock() {
+                Ok(mut g) => g.push(src),
+                Err(_) => std::mem::forget(src),
+            }
+        }
+        res
+    }
+}
+
+/// What a prefill worker needs to serve prefill requests.
+#[derive(Clone)]
+pub struct PrefillServer {
+    pub bus: Bus,
+    pub engine: Arc<dyn Engine>,
+    pub transfer: Arc<KvTransfer>,
+    pub card: ModelCard,
+    pub limits: EngineLimits,
+    pub worker_id: WorkerId,
+}
+
+impl PrefillServer {
+    /// Serves `worker.<id>.prefill` until cancelled, each request in a task
+    /// of its own (the engine batches concurrent prefills).
+    pub async fn run(self, mut sub: async_nats::Subscriber, cancel: CancellationToken) {
+        loop {
+            let m = tokio::select! {
+                _ = cancel.cancelled() => break,
+                m = sub.next() => m,
+            };
+            let Some(m) = m else { break };
+            let me = self.clone();
+            let cancel = cancel.child_token();
+            tokio::spawn(async move {
+                let answer = match decode::<PrefillRequest>(&m.payload) {
+                    Ok(req) => tokio::select! {
+                        a = me.prefill(req) => a,
+                        _ = cancel.cancelled() => Err(WireError::new(ErrorKind::Unavailable, "prefill worker is shutting down")),
+                    },
+                    Err(e) => {
+                        counters::reject("PrefillRequest", m.subject.as_str(), &e);
+                        Err(WireError::new(ErrorKind::BadMessage, e.to_string()))
+                    }
+                };
+                match answer {
+                    Ok(r) => me.bus.reply(m.reply.as_ref(), &r).await,
+                    Err(error) => {
+                        tracing::warn!(error = %error.message, "prefill request failed");
+                        me.bus.reply(m.reply.as_ref(), &ErrorReply { error }).await
+                    }
+                }
+            });
+        }
+        let _ = sub.unsubscribe().await;
+    }
+
+    async fn prefill(&self, req: PrefillRequest) -> Result<PrefillReply, WireError> {
+        let t0 = Instant::now();
+        let invalid = |m: String| WireError::new(ErrorKind::InvalidRequest, m);
+        let t = &req.target;
+        if t.block_bytes != self.transfer.block_bytes as u64 {
+            return Err(invalid(format!(
+                "target blocks are {} bytes, this engine's are {}",
+                t.block_bytes, self.transfer.block_bytes
+            )));
+        }
+        if t.provider != self.transfer.cfg.provider {
+            return Err(invalid(format!(
+                "target speaks {:?}, this worker {:?}",
+                t.provider, self.transfer.cfg.provider
+            )));
+        }
+        if req.model != self.card.name {
+            return Err(invalid(format!("this worker serves {}", self.card.name)));
+        }
+        let id = RequestId::random();
+        let valid = ValidRequest::from_parts(
+            id,
+            req.token_ids.clone(),
+            &SamplingParams::greedy(1),
+            self.limits,
+        )
+        .map_err(|e| invalid(e.to_string()))?;
+        let left = match req.deadline_unix_ms {
+            0 => Duration::from_secs(3600),
+            d => Duration::from_millis(d.saturating_sub(unix_ms())),
+        };
+        let mut events = self.engine.generate(valid).map_err(|e| e.to_wire())?;
+        let (mut started, mut first) = (None, None);
+        let run = async {
+            while let Some(ev) = events.recv().await {
+                match ev {
+                    EngineEvent::Started { .. } => started = Some(Instant::now()),
+                    EngineEvent::Tokens(_) => first = first.or(Some(Instant::now())),
+                    EngineEvent::Finished { .. } => return Ok(()),
+                    EngineEvent::Failed(e) => return Err(e.to_wire()),
+                }
+            }
+            Err(WireError::new(
+                ErrorKind::EngineFailed,
+                "engine dropped the prefill",
+            ))
+        };
+        match tokio::time::timeout(left, run).await {
+            Ok(r) => r?,
+            Err(_) => {
+                self.engine.cancel(id);
+                return Err(WireError::new(
+                    ErrorKind::DeadlineExceeded,
+                    "prefill deadline passed",
+                ));
+            }
+        }
+        let hashes = sequence_hashes(
+            &req.token_ids,
+            self.card.block_size as usize,
+            self.card.hash_salt,
+        );
+        let skip = (req.skip_blocks as usize).min(hashes.len());
+        let stopped = || WireError::new(ErrorKind::EngineFailed, "engine stopped");
+        let exported = self
+            .engine
+            .export_blocks(hashes.clone())
+            .map_err(|_| stopped())?
+            .await
+            .map_err(|_| stopped())?;
+        let blocks: Vec<KvBlockData> = exported
+            .into_iter()
+            .skip(skip)
+            .take(t.slots as usize)
+            .collect();
+        let t_tx = Instant::now();
+        if !blocks.is_empty() {
+            let (transfer, target, b) = (self.transfer.clone(), t.clone(), blocks.clone());
+            tokio::task::spawn_blocking(move || transfer.write_blocks(&target, &b))
+                .await
+                .map_err(|_| WireError::new(ErrorKind::Internal, "transfer task failed"))?
+                .map_err(|e| {
+                    WireError::new(
+                        ErrorKind::Unavailable,
+                        format!("KV transfer to the decode worker failed: {e}"),
+                    )
+                })?;
+        }
+        let ms = |d: Duration| d.as_secs_f32() * 1000.0;
+        let started = started.unwrap_or(t0);
+        let first = first.unwrap_or(t_tx);
+        Ok(PrefillReply {
+            request_id: req.request_id,
+            worker_id: self.worker_id,
+            parent: skip.checked_sub(1).map(|i| hashes[i]),
+            blocks: blocks.iter().map(|b| b.hash).collect::<Vec<SequenceHash>>(),
+            queue_ms: ms(started - t0),
+            prefill_ms: ms(first.saturating_duration_since(started)),
+            transfer_ms: ms(t_tx.elapsed()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn landing_slots_are_leased_consecutively_and_freed_on_drop() {
+        let t = KvTransfer::open(
+            TransferConfig {
+                landing_blocks: 4,
+                ..TransferConfig::default()
+            },
+            WorkerRole::Decode,
+            64,
+        )
+        .expect("tcp;ofi_rxm endpoint");
+        let l = t.landing.as_ref().unwrap();
+        let a = l.lease(2).unwrap();
+        let b = l.lease(2).unwrap();
+        assert_eq!((a.first, b.first), (0, 2));
+        assert!(l.lease(1).is_none());
+        drop(a);
+        assert!(l.lease(3).is_none());
+        let c = l.lease(2).unwrap();
+        assert_eq!(c.first, 0);
+    }
+
+    #[test]
+    fn repeated_failures_fence_a_peer_and_success_clears_it() {
+        let t = KvTransfer::open(TransferConfig::default(), WorkerRole::Prefill, 64)
+            .expect("tcp;ofi_rxm endpoint");
+        let w = WorkerId(9);
+        t.record(w, false);
+        assert!(t.fenced(w).is_none());
+        t.record(w, false);
+        assert!(t.fenced(w).is_some());
+        t.record(w, true);
+        assert!(t.fenced(w).is_none());
+    }
+}

@@ -1,0 +1,202 @@
+//! Disaggregated serving with real processes: a gateway node, a prefill
+//! node and a decode node running the real CPU engine, KV blocks moving
+//! over real libfabric endpoints (`tcp;ofi_rxm` on loopback).
+//!
+//! - Greedy outputs equal aggregated serving's, token for token.
+//! - A decode worker that stops polling its endpoint makes the prefill
+//!   worker's write time out: the request still completes (local prefill,
+//!   reported in `timings.fallback`), and the failing peer gets fenced.
+//! - A prefill worker killed with `kill -9` costs no request.
+
+use dynamo_bus_schema::{decode, encode, FaultAck, FaultInjection, FaultKind, WorkerRole};
+use dynamo_integration::*;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+const CPU: &str = "engine = \"cpu\"\nheartbeat_ms = 500\nblock_size = 16\n";
+const CPU_SETTINGS: &str = "[workers.cpu]\nthreads = 1\nnum_blocks = 256\n\n";
+
+fn gateway(nats: &Nats, port: u16) -> Node {
+    let cfg = node_config("gw", &nats.url, Some(port), 0, "").replace(
+        "worker_ttl_ms = 3000\n",
+        "worker_ttl_ms = 3000\nmin_remote_prefill_tokens = 32\n",
+    );
+    Node::start(&cfg)
+}
+
+fn worker(nats: &Nats, name: &str, role: &str, transfer: &str) -> Node {
+    let extra = format!(
+        "[[workers]]\ncount = 1\nrole = \"{role}\"\nmodel = \"{MODEL}\"\n{CPU}\n\
+         [workers.transfer]\n{transfer}\n\n{CPU_SETTINGS}\
+         [supervision]\nfault_injection = true\n"
+    );
+    Node::start(&node_config(name, &nats.url, None, 0, &extra))
+}
+
+/// Prompts long enough to be prefilled remotely (> 32 uncached tokens).
+fn prompts() -> Vec<Value> {
+    let topics = [
+        "the water cycle",
+        "why the sky is blue",
+        "how bread rises",
+        "what a prime number is",
+        "how a rainbow forms",
+    ];
+    topics
+        .iter()
+        .map(|t| {
+            json!([
+                {"role": "system", "content": "You are a careful teacher. Answer in two short sentences, plainly, for a curious twelve year old reader who likes facts."},
+                {"role": "user", "content": format!("Explain {t}.")},
+            ])
+        })
+        .collect()
+}
+
+async fn chat(http: &Http, messages: &Value) -> (String, Value, Value) {
+    let body = json!({"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0});
+    let r = http.post("/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    let text = r.json["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content")
+        .to_string();
+    (text, r.json["timings"].clone(), r.json["usage"].clone())
+}
+
+async fn inject(nats: &Nats, node: &str, role: WorkerRole, fault: FaultKind) {
+    let worker = registrations(&nats.url)
+        .await
+        .into_iter()
+        .find(|r| r.role == role)
+        .expect("worker of that role")
+        .worker_id;
+    let client = async_nats::connect(&nats.url).await.unwrap();
+    let msg = FaultInjection {
+        worker_id: worker,
+        fault,
+    };
+    let reply = client
+        .request(
+            format!("dynamo.it.node.{node}.fault"),
+            encode(&msg).unwrap().into(),
+        )
+        .await
+        .unwrap();
+    let ack: FaultAck = decode(&reply.payload).unwrap();
+    assert!(ack.applied, "{}", ack.message);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_greedy_outputs_equal_aggregated_ones() {
+    // Aggregated: one CPU worker behind its own gateway and bus.
+    let agg_nats = Nats::start();
+    let agg_port = free_port();
+    let mut agg = Node::start(&node_config(
+        "agg",
+        &agg_nats.url,
+        Some(agg_port),
+        0,
+        &format!("[[workers]]\ncount = 1\nmodel = \"{MODEL}\"\n{CPU}\n{CPU_SETTINGS}"),
+    ));
+    let agg_http = Http::new(agg_port);
+    agg_http.wait_ready(1, &mut agg).await;
+    let mut expected = Vec::new();
+    for p in prompts() {
+        expected.push(chat(&agg_http, &p).await.0);
+    }
+    drop(agg);
+
+    // Disaggregated: gateway, prefill and decode nodes on another bus.
+    let nats = Nats::start();
+    let port = free_port();
+    let mut prefill = worker(&nats, "prefill", "prefill", "");
+    let _decode = worker(&nats, "decode", "decode", "");
+    let mut gw = gateway(&nats, port);
+    let http = Http::new(port);
+    http.wait_ready(2, &mut gw).await;
+    let regs = registrations(&nats.url).await;
+    let prefill_id = regs
+        .iter()
+        .find(|r| r.role == WorkerRole::Prefill)
+        .expect("prefill worker")
+        .worker_id
+        .to_string();
+    let prompts = prompts();
+    let (last, first) = prompts.split_last().expect("prompts");
+    for (p, want) in first.iter().zip(&expected) {
+        let (text, timings, usage) = chat(&http, p).await;
+        assert_eq!(&text, want, "disaggregated output differs");
+        assert_eq!(timings["disaggregated"], true, "{timings}");
+        assert_eq!(timings["prefill_worker"], prefill_id.as_str());
+        assert!(timings["fallback"].is_null(), "{timings}");
+        assert!(timings["transfer_ms"].as_f64().unwrap() > 0.0, "{timings}");
+        // The transferred blocks were served from the decode worker's cache.
+        assert!(
+            usage["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .unwrap()
+                >= 32
+        );
+    }
+    let phases = http
+        .metric("dynamo_gateway_request_phase_seconds_count{mode=\"remote\",phase=\"transfer\"}")
+        .await;
+    assert_eq!(phases, first.len() as u64);
+
+    // A prefill worker killed with -9 (still registered for a moment) costs
+    // no request: the decode worker finds no responder and prefills locally.
+    prefill.signal(libc::SIGKILL);
+    prefill.wait(Duration::from_secs(5));
+    let (text, timings, _) = chat(&http, last).await;
+    assert_eq!(&text, expected.last().unwrap());
+    if timings["disaggregated"] == false && !timings["fallback"].is_null() {
+        let reason = timings["fallback"].as_str().unwrap();
+        assert!(reason.contains("failed"), "{reason}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_transfers_fall_back_to_local_prefill_and_fence_the_peer() {
+    let nats = Nats::start();
+    let port = free_port();
+    let _prefill = worker(&nats, "prefill", "prefill", "write_timeout_ms = 1000");
+    let _decode = worker(
+        &nats,
+        "decode",
+        "decode",
+        "prefill_timeout_ms = 20000\nfence_after = 2\nfence_for_ms = 60000",
+    );
+    let mut gw = gateway(&nats, port);
+    let http = Http::new(port);
+    http.wait_ready(2, &mut gw).await;
+    let prompts = prompts();
+    let (want, timings, _) = chat(&http, &prompts[0]).await;
+    assert_eq!(timings["disaggregated"], true, "{timings}");
+
+    // The decode worker's endpoint stops polling: writes into it stall.
+    inject(
+        &nats,
+        "decode",
+        WorkerRole::Decode,
+        FaultKind::StopTransferProgress,
+    )
+    .await;
+    let mut reasons = Vec::new();
+    for p in &prompts[1..3] {
+        let (text, timings, _) = chat(&http, p).await;
+        assert!(!text.is_empty());
+        assert_eq!(timings["disaggregated"], false, "{timings}");
+        reasons.push(timings["fallback"].as_str().expect("a reason").to_string());
+    }
+    assert!(
+        reasons[0].contains("transfer"),
+        "first failure is the write timeout: {reasons:?}"
+    );
+    // Two failures in a row fence the prefill worker: no more waiting on it.
+    let (again, timings, _) = chat(&http, &prompts[0]).await;
+    assert_eq!(again, want, "a local prefill gives the same answer");
+    let reason = timings["fallback"].as_str().expect("a reason");
+    assert!(reason.contains("fenced"), "{reason}");
+    assert!(http.metric("dynamo_gateway_disagg_fallbacks_total").await >= 3);
+}
