@@ -492,6 +492,9 @@ pub struct KvTransferTarget {
     /// First slot and number of consecutive slots reserved for this request.
     pub first_slot: u32,
     pub slots: u32,
+    /// Notice the last write carries (remote CQ data): the decode worker's
+    /// own completion queue tells it the blocks have landed.
+    pub notify: u64,
 }
 
 /// Decode worker → prefill worker (`Subjects::worker_prefill`, request/reply):

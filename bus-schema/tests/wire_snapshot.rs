@@ -333,6 +333,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                     block_bytes: 1024,
                     first_slot: 2,
                     slots: 2,
+                    notify: 0x1234,
                 },
                 deadline_unix_ms: 1_700_000_000_000,
             })),

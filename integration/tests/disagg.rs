@@ -200,3 +200,78 @@ async fn failed_transfers_fall_back_to_local_prefill_and_fence_the_peer() {
     assert!(reason.contains("fenced"), "{reason}");
     assert!(http.metric("dynamo_gateway_disagg_fallbacks_total").await >= 3);
 }
+
+/// BENCHMARKS.md: time to first token of a 2,000-token prompt, aggregated
+/// (one CPU worker) against disaggregated (prefill worker → `tcp;ofi_rxm`
+/// → decode worker), with the phase breakdown each response reports; 3
+/// fresh prompts each. `cargo test --release -p dynamo-integration --test
+/// disagg -- --ignored --nocapture ttft_breakdown` (after `cargo build
+/// --release --bins`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: run explicitly (make bench)"]
+async fn ttft_breakdown() {
+    const TRIALS: u32 = 3;
+    const LEN: u32 = 2000;
+    let settings = "[workers.cpu]\nthreads = 2\nnum_blocks = 512\n\n";
+    let prompt = |trial: u32, mode: u32| -> Vec<u32> {
+        (0..LEN)
+            .map(|i| 1000 + (i * 7919 + trial * 104729 + mode * 15485863) % 40000)
+            .collect()
+    };
+    let measure = |http: Http, mode: u32| async move {
+        let mut rows = Vec::new();
+        for trial in 0..TRIALS {
+            let body = json!({"model": MODEL, "prompt": prompt(trial, mode), "max_tokens": 4,
+                              "temperature": 0, "ignore_eos": true});
+            let t0 = std::time::Instant::now();
+            let r = http.post("/v1/completions", &body).await;
+            assert_eq!(r.status, 200, "{}", r.json);
+            let total = t0.elapsed().as_secs_f64() * 1000.0;
+            rows.push((r.json["timings"].clone(), total));
+        }
+        rows
+    };
+    let nats = Nats::start();
+    let port = free_port();
+    let mut agg = Node::start(&node_config(
+        "agg",
+        &nats.url,
+        Some(port),
+        0,
+        &format!("[[workers]]\ncount = 1\nmodel = \"{MODEL}\"\n{CPU}\n{settings}"),
+    ));
+    Http::new(port).wait_ready(1, &mut agg).await;
+    let agg_rows = measure(Http::new(port), 0).await;
+    drop(agg);
+    drop(nats);
+
+    let nats = Nats::start();
+    let port = free_port();
+    let worker = |name: &str, role: &str| {
+        let extra = format!(
+            "[[workers]]\ncount = 1\nrole = \"{role}\"\nmodel = \"{MODEL}\"\n{CPU}\n{settings}"
+        );
+        Node::start(&node_config(name, &nats.url, None, 0, &extra))
+    };
+    let _p = worker("prefill", "prefill");
+    let _d = worker("decode", "decode");
+    let mut gw = gateway(&nats, port);
+    Http::new(port).wait_ready(2, &mut gw).await;
+    let disagg_rows = measure(Http::new(port), 1).await;
+
+    println!(
+        "\n| mode | trial | first token ms | queue ms | prefill ms | transfer ms | request ms |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for (mode, rows) in [("aggregated", &agg_rows), ("disaggregated", &disagg_rows)] {
+        for (i, (t, total)) in rows.iter().enumerate() {
+            if mode == "disaggregated" {
+                assert_eq!(t["disaggregated"], true, "{t}");
+            }
+            println!(
+                "| {mode} | {i} | {} | {} | {} | {} | {total:.0} |",
+                t["first_token_ms"], t["queue_ms"], t["prefill_ms"], t["transfer_ms"]
+            );
+        }
+    }
+}

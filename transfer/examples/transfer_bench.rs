@@ -38,6 +38,7 @@ fn fabric(provider: &str) -> Vec<f64> {
                 peer,
                 remote: &remote,
                 remote_offset: 0,
+                notify: None,
             },
             Duration::from_secs(60),
         )

@@ -57,6 +57,29 @@ fn check(call: &'static str, rc: i64) -> Result<(), FabricError> {
     })
 }
 
+/// Gives SIGINT, SIGTERM, SIGQUIT, SIGHUP, SIGABRT and SIGILL back their
+/// default dispositions. Debian's libfabric 1.17 links libpsm2 and
+/// libpsm_infinipath, whose load-time constructors install handlers for
+/// them that write a backtrace file and `exit(1)`; a process that handles
+/// SIGTERM itself (graceful shutdown) must call this first thing in
+/// `main`, before installing its own handlers, or those chain to psm's and
+/// the process exits at once.
+pub fn reset_inherited_signal_handlers() {
+    for sig in [
+        libc::SIGINT,
+        libc::SIGTERM,
+        libc::SIGQUIT,
+        libc::SIGHUP,
+        libc::SIGABRT,
+        libc::SIGILL,
+    ] {
+        // SAFETY: restoring a default disposition has no preconditions.
+        unsafe {
+            libc::signal(sig, libc::SIG_DFL);
+        }
+    }
+}
+
 /// Unique memory-region keys: providers with `mr_mode` 0 take the key we ask for.
 static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
 
@@ -99,6 +122,15 @@ pub struct WriteOp<'a> {
     pub peer: Peer,
     pub remote: &'a RemoteRegion,
     pub remote_offset: u64,
+    /// Writes only: a notice for the target's completion queue
+    /// ([`Agent::take_notice`]), delivered with the data.
+    pub notify: Option<u64>,
+}
+
+#[derive(Clone, Copy)]
+enum Rma {
+    Write(Option<u64>),
+    Read,
 }
 
 /// One endpoint on one provider.
@@ -106,6 +138,9 @@ pub struct Agent {
     inner: std::sync::Arc<Inner>,
     virt_addr: bool,
     provider: String,
+    /// Notices (remote CQ data of peers' [`WriteOp::notify`] writes) read
+    /// from the completion queue and not yet taken.
+    notices: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<u64>>>,
 }
 
 impl Agent {
@@ -118,7 +153,13 @@ impl Agent {
             if hints.is_null() {
                 return Err(FabricError::NoProvider(provider.into()));
             }
-            (*hints).caps = (sys::FI_RMA | sys::FI_WRITE | sys::FI_REMOTE_WRITE) as u64;
+            (*hints).caps = (sys::FI_RMA
+                | sys::FI_WRITE
+                | sys::FI_READ
+                | sys::FI_REMOTE_WRITE
+                | sys::FI_REMOTE_READ) as u64;
+            // Notices ride on writes as 8 bytes of remote CQ data.
+            (*(*hints).domain_attr).cq_data_size = 8;
             (*(*hints).ep_attr).type_ = sys::fi_ep_type_FI_EP_RDM;
             (*(*hints).domain_attr).threading = sys::fi_threading_FI_THREAD_SAFE;
             // A write completes only once its data is visible at the target.
@@ -197,6 +238,7 @@ impl Agent {
                 inner: std::sync::Arc::new(a),
                 virt_addr,
                 provider: provider.into(),
+                notices: Default::default(),
             })
         }
     }
@@ -299,7 +341,8 @@ impl Agent {
     }
 
     /// Reads completions (the target of writes must call this: manual progress).
-    /// Returns how many operations completed.
+    /// Returns how many of this agent's own operations completed; notices
+    /// from peers' writes are kept for [`Self::take_notice`].
     pub fn progress(&mut self) -> Result<usize, FabricError> {
         let mut entries = [sys::fi_cq_data_entry::default(); 16];
         let mut done = 0;
@@ -309,7 +352,15 @@ impl Agent {
                 sys::dfi_cq_read(self.inner.cq, entries.as_mut_ptr().cast(), entries.len())
             };
             if rc > 0 {
-                done += rc as usize;
+                for e in &entries[..rc as usize] {
+                    if e.flags & sys::FI_REMOTE_CQ_DATA as u64 != 0 {
+                        if let Ok(mut n) = self.notices.lock() {
+                            n.insert(e.data);
+                        }
+                    } else {
+                        done += 1;
+                    }
+                }
                 continue;
             }
             if rc == -(libc::EAGAIN as isize) {
@@ -328,10 +379,29 @@ impl Agent {
         }
     }
 
+    /// Takes the notice `data` if a peer's write carrying it has landed here.
+    pub fn take_notice(&self, data: u64) -> bool {
+        self.notices
+            .lock()
+            .map(|mut n| n.remove(&data))
+            .unwrap_or(false)
+    }
+
     /// Writes `op.local[offset..offset+len]` to `op.remote` at
     /// `remote_offset` on `op.peer` and waits for the completion (at most
-    /// `timeout`).
+    /// `timeout`). With `op.notify`, the target's completion queue gets the
+    /// notice once the data is in place.
     pub fn write(&mut self, op: WriteOp<'_>, timeout: Duration) -> Result<(), FabricError> {
+        self.rma(Rma::Write(op.notify), op, timeout)
+    }
+
+    /// Reads `op.len` bytes at `op.remote_offset` of `op.remote` on
+    /// `op.peer` into `op.local[offset..]` and waits for the completion.
+    pub fn read(&mut self, op: WriteOp<'_>, timeout: Duration) -> Result<(), FabricError> {
+        self.rma(Rma::Read, op, timeout)
+    }
+
+    fn rma(&mut self, kind: Rma, op: WriteOp<'_>, timeout: Duration) -> Result<(), FabricError> {
         let WriteOp {
             local,
             offset,
@@ -339,6 +409,7 @@ impl Agent {
             peer,
             remote,
             remote_offset,
+            notify: _,
         } = op;
         if offset + len > local.buf.len() {
             return Err(FabricError::OutOfRange {
@@ -356,19 +427,45 @@ impl Agent {
         }
         let deadline = Instant::now() + timeout;
         loop {
-            // SAFETY: the source range is inside a registered region that
-            // outlives the call (we wait for the completion below).
+            // SAFETY: the local range is inside a registered region that
+            // outlives the call (we wait for the completion below; a caller
+            // that gives up on a timeout must keep the region alive).
+            let buf = local.buf.as_ptr().wrapping_add(offset);
+            let addr = remote.base + remote_offset;
             let rc = unsafe {
-                sys::dfi_write(
-                    self.inner.ep,
-                    local.buf.as_ptr().add(offset).cast(),
-                    len,
-                    local.desc,
-                    peer.0,
-                    remote.base + remote_offset,
-                    remote.key,
-                    ptr::null_mut(),
-                )
+                match kind {
+                    Rma::Write(None) => sys::dfi_write(
+                        self.inner.ep,
+                        buf.cast(),
+                        len,
+                        local.desc,
+                        peer.0,
+                        addr,
+                        remote.key,
+                        ptr::null_mut(),
+                    ),
+                    Rma::Write(Some(data)) => sys::dfi_writedata(
+                        self.inner.ep,
+                        buf.cast(),
+                        len,
+                        local.desc,
+                        data,
+                        peer.0,
+                        addr,
+                        remote.key,
+                        ptr::null_mut(),
+                    ),
+                    Rma::Read => sys::dfi_read(
+                        self.inner.ep,
+                        buf as *mut libc::c_void,
+                        len,
+                        local.desc,
+                        peer.0,
+                        addr,
+                        remote.key,
+                        ptr::null_mut(),
+                    ),
+                }
             };
             if rc == 0 {
                 break;
@@ -484,6 +581,11 @@ impl Progress {
     pub fn expect(&self) -> Expecting {
         self.shared.expecting.fetch_add(1, Ordering::Relaxed);
         Expecting(self.shared.clone())
+    }
+
+    /// Takes a notice read by the progress thread (see [`Agent::take_notice`]).
+    pub fn take_notice(&self, data: u64) -> bool {
+        self.agent().take_notice(data)
     }
 
     /// Stops polling for good (fault injection: a peer that never polls).

@@ -24,6 +24,7 @@ fn write_and_check(provider: &str) {
         peer,
         remote: &remote,
         remote_offset,
+        notify: None,
     };
     init.write(op(4096, 65536, 8192), Duration::from_secs(10))
         .unwrap();
@@ -35,6 +36,7 @@ fn write_and_check(provider: &str) {
             peer,
             remote: &remote,
             remote_offset: 0,
+            notify: None,
         },
         Duration::from_secs(10),
     )
@@ -64,6 +66,62 @@ fn shm_write_lands_byte_for_byte() {
     write_and_check("shm");
 }
 
+/// A write with a notice: the target learns from its own completion queue
+/// that the data is in place; a read brings the bytes back.
+fn notify_and_read(provider: &str) {
+    let mut target = Agent::new(provider).expect("provider available");
+    let mut dst = target.register(8192).unwrap();
+    dst.bytes_mut()[4096..].fill(9);
+    let remote = dst.remote();
+    let addr = target.address().unwrap();
+    let progress = Progress::spawn(target).unwrap();
+    let _spin = progress.expect();
+    let mut init = Agent::new(provider).unwrap();
+    let peer = init.insert_peer(&addr).unwrap();
+    let mut src = init.register(8192).unwrap();
+    src.bytes_mut()[..4096].fill(5);
+    let op = |notify| WriteOp {
+        local: &src,
+        offset: 0,
+        len: 4096,
+        peer,
+        remote: &remote,
+        remote_offset: 0,
+        notify,
+    };
+    assert!(!progress.take_notice(77));
+    init.write(op(Some(77)), Duration::from_secs(10)).unwrap();
+    let t0 = std::time::Instant::now();
+    while !progress.take_notice(77) {
+        assert!(t0.elapsed() < Duration::from_secs(5), "notice never came");
+        std::thread::yield_now();
+    }
+    assert!(!progress.take_notice(77), "a notice is taken once");
+    let back = WriteOp {
+        local: &src,
+        offset: 4096,
+        len: 4096,
+        peer,
+        remote: &remote,
+        remote_offset: 4096,
+        notify: None,
+    };
+    init.read(back, Duration::from_secs(10)).unwrap();
+    assert!(src.bytes()[4096..].iter().all(|b| *b == 9));
+    drop(progress);
+    assert!(dst.bytes()[..4096].iter().all(|b| *b == 5));
+}
+
+#[test]
+fn tcp_rxm_notices_and_reads() {
+    notify_and_read("tcp;ofi_rxm");
+}
+
+#[test]
+fn shm_notices_and_reads() {
+    notify_and_read("shm");
+}
+
 #[test]
 fn unknown_provider_is_a_clear_error() {
     assert!(matches!(
@@ -91,6 +149,7 @@ fn write_to_a_gone_peer_fails_in_time(provider: &str) {
                 peer,
                 remote: &remote,
                 remote_offset: 0,
+                notify: None,
             },
             Duration::from_secs(2),
         )

@@ -8,8 +8,8 @@
 //!   a prefill and frees them only after it has copied them out, so two
 //!   requests never share a slot;
 //! - it accepts only blocks whose hashes are its own prompt's, in order,
-//!   and a reply arrives only after the writes completed with delivery
-//!   complete semantics (the data is in place when the reply is read);
+//!   and only once its own completion queue has the write's notice (remote
+//!   CQ data): the data is in place, whatever the bus says;
 //! - every failure (prefill worker gone or slow, transfer timeout, bad
 //!   reply, no free slots, fenced peer) is returned as a reason: the caller
 //!   prefills locally and reports the reason; nothing waits past
@@ -31,6 +31,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
+
+/// How long a decode worker waits for a write's notice after the writer
+/// reported its completion (delivery complete: the data is already here).
+const NOTICE_GRACE: Duration = Duration::from_secs(2);
 
 /// KV transfer settings of a prefill or decode worker.
 #[derive(Clone, Debug, PartialEq)]
@@ -227,6 +231,7 @@ impl KvTransfer {
             .lease(n)
             .ok_or_else(|| format!("no {n} free consecutive landing slots"))?;
         let _spin = self.progress.expect();
+        let notify = req.request_id.0 as u64 ^ ((lease.first as u64) << 48);
         let preq = PrefillRequest {
             request_id: req.request_id,
             model: req.model.clone(),
@@ -241,6 +246,7 @@ impl KvTransfer {
                 block_bytes: self.block_bytes as u64,
                 first_slot: lease.first as u32,
                 slots: n as u32,
+                notify,
             },
             deadline_unix_ms: unix_ms() + self.cfg.prefill_timeout.as_millis() as u64,
         };
@@ -262,6 +268,12 @@ impl KvTransfer {
             self.record(peer, false);
             return Err(format!(
                 "prefill worker {peer} named blocks that are not this prompt's"
+            ));
+        }
+        if !reply.blocks.is_empty() && !self.wait_notice(notify).await {
+            self.record(peer, false);
+            return Err(format!(
+                "prefill worker {peer} replied but its writes never landed here (no notice)"
             ));
         }
         let bb = self.block_bytes;
@@ -301,6 +313,22 @@ impl KvTransfer {
             })?;
         self.record(peer, true);
         Ok(RemoteDone { reply, imported })
+    }
+
+    /// Waits (briefly: the notice is read by the spinning progress thread
+    /// and arrives with the data, before the writer's completion) for the
+    /// notice of a peer's last write.
+    async fn wait_notice(&self, notify: u64) -> bool {
+        let t0 = Instant::now();
+        loop {
+            if self.progress.take_notice(notify) {
+                return true;
+            }
+            if t0.elapsed() > NOTICE_GRACE {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        }
     }
 
     /// Prefill side: writes `blocks` into the target's slots and waits for
@@ -345,6 +373,7 @@ impl KvTransfer {
                 peer,
                 remote: &remote,
                 remote_offset: target.first_slot as u64 * bb as u64,
+                notify: Some(target.notify),
             },
             self.cfg.write_timeout,
         );

@@ -17,6 +17,7 @@ struct Args {
 }
 
 fn main() {
+    dynamo_transfer::reset_inherited_signal_handlers();
     let args = Args::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_env(env::LOG)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,async_nats=warn"));

@@ -113,6 +113,7 @@ fn report(
 }
 
 fn main() {
+    dynamo_transfer::reset_inherited_signal_handlers();
     let cli = Cli::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
