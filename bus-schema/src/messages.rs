@@ -503,6 +503,10 @@ pub struct KvTransferTarget {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PrefillRequest {
     pub request_id: RequestId,
+    /// The decode worker: told on `Subjects::worker_transfer` just before
+    /// the writes start ([`TransferStarting`]), so it polls its endpoint
+    /// hard only while data moves.
+    pub decode_worker: WorkerId,
     pub model: ModelName,
     pub token_ids: Vec<u32>,
     pub skip_blocks: u32,
@@ -526,6 +530,14 @@ pub struct PrefillReply {
     pub transfer_ms: f32,
 }
 wire!(PrefillReply = 81);
+
+/// Prefill worker → decode worker (`Subjects::worker_transfer`): the KV
+/// writes for `request_id` start now.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TransferStarting {
+    pub request_id: RequestId,
+}
+wire!(TransferStarting = 82);
 
 /// One KV event of one worker: `Event { id, data }`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -63,6 +63,10 @@ impl Subjects {
     pub fn worker_prefill(&self, w: WorkerId) -> String {
         format!("{}.worker.{w}.prefill", self.base())
     }
+    /// Decode worker hears [`crate::TransferStarting`] here.
+    pub fn worker_transfer(&self, w: WorkerId) -> String {
+        format!("{}.worker.{w}.transfer", self.base())
+    }
     /// Worker serves [`crate::ArtifactRequest`]s here.
     pub fn worker_artifact(&self, w: WorkerId) -> String {
         format!("{}.worker.{w}.artifact", self.base())

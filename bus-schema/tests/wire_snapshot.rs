@@ -321,6 +321,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             "PrefillRequest",
             enc(encode(&PrefillRequest {
                 request_id: rid,
+                decode_worker: wid,
                 model: ModelName("m".into()),
                 token_ids: vec![1, 2, 3],
                 skip_blocks: 0,
@@ -349,6 +350,10 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                 prefill_ms: 10.0,
                 transfer_ms: 1.0,
             })),
+        ),
+        (
+            "TransferStarting",
+            enc(encode(&TransferStarting { request_id: rid })),
         ),
     ]
 }

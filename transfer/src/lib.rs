@@ -514,9 +514,9 @@ impl Drop for Inner {
 /// Drives an agent's progress from a thread of its own (a write target on
 /// a manual-progress provider needs one) until dropped.
 ///
-/// It spins only while someone expects traffic ([`Progress::expect`]);
-/// otherwise it polls every `IDLE_POLL`, which keeps connection set-up
-/// moving without burning a core on an idle worker.
+/// It spins while someone expects traffic ([`Progress::expect`]: a
+/// transfer is under way), and polls every [`IDLE_POLL`] otherwise, which
+/// keeps connection set-up moving without burning a core the engine needs.
 pub struct Progress {
     agent: std::sync::Arc<std::sync::Mutex<Agent>>,
     shared: std::sync::Arc<ProgressFlags>,
@@ -577,7 +577,7 @@ impl Progress {
     }
 
     /// Spin (poll without pausing) until the returned guard is dropped:
-    /// call it before asking a peer to write here.
+    /// hold it while a peer writes here.
     pub fn expect(&self) -> Expecting {
         self.shared.expecting.fetch_add(1, Ordering::Relaxed);
         Expecting(self.shared.clone())

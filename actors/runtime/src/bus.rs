@@ -87,7 +87,12 @@ impl Bus {
         timeout: Duration,
     ) -> Result<R, BusError> {
         let bytes = encode(msg).map_err(|e| BusError::Encode(e.to_string()))?;
-        let fut = self.client.request(subject.clone(), Bytes::from(bytes));
+        // The client's own request timeout (10 s by default) must not cut
+        // a longer wait short: the request carries ours.
+        let req = async_nats::client::Request::new()
+            .payload(Bytes::from(bytes))
+            .timeout(Some(timeout));
+        let fut = self.client.send_request(subject.clone(), req);
         let reply = match tokio::time::timeout(timeout, fut).await {
             Err(_) => return Err(BusError::Timeout { subject, timeout }),
             Ok(Err(e)) => {

@@ -118,8 +118,13 @@ impl Actor for WorkerActor {
 
         let role = args.config.role;
         let transfer = if role == WorkerRole::Prefill || role == WorkerRole::Decode {
-            let t = KvTransfer::open(args.config.transfer.clone(), role, engine.kv_block_bytes())
-                .map_err(|e| format!("KV transfer endpoint: {e}"))?;
+            let t = KvTransfer::open(
+                id,
+                args.config.transfer.clone(),
+                role,
+                engine.kv_block_bytes(),
+            )
+            .map_err(|e| format!("KV transfer endpoint: {e}"))?;
             Some(Arc::new(t))
         } else {
             None
@@ -139,6 +144,10 @@ impl Actor for WorkerActor {
                 worker_id: id,
             };
             tokio::spawn(server.run(sub, tasks.child_token()));
+        }
+        if let (WorkerRole::Decode, Some(t)) = (role, &transfer) {
+            let sub = bus.client.subscribe(s.worker_transfer(id)).await?;
+            tokio::spawn(pump_transfer_starts(sub, t.clone(), tasks.child_token()));
         }
         let gen_sub = bus.client.subscribe(s.worker_generate(id)).await?;
         let cancel_sub = bus.client.subscribe(s.worker_cancel(id)).await?;
@@ -585,6 +594,26 @@ impl RemotePrefillPipe {
             }
         }
     }
+}
+
+/// Tells the transfer endpoint when a prefill worker starts writing.
+async fn pump_transfer_starts(
+    mut sub: async_nats::Subscriber,
+    transfer: Arc<KvTransfer>,
+    cancel: CancellationToken,
+) {
+    loop {
+        let m = tokio::select! {
+            _ = cancel.cancelled() => break,
+            m = sub.next() => m,
+        };
+        let Some(m) = m else { break };
+        match decode::<dynamo_bus_schema::TransferStarting>(&m.payload) {
+            Ok(t) => transfer.transfer_starting(t.request_id),
+            Err(e) => counters::reject("TransferStarting", m.subject.as_str(), &e),
+        }
+    }
+    let _ = sub.unsubscribe().await;
 }
 
 fn spawn_pump(

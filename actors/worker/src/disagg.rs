@@ -20,8 +20,8 @@
 use dynamo_bus_schema::blocks::{sequence_hashes, SequenceHash};
 use dynamo_bus_schema::{
     decode, unix_ms, ErrorKind, ErrorReply, GenerateDisagg, GenerateRequest, KvTransferTarget,
-    ModelCard, PrefillReply, PrefillRequest, RequestId, SamplingParams, WireError, WorkerId,
-    WorkerRole,
+    ModelCard, PrefillReply, PrefillRequest, RequestId, SamplingParams, TransferStarting,
+    WireError, WorkerId, WorkerRole,
 };
 use dynamo_engine::{Engine, EngineEvent, EngineLimits, KvBlockData, ValidRequest};
 use dynamo_runtime::{counters, Bus};
@@ -115,6 +115,7 @@ struct Fence {
 
 /// A worker's KV transfer endpoint.
 pub struct KvTransfer {
+    worker_id: WorkerId,
     cfg: TransferConfig,
     progress: Progress,
     address: Vec<u8>,
@@ -125,6 +126,8 @@ pub struct KvTransfer {
     /// Source regions of writes that failed or timed out: the provider may
     /// still read them, so they are never freed (fencing bounds how many).
     graveyard: Mutex<Vec<Region>>,
+    /// Remote prefills waiting for their writes to start.
+    starting: Mutex<HashMap<RequestId, tokio::sync::oneshot::Sender<()>>>,
 }
 
 /// The blocks a remote prefill left in this worker's engine.
@@ -137,6 +140,7 @@ pub struct RemoteDone {
 impl KvTransfer {
     /// Opens the endpoint (and, for a decode worker, registers its landing region).
     pub fn open(
+        worker_id: WorkerId,
         cfg: TransferConfig,
         role: WorkerRole,
         block_bytes: usize,
@@ -157,6 +161,7 @@ impl KvTransfer {
         let progress =
             Progress::spawn(agent).map_err(|e| FabricError::Completion(e.to_string()))?;
         Ok(KvTransfer {
+            worker_id,
             cfg,
             progress,
             address,
@@ -165,7 +170,15 @@ impl KvTransfer {
             peers: Mutex::new(HashMap::new()),
             fences: Mutex::new(HashMap::new()),
             graveyard: Mutex::new(Vec::new()),
+            starting: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// A prefill worker is about to write `id`'s blocks here.
+    pub fn transfer_starting(&self, id: RequestId) {
+        if let Some(tx) = self.starting.lock().ok().and_then(|mut s| s.remove(&id)) {
+            let _ = tx.send(());
+        }
     }
 
     /// Stops polling the endpoint (fault injection: a peer that never polls).
@@ -230,10 +243,14 @@ impl KvTransfer {
         let lease = landing
             .lease(n)
             .ok_or_else(|| format!("no {n} free consecutive landing slots"))?;
-        let _spin = self.progress.expect();
         let notify = req.request_id.0 as u64 ^ ((lease.first as u64) << 48);
+        let (start_tx, mut start_rx) = tokio::sync::oneshot::channel();
+        if let Ok(mut s) = self.starting.lock() {
+            s.insert(req.request_id, start_tx);
+        }
         let preq = PrefillRequest {
             request_id: req.request_id,
+            decode_worker: self.worker_id,
             model: req.model.clone(),
             token_ids: req.token_ids.clone(),
             skip_blocks: skip as u32,
@@ -251,8 +268,22 @@ impl KvTransfer {
             deadline_unix_ms: unix_ms() + self.cfg.prefill_timeout.as_millis() as u64,
         };
         let subject = bus.subjects.worker_prefill(peer);
-        let reply: PrefillReply = match bus.request(subject, &preq, self.cfg.prefill_timeout).await
-        {
+        let call = bus.request::<_, PrefillReply>(subject, &preq, self.cfg.prefill_timeout);
+        tokio::pin!(call);
+        // Poll the endpoint hard only once the writes start (the prefill
+        // itself may take seconds, and its engine needs the cores).
+        let mut spin = None;
+        let answer = loop {
+            tokio::select! {
+                r = &mut call => break r,
+                _ = &mut start_rx, if spin.is_none() => spin = Some(self.progress.expect()),
+            }
+        };
+        let _spin = spin.unwrap_or_else(|| self.progress.expect());
+        if let Ok(mut s) = self.starting.lock() {
+            s.remove(&req.request_id);
+        }
+        let reply: PrefillReply = match answer {
             Ok(r) => r,
             Err(e) => {
                 self.record(peer, false);
@@ -510,6 +541,13 @@ impl PrefillServer {
             .collect();
         let t_tx = Instant::now();
         if !blocks.is_empty() {
+            let start = TransferStarting {
+                request_id: req.request_id,
+            };
+            let subject = self.bus.subjects.worker_transfer(req.decode_worker);
+            if let Err(e) = self.bus.publish(subject, &start).await {
+                tracing::warn!(error = %e, "cannot announce the transfer; writing anyway");
+            }
             let (transfer, target, b) = (self.transfer.clone(), t.clone(), blocks.clone());
             tokio::task::spawn_blocking(move || transfer.write_blocks(&target, &b))
                 .await
@@ -543,6 +581,7 @@ mod tests {
     #[test]
     fn landing_slots_are_leased_consecutively_and_freed_on_drop() {
         let t = KvTransfer::open(
+            WorkerId(1),
             TransferConfig {
                 landing_blocks: 4,
                 ..TransferConfig::default()
@@ -564,8 +603,13 @@ mod tests {
 
     #[test]
     fn repeated_failures_fence_a_peer_and_success_clears_it() {
-        let t = KvTransfer::open(TransferConfig::default(), WorkerRole::Prefill, 64)
-            .expect("tcp;ofi_rxm endpoint");
+        let t = KvTransfer::open(
+            WorkerId(1),
+            TransferConfig::default(),
+            WorkerRole::Prefill,
+            64,
+        )
+        .expect("tcp;ofi_rxm endpoint");
         let w = WorkerId(9);
         t.record(w, false);
         assert!(t.fenced(w).is_none());
