@@ -51,6 +51,7 @@ bench: build
 	$(CARGO) run --release -q -p dynamo-cpu-engine --example cpu_bench
 	$(CARGO) test --release -q -p dynamo-integration --test migration -- --ignored --nocapture failover_latency
 	$(CARGO) run --release -q -p dynamo-transfer --example transfer_bench
+	$(CARGO) test --release -q -p dynamo-integration --test disagg -- --ignored --nocapture ttft_breakdown
 
 clean:
 	$(CARGO) clean

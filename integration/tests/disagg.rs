@@ -201,6 +201,87 @@ async fn failed_transfers_fall_back_to_local_prefill_and_fence_the_peer() {
     assert!(http.metric("dynamo_gateway_disagg_fallbacks_total").await >= 3);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mocker_workers_disaggregate_with_buffers_of_the_configured_size() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mocker = |name: &str, role: &str| {
+        let extra = format!(
+            "[[workers]]\ncount = 1\nrole = \"{role}\"\nengine = \"mocker\"\nmodel = \"{MODEL}\"\n\
+             heartbeat_ms = 500\n\n[workers.mocker]\nspeedup = 0.0\nkv_bytes_per_block = 131072\n"
+        );
+        Node::start(&node_config(name, &nats.url, None, 0, &extra))
+    };
+    let _p = mocker("prefill", "prefill");
+    let _d = mocker("decode", "decode");
+    let mut gw = gateway(&nats, port);
+    let http = Http::new(port);
+    http.wait_ready(2, &mut gw).await;
+    let prompt: Vec<u32> = (1000..1100).collect();
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 12});
+    let r = http.post("/v1/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    let t = &r.json["timings"];
+    assert_eq!(t["disaggregated"], true, "{t}");
+    assert!(t["transfer_ms"].as_f64().unwrap() > 0.0, "{t}");
+    // 6 full blocks of 16 moved; the decode worker recomputes only the tail.
+    assert_eq!(
+        r.json["usage"]["prompt_tokens_details"]["cached_tokens"],
+        96
+    );
+    assert_eq!(r.json["choices"][0]["text"], expected_text(&prompt, 12).1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_evicted_to_host_memory_are_announced_and_served_from_there() {
+    let nats = Nats::start();
+    let port = free_port();
+    let cfg = node_config(
+        "cpu",
+        &nats.url,
+        Some(port),
+        0,
+        &format!(
+            "[[workers]]\ncount = 1\nmodel = \"{MODEL}\"\n{CPU}\n\
+             [workers.cpu]\nthreads = 1\nnum_blocks = 24\noffload_host_blocks = 64\n"
+        ),
+    )
+    .replace("policy = \"least_loaded\"", "policy = \"kv_aware\"");
+    let mut node = Node::start(&cfg);
+    let http = Http::new(port);
+    http.wait_ready(1, &mut node).await;
+    let ask = |topic: &str| {
+        json!([
+            {"role": "system", "content": format!("{topic} Be exact and brief. ").repeat(25)},
+            {"role": "user", "content": topic},
+        ])
+    };
+    let (first, _, _) = chat(&http, &ask("Name a planet.")).await;
+    // Two other long prompts push the first one's blocks out of the pool.
+    for topic in ["Name a river.", "Name a colour."] {
+        chat(&http, &ask(topic)).await;
+    }
+    let regs = registrations(&nats.url).await;
+    let host = format!(
+        "dynamo_router_kv_index_blocks{{worker=\"{}\",tier=\"host\"}}",
+        regs[0].worker_id
+    );
+    let t0 = std::time::Instant::now();
+    while http.metric(&host).await == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "no host-tier blocks indexed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (again, _, usage) = chat(&http, &ask("Name a planet.")).await;
+    assert_eq!(again, first);
+    let cached = usage["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= 64, "cached {cached}");
+}
+
 /// BENCHMARKS.md: time to first token of a 2,000-token prompt, aggregated
 /// (one CPU worker) against disaggregated (prefill worker → `tcp;ofi_rxm`
 /// → decode worker), with the phase breakdown each response reports; 3
