@@ -580,6 +580,39 @@ pub struct KvDump {
 }
 wire!(KvDump = 62);
 
+/// The blocks one storage tier of a worker holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KvTierBlocks {
+    pub tier: StorageTier,
+    pub blocks: Vec<crate::blocks::SequenceHash>,
+}
+
+/// A worker's whole block table in every tier (device, host, disk),
+/// consistent with its events up to `last_event_id`. Workers answer a
+/// [`KvDumpRequest`] with this; routers also accept the device-only [`KvDump`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct KvDumpTiered {
+    pub worker_id: WorkerId,
+    pub generation: u64,
+    pub last_event_id: EventId,
+    pub tiers: Vec<KvTierBlocks>,
+}
+wire!(KvDumpTiered = 63);
+
+impl From<KvDump> for KvDumpTiered {
+    fn from(d: KvDump) -> Self {
+        KvDumpTiered {
+            worker_id: d.worker_id,
+            generation: d.generation,
+            last_event_id: d.last_event_id,
+            tiers: vec![KvTierBlocks {
+                tier: d.tier,
+                blocks: d.blocks,
+            }],
+        }
+    }
+}
+
 open_enum!(
     /// A change in one router's view of a request's load.
     ActiveLoadKind {

@@ -352,6 +352,24 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             })),
         ),
         (
+            "KvDumpTiered",
+            enc(encode(&KvDumpTiered {
+                worker_id: wid,
+                generation: 3,
+                last_event_id: EventId(9),
+                tiers: vec![
+                    KvTierBlocks {
+                        tier: StorageTier::Device,
+                        blocks: vec![SequenceHash(1)],
+                    },
+                    KvTierBlocks {
+                        tier: StorageTier::Host,
+                        blocks: vec![SequenceHash(2), SequenceHash(3)],
+                    },
+                ],
+            })),
+        ),
+        (
             "TransferStarting",
             enc(encode(&TransferStarting { request_id: rid })),
         ),

@@ -401,8 +401,13 @@ pub async fn worker_blocks(nats_url: &str, worker: &str) -> usize {
         )
         .await
         .expect("kv dump answered");
-    let d: dynamo_bus_schema::KvDump = dynamo_bus_schema::decode(&m.payload).expect("dump decodes");
-    d.blocks.len()
+    let d: dynamo_bus_schema::KvDumpTiered =
+        dynamo_bus_schema::decode(&m.payload).expect("dump decodes");
+    d.tiers
+        .iter()
+        .filter(|t| t.tier == dynamo_bus_schema::StorageTier::Device)
+        .map(|t| t.blocks.len())
+        .sum()
 }
 
 /// Asserts an OpenAI error object with the given status and type.

@@ -10,8 +10,8 @@ use crate::policy::{build, PolicyKind};
 use crate::state::{ModelEntry, RouteDecision, RouteError, RouterState, WorkerEntry};
 use dynamo_bus_schema::{
     decode, decode_payload, peek_kind, ActiveLoadEvent, ActiveLoadSnapshot,
-    ActiveLoadSnapshotRequest, ErrorKind, KvDump, KvDumpRequest, KvEventBatch, LoadReport,
-    ModelName, RequestId, RouterHeartbeat, RouterId, WireError, WireMessage, WorkerId,
+    ActiveLoadSnapshotRequest, ErrorKind, KvDump, KvDumpRequest, KvDumpTiered, KvEventBatch,
+    LoadReport, ModelName, RequestId, RouterHeartbeat, RouterId, WireError, WireMessage, WorkerId,
     WorkerRegistration,
 };
 use dynamo_runtime::{counters, Backoff, Bus};
@@ -45,7 +45,7 @@ impl Default for RouterConfig {
 pub enum RouterMsg {
     Upsert(Box<WorkerRegistration>),
     KvBatch(KvEventBatch),
-    KvDump(KvDump),
+    KvDump(KvDumpTiered),
     Remove(WorkerId),
     Load(LoadReport),
     Expire,
@@ -548,13 +548,19 @@ async fn request_dump(bus: Bus, w: WorkerId, router: ActorRef<RouterMsg>) {
         reason: "router sync".into(),
     };
     let subject = bus.subjects.worker_kv_dump(w);
-    match bus
-        .request::<_, KvDump>(subject, &req, Duration::from_secs(2))
-        .await
-    {
-        Ok(d) => {
+    let answer = bus
+        .request_bytes(subject.clone(), &req, Duration::from_secs(2))
+        .await;
+    // Workers answer with every tier; a device-only dump is accepted too.
+    let dump = answer.map(|b| match peek_kind(&b) {
+        Ok((k, p)) if k == KvDump::KIND => decode_payload::<KvDump>(p).map(Into::into),
+        _ => decode::<KvDumpTiered>(&b),
+    });
+    match dump {
+        Ok(Ok(d)) => {
             let _ = router.cast(RouterMsg::KvDump(d));
         }
+        Ok(Err(e)) => counters::reject("KvDumpTiered", &subject, &e),
         // Retried from the tick until the worker answers or expires.
         Err(e) => tracing::debug!(worker = %w, error = %e, "KV dump request failed"),
     }

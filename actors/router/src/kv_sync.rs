@@ -16,7 +16,7 @@
 //! - a worker first seen is synced from a dump (a router that starts late
 //!   learns what workers already hold).
 
-use dynamo_bus_schema::{KvDump, KvEvent, KvEventBatch, KvEventKind, StorageTier, WorkerId};
+use dynamo_bus_schema::{KvDumpTiered, KvEvent, KvEventBatch, KvEventKind, StorageTier, WorkerId};
 use dynamo_kv_index::{IndexEvent, IndexEventData, KvIndex, Tier};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -229,8 +229,10 @@ impl KvSync {
         }
     }
 
-    /// A dump arrived: replace the worker's blocks, then replay what was buffered.
-    pub fn dump(&mut self, d: KvDump) {
+    /// A dump arrived: replace the worker's blocks in every tier, then
+    /// replay what was buffered.
+    pub fn dump(&mut self, d: impl Into<KvDumpTiered>) {
+        let d: KvDumpTiered = d.into();
         let w = d.worker_id;
         let buffer = match self.workers.get_mut(&w) {
             Some(Sync::Syncing {
@@ -242,11 +244,12 @@ impl KvSync {
         };
         self.stats.dumps += 1;
         self.clear(w);
-        if let Some(tier) = tier(d.tier) {
+        for t in d.tiers {
+            let Some(tier) = tier(t.tier) else { continue };
             let data = IndexEventData::Stored {
                 tier,
                 parent: None,
-                blocks: d.blocks,
+                blocks: t.blocks,
             };
             if let Err(e) = self.index.apply(&IndexEvent { worker: w, data }) {
                 tracing::error!(error = %e, "KV index refused a dump");
@@ -298,7 +301,37 @@ impl KvSync {
 mod tests {
     use super::*;
     use dynamo_bus_schema::blocks::SequenceHash;
-    use dynamo_bus_schema::EventId;
+    use dynamo_bus_schema::{EventId, KvDump, KvTierBlocks};
+
+    #[test]
+    fn a_tiered_dump_restores_every_tier() {
+        let mut s = KvSync::default();
+        assert!(s.worker_seen(WorkerId(1), 1));
+        let tier = |tier, b: &[u64]| KvTierBlocks {
+            tier,
+            blocks: b.iter().map(|b| SequenceHash(*b)).collect(),
+        };
+        s.dump(KvDumpTiered {
+            worker_id: WorkerId(1),
+            generation: 1,
+            last_event_id: EventId(7),
+            tiers: vec![
+                tier(StorageTier::Device, &[1, 2]),
+                tier(StorageTier::Host, &[3]),
+                tier(StorageTier::Disk, &[4, 5]),
+            ],
+        });
+        assert_eq!(s.index.blocks_of(WorkerId(1)), [2, 1, 2]);
+        // A later device-only dump replaces all tiers.
+        s.dump(KvDump {
+            worker_id: WorkerId(1),
+            generation: 2,
+            last_event_id: EventId(1),
+            tier: StorageTier::Device,
+            blocks: vec![SequenceHash(9)],
+        });
+        assert_eq!(s.index.blocks_of(WorkerId(1)), [1, 0, 0]);
+    }
 
     fn stored(id: u64, blocks: &[u64]) -> KvEvent {
         KvEvent {

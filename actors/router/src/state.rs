@@ -21,7 +21,7 @@ use dynamo_bus_schema::{
     unix_ms, LoadReport, ModelCard, ModelName, WorkerId, WorkerRegistration, WorkerRole,
     WorkerState,
 };
-use dynamo_bus_schema::{ActiveLoadEvent, KvDump, KvEventBatch, RequestId, RouterId};
+use dynamo_bus_schema::{ActiveLoadEvent, KvDumpTiered, KvEventBatch, RequestId, RouterId};
 use dynamo_kv_index::Overlap;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -164,7 +164,7 @@ impl RouterState {
     }
 
     /// A worker's block table arrived.
-    pub fn kv_dump(&mut self, d: KvDump) {
+    pub fn kv_dump(&mut self, d: KvDumpTiered) {
         self.kv.dump(d);
     }
 

@@ -86,6 +86,19 @@ impl Bus {
         msg: &T,
         timeout: Duration,
     ) -> Result<R, BusError> {
+        let payload = self.request_bytes(subject.clone(), msg, timeout).await?;
+        decode(&payload).map_err(|source| BusError::Decode { subject, source })
+    }
+
+    /// Request/reply whose answer may be one of several kinds: the raw
+    /// envelope, for the caller to `peek_kind`. An [`ErrorReply`] becomes
+    /// [`BusError::Remote`].
+    pub async fn request_bytes<T: WireMessage>(
+        &self,
+        subject: String,
+        msg: &T,
+        timeout: Duration,
+    ) -> Result<Bytes, BusError> {
         let bytes = encode(msg).map_err(|e| BusError::Encode(e.to_string()))?;
         // The client's own request timeout (10 s by default) must not cut
         // a longer wait short: the request carries ours.
@@ -123,7 +136,7 @@ impl Bus {
                     error: err.error,
                 })
             }
-            _ => decode(&reply.payload).map_err(|source| BusError::Decode { subject, source }),
+            _ => Ok(reply.payload),
         }
     }
 

@@ -15,8 +15,8 @@ use crate::forward::{Forward, Outcome, PrefillOutcome};
 use dynamo_bus_schema::{
     decode, peek_kind, unix_ms, ArtifactChunk, ArtifactRequest, CancelRequest, DrainReply,
     DrainRequest, ErrorKind, ErrorReply, EventId, FaultKind, GenerateAck, GenerateDisagg,
-    GenerateRequest, KvDump, KvDumpRequest, KvEvent, KvEventBatch, KvEventKind, LoadReport,
-    ModelCard, NodeId, RequestId, StorageTier, WireError, WireMessage, WorkerId,
+    GenerateRequest, KvDumpRequest, KvDumpTiered, KvEvent, KvEventBatch, KvEventKind, KvTierBlocks,
+    LoadReport, ModelCard, NodeId, RequestId, StorageTier, WireError, WireMessage, WorkerId,
     WorkerRegistration, WorkerRole, WorkerState,
 };
 use dynamo_engine::{Engine, EngineEvent, EngineLimits, KvTier, ValidRequest};
@@ -704,35 +704,48 @@ fn to_wire(e: dynamo_engine::KvCacheEvent) -> KvEvent {
     KvEvent {
         event_id: EventId(e.event_id),
         kind,
-        tier: match e.tier {
-            KvTier::Device => StorageTier::Device,
-            KvTier::Host => StorageTier::Host,
-            KvTier::Disk => StorageTier::Disk,
-        },
+        tier: wire_tier(e.tier),
         parent,
         blocks,
     }
 }
 
-/// The engine's block table, consistent with its events so far.
+/// The engine's block table in every tier, consistent with its events so far.
 async fn kv_dump(
     engine: Arc<dyn Engine>,
     worker_id: WorkerId,
     generation: u64,
-) -> Result<KvDump, WireError> {
+) -> Result<KvDumpTiered, WireError> {
     let stopped = || WireError::new(ErrorKind::EngineFailed, "engine stopped");
     let snap = engine
         .kv_snapshot()
         .map_err(|_| stopped())?
         .await
         .map_err(|_| stopped())?;
-    Ok(KvDump {
+    let mut tiers = vec![KvTierBlocks {
+        tier: StorageTier::Device,
+        blocks: snap.blocks,
+    }];
+    for (tier, blocks) in snap.offloaded {
+        tiers.push(KvTierBlocks {
+            tier: wire_tier(tier),
+            blocks,
+        });
+    }
+    Ok(KvDumpTiered {
         worker_id,
         generation,
         last_event_id: EventId(snap.last_event_id),
-        tier: StorageTier::Device,
-        blocks: snap.blocks,
+        tiers,
     })
+}
+
+fn wire_tier(t: KvTier) -> StorageTier {
+    match t {
+        KvTier::Device => StorageTier::Device,
+        KvTier::Host => StorageTier::Host,
+        KvTier::Disk => StorageTier::Disk,
+    }
 }
 
 /// Largest chunk served per artifact request (NATS caps messages at 1 MiB).

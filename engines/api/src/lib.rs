@@ -251,7 +251,10 @@ pub enum KvCacheEventData {
 #[derive(Clone, Debug, PartialEq)]
 pub struct KvSnapshot {
     pub last_event_id: u64,
+    /// Blocks in the engine's own pool.
     pub blocks: Vec<SequenceHash>,
+    /// Blocks in the offload tiers (host, disk), when the engine has them.
+    pub offloaded: Vec<(KvTier, Vec<SequenceHash>)>,
 }
 
 /// Sends an engine a command carrying a reply channel: the receiver of the

@@ -284,9 +284,17 @@ impl Scheduler {
     /// The block table, consistent with every event drained so far.
     pub fn kv_snapshot(&self) -> KvSnapshot {
         let (last_event_id, blocks) = self.pool.snapshot();
+        let offloaded = match &self.tiers {
+            Some(t) => [KvTier::Host, KvTier::Disk]
+                .into_iter()
+                .map(|tier| (tier, t.hashes(tier)))
+                .collect(),
+            None => Vec::new(),
+        };
         KvSnapshot {
             last_event_id,
             blocks,
+            offloaded,
         }
     }
 
