@@ -49,24 +49,25 @@ impl Fabric {
         })
     }
 
-    /// One 64 MiB write, in GB/s (the target polls hard only meanwhile,
-    /// as a decode worker does during a transfer).
-    fn run(&mut self) -> f64 {
+    /// 64 MiB written as `segments` concurrent writes, in GB/s (the target
+    /// polls hard only meanwhile, as a decode worker does during a transfer).
+    fn run(&mut self, segments: usize) -> f64 {
         let _spin = self.progress.expect();
+        let seg = SIZE / segments;
+        let ops: Vec<WriteOp> = (0..segments)
+            .map(|i| WriteOp {
+                local: &self.src,
+                offset: i * seg,
+                len: seg,
+                peer: self.peer,
+                remote: &self.remote,
+                remote_offset: (i * seg) as u64,
+                notify: None,
+            })
+            .collect();
         let t0 = Instant::now();
         self.init
-            .write(
-                WriteOp {
-                    local: &self.src,
-                    offset: 0,
-                    len: SIZE,
-                    peer: self.peer,
-                    remote: &self.remote,
-                    remote_offset: 0,
-                    notify: None,
-                },
-                Duration::from_secs(60),
-            )
+            .write_all(&ops, Duration::from_secs(60))
             .expect("write");
         SIZE as f64 / t0.elapsed().as_secs_f64() / 1e9
     }
@@ -117,18 +118,25 @@ fn main() {
     let mut socket = Socket::open();
     let mut rxm = Fabric::open("tcp;ofi_rxm");
     let mut shm = Fabric::open("shm");
-    let (mut s, mut r, mut m) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut s, mut r, mut m, mut m4) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for round in 0..=RUNS {
         let a = socket.run();
-        let b = rxm.as_mut().map(Fabric::run).unwrap_or(0.0);
-        let c = shm.as_mut().map(Fabric::run).unwrap_or(0.0);
+        let b = rxm.as_mut().map(|f| f.run(1)).unwrap_or(0.0);
+        let c = shm.as_mut().map(|f| f.run(1)).unwrap_or(0.0);
+        let d = shm.as_mut().map(|f| f.run(4)).unwrap_or(0.0);
         if round > 0 {
             s.push(a);
             r.push(b);
             m.push(c);
+            m4.push(d);
         }
     }
-    for (name, v) in [("tcp socket", &s), ("tcp;ofi_rxm", &r), ("shm", &m)] {
+    for (name, v) in [
+        ("tcp socket", &s),
+        ("tcp;ofi_rxm", &r),
+        ("shm", &m),
+        ("shm 4 × 16 MiB", &m4),
+    ] {
         println!(
             "{name:<14} median {:5.2} GB/s (runs {v:.2?})",
             median(v.clone())
@@ -137,8 +145,9 @@ fn main() {
     // Per round ratios: both sides of a ratio ran back to back.
     let ratio = |x: &[f64]| median(x.iter().zip(&s).map(|(a, b)| a / b).collect());
     println!(
-        "vs socket (median of per-round ratios): tcp;ofi_rxm {:.2}x, shm {:.2}x",
+        "vs socket (median of per-round ratios): tcp;ofi_rxm {:.2}x, shm {:.2}x, shm 4 segments {:.2}x",
         ratio(&r),
-        ratio(&m)
+        ratio(&m),
+        ratio(&m4)
     );
 }

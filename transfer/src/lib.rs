@@ -402,7 +402,53 @@ impl Agent {
     }
 
     fn rma(&mut self, kind: Rma, op: WriteOp<'_>, timeout: Duration) -> Result<(), FabricError> {
-        let WriteOp {
+        let deadline = Instant::now() + timeout;
+        let mut done = self.post(kind, &op, timeout, deadline)?;
+        self.wait(&mut done, 1, timeout, deadline)
+    }
+
+    /// Posts every write of `ops` before waiting for any, then waits for
+    /// all their completions (at most `timeout` in all): segments of one
+    /// transfer move concurrently. A caller that gives up on an error must
+    /// keep the source regions alive (the provider may still read them).
+    pub fn write_all(&mut self, ops: &[WriteOp<'_>], timeout: Duration) -> Result<(), FabricError> {
+        let deadline = Instant::now() + timeout;
+        let mut done = 0;
+        for op in ops {
+            done += self.post(Rma::Write(op.notify), op, timeout, deadline)?;
+        }
+        self.wait(&mut done, ops.len(), timeout, deadline)
+    }
+
+    fn wait(
+        &mut self,
+        done: &mut usize,
+        want: usize,
+        timeout: Duration,
+        deadline: Instant,
+    ) -> Result<(), FabricError> {
+        loop {
+            *done += self.progress()?;
+            if *done >= want {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(FabricError::Timeout(timeout));
+            }
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Posts one operation (retrying while the provider is busy); returns
+    /// how many earlier operations completed meanwhile.
+    fn post(
+        &mut self,
+        kind: Rma,
+        op: &WriteOp<'_>,
+        timeout: Duration,
+        deadline: Instant,
+    ) -> Result<usize, FabricError> {
+        let &WriteOp {
             local,
             offset,
             len,
@@ -425,7 +471,7 @@ impl Agent {
                 size: remote.len,
             });
         }
-        let deadline = Instant::now() + timeout;
+        let mut done = 0;
         loop {
             // SAFETY: the local range is inside a registered region that
             // outlives the call (we wait for the completion below; a caller
@@ -468,24 +514,15 @@ impl Agent {
                 }
             };
             if rc == 0 {
-                break;
+                return Ok(done);
             }
             if rc != -(libc::EAGAIN as isize) {
                 check("fi_write", rc as i64)?;
             }
-            self.progress()?;
+            done += self.progress()?;
             if Instant::now() >= deadline {
                 return Err(FabricError::Timeout(timeout));
             }
-        }
-        loop {
-            if self.progress()? > 0 {
-                return Ok(());
-            }
-            if Instant::now() >= deadline {
-                return Err(FabricError::Timeout(timeout));
-            }
-            std::hint::spin_loop();
         }
     }
 }
