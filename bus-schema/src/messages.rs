@@ -475,21 +475,22 @@ pub struct FrameTimings {
 }
 wire!(FrameTimings = 15);
 
-/// Slots of a decode worker's registered landing region that one request's
-/// KV blocks are written into (one-sided, over libfabric).
+/// Where one request's KV blocks are written (one-sided, over libfabric):
+/// a window of a decode worker's landing region registered for this
+/// request alone, closed once the request no longer waits for it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KvTransferTarget {
     /// libfabric provider of the decode worker's endpoint (e.g. `tcp;ofi_rxm`).
     pub provider: String,
     /// The endpoint's address (`fi_getname`).
     pub address: Vec<u8>,
-    /// Remote key, base address and length of the landing region.
+    /// Remote key, base address and length of the window.
     pub key: u64,
     pub base: u64,
     pub len: u64,
     /// Bytes per block slot.
     pub block_bytes: u64,
-    /// First slot and number of consecutive slots reserved for this request.
+    /// First block slot (within the window) and number of slots to fill.
     pub first_slot: u32,
     pub slots: u32,
     /// Notice the last write carries (remote CQ data): the decode worker's

@@ -293,18 +293,70 @@ impl Agent {
     /// Allocates `len` zeroed bytes registered for local and remote access.
     pub fn register(&mut self, len: usize) -> Result<Region, FabricError> {
         let mut buf = Buffer::zeroed(len.max(1))?;
+        // SAFETY: the buffer lives in the region, which closes the MR before freeing it.
+        let (mr, remote) = unsafe { self.register_raw(buf.as_mut_ptr(), buf.len())? };
+        Ok(Region {
+            _owner: self.inner.clone(),
+            // SAFETY: `mr` was just registered.
+            desc: unsafe { sys::dfi_mr_desc(mr) },
+            mr,
+            buf,
+            remote,
+        })
+    }
+
+    /// Registers `region[offset..offset + len]` once more, under a key of
+    /// its own: a peer can write there through the returned window's
+    /// descriptor only while the window lives. Closing a window fences off
+    /// late writes (a peer that timed out and wrote anyway) from whatever
+    /// the bytes are reused for next.
+    ///
+    /// # Safety
+    /// `region` must outlive the window.
+    pub unsafe fn window(
+        &mut self,
+        region: &mut Region,
+        offset: usize,
+        len: usize,
+    ) -> Result<Window, FabricError> {
+        if len == 0 || offset + len > region.buf.len() {
+            return Err(FabricError::OutOfRange {
+                offset: offset as u64,
+                len: len as u64,
+                size: region.buf.len() as u64,
+            });
+        }
+        // SAFETY: the range is inside the region, which the caller keeps alive.
+        let (mr, remote) = unsafe { self.register_raw(region.buf.as_mut_ptr().add(offset), len)? };
+        Ok(Window {
+            _owner: self.inner.clone(),
+            mr,
+            remote,
+        })
+    }
+
+    /// Registers `len` bytes at `ptr` for local and remote access under a
+    /// fresh key (binding it to the endpoint where the provider asks).
+    ///
+    /// # Safety
+    /// The memory must stay valid until the returned MR is closed.
+    unsafe fn register_raw(
+        &mut self,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<(*mut sys::fid_mr, RemoteRegion), FabricError> {
         let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
         let mut mr = ptr::null_mut();
         let access =
             (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE) as u64;
-        // SAFETY: the buffer lives in the region, which closes the MR before freeing it.
+        // SAFETY: per this function's contract; the MR is closed on failure.
         unsafe {
             check(
                 "fi_mr_reg",
                 sys::dfi_mr_reg(
                     self.inner.domain,
-                    buf.as_mut_ptr().cast(),
-                    buf.len(),
+                    ptr.cast(),
+                    len,
                     access,
                     0,
                     key,
@@ -315,28 +367,22 @@ impl Agent {
             )?;
             let mode = (*(*self.inner.info).domain_attr).mr_mode;
             if mode & sys::FI_MR_ENDPOINT as i32 != 0 {
-                check(
+                let bound = check(
                     "fi_mr_bind",
                     sys::dfi_mr_bind(mr, &mut (*self.inner.ep).fid, 0) as i64,
-                )?;
-                check("fi_mr_enable", sys::dfi_mr_enable(mr) as i64)?;
+                )
+                .and_then(|_| check("fi_mr_enable", sys::dfi_mr_enable(mr) as i64));
+                if let Err(e) = bound {
+                    sys::dfi_close(&mut (*mr).fid);
+                    return Err(e);
+                }
             }
             let remote = RemoteRegion {
                 key: sys::dfi_mr_key(mr),
-                base: if self.virt_addr {
-                    buf.as_ptr() as u64
-                } else {
-                    0
-                },
-                len: buf.len() as u64,
+                base: if self.virt_addr { ptr as u64 } else { 0 },
+                len: len as u64,
             };
-            Ok(Region {
-                _owner: self.inner.clone(),
-                desc: sys::dfi_mr_desc(mr),
-                mr,
-                buf,
-                remote,
-            })
+            Ok((mr, remote))
         }
     }
 
@@ -714,6 +760,34 @@ impl Drop for Buffer {
     fn drop(&mut self) {
         // SAFETY: allocated in `zeroed` with this layout.
         unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// A second registration of part of a [`Region`] (see [`Agent::window`]);
+/// closed when dropped.
+pub struct Window {
+    _owner: std::sync::Arc<Inner>,
+    mr: *mut sys::fid_mr,
+    remote: RemoteRegion,
+}
+
+// SAFETY: the MR handle is only closed in Drop.
+unsafe impl Send for Window {}
+unsafe impl Sync for Window {}
+
+impl Window {
+    /// The descriptor peers write with (offset 0 is the window's start).
+    pub fn remote(&self) -> RemoteRegion {
+        self.remote
+    }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        // SAFETY: registered once in `Agent::window`.
+        unsafe {
+            sys::dfi_close(&mut (*self.mr).fid);
+        }
     }
 }
 

@@ -122,6 +122,55 @@ fn shm_notices_and_reads() {
     notify_and_read("shm");
 }
 
+/// A window takes writes while it lives; once closed, a late write through
+/// its descriptor fails and the bytes stay as they were.
+fn closed_windows_refuse_late_writes(provider: &str) {
+    let mut target = Agent::new(provider).expect("provider available");
+    let mut dst = target.register(8192).unwrap();
+    // SAFETY: `dst` outlives the window (dropped below, before `dst`).
+    let window = unsafe { target.window(&mut dst, 4096, 4096).unwrap() };
+    let remote = window.remote();
+    let addr = target.address().unwrap();
+    let progress = Progress::spawn(target).unwrap();
+    let _spin = progress.expect();
+    let mut init = Agent::new(provider).unwrap();
+    let peer = init.insert_peer(&addr).unwrap();
+    let mut src = init.register(8192).unwrap();
+    src.bytes_mut()[..4096].fill(3);
+    src.bytes_mut()[4096..].fill(4);
+    let op = |offset| WriteOp {
+        local: &src,
+        offset,
+        len: 4096,
+        peer,
+        remote: &remote,
+        remote_offset: 0,
+        notify: None,
+    };
+    init.write(op(0), Duration::from_secs(10)).unwrap();
+    drop(window);
+    assert!(init.write(op(4096), Duration::from_secs(2)).is_err());
+    drop(progress);
+    assert!(
+        dst.bytes()[..4096].iter().all(|b| *b == 0),
+        "outside the window"
+    );
+    assert!(
+        dst.bytes()[4096..].iter().all(|b| *b == 3),
+        "the late write was refused"
+    );
+}
+
+#[test]
+fn tcp_rxm_closed_windows_refuse_late_writes() {
+    closed_windows_refuse_late_writes("tcp;ofi_rxm");
+}
+
+#[test]
+fn shm_closed_windows_refuse_late_writes() {
+    closed_windows_refuse_late_writes("shm");
+}
+
 #[test]
 fn unknown_provider_is_a_clear_error() {
     assert!(matches!(

@@ -6,7 +6,10 @@
 //! Invariants:
 //! - a decode worker reserves consecutive landing slots before it asks for
 //!   a prefill and frees them only after it has copied them out, so two
-//!   requests never share a slot;
+//!   requests never share a slot; the prefill worker writes through a
+//!   window registered for that request alone, closed before the slots are
+//!   freed, so a write that arrives late (after a timeout or a cancel) is
+//!   refused instead of landing in someone else's slots;
 //! - it accepts only blocks whose hashes are its own prompt's, in order,
 //!   and only once its own completion queue has the write's notice (remote
 //!   CQ data): the data is in place, whatever the bus says;
@@ -69,7 +72,6 @@ impl Default for TransferConfig {
 
 struct Landing {
     region: Mutex<Region>,
-    remote: RemoteRegion,
     used: Mutex<Vec<bool>>,
 }
 
@@ -150,7 +152,6 @@ impl KvTransfer {
             let n = cfg.landing_blocks as usize;
             let region = agent.register(n * block_bytes)?;
             Some(Landing {
-                remote: region.remote(),
                 region: Mutex::new(region),
                 used: Mutex::new(vec![false; n]),
             })
@@ -243,6 +244,27 @@ impl KvTransfer {
         let lease = landing
             .lease(n)
             .ok_or_else(|| format!("no {n} free consecutive landing slots"))?;
+        // The prefill worker writes through a window of its own over these
+        // slots; it is closed (dropped, before the lease) whatever happens,
+        // so a late write can never land in slots leased to someone else.
+        let window = {
+            let mut region = landing
+                .region
+                .lock()
+                .map_err(|_| "landing region lock poisoned")?;
+            let mut agent = self.progress.agent();
+            // SAFETY: the landing region lives as long as this endpoint,
+            // and the window is dropped within this call.
+            unsafe {
+                agent.window(
+                    &mut region,
+                    lease.first * self.block_bytes,
+                    n * self.block_bytes,
+                )
+            }
+            .map_err(|e| format!("cannot open a landing window: {e}"))?
+        };
+        let remote = window.remote();
         let notify = req.request_id.0 as u64 ^ ((lease.first as u64) << 48);
         let (start_tx, mut start_rx) = tokio::sync::oneshot::channel();
         if let Ok(mut s) = self.starting.lock() {
@@ -257,11 +279,11 @@ impl KvTransfer {
             target: KvTransferTarget {
                 provider: self.cfg.provider.clone(),
                 address: self.address.clone(),
-                key: landing.remote.key,
-                base: landing.remote.base,
-                len: landing.remote.len,
+                key: remote.key,
+                base: remote.base,
+                len: remote.len,
                 block_bytes: self.block_bytes as u64,
-                first_slot: lease.first as u32,
+                first_slot: 0,
                 slots: n as u32,
                 notify,
             },
@@ -332,6 +354,7 @@ impl KvTransfer {
                 })
                 .collect()
         };
+        drop(window);
         drop(lease);
         let imported = engine
             .import_blocks(blocks)
