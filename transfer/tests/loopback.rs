@@ -1,7 +1,7 @@
 //! Real libfabric endpoints on loopback: one-sided writes land byte for
 //! byte, and a write to a peer that is gone fails within its timeout.
 
-use dynamo_transfer::{Agent, FabricError, Progress, WriteOp};
+use dynamo_transfer::{Agent, Expecting, FabricError, Peer, Progress, WriteOp};
 use std::time::Duration;
 
 fn write_and_check(provider: &str) {
@@ -66,6 +66,17 @@ fn shm_write_lands_byte_for_byte() {
     write_and_check("shm");
 }
 
+/// Starts the target's progress thread (polling hard) and an initiator
+/// that has the target as a peer.
+fn connect(provider: &str, target: Agent) -> (Progress, Expecting, Agent, Peer) {
+    let addr = target.address().unwrap();
+    let progress = Progress::spawn(target).unwrap();
+    let spin = progress.expect();
+    let mut init = Agent::new(provider).unwrap();
+    let peer = init.insert_peer(&addr).unwrap();
+    (progress, spin, init, peer)
+}
+
 /// A write with a notice: the target learns from its own completion queue
 /// that the data is in place; a read brings the bytes back.
 fn notify_and_read(provider: &str) {
@@ -73,11 +84,7 @@ fn notify_and_read(provider: &str) {
     let mut dst = target.register(8192).unwrap();
     dst.bytes_mut()[4096..].fill(9);
     let remote = dst.remote();
-    let addr = target.address().unwrap();
-    let progress = Progress::spawn(target).unwrap();
-    let _spin = progress.expect();
-    let mut init = Agent::new(provider).unwrap();
-    let peer = init.insert_peer(&addr).unwrap();
+    let (progress, _spin, mut init, peer) = connect(provider, target);
     let mut src = init.register(8192).unwrap();
     src.bytes_mut()[..4096].fill(5);
     let op = |notify| WriteOp {
@@ -130,11 +137,7 @@ fn closed_windows_refuse_late_writes(provider: &str) {
     // SAFETY: `dst` outlives the window (dropped below, before `dst`).
     let window = unsafe { target.window(&mut dst, 4096, 4096).unwrap() };
     let remote = window.remote();
-    let addr = target.address().unwrap();
-    let progress = Progress::spawn(target).unwrap();
-    let _spin = progress.expect();
-    let mut init = Agent::new(provider).unwrap();
-    let peer = init.insert_peer(&addr).unwrap();
+    let (progress, _spin, mut init, peer) = connect(provider, target);
     let mut src = init.register(8192).unwrap();
     src.bytes_mut()[..4096].fill(3);
     src.bytes_mut()[4096..].fill(4);
