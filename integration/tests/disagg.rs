@@ -25,9 +25,13 @@ fn gateway(nats: &Nats, port: u16) -> Node {
 }
 
 fn worker(nats: &Nats, name: &str, role: &str, transfer: &str) -> Node {
+    worker_with(nats, name, role, transfer, CPU_SETTINGS)
+}
+
+fn worker_with(nats: &Nats, name: &str, role: &str, transfer: &str, cpu: &str) -> Node {
     let extra = format!(
         "[[workers]]\ncount = 1\nrole = \"{role}\"\nmodel = \"{MODEL}\"\n{CPU}\n\
-         [workers.transfer]\n{transfer}\n\n{CPU_SETTINGS}\
+         [workers.transfer]\n{transfer}\n\n{cpu}\
          [supervision]\nfault_injection = true\n"
     );
     Node::start(&node_config(name, &nats.url, None, 0, &extra))
@@ -199,6 +203,52 @@ async fn failed_transfers_fall_back_to_local_prefill_and_fence_the_peer() {
     let reason = timings["fallback"].as_str().expect("a reason");
     assert!(reason.contains("fenced"), "{reason}");
     assert!(http.metric("dynamo_gateway_disagg_fallbacks_total").await >= 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_during_a_remote_prefill_stops_the_prefill_too() {
+    let nats = Nats::start();
+    let port = free_port();
+    // Small prefill chunks: a cancel takes effect at the next step.
+    let small_steps =
+        "[workers.cpu]\nthreads = 1\nnum_blocks = 256\nmax_num_batched_tokens = 64\n\n";
+    let _prefill = worker_with(&nats, "prefill", "prefill", "", small_steps);
+    let _decode = worker(&nats, "decode", "decode", "");
+    let mut gw = gateway(&nats, port);
+    let http = Http::new(port);
+    http.wait_ready(2, &mut gw).await;
+    // About 20 s of prefill on one thread: far longer than the wait below.
+    let prompt: Vec<u32> = (0..1500).map(|i| 1000 + (i * 37) % 30000).collect();
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": true});
+    let busy = |regs: &[dynamo_bus_schema::WorkerRegistration]| {
+        regs.iter()
+            .find(|r| r.role == WorkerRole::Prefill)
+            .map(|r| r.load.active_seqs + r.load.waiting_seqs)
+            .unwrap_or(0)
+    };
+    let stream = http.open("/v1/completions", &body).await;
+    assert_eq!(stream.status().as_u16(), 200);
+    let t0 = std::time::Instant::now();
+    while busy(&registrations(&nats.url).await) == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the prefill never started"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(stream); // the client leaves
+    let t0 = std::time::Instant::now();
+    while busy(&registrations(&nats.url).await) > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(8),
+            "the prefill worker kept computing for a client that left"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Both workers serve the next request.
+    let (text, timings, _) = chat(&http, &prompts()[0]).await;
+    assert!(!text.is_empty());
+    assert_eq!(timings["disaggregated"], true, "{timings}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -339,7 +339,14 @@ fn stream_response(
             }
         }
         let mut usage = Usage::default();
-        while let Some((i, ev)) = all.next().await {
+        loop {
+            // A client that leaves while nothing is being sent (a long
+            // prefill) is noticed at once, not at the next event.
+            let next = tokio::select! {
+                next = all.next() => next,
+                _ = tx.closed() => return,
+            };
+            let Some((i, ev)) = next else { break };
             let event = match ev {
                 // The hot path (one event per token) skips building a JSON value.
                 Ok(GenEvent::Text(t)) => chunk_text(&chunk_prefix, ep, i, &t),

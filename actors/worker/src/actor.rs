@@ -284,6 +284,10 @@ impl Actor for WorkerActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             WorkerMsg::Generate(m) => rt.generate(m, myself).await,
+            WorkerMsg::Cancel(c) if rt.cfg.role == WorkerRole::Prefill => {
+                // Prefills run under their decode worker's request id.
+                rt.engine.cancel(c.request_id);
+            }
             WorkerMsg::Cancel(c) => {
                 if rt.inflight.contains(&c.request_id) {
                     tracing::debug!(request = %c.request_id, reason = ?c.reason, "cancel");
@@ -561,6 +565,8 @@ impl RemotePrefillPipe {
         let remote = tokio::select! {
             r = self.transfer.remote_prefill(&self.bus, &self.engine, &self.card, &self.req, &self.plan) => r,
             _ = cancel.cancelled() => {
+                let why = dynamo_bus_schema::CancelReason::ClientDisconnected;
+                crate::disagg::cancel_prefill(&self.bus, self.plan.prefill_worker, id, why).await;
                 let _ = tx.send(EngineEvent::Finished { reason: dynamo_bus_schema::FinishReason::Cancelled });
                 return;
             }

@@ -22,9 +22,9 @@
 
 use dynamo_bus_schema::blocks::{sequence_hashes, SequenceHash};
 use dynamo_bus_schema::{
-    decode, unix_ms, ErrorKind, ErrorReply, GenerateDisagg, GenerateRequest, KvTransferTarget,
-    ModelCard, PrefillReply, PrefillRequest, RequestId, SamplingParams, TransferStarting,
-    WireError, WorkerId, WorkerRole,
+    decode, unix_ms, CancelReason, CancelRequest, ErrorKind, ErrorReply, FinishReason,
+    GenerateDisagg, GenerateRequest, KvTransferTarget, ModelCard, PrefillReply, PrefillRequest,
+    RequestId, SamplingParams, TransferStarting, WireError, WorkerId, WorkerRole,
 };
 use dynamo_engine::{Engine, EngineEvent, EngineLimits, KvBlockData, ValidRequest};
 use dynamo_runtime::{counters, Bus};
@@ -309,6 +309,9 @@ impl KvTransfer {
             Ok(r) => r,
             Err(e) => {
                 self.record(peer, false);
+                if matches!(e, dynamo_runtime::BusError::Timeout { .. }) {
+                    cancel_prefill(bus, peer, req.request_id, CancelReason::DeadlineExceeded).await;
+                }
                 return Err(format!("remote prefill on {peer} failed: {e}"));
             }
         };
@@ -441,6 +444,26 @@ impl KvTransfer {
     }
 }
 
+/// Asks a prefill worker to stop prefilling `id` (its decode worker gave up
+/// on it): the engine frees the work instead of finishing it for nobody.
+pub async fn cancel_prefill(
+    bus: &Bus,
+    prefill_worker: WorkerId,
+    id: RequestId,
+    reason: CancelReason,
+) {
+    let c = CancelRequest {
+        request_id: id,
+        reason,
+    };
+    if let Err(e) = bus
+        .publish(bus.subjects.worker_cancel(prefill_worker), &c)
+        .await
+    {
+        tracing::warn!(error = %e, "cannot cancel the remote prefill");
+    }
+}
+
 /// What a prefill worker needs to serve prefill requests.
 #[derive(Clone)]
 pub struct PrefillServer {
@@ -506,7 +529,9 @@ impl PrefillServer {
         if req.model != self.card.name {
             return Err(invalid(format!("this worker serves {}", self.card.name)));
         }
-        let id = RequestId::random();
+        // The decode worker's id for the request: a cancel it sends here
+        // (`worker.<id>.cancel`) stops this prefill too.
+        let id = req.request_id;
         let valid = ValidRequest::from_parts(
             id,
             req.token_ids.clone(),
@@ -525,6 +550,14 @@ impl PrefillServer {
                 match ev {
                     EngineEvent::Started { .. } => started = Some(Instant::now()),
                     EngineEvent::Tokens(_) => first = first.or(Some(Instant::now())),
+                    EngineEvent::Finished {
+                        reason: FinishReason::Cancelled,
+                    } => {
+                        return Err(WireError::new(
+                            ErrorKind::Cancelled,
+                            "the decode worker cancelled the prefill",
+                        ))
+                    }
                     EngineEvent::Finished { .. } => return Ok(()),
                     EngineEvent::Failed(e) => return Err(e.to_wire()),
                 }
