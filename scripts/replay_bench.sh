@@ -12,6 +12,8 @@ SPEEDUP=${SPEEDUP:-20}
 BLOCKS=${BLOCKS:-4096}          # per worker, 16-token blocks (65,536 tokens)
 MAX_OUTPUT=${MAX_OUTPUT:-64}
 POLICIES=${POLICIES:-"kv_aware round_robin random"}
+HOST_BLOCKS=${HOST_BLOCKS:-0}   # per worker: evicted blocks kept in a host-memory tier
+KV_BYTES=${KV_BYTES:-1024}      # bytes each simulated block occupies (host tier memory)
 PORT=${PORT:-8000}
 [ -f "$TRACE" ] || { echo "replay_bench: no trace at $TRACE" >&2; exit 1; }
 
@@ -34,6 +36,8 @@ context_length = 131072
 [workers.mocker]
 num_blocks = $BLOCKS
 speedup = $SPEEDUP
+offload_host_blocks = $HOST_BLOCKS
+kv_bytes_per_block = $KV_BYTES
 TOML
   "$BIN/dynamo-node" --config "$cfg" >"$cfg.log" 2>&1 &
   node=$!

@@ -108,12 +108,20 @@ pub struct TierStore {
 }
 
 impl TierStore {
-    pub fn new(cfg: OffloadConfig) -> Result<Self, OffloadError> {
+    /// Checks a config without touching the disk.
+    pub fn check(cfg: &OffloadConfig) -> Result<(), OffloadError> {
         if cfg.disk_blocks > 0 {
             if cfg.host_blocks == 0 {
                 return Err(OffloadError::DiskWithoutHost);
             }
-            let dir = cfg.disk_dir.as_ref().ok_or(OffloadError::NoDiskDir)?;
+            cfg.disk_dir.as_ref().ok_or(OffloadError::NoDiskDir)?;
+        }
+        Ok(())
+    }
+
+    pub fn new(cfg: OffloadConfig) -> Result<Self, OffloadError> {
+        Self::check(&cfg)?;
+        if let Some(dir) = cfg.disk_dir.as_ref().filter(|_| cfg.disk_blocks > 0) {
             std::fs::create_dir_all(dir).map_err(|e| OffloadError::DiskDir {
                 dir: dir.display().to_string(),
                 reason: e.to_string(),

@@ -35,6 +35,13 @@ pub struct MockerConfig {
     /// this size, so moving blocks between workers costs what it would on
     /// a real engine (default 64 KiB).
     pub kv_bytes_per_block: u32,
+    /// Blocks kept in a simulated host-memory tier after eviction (0 = none);
+    /// each holds a real buffer of `kv_bytes_per_block`, so memory is real.
+    pub offload_host_blocks: u32,
+    /// Blocks kept on disk after eviction from host memory (0 = none).
+    pub offload_disk_blocks: u32,
+    /// Directory of the disk tier (needed when `offload_disk_blocks > 0`).
+    pub offload_disk_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for MockerConfig {
@@ -52,6 +59,9 @@ impl Default for MockerConfig {
             prefill_ms: [4.21e-7, 1.518e-2, 16.5],
             decode_ms: [-25.74, 54.01, 5.74],
             kv_bytes_per_block: 64 * 1024,
+            offload_host_blocks: 0,
+            offload_disk_blocks: 0,
+            offload_disk_dir: None,
         }
     }
 }
@@ -68,6 +78,8 @@ pub enum ConfigError {
     BadSpeedup(f64),
     #[error("mocker.token_lo ({lo}) must be below token_hi ({hi})")]
     BadTokenRange { lo: u32, hi: u32 },
+    #[error("mocker.{0}")]
+    Offload(String),
 }
 
 impl MockerConfig {
@@ -97,6 +109,9 @@ impl MockerConfig {
         } else {
             self.token_hi.min(vocab_size)
         };
+        if let Err(e) = dynamo_batcher::TierStore::check(&self.offload()) {
+            return Err(ConfigError::Offload(e.to_string()));
+        }
         if self.token_lo >= hi {
             return Err(ConfigError::BadTokenRange {
                 lo: self.token_lo,
@@ -104,6 +119,15 @@ impl MockerConfig {
             });
         }
         Ok((self.token_lo, hi))
+    }
+
+    /// The offload tiers this config asks for.
+    pub fn offload(&self) -> dynamo_batcher::OffloadConfig {
+        dynamo_batcher::OffloadConfig {
+            host_blocks: self.offload_host_blocks as usize,
+            disk_blocks: self.offload_disk_blocks as usize,
+            disk_dir: self.offload_disk_dir.clone(),
+        }
     }
 
     /// Simulated duration of a step, before the speedup.

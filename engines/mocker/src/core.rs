@@ -5,7 +5,7 @@
 
 use crate::config::MockerConfig;
 use crate::tokens::next_token;
-use dynamo_batcher::{Scheduler, SchedulerConfig};
+use dynamo_batcher::{BlockData, BlockIdx, Scheduler, SchedulerConfig, TierStore};
 use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::{LoadMetrics, RequestId};
 use dynamo_engine::{EngineError, EngineEvent, KvBlockData, KvCacheEvent, ValidRequest};
@@ -19,6 +19,20 @@ pub struct StepOutput {
     pub simulated_ms: f64,
     /// Tokens scheduled this step (0 = nothing to do).
     pub scheduled_tokens: usize,
+}
+
+/// The mocker's "KV data": it computes none, so an offloaded block is a
+/// buffer of `kv_bytes_per_block` zeros (memory and disk are used for
+/// real) and bringing one back writes nowhere.
+struct SimulatedKv(usize);
+
+impl BlockData for SimulatedKv {
+    fn read(&mut self, _idx: BlockIdx) -> Option<Vec<u8>> {
+        Some(vec![0; self.0])
+    }
+    fn write(&mut self, _idx: BlockIdx, bytes: &[u8]) -> bool {
+        bytes.len() == self.0
+    }
 }
 
 pub struct MockerCore {
@@ -44,12 +58,26 @@ impl MockerCore {
             enable_prefix_caching: cfg.enable_prefix_caching,
             record_kv_events,
         };
+        let mut sched = Scheduler::new(sc, salt, eos_ids);
+        let offload = cfg.offload();
+        if offload.enabled() {
+            match TierStore::new(offload) {
+                Ok(t) => sched = sched.with_offload(t),
+                // Checked by `MockerConfig::validate`; only the disk can fail here.
+                Err(e) => tracing::error!(error = %e, "mocker offload tiers disabled"),
+            }
+        }
         MockerCore {
             cfg,
             token_lo: token_range.0,
             token_hi: token_range.1,
-            sched: Scheduler::new(sc, salt, eos_ids),
+            sched,
         }
+    }
+
+    /// Offload tier counters, when tiers are configured.
+    pub fn offload_stats(&self) -> Option<dynamo_batcher::OffloadStats> {
+        self.sched.offload_stats()
     }
 
     pub fn is_idle(&self) -> bool {
@@ -99,8 +127,10 @@ impl MockerCore {
         Ok(stored)
     }
 
-    /// Queues a request.
+    /// Queues a request, bringing its offloaded blocks back first.
     pub fn add(&mut self, req: ValidRequest) -> Result<(), EngineError> {
+        let mut kv = SimulatedKv(self.cfg.kv_bytes_per_block as usize);
+        self.sched.onboard(req.prompt(), &mut kv);
         self.sched.add(req)
     }
 
@@ -130,6 +160,8 @@ impl MockerCore {
     /// Runs one engine step.
     pub fn step(&mut self) -> StepOutput {
         let plan = self.sched.schedule();
+        let mut kv = SimulatedKv(self.cfg.kv_bytes_per_block as usize);
+        self.sched.offload_evicted(&mut kv);
         let mut prefill_tokens = 0u64;
         let mut decoding = false;
         let mut sampled = Vec::with_capacity(plan.items.len());
@@ -218,6 +250,32 @@ mod tests {
         }
         assert!(c.is_idle());
         res
+    }
+
+    #[test]
+    fn evicted_blocks_come_back_from_the_host_tier() {
+        let cfg = MockerConfig {
+            num_blocks: 8,
+            kv_bytes_per_block: 1024,
+            offload_host_blocks: 16,
+            ..MockerConfig::default()
+        };
+        let mut c = core(cfg);
+        let a: Vec<u32> = (100..164).collect(); // 4 full blocks
+        c.add(req(1, a.clone(), 1)).unwrap();
+        run_to_end(&mut c);
+        // Two other prompts fill the 8-block pool and push A out.
+        for (id, base) in [(2u128, 300u32), (3, 500)] {
+            c.add(req(id, (base..base + 64).collect(), 1)).unwrap();
+            run_to_end(&mut c);
+        }
+        c.add(req(4, a, 1)).unwrap();
+        let res = run_to_end(&mut c);
+        let stats = c.offload_stats().unwrap();
+        assert!(stats.offloaded >= 4, "{stats:?}");
+        assert!(stats.onboarded_host > 0, "{stats:?}");
+        // Everything but the last block (the last prompt token is always computed).
+        assert_eq!(res[&RequestId(4)].0, 48);
     }
 
     #[test]
