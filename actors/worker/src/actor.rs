@@ -1,8 +1,9 @@
 //! `WorkerActor`: serves one engine on the bus.
 //!
 //! Subjects: `worker.<id>.generate` (request/reply: ack, then frames to the
-//! request's `reply_to`), `worker.<id>.cancel`, `worker.<id>.artifact`.
-//! Registration: the worker's record in the workers KV bucket, rewritten
+//! request's `reply_to`), `worker.<id>.cancel`, `worker.<id>.artifact`;
+//! a prefill worker also serves `worker.<id>.prefill`, a decode worker
+//! hears `worker.<id>.transfer` (see [`crate::disagg`]). Registration: the worker's record in the workers KV bucket, rewritten
 //! every heartbeat with its load; load reports on `load.<id>` in between.
 //!
 //! Invariants: every accepted request gets exactly one terminal frame (from
