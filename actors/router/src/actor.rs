@@ -474,19 +474,29 @@ async fn share_load(
         }
     });
     let req = ActiveLoadSnapshotRequest { router_id: me };
-    match bus
-        .request::<_, ActiveLoadSnapshot>(
-            bus.subjects.router_snapshot(),
-            &req,
-            Duration::from_secs(2),
-        )
-        .await
-    {
-        Ok(snap) => {
-            let _ = router.cast(RouterMsg::LoadSnapshot(snap.entries));
-        }
-        Err(e) => {
-            tracing::info!(reason = %e, "no peer snapshot of the active load (first replica?)")
+    // No responder: this is the first replica. A peer that is slow to
+    // answer (a loaded machine) is asked again: without its snapshot this
+    // replica would not see the requests already in flight.
+    for attempt in 1..=3 {
+        match bus
+            .request::<_, ActiveLoadSnapshot>(
+                bus.subjects.router_snapshot(),
+                &req,
+                Duration::from_secs(2),
+            )
+            .await
+        {
+            Ok(snap) => {
+                let _ = router.cast(RouterMsg::LoadSnapshot(snap.entries));
+                break;
+            }
+            Err(e @ dynamo_runtime::BusError::NoResponders { .. }) => {
+                tracing::info!(reason = %e, "no peer snapshot of the active load (first replica?)");
+                break;
+            }
+            Err(e) => {
+                tracing::warn!(reason = %e, attempt, "peer snapshot of the active load failed")
+            }
         }
     }
     let _ = router.cast(RouterMsg::SnapshotDone);

@@ -110,6 +110,17 @@ impl Landing {
     }
 }
 
+/// Removes a key from a map when dropped.
+struct Forget<'a, V>(&'a Mutex<HashMap<RequestId, V>>, RequestId);
+
+impl<V> Drop for Forget<'_, V> {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.0.lock() {
+            m.remove(&self.1);
+        }
+    }
+}
+
 struct Fence {
     failures: u32,
     until: Option<Instant>,
@@ -270,6 +281,9 @@ impl KvTransfer {
         if let Ok(mut s) = self.starting.lock() {
             s.insert(req.request_id, start_tx);
         }
+        // Forgets the start signal however this call ends (also when the
+        // caller drops it: a client that left).
+        let _starting = Forget(&self.starting, req.request_id);
         let preq = PrefillRequest {
             request_id: req.request_id,
             decode_worker: self.worker_id,
@@ -302,9 +316,6 @@ impl KvTransfer {
             }
         };
         let _spin = spin.unwrap_or_else(|| self.progress.expect());
-        if let Ok(mut s) = self.starting.lock() {
-            s.remove(&req.request_id);
-        }
         let reply: PrefillReply = match answer {
             Ok(r) => r,
             Err(e) => {
