@@ -37,6 +37,8 @@ run-disagg: build
 lint:
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --all-targets -- -D warnings
+	# The GPU path must keep compiling where no GPU is (its tests run on one).
+	$(CARGO) clippy -p dynamo-transfer --features cuda --all-targets -- -D warnings
 
 ## test: lint, unit tests and multi-process integration tests
 test: deps lint

@@ -22,8 +22,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
+#[cfg(feature = "cuda")]
+mod device;
 mod progress;
 mod region;
+
+#[cfg(feature = "cuda")]
+pub use device::{open_gpu, DeviceRegion};
 
 pub use progress::{Expecting, Progress, IDLE_POLL};
 use region::Buffer;
@@ -47,6 +52,8 @@ pub enum FabricError {
     Timeout(Duration),
     #[error("write failed on completion: {0}")]
     Completion(String),
+    #[error("CUDA {call} failed: {message}")]
+    Cuda { call: &'static str, message: String },
 }
 
 fn check(call: &'static str, rc: i64) -> Result<(), FabricError> {
