@@ -4,9 +4,8 @@ weight shapes of the catalog's models, decode and prefill attention, device
 memory bandwidth and the cost of one small kernel inside a CUDA graph.
 
 Run on the GPU to calibrate (PyTorch and Triton must be there):
-    python3 configurator/calibrate/gpu_ops.py OUT.json
-then turn OUT.json into configurator/data/calibration/<gpu>.toml with
-    python3 configurator/calibrate/to_toml.py OUT.json > configurator/data/calibration/h200.toml
+    python3 configurator/calibrate/gpu_ops.py configurator/data/calibration/<gpu>.json
+(`scripts/gpu_checks.sh run OUT` runs it among the GPU checks).
 
 Every time is the median of repeated runs timed with CUDA events
 (triton.testing.do_bench) after warm-up, on random data (never zeros).

@@ -12,8 +12,13 @@
 //! ones; memory figures are exact functions of the specs (no fitted
 //! constants).
 
+pub mod calib;
 pub mod memory;
+pub mod perf;
 pub mod spec;
+pub mod validate;
 
+pub use calib::{CalibError, Calibration};
 pub use memory::{Deployment, Dtype, MemoryError, MemoryPlan};
+pub use perf::{EngineProfile, Step, StepModel, StepTime};
 pub use spec::{Catalog, Gpu, Mla, Model, Moe, SpecError};

@@ -283,6 +283,13 @@ mod tests {
             b("Llama-3.1-70B")
         );
         assert!(within(b("Qwen3-32B"), 32.8, 0.01), "{}", b("Qwen3-32B"));
+        for (name, want) in [
+            ("Llama-2-7B", 6.74),
+            ("Llama-2-13B", 13.0),
+            ("Llama-2-70B", 69.0),
+        ] {
+            assert!(within(b(name), want, 0.01), "{name}: {}", b(name));
+        }
         assert!(
             within(b("SmolLM2-135M"), 0.1348, 0.01),
             "{}",
