@@ -167,13 +167,13 @@ impl Calibration {
             ("copy_gbps", raw.copy_gbps),
             ("graph_kernel_us", raw.graph_kernel_us),
         ] {
-            if !(v > 0.0) {
+            if v.is_nan() || v <= 0.0 {
                 return Err(CalibError::NotPositive { field, value: v });
             }
         }
         let mut shapes: Vec<GemmShape> = Vec::new();
         for g in &raw.gemm {
-            if !(g.us > 0.0) {
+            if g.us.is_nan() || g.us <= 0.0 {
                 return Err(CalibError::NotPositive {
                     field: "gemm.us",
                     value: g.us,
