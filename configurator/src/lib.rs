@@ -13,12 +13,16 @@
 //! constants).
 
 pub mod calib;
+pub mod emit;
 pub mod memory;
 pub mod perf;
+pub mod report;
+pub mod search;
 pub mod spec;
 pub mod validate;
 
 pub use calib::{CalibError, Calibration};
 pub use memory::{Deployment, Dtype, MemoryError, MemoryPlan};
 pub use perf::{EngineProfile, Step, StepModel, StepTime};
+pub use search::{search, Candidate, Layout, Mode, Outcome, Query, SearchError};
 pub use spec::{Catalog, Gpu, Mla, Model, Moe, SpecError};

@@ -166,9 +166,14 @@ impl StepModel<'_> {
             t.attention += self.calib.decode_attention_us(self.gpu, bytes);
         }
         if s.prefill > 0.0 {
-            let per_seq = s.prefill / s.prefill_seqs.max(1.0);
-            let flops = prefill_attention_flops(per_seq, s.prefill_past, q_heads, hd)
-                * s.prefill_seqs.max(1.0);
+            // Prompts may be fractional (an average step of a long run).
+            let seqs = if s.prefill_seqs > 0.0 {
+                s.prefill_seqs
+            } else {
+                1.0
+            };
+            let flops =
+                prefill_attention_flops(s.prefill / seqs, s.prefill_past, q_heads, hd) * seqs;
             t.attention += self.calib.prefill_attention_us(self.gpu, flops);
         }
 

@@ -9,6 +9,7 @@
 
 pub mod bench;
 pub mod config;
+pub mod configure;
 pub mod daemon;
 pub mod drain;
 pub mod embedded_nats;

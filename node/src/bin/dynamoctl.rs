@@ -2,7 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use dynamo_bus_schema::Namespace;
-use dynamo_node::{bench, drain, env, replay, status};
+use dynamo_node::{bench, configure, drain, env, replay, status};
 
 #[derive(Parser)]
 #[command(
@@ -68,6 +68,54 @@ enum Cmd {
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Pick a deployment for an SLA without GPUs: TP/PP, aggregated or
+    /// disaggregated, replica counts and batch (prints the Pareto frontier
+    /// and the best deployment per GPU budget).
+    Configure {
+        /// Model name (see configurator/data/models.toml), e.g. Llama-3.1-70B.
+        #[arg(long)]
+        model: String,
+        /// GPU type: H100, H200, B200, A100, L40S.
+        #[arg(long)]
+        gpu: String,
+        /// GPUs available in all.
+        #[arg(long)]
+        gpus: u32,
+        /// Input (prompt) tokens per request.
+        #[arg(long)]
+        isl: u32,
+        /// Output tokens per request.
+        #[arg(long)]
+        osl: u32,
+        /// Time-to-first-token target, ms.
+        #[arg(long)]
+        ttft_ms: f64,
+        /// Inter-token latency target, ms.
+        #[arg(long)]
+        itl_ms: f64,
+        /// Weights and KV: fp8 or bf16 (default: fp8 where the GPU has FP8 tensor cores).
+        #[arg(long)]
+        dtype: Option<String>,
+        /// Engine profile: current, or trtllm-0.5 (the validation tables' engine).
+        #[arg(long, default_value = "current")]
+        engine: String,
+        /// Largest tensor-parallel group (GPUs on one NVLink domain).
+        #[arg(long, default_value_t = 8)]
+        max_tp: u32,
+        /// Bandwidth moving KV from prefill to decode replicas, GB/s.
+        #[arg(long, default_value_t = 25.0)]
+        kv_link_gbps: f64,
+        /// Print JSON instead of the table.
+        #[arg(long)]
+        json: bool,
+        /// Write the Pareto plot here (SVG).
+        #[arg(long)]
+        svg: Option<std::path::PathBuf>,
+        /// Write node configs of the best deployment (GPU-free, mocker
+        /// workers with the model's timing), its summary and the plot here.
+        #[arg(long)]
+        emit_config: Option<std::path::PathBuf>,
     },
     /// Replay a Mooncake-format JSONL trace against an OpenAI /v1/completions endpoint.
     Replay {
@@ -188,6 +236,41 @@ fn main() {
                 };
                 let r = bench::run(spec).await?;
                 report(&r, json, r.ok, r.first_error.as_deref())
+            }
+            Cmd::Configure {
+                model,
+                gpu,
+                gpus,
+                isl,
+                osl,
+                ttft_ms,
+                itl_ms,
+                dtype,
+                engine,
+                max_tp,
+                kv_link_gbps,
+                json,
+                svg,
+                emit_config,
+            } => {
+                let spec = configure::ConfigureSpec {
+                    model,
+                    gpu,
+                    gpus,
+                    isl,
+                    osl,
+                    ttft_ms,
+                    itl_ms,
+                    dtype,
+                    engine,
+                    max_tp,
+                    kv_link_gbps,
+                    json,
+                    svg,
+                    emit_config,
+                };
+                print!("{}", configure::run(&spec)?);
+                Ok(())
             }
             Cmd::Replay {
                 trace,

@@ -1,0 +1,647 @@
+//! The search: every layout (TP, PP), batch and serving mode (aggregated,
+//! or disaggregated with a P:D ratio) that fits a GPU budget, each
+//! predicted for TTFT, ITL and throughput with the step-time model; kept
+//! when it meets the SLA; summarised as a Pareto frontier (tokens/s per
+//! user against tokens/s per GPU) and the best deployment per GPU budget.
+//!
+//! Serving models, per replica, in steady state:
+//! - **Aggregated** (in-flight batching with chunked prefill): `batch`
+//!   sequences decode together and each prompt is computed once over its
+//!   sequence's `osl` steps, so an average step carries `batch` decode
+//!   tokens and `batch·isl/osl` prompt tokens. ITL is that step; TTFT is
+//!   half a step of waiting plus the steps that carry the prompt in chunks
+//!   of `max_num_tokens`.
+//! - **Disaggregated**: prefill replicas compute prompts in batches of up
+//!   to `max_num_tokens` tokens; decode replicas run `batch` sequences.
+//!   The request rate is the smaller of the two pools' rates (prefill kept
+//!   at most 90% busy); TTFT is a prefill batch plus its M/D/1 queueing
+//!   wait plus moving the prompt's KV at `kv_link_gbps`.
+//!
+//! Invariants: every candidate fits in memory (weights plus the KV of all
+//! its sequences at full length); a candidate meets the SLA only if both
+//! its TTFT and ITL do; the frontier holds no candidate that another beats
+//! on both axes.
+
+use crate::calib::Calibration;
+use crate::memory::{plan, Deployment, Dtype};
+use crate::perf::{EngineProfile, Step, StepModel};
+use crate::spec::{Gpu, Model};
+use serde::Serialize;
+use thiserror::Error;
+
+/// What to serve and what it must achieve.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Query {
+    /// GPUs available in all.
+    pub gpus: u32,
+    /// Prompt (input) and output lengths, tokens.
+    pub isl: u32,
+    pub osl: u32,
+    /// Time to first token and inter-token latency targets, ms.
+    pub ttft_ms: f64,
+    pub itl_ms: f64,
+    /// Storage of weights (and GEMM inputs) and of the KV cache.
+    pub weights: Dtype,
+    pub kv: Dtype,
+    /// Largest TP group (GPUs joined by NVLink).
+    pub max_tp: u32,
+    /// Token budget of one step (prefill chunk plus decodes).
+    pub max_num_tokens: u32,
+    /// Bandwidth moving KV from prefill to decode replicas, GB/s.
+    pub kv_link_gbps: f64,
+}
+
+impl Query {
+    /// Defaults for `gpu`: FP8 where it has FP8 tensor cores, a TP group of
+    /// up to 8, 8192-token steps, 25 GB/s (200 Gb/s) for KV between nodes.
+    pub fn new(gpu: &Gpu, gpus: u32, isl: u32, osl: u32, ttft_ms: f64, itl_ms: f64) -> Self {
+        let dtype = if gpu.fp8_tflops > gpu.bf16_tflops {
+            Dtype::Fp8
+        } else {
+            Dtype::Bf16
+        };
+        Query {
+            gpus,
+            isl,
+            osl,
+            ttft_ms,
+            itl_ms,
+            weights: dtype,
+            kv: dtype,
+            max_tp: 8,
+            max_num_tokens: 8192,
+            kv_link_gbps: 25.0,
+        }
+    }
+}
+
+#[derive(Debug, Error, PartialEq)]
+pub enum SearchError {
+    #[error("{field} must be positive (got {value})")]
+    NotPositive { field: &'static str, value: f64 },
+    #[error(
+        "{gpus} × {gpu} cannot hold {model}: its weights need at least {need} GPUs (tp × pp) with room for KV"
+    )]
+    TooFewGpus {
+        model: String,
+        gpu: String,
+        gpus: u32,
+        need: u32,
+    },
+    #[error(
+        "no deployment of {model} on {gpus} × {gpu} meets TTFT ≤ {ttft_ms} ms and ITL ≤ {itl_ms} ms; best reachable: TTFT {best_ttft_ms:.0} ms, ITL {best_itl_ms:.1} ms (not necessarily together)"
+    )]
+    ImpossibleSla {
+        model: String,
+        gpu: String,
+        gpus: u32,
+        ttft_ms: f64,
+        itl_ms: f64,
+        best_ttft_ms: f64,
+        best_itl_ms: f64,
+    },
+}
+
+/// One replica's shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Layout {
+    pub tp: u32,
+    pub pp: u32,
+}
+
+impl Layout {
+    pub fn gpus(&self) -> u32 {
+        self.tp * self.pp
+    }
+}
+
+/// How a candidate serves.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "mode", rename_all = "snake_case")]
+pub enum Mode {
+    Aggregated {
+        layout: Layout,
+        replicas: u32,
+        batch: u32,
+    },
+    Disaggregated {
+        prefill: Layout,
+        prefill_replicas: u32,
+        /// Prompts per prefill step.
+        prefill_batch: u32,
+        decode: Layout,
+        decode_replicas: u32,
+        batch: u32,
+    },
+}
+
+/// One deployment and its predicted service.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Candidate {
+    #[serde(flatten)]
+    pub mode: Mode,
+    pub gpus: u32,
+    pub ttft_ms: f64,
+    pub itl_ms: f64,
+    /// Output tokens/s each sequence sees (1000 / ITL).
+    pub tokens_per_s_per_user: f64,
+    /// Output tokens/s of the whole deployment over its GPUs.
+    pub tokens_per_s_per_gpu: f64,
+    pub meets_sla: bool,
+}
+
+impl Candidate {
+    pub fn tokens_per_s(&self) -> f64 {
+        self.tokens_per_s_per_gpu * self.gpus as f64
+    }
+
+    /// A short description: `agg 4×(tp2) b64` or `disagg 2×(tp1):3×(tp4) b128`.
+    pub fn label(&self) -> String {
+        let l = |x: &Layout| {
+            if x.pp > 1 {
+                format!("tp{}pp{}", x.tp, x.pp)
+            } else {
+                format!("tp{}", x.tp)
+            }
+        };
+        match &self.mode {
+            Mode::Aggregated {
+                layout,
+                replicas,
+                batch,
+            } => format!("agg {replicas}×{} b{batch}", l(layout)),
+            Mode::Disaggregated {
+                prefill,
+                prefill_replicas,
+                decode,
+                decode_replicas,
+                batch,
+                ..
+            } => format!(
+                "disagg {prefill_replicas}×{} : {decode_replicas}×{} b{batch}",
+                l(prefill),
+                l(decode)
+            ),
+        }
+    }
+}
+
+/// Everything the search found.
+#[derive(Clone, Debug, Serialize)]
+pub struct Outcome {
+    /// Candidates meeting the SLA, best tokens/s per GPU first.
+    pub feasible: Vec<Candidate>,
+    /// The feasible candidates no other beats on both tokens/s per user and per GPU.
+    pub frontier: Vec<Candidate>,
+    /// For budgets of 1, 2, 4, … GPUs up to the query's: the feasible
+    /// deployment with the most tokens/s within that many GPUs.
+    pub best_per_budget: Vec<(u32, Candidate)>,
+    /// Candidates evaluated (feasible or not).
+    pub evaluated: usize,
+}
+
+/// A replica's predicted behaviour at one batch size.
+#[derive(Clone, Copy, Debug)]
+struct Point {
+    itl_ms: f64,
+    ttft_ms: f64,
+    /// Requests/s one replica completes.
+    rate: f64,
+}
+
+struct Ctx<'a> {
+    model: &'a Model,
+    gpu: &'a Gpu,
+    calib: &'a Calibration,
+    profile: &'a EngineProfile,
+    q: &'a Query,
+}
+
+impl Ctx<'_> {
+    fn step_model(&self, l: Layout) -> StepModel<'_> {
+        StepModel {
+            model: self.model,
+            gpu: self.gpu,
+            deployment: self.deployment(l),
+            calib: self.calib,
+            profile: self.profile.clone(),
+        }
+    }
+
+    fn deployment(&self, l: Layout) -> Deployment {
+        Deployment {
+            tp: l.tp,
+            pp: l.pp,
+            weights: self.q.weights,
+            kv: self.q.kv,
+            reserve: 0.1,
+        }
+    }
+
+    /// Layouts that hold the weights plus at least one full sequence.
+    fn layouts(&self) -> Vec<(Layout, u64)> {
+        let seq = (self.q.isl + self.q.osl) as u64;
+        let mut out = Vec::new();
+        for tp in [1, 2, 4, 8, 16] {
+            for pp in [1, 2, 4, 8] {
+                let l = Layout { tp, pp };
+                if tp > self.q.max_tp || l.gpus() > self.q.gpus {
+                    continue;
+                }
+                if let Ok(p) = plan(self.model, self.gpu, &self.deployment(l)) {
+                    if p.kv_tokens >= seq {
+                        out.push((l, p.kv_tokens));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn batches(&self, kv_tokens: u64) -> impl Iterator<Item = u32> {
+        let most = kv_tokens / (self.q.isl + self.q.osl) as u64;
+        (0..12)
+            .map(|i| 1u32 << i)
+            .filter(move |b| *b as u64 <= most)
+    }
+
+    fn aggregated(&self, l: Layout, batch: u32) -> Point {
+        let sm = self.step_model(l);
+        let (b, isl, osl) = (batch as f64, self.q.isl as f64, self.q.osl as f64);
+        let ctx = isl + osl / 2.0;
+        let step = sm
+            .step(&Step {
+                decode: b,
+                decode_ctx: ctx,
+                prefill: b * isl / osl,
+                prefill_seqs: b / osl,
+                prefill_past: 0.0,
+            })
+            .total();
+        let chunk = (self.q.max_num_tokens as f64).min(isl);
+        let chunks = (isl / chunk).ceil();
+        let with_chunk = sm
+            .step(&Step {
+                decode: b,
+                decode_ctx: ctx,
+                prefill: chunk,
+                prefill_seqs: 1.0,
+                prefill_past: 0.0,
+            })
+            .total();
+        Point {
+            itl_ms: step / 1e3,
+            ttft_ms: (step / 2.0 + chunks * with_chunk) / 1e3,
+            rate: b / osl / (step * 1e-6),
+        }
+    }
+
+    /// A prefill replica: (prompts per step, step time µs).
+    fn prefill(&self, l: Layout) -> (u32, f64) {
+        let n = (self.q.max_num_tokens / self.q.isl).max(1);
+        (
+            n,
+            self.step_model(l).prefill_us(n as f64, self.q.isl as f64),
+        )
+    }
+
+    fn decode(&self, l: Layout, batch: u32) -> Point {
+        let (isl, osl) = (self.q.isl as f64, self.q.osl as f64);
+        let step = self.step_model(l).decode_us(batch as f64, isl + osl / 2.0);
+        Point {
+            itl_ms: step / 1e3,
+            ttft_ms: 0.0,
+            rate: batch as f64 / osl / (step * 1e-6),
+        }
+    }
+
+    /// Seconds to move one prompt's KV from a prefill to a decode replica.
+    fn transfer_s(&self) -> f64 {
+        let per_token = self.model.kv_elements_per_token_layer() as f64
+            * self.model.layers as f64
+            * self.q.kv.bytes();
+        per_token * self.q.isl as f64 / (self.q.kv_link_gbps * 1e9)
+    }
+}
+
+fn check(q: &Query) -> Result<(), SearchError> {
+    for (field, value) in [
+        ("gpus", q.gpus as f64),
+        ("isl", q.isl as f64),
+        ("osl", q.osl as f64),
+        ("ttft_ms", q.ttft_ms),
+        ("itl_ms", q.itl_ms),
+        ("max_tp", q.max_tp as f64),
+        ("max_num_tokens", q.max_num_tokens as f64),
+        ("kv_link_gbps", q.kv_link_gbps),
+    ] {
+        if value.is_nan() || value <= 0.0 {
+            return Err(SearchError::NotPositive { field, value });
+        }
+    }
+    Ok(())
+}
+
+/// Searches every deployment of `model` on `gpu` within the query's budget.
+pub fn search(
+    model: &Model,
+    gpu: &Gpu,
+    calib: &Calibration,
+    profile: &EngineProfile,
+    q: &Query,
+) -> Result<Outcome, SearchError> {
+    check(q)?;
+    let cx = Ctx {
+        model,
+        gpu,
+        calib,
+        profile,
+        q,
+    };
+    let layouts = cx.layouts();
+    if layouts.is_empty() {
+        // The smallest layout that would hold the weights and one sequence.
+        let need = (1..=64)
+            .flat_map(|n: u32| [1, 2, 4, 8, 16].map(move |tp| (n, tp)))
+            .find(|&(n, tp)| {
+                n % tp == 0
+                    && plan(model, gpu, &cx.deployment(Layout { tp, pp: n / tp }))
+                        .is_ok_and(|p| p.kv_tokens >= (q.isl + q.osl) as u64)
+            })
+            .map_or(64, |(n, _)| n);
+        return Err(SearchError::TooFewGpus {
+            model: model.name.clone(),
+            gpu: gpu.name.clone(),
+            gpus: q.gpus,
+            need: need.max(q.gpus + 1),
+        });
+    }
+    let mut all = Vec::new();
+    let sla = |ttft: f64, itl: f64| ttft <= q.ttft_ms && itl <= q.itl_ms;
+
+    // Aggregated: as many replicas of one layout as fit.
+    for &(l, kv) in &layouts {
+        let replicas = q.gpus / l.gpus();
+        for batch in cx.batches(kv) {
+            let p = cx.aggregated(l, batch);
+            let gpus = replicas * l.gpus();
+            all.push(Candidate {
+                mode: Mode::Aggregated {
+                    layout: l,
+                    replicas,
+                    batch,
+                },
+                gpus,
+                ttft_ms: p.ttft_ms,
+                itl_ms: p.itl_ms,
+                tokens_per_s_per_user: 1e3 / p.itl_ms,
+                tokens_per_s_per_gpu: p.rate * replicas as f64 * q.osl as f64 / gpus as f64,
+                meets_sla: sla(p.ttft_ms, p.itl_ms),
+            });
+        }
+    }
+
+    // Disaggregated: a prefill layout, a decode layout and batch, and the
+    // P:D split of the budget with the most tokens/s per GPU.
+    let transfer_ms = cx.transfer_s() * 1e3;
+    let prefills: Vec<(Layout, u32, f64)> = layouts
+        .iter()
+        .map(|&(l, _)| {
+            let (n, us) = cx.prefill(l);
+            (l, n, us)
+        })
+        .collect();
+    for &(dl, kv) in &layouts {
+        for batch in cx.batches(kv) {
+            let d = cx.decode(dl, batch);
+            for &(pl, n, p_us) in &prefills {
+                let p_rate = n as f64 / (p_us * 1e-6);
+                let mut best: Option<Candidate> = None;
+                for pr in 1..=q.gpus / pl.gpus() {
+                    let left = q.gpus - pr * pl.gpus();
+                    for dr in 1..=left / dl.gpus() {
+                        let rate = (dr as f64 * d.rate).min(0.9 * pr as f64 * p_rate);
+                        let rho = rate / (pr as f64 * p_rate);
+                        let ttft = p_us / 1e3 * (1.0 + rho / (2.0 * (1.0 - rho))) + transfer_ms;
+                        let gpus = pr * pl.gpus() + dr * dl.gpus();
+                        let c = Candidate {
+                            mode: Mode::Disaggregated {
+                                prefill: pl,
+                                prefill_replicas: pr,
+                                prefill_batch: n,
+                                decode: dl,
+                                decode_replicas: dr,
+                                batch,
+                            },
+                            gpus,
+                            ttft_ms: ttft,
+                            itl_ms: d.itl_ms,
+                            tokens_per_s_per_user: 1e3 / d.itl_ms,
+                            tokens_per_s_per_gpu: rate * q.osl as f64 / gpus as f64,
+                            meets_sla: sla(ttft, d.itl_ms),
+                        };
+                        let better = match &best {
+                            None => true,
+                            Some(b) => {
+                                (c.meets_sla, c.tokens_per_s_per_gpu)
+                                    > (b.meets_sla, b.tokens_per_s_per_gpu)
+                            }
+                        };
+                        if better {
+                            best = Some(c);
+                        }
+                    }
+                }
+                all.extend(best);
+            }
+        }
+    }
+
+    let evaluated = all.len();
+    let mut feasible: Vec<Candidate> = all.iter().filter(|c| c.meets_sla).cloned().collect();
+    if feasible.is_empty() {
+        let best_ttft = all.iter().map(|c| c.ttft_ms).fold(f64::INFINITY, f64::min);
+        let best_itl = all.iter().map(|c| c.itl_ms).fold(f64::INFINITY, f64::min);
+        return Err(SearchError::ImpossibleSla {
+            model: model.name.clone(),
+            gpu: gpu.name.clone(),
+            gpus: q.gpus,
+            ttft_ms: q.ttft_ms,
+            itl_ms: q.itl_ms,
+            best_ttft_ms: best_ttft,
+            best_itl_ms: best_itl,
+        });
+    }
+    feasible.sort_by(|a, b| b.tokens_per_s_per_gpu.total_cmp(&a.tokens_per_s_per_gpu));
+    let frontier = pareto(&feasible);
+    let best_per_budget = budgets(q.gpus)
+        .into_iter()
+        .filter_map(|budget| {
+            // The best deployment within `budget` GPUs: a candidate's
+            // replicas scaled down to the budget where its unit fits.
+            feasible
+                .iter()
+                .filter_map(|c| shrink(c, budget))
+                .max_by(|a, b| a.tokens_per_s().total_cmp(&b.tokens_per_s()))
+                .map(|c| (budget, c))
+        })
+        .collect();
+    Ok(Outcome {
+        feasible,
+        frontier,
+        best_per_budget,
+        evaluated,
+    })
+}
+
+/// 1, 2, 4, … up to `gpus`, and `gpus` itself.
+fn budgets(gpus: u32) -> Vec<u32> {
+    let mut v: Vec<u32> = (0..).map(|i| 1u32 << i).take_while(|b| *b < gpus).collect();
+    v.push(gpus);
+    v
+}
+
+/// `c` cut down to at most `budget` GPUs, keeping its replica shape and
+/// (for disaggregation) its P:D proportion; None when one unit does not fit.
+fn shrink(c: &Candidate, budget: u32) -> Option<Candidate> {
+    if c.gpus <= budget {
+        return Some(c.clone());
+    }
+    let mut out = c.clone();
+    match &mut out.mode {
+        Mode::Aggregated {
+            layout, replicas, ..
+        } => {
+            let r = budget / layout.gpus();
+            if r == 0 {
+                return None;
+            }
+            *replicas = r;
+            out.gpus = r * layout.gpus();
+        }
+        Mode::Disaggregated {
+            prefill,
+            prefill_replicas,
+            decode,
+            decode_replicas,
+            ..
+        } => {
+            // Scale both pools by the same factor (each at least one replica).
+            let scale = budget as f64 / c.gpus as f64;
+            let pr = ((*prefill_replicas as f64 * scale).floor() as u32).max(1);
+            let dr = ((*decode_replicas as f64 * scale).floor() as u32).max(1);
+            let gpus = pr * prefill.gpus() + dr * decode.gpus();
+            if gpus > budget {
+                return None;
+            }
+            // The rate follows the scarcer pool.
+            let keep =
+                (pr as f64 / *prefill_replicas as f64).min(dr as f64 / *decode_replicas as f64);
+            let tokens = c.tokens_per_s() * keep;
+            *prefill_replicas = pr;
+            *decode_replicas = dr;
+            out.gpus = gpus;
+            out.tokens_per_s_per_gpu = tokens / gpus as f64;
+        }
+    }
+    Some(out)
+}
+
+/// Candidates not beaten on both tokens/s per user and tokens/s per GPU,
+/// fastest per user first.
+pub fn pareto(cands: &[Candidate]) -> Vec<Candidate> {
+    let mut v: Vec<&Candidate> = cands.iter().collect();
+    v.sort_by(|a, b| {
+        b.tokens_per_s_per_user
+            .total_cmp(&a.tokens_per_s_per_user)
+            .then(b.tokens_per_s_per_gpu.total_cmp(&a.tokens_per_s_per_gpu))
+    });
+    let mut out: Vec<Candidate> = Vec::new();
+    let mut best_gpu = f64::NEG_INFINITY;
+    for c in v {
+        if c.tokens_per_s_per_gpu > best_gpu {
+            best_gpu = c.tokens_per_s_per_gpu;
+            out.push(c.clone());
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::calib::H200_JSON;
+    use crate::Catalog;
+
+    fn run(model: &str, gpu: &str, gpus: u32, ttft: f64, itl: f64) -> Result<Outcome, SearchError> {
+        let c = Catalog::builtin().unwrap();
+        let cal = Calibration::parse(H200_JSON, c.gpu("H200").unwrap()).unwrap();
+        let g = c.gpu(gpu).unwrap();
+        let q = Query::new(g, gpus, 2000, 500, ttft, itl);
+        search(
+            c.model(model).unwrap(),
+            g,
+            &cal,
+            &EngineProfile::current(&cal),
+            &q,
+        )
+    }
+
+    #[test]
+    fn feasible_candidates_meet_the_sla_and_the_frontier_is_undominated() {
+        let out = run("Llama-3.1-70B", "H200", 16, 2000.0, 40.0).unwrap();
+        assert!(out.evaluated > 100, "{}", out.evaluated);
+        assert!(!out.feasible.is_empty());
+        for c in &out.feasible {
+            assert!(c.ttft_ms <= 2000.0 && c.itl_ms <= 40.0, "{c:?}");
+            assert!(c.gpus <= 16);
+        }
+        for a in &out.frontier {
+            assert!(!out
+                .feasible
+                .iter()
+                .any(|b| b.tokens_per_s_per_user > a.tokens_per_s_per_user
+                    && b.tokens_per_s_per_gpu > a.tokens_per_s_per_gpu));
+        }
+        // Budgets 1, 2, 4, 8, 16; a 70B model needs more than one H200 at
+        // 2,500 tokens per sequence? No: FP8 fits one; every budget has a best.
+        let budgets: Vec<u32> = out.best_per_budget.iter().map(|(b, _)| *b).collect();
+        assert_eq!(budgets, vec![1, 2, 4, 8, 16]);
+        for (b, c) in &out.best_per_budget {
+            assert!(c.gpus <= *b);
+        }
+        // More GPUs never serve fewer tokens/s.
+        let tps: Vec<f64> = out
+            .best_per_budget
+            .iter()
+            .map(|(_, c)| c.tokens_per_s())
+            .collect();
+        assert!(tps.windows(2).all(|w| w[1] >= w[0] * 0.999), "{tps:?}");
+    }
+
+    #[test]
+    fn a_tight_itl_prefers_more_tensor_parallelism() {
+        let loose = run("Llama-3.1-70B", "H200", 8, 5000.0, 100.0).unwrap();
+        let tight = run("Llama-3.1-70B", "H200", 8, 5000.0, 12.0).unwrap();
+        let tp = |c: &Candidate| match &c.mode {
+            Mode::Aggregated { layout, .. } => layout.tp,
+            Mode::Disaggregated { decode, .. } => decode.tp,
+        };
+        assert!(tp(&tight.feasible[0]) >= tp(&loose.feasible[0]));
+        assert!(tight.feasible[0].tokens_per_s_per_gpu <= loose.feasible[0].tokens_per_s_per_gpu);
+    }
+
+    #[test]
+    fn impossible_inputs_are_clear_errors() {
+        let e = run("Llama-3.1-70B", "H200", 8, 1.0, 0.5).unwrap_err();
+        assert!(matches!(e, SearchError::ImpossibleSla { .. }), "{e}");
+        assert!(e.to_string().contains("best reachable"), "{e}");
+        let e = run("DeepSeek-V3", "H100", 4, 5000.0, 100.0).unwrap_err();
+        match &e {
+            SearchError::TooFewGpus { need, .. } => assert!(*need >= 8, "{e}"),
+            other => panic!("{other}"),
+        }
+        let e = run("Llama-3.1-8B", "H100", 0, 5000.0, 100.0).unwrap_err();
+        assert!(matches!(e, SearchError::NotPositive { field: "gpus", .. }));
+    }
+}

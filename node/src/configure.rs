@@ -1,0 +1,201 @@
+//! `dynamoctl configure`: the configurator's search from the command line.
+//! Prints a table (or JSON), and writes a Pareto plot (SVG) and the node
+//! configs of the best deployment when asked.
+//!
+//! Bad input (unknown model or GPU, an SLA nothing meets, too few GPUs for
+//! the weights, non-positive numbers) is an error naming the problem; the
+//! binary turns it into a message and a non-zero exit.
+
+use dynamo_configurator::{
+    calib, emit, report, search, Calibration, Catalog, Dtype, EngineProfile, Query, StepModel,
+};
+use std::path::PathBuf;
+
+/// Everything `dynamoctl configure` takes.
+#[derive(Clone, Debug)]
+pub struct ConfigureSpec {
+    pub model: String,
+    pub gpu: String,
+    pub gpus: u32,
+    pub isl: u32,
+    pub osl: u32,
+    pub ttft_ms: f64,
+    pub itl_ms: f64,
+    /// `fp8`, `bf16`, or None for the GPU's best.
+    pub dtype: Option<String>,
+    /// `current` or `trtllm-0.5`.
+    pub engine: String,
+    pub max_tp: u32,
+    pub kv_link_gbps: f64,
+    pub json: bool,
+    pub svg: Option<PathBuf>,
+    pub emit_config: Option<PathBuf>,
+}
+
+/// Runs the search and writes what was asked; returns what to print.
+pub fn run(spec: &ConfigureSpec) -> anyhow::Result<String> {
+    let catalog = Catalog::builtin()?;
+    let model = catalog.model(&spec.model)?;
+    let gpu = catalog.gpu(&spec.gpu)?;
+    let calib = Calibration::parse(calib::H200_JSON, catalog.gpu("H200")?)?;
+    let profile = match spec.engine.as_str() {
+        "current" => EngineProfile::current(&calib),
+        "trtllm-0.5" => EngineProfile::trtllm_0_5(&calib),
+        other => anyhow::bail!("unknown --engine {other:?} (known: current, trtllm-0.5)"),
+    };
+    let mut q = Query::new(
+        gpu,
+        spec.gpus,
+        spec.isl,
+        spec.osl,
+        spec.ttft_ms,
+        spec.itl_ms,
+    );
+    if let Some(d) = &spec.dtype {
+        let d = match d.as_str() {
+            "fp8" => Dtype::Fp8,
+            "bf16" => Dtype::Bf16,
+            other => anyhow::bail!("unknown --dtype {other:?} (known: fp8, bf16)"),
+        };
+        q.weights = d;
+        q.kv = d;
+    }
+    q.max_tp = spec.max_tp;
+    q.kv_link_gbps = spec.kv_link_gbps;
+    let outcome = search(model, gpu, &calib, &profile, &q)?;
+    let title = format!(
+        "{} on {} × {}, ISL {} / OSL {}, TTFT ≤ {} ms, ITL ≤ {} ms",
+        model.name, spec.gpus, gpu.name, spec.isl, spec.osl, spec.ttft_ms, spec.itl_ms
+    );
+    let mut written = Vec::new();
+    let plot = report::svg(&outcome, &title);
+    if let Some(path) = &spec.svg {
+        write(path, &plot)?;
+        written.push(path.clone());
+    }
+    if let Some(dir) = &spec.emit_config {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", dir.display()))?;
+        let (_, best) = outcome
+            .best_per_budget
+            .last()
+            .ok_or_else(|| anyhow::anyhow!("no deployment fits the budget"))?;
+        let summary = format!("{} — {}", title, best.label());
+        let files = emit::node_configs(best, &summary, |layout, batch| {
+            let sm = StepModel {
+                model,
+                gpu,
+                deployment: dynamo_configurator::Deployment {
+                    tp: layout.tp,
+                    pp: layout.pp,
+                    weights: q.weights,
+                    kv: q.kv,
+                    reserve: 0.1,
+                },
+                calib: &calib,
+                profile: profile.clone(),
+            };
+            emit::mocker_timing(&sm, &q, batch)
+        })?;
+        for f in files {
+            let path = dir.join(&f.name);
+            write(&path, &f.text)?;
+            written.push(path);
+        }
+        let path = dir.join("pareto.svg");
+        write(&path, &plot)?;
+        written.push(path);
+        let path = dir.join("deployment.json");
+        write(&path, &serde_json::to_string_pretty(best)?)?;
+        written.push(path);
+    }
+    if spec.json {
+        return Ok(serde_json::to_string_pretty(&serde_json::json!({
+            "query": {
+                "model": model.name, "gpu": gpu.name, "gpus": spec.gpus,
+                "isl": spec.isl, "osl": spec.osl,
+                "ttft_ms": spec.ttft_ms, "itl_ms": spec.itl_ms,
+                "engine": profile.name,
+            },
+            "evaluated": outcome.evaluated,
+            "frontier": outcome.frontier,
+            "best_per_budget": outcome.best_per_budget.iter()
+                .map(|(b, c)| serde_json::json!({"budget": b, "deployment": c}))
+                .collect::<Vec<_>>(),
+            "written": written,
+        }))?);
+    }
+    let mut out = format!("{title}\n\n{}", report::table(&outcome));
+    for p in written {
+        out += &format!("wrote {}\n", p.display());
+    }
+    Ok(out)
+}
+
+fn write(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
+    std::fs::write(path, text).map_err(|e| anyhow::anyhow!("cannot write {}: {e}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::NodeConfig;
+
+    fn spec(model: &str, gpu: &str, gpus: u32, ttft: f64, itl: f64) -> ConfigureSpec {
+        ConfigureSpec {
+            model: model.into(),
+            gpu: gpu.into(),
+            gpus,
+            isl: 2000,
+            osl: 300,
+            ttft_ms: ttft,
+            itl_ms: itl,
+            dtype: None,
+            engine: "current".into(),
+            max_tp: 8,
+            kv_link_gbps: 25.0,
+            json: false,
+            svg: None,
+            emit_config: None,
+        }
+    }
+
+    #[test]
+    fn emitted_configs_are_valid_node_configs() {
+        let dir = tempfile::tempdir().unwrap();
+        for (gpus, ttft) in [(8, 3000.0), (32, 400.0)] {
+            let mut s = spec("Llama-3.1-70B", "H200", gpus, ttft, 40.0);
+            let out_dir = dir.path().join(format!("g{gpus}"));
+            s.emit_config = Some(out_dir.clone());
+            let out = run(&s).unwrap();
+            assert!(out.contains("Pareto frontier"), "{out}");
+            let mut nodes = 0;
+            for entry in std::fs::read_dir(&out_dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.extension().is_some_and(|e| e == "toml") {
+                    NodeConfig::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                    nodes += 1;
+                }
+            }
+            assert!(nodes >= 2, "{out}");
+            assert!(out_dir.join("pareto.svg").exists());
+            let d: serde_json::Value = serde_json::from_str(
+                &std::fs::read_to_string(out_dir.join("deployment.json")).unwrap(),
+            )
+            .unwrap();
+            assert!(d["gpus"].as_u64().unwrap() <= gpus as u64);
+        }
+    }
+
+    #[test]
+    fn bad_input_names_the_problem() {
+        let msg = |s: ConfigureSpec| run(&s).unwrap_err().to_string();
+        assert!(msg(spec("Llama-9", "H200", 8, 1000.0, 50.0)).contains("unknown model"));
+        assert!(msg(spec("Llama-3.1-8B", "H900", 8, 1000.0, 50.0)).contains("unknown GPU"));
+        assert!(msg(spec("Llama-3.1-8B", "H200", 8, 1.0, 0.1)).contains("meets TTFT"));
+        assert!(msg(spec("DeepSeek-V3", "A100", 4, 5000.0, 100.0)).contains("cannot hold"));
+        let mut s = spec("Llama-3.1-8B", "H200", 8, 1000.0, 50.0);
+        s.engine = "vllm".into();
+        assert!(msg(s).contains("unknown --engine"));
+    }
+}
