@@ -1,16 +1,18 @@
 //! `dynamo-configurator`: deciding how to deploy a model without GPUs.
 //!
-//! This first part holds the inputs as data and what follows from them
-//! exactly: GPUs and models ([`spec`]), and the memory a deployment needs
-//! ([`memory`]): weights per GPU under tensor and pipeline parallelism, KV
-//! bytes per token, and how many tokens of KV fit. The performance model
-//! per forward step and the search build on these.
+//! Layers, each built on the ones before: the inputs as data ([`spec`]:
+//! GPUs and models); the memory a layout needs ([`memory`]); efficiencies
+//! measured on a GPU ([`calib`]); the time of one forward step ([`perf`]);
+//! the search over layouts, batches and serving modes ([`search`]); its
+//! presentation ([`report`]) and deployment files ([`emit`]); and the check
+//! against published throughput ([`validate`]).
 //!
 //! Invariants: specs are validated when loaded (every size positive, heads
 //! divisible by KV heads, MoE active ≤ experts); lookups are
 //! case-insensitive and an unknown name is an error that lists the known
-//! ones; memory figures are exact functions of the specs (no fitted
-//! constants).
+//! ones; memory figures are exact functions of the specs; the step model
+//! has no constant fitted to the validation points; every search result
+//! fits in memory and the frontier holds no dominated candidate.
 
 pub mod calib;
 pub mod emit;

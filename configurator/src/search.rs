@@ -360,15 +360,19 @@ pub fn search(
     };
     let layouts = cx.layouts();
     if layouts.is_empty() {
-        // The smallest layout that would hold the weights and one sequence.
-        let need = (1..=64)
-            .flat_map(|n: u32| [1, 2, 4, 8, 16].map(move |tp| (n, tp)))
-            .find(|&(n, tp)| {
-                n % tp == 0
-                    && plan(model, gpu, &cx.deployment(Layout { tp, pp: n / tp }))
-                        .is_ok_and(|p| p.kv_tokens >= (q.isl + q.osl) as u64)
+        // The smallest layout of the searched grid that would hold the
+        // weights and one sequence (128 GPUs when none does).
+        let need = [1, 2, 4, 8, 16]
+            .into_iter()
+            .filter(|tp| *tp <= q.max_tp)
+            .flat_map(|tp| [1, 2, 4, 8].map(move |pp| Layout { tp, pp }))
+            .filter(|l| {
+                plan(model, gpu, &cx.deployment(*l))
+                    .is_ok_and(|p| p.kv_tokens >= (q.isl + q.osl) as u64)
             })
-            .map_or(64, |(n, _)| n);
+            .map(|l| l.gpus())
+            .min()
+            .unwrap_or(128);
         return Err(SearchError::TooFewGpus {
             model: model.name.clone(),
             gpu: gpu.name.clone(),
