@@ -1,0 +1,186 @@
+//! `dynamoctl configure` end to end, with real processes: bad input exits
+//! non-zero with a message naming the problem, and the deployment it emits
+//! (mocker workers timed by the configurator's model) starts on real nodes
+//! over a real NATS and serves requests.
+
+use dynamo_integration::{bin, free_port, Http, Nats, Node, MODEL};
+use serde_json::{json, Value};
+use std::process::Command;
+
+fn configure(args: &[&str]) -> std::process::Output {
+    Command::new(bin("dynamoctl"))
+        .arg("configure")
+        .args(args)
+        .output()
+        .expect("run dynamoctl")
+}
+
+#[test]
+fn bad_input_exits_non_zero_with_a_message() {
+    let base = ["--isl", "2000", "--osl", "200"];
+    for (args, want) in [
+        (
+            vec![
+                "--model",
+                "Llama-9",
+                "--gpu",
+                "H200",
+                "--gpus",
+                "8",
+                "--ttft-ms",
+                "1000",
+                "--itl-ms",
+                "50",
+            ],
+            "unknown model \"Llama-9\" (known: Llama-3.1-8B",
+        ),
+        (
+            vec![
+                "--model",
+                "Llama-3.1-8B",
+                "--gpu",
+                "H900",
+                "--gpus",
+                "8",
+                "--ttft-ms",
+                "1000",
+                "--itl-ms",
+                "50",
+            ],
+            "unknown GPU \"H900\"",
+        ),
+        (
+            vec![
+                "--model",
+                "Llama-3.1-70B",
+                "--gpu",
+                "H100",
+                "--gpus",
+                "8",
+                "--ttft-ms",
+                "1",
+                "--itl-ms",
+                "0.5",
+            ],
+            "no deployment of Llama-3.1-70B on 8 × H100 meets",
+        ),
+        (
+            vec![
+                "--model",
+                "DeepSeek-V3",
+                "--gpu",
+                "H100",
+                "--gpus",
+                "4",
+                "--ttft-ms",
+                "1000",
+                "--itl-ms",
+                "50",
+            ],
+            "4 × H100 cannot hold DeepSeek-V3",
+        ),
+        (
+            vec![
+                "--model",
+                "Llama-3.1-8B",
+                "--gpu",
+                "H100",
+                "--gpus",
+                "0",
+                "--ttft-ms",
+                "1000",
+                "--itl-ms",
+                "50",
+            ],
+            "gpus must be positive",
+        ),
+    ] {
+        let mut all = args.clone();
+        all.extend(base);
+        let out = configure(&all);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_emitted_deployment_runs_and_serves() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("deploy");
+    let out = configure(&[
+        "--model",
+        "Llama-3.1-8B",
+        "--gpu",
+        "H100",
+        "--gpus",
+        "2",
+        "--isl",
+        "500",
+        "--osl",
+        "50",
+        "--ttft-ms",
+        "2000",
+        "--itl-ms",
+        "50",
+        "--json",
+        "--emit-config",
+        out_dir.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report["evaluated"].as_u64().unwrap() > 10, "{report}");
+    assert!(!report["frontier"].as_array().unwrap().is_empty());
+    let best: Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("deployment.json")).unwrap())
+            .unwrap();
+    assert!(best["gpus"].as_u64().unwrap() <= 2, "{best}");
+    assert!(best["ttft_ms"].as_f64().unwrap() <= 2000.0);
+    assert!(best["itl_ms"].as_f64().unwrap() <= 50.0);
+    let workers = match best["mode"].as_str().unwrap() {
+        "aggregated" => best["replicas"].as_u64().unwrap(),
+        "disaggregated" => {
+            best["prefill_replicas"].as_u64().unwrap() + best["decode_replicas"].as_u64().unwrap()
+        }
+        other => panic!("mode {other}"),
+    };
+    assert!(std::fs::read_to_string(out_dir.join("pareto.svg"))
+        .unwrap()
+        .contains("<polyline"));
+
+    // Start every emitted node against this test's NATS and port.
+    let nats = Nats::start();
+    let port = free_port();
+    let mut nodes = Vec::new();
+    let mut names: Vec<String> = std::fs::read_dir(&out_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".toml"))
+        .collect();
+    names.sort();
+    assert!(names.contains(&"gateway.toml".to_string()), "{names:?}");
+    for name in &names {
+        let text = std::fs::read_to_string(out_dir.join(name)).unwrap();
+        assert!(text.contains("engine = \"mocker\"") || name == "gateway.toml");
+        let text = text
+            .replace("nats://127.0.0.1:4222", &nats.url)
+            .replace("127.0.0.1:8000", &format!("127.0.0.1:{port}"))
+            .replace("namespace = \"default\"", "namespace = \"it\"");
+        nodes.push(Node::start(&text));
+    }
+    let http = Http::new(port);
+    let gateway = names.iter().position(|n| n == "gateway.toml").unwrap();
+    http.wait_ready(workers, &mut nodes[gateway]).await;
+    for i in 0..3 {
+        let body = json!({"model": MODEL, "max_tokens": 8,
+            "messages": [{"role": "user", "content": format!("plan number {i}")}]});
+        let r = http.post("/v1/chat/completions", &body).await;
+        assert_eq!(r.status, 200, "{}", r.json);
+        assert_eq!(r.json["usage"]["completion_tokens"], 8, "{}", r.json);
+    }
+}
