@@ -1,9 +1,10 @@
 //! `dynamoctl configure` end to end, with real processes: bad input exits
 //! non-zero with a message naming the problem, and the deployment it emits
 //! (mocker workers timed by the configurator's model) starts on real nodes
-//! over a real NATS and serves requests.
+//! over a real NATS and serves requests. And `dynamoctl calibrate-mocker`
+//! recovers an engine's timing from what it measures over HTTP.
 
-use dynamo_integration::{bin, free_port, Http, Nats, Node, MODEL};
+use dynamo_integration::{bin, free_port, node_config, Http, Nats, Node, MODEL};
 use serde_json::{json, Value};
 use std::process::Command;
 
@@ -182,5 +183,75 @@ async fn an_emitted_deployment_runs_and_serves() {
         let r = http.post("/v1/chat/completions", &body).await;
         assert_eq!(r.status, 200, "{}", r.json);
         assert_eq!(r.json["usage"]["completion_tokens"], 8, "{}", r.json);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calibrate_mocker_recovers_an_engines_timing() {
+    // An engine with known timing: a mocker whose steps take
+    // 5 + 0.05·n ms to prefill n tokens and 4 + 40·u ms to decode at KV
+    // utilisation u, on a pool of 128 blocks of 16 tokens.
+    let nats = Nats::start();
+    let port = free_port();
+    let cfg = node_config("n1", &nats.url, Some(port), 0, "")
+        + &format!(
+            "[[workers]]\ncount = 1\nengine = \"mocker\"\nmodel = \"{MODEL}\"\nheartbeat_ms = 500\n\n\
+             [workers.mocker]\nspeedup = 1.0\nnum_blocks = 128\nblock_size = 16\n\
+             prefill_ms = [0.0, 0.05, 5.0]\ndecode_ms = [0.0, 40.0, 4.0]\n"
+        );
+    let mut node = Node::start(&cfg);
+    let http = Http::new(port);
+    http.wait_ready(1, &mut node).await;
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(bin("dynamoctl"))
+            .args([
+                "calibrate-mocker",
+                "--url",
+                &format!("http://127.0.0.1:{port}"),
+                "--lengths",
+                "128,512,1024,1536",
+                "--decode-tokens",
+                "8",
+                "--repeats",
+                "2",
+                "--kv-tokens",
+                "2048",
+                "--json",
+            ])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["points"].as_array().unwrap().len(), 4, "{v}");
+    let poly = |k: &str, x: f64| {
+        let p: Vec<f64> = v[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_f64().unwrap())
+            .collect();
+        p[0] * x * x + p[1] * x + p[2]
+    };
+    // Measured through the real gateway, router and worker: within 20%.
+    for n in [256.0, 1024.0] {
+        let (got, want) = (poly("prefill_ms", n), 5.0 + 0.05 * n);
+        assert!(
+            (got / want - 1.0).abs() < 0.2,
+            "prefill {n}: {got} vs {want}: {v}"
+        );
+    }
+    for u in [0.25, 0.6] {
+        let (got, want) = (poly("decode_ms", u), 4.0 + 40.0 * u);
+        assert!(
+            (got / want - 1.0).abs() < 0.2,
+            "decode {u}: {got} vs {want}: {v}"
+        );
     }
 }

@@ -8,6 +8,7 @@
 //! the grace period, deregister the workers and exit.
 
 pub mod bench;
+pub mod calibrate;
 pub mod config;
 pub mod configure;
 pub mod daemon;

@@ -1,5 +1,6 @@
 //! The async driver: owns a [`MockerCore`], feeds it commands, runs steps,
-//! sleeps the simulated step time (divided by the speedup) and delivers
+//! announces the step's admissions, sleeps the simulated step time
+//! (divided by the speedup) and then delivers the step's tokens and KV
 //! events. One tokio task per engine; it ends when the engine handle is
 //! dropped, failing whatever is still running with [`EngineError::Stopped`].
 
@@ -172,28 +173,24 @@ async fn run(
             }
         }
         let step = core.step();
-        for (id, ev) in step.events {
-            let terminal = matches!(ev, EngineEvent::Finished { .. } | EngineEvent::Failed(_));
-            let gone = match outs.get(&id) {
-                Some(tx) => tx.send(ev).is_err(),
-                None => false,
-            };
-            if terminal {
-                outs.remove(&id);
-            } else if gone {
-                // The receiver went away: nobody wants the rest.
-                outs.remove(&id);
-                core.cancel(id);
-            }
-        }
-        for ev in core.drain_kv_events() {
-            let _ = kv_tx.send(ev);
-        }
-        publish_load(&core, &load);
+        // Admissions are known when the step starts; its tokens exist only
+        // once it has run: `Started` goes out now, the rest after the
+        // simulated step time, as a GPU engine's outputs would. So TTFT
+        // includes the prefill step and `timings.prefill_ms` measures it.
+        let (started, rest): (Vec<_>, Vec<_>) = step
+            .events
+            .into_iter()
+            .partition(|(_, ev)| matches!(ev, EngineEvent::Started { .. }));
+        deliver(started, &mut outs, &mut core);
         match cfg.real_delay(step.simulated_ms) {
             Some(d) => tokio::time::sleep(d).await,
             None => tokio::task::yield_now().await,
         }
+        deliver(rest, &mut outs, &mut core);
+        for ev in core.drain_kv_events() {
+            let _ = kv_tx.send(ev);
+        }
+        publish_load(&core, &load);
     }
     for id in core.abort_all() {
         if let Some(tx) = outs.remove(&id) {
@@ -201,6 +198,29 @@ async fn run(
         }
     }
     publish_load(&core, &load);
+}
+
+/// Sends each event to its request's stream; a terminal event closes the
+/// stream, and a stream nobody reads any more cancels its request.
+fn deliver(
+    events: Vec<(RequestId, EngineEvent)>,
+    outs: &mut HashMap<RequestId, mpsc::UnboundedSender<EngineEvent>>,
+    core: &mut MockerCore,
+) {
+    for (id, ev) in events {
+        let terminal = matches!(ev, EngineEvent::Finished { .. } | EngineEvent::Failed(_));
+        let gone = match outs.get(&id) {
+            Some(tx) => tx.send(ev).is_err(),
+            None => false,
+        };
+        if terminal {
+            outs.remove(&id);
+        } else if gone {
+            // The receiver went away: nobody wants the rest.
+            outs.remove(&id);
+            core.cancel(id);
+        }
+    }
 }
 
 fn publish_load(core: &MockerCore, load: &Mutex<LoadMetrics>) {

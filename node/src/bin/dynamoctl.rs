@@ -2,7 +2,7 @@
 
 use clap::{Parser, Subcommand};
 use dynamo_bus_schema::Namespace;
-use dynamo_node::{bench, configure, drain, env, replay, status};
+use dynamo_node::{bench, calibrate, configure, drain, env, replay, status};
 
 #[derive(Parser)]
 #[command(
@@ -116,6 +116,32 @@ enum Cmd {
         /// workers with the model's timing), its summary and the plot here.
         #[arg(long)]
         emit_config: Option<std::path::PathBuf>,
+    },
+    /// Fit the mocker's step-time polynomials to a running engine's
+    /// measured timing (e.g. the CPU engine), so a mocker can stand in for it.
+    CalibrateMocker {
+        #[arg(long, default_value = "http://127.0.0.1:8000")]
+        url: String,
+        #[arg(long, default_value = "smollm2-135m-instruct")]
+        model: String,
+        /// Prompt lengths to measure, tokens.
+        #[arg(long, value_delimiter = ',', default_value = "32,64,128,256,512")]
+        lengths: Vec<u32>,
+        /// Output tokens per request.
+        #[arg(long, default_value_t = 16)]
+        decode_tokens: u32,
+        /// Requests per length (the fastest is kept).
+        #[arg(long, default_value_t = 2)]
+        repeats: u32,
+        /// Tokens of KV the engine holds (num_blocks × block_size).
+        #[arg(long, default_value_t = 8192)]
+        kv_tokens: u64,
+        /// Token ids are drawn from [256, vocab).
+        #[arg(long, default_value_t = 49152)]
+        vocab: u32,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Replay a Mooncake-format JSONL trace against an OpenAI /v1/completions endpoint.
     Replay {
@@ -270,6 +296,33 @@ fn main() {
                     emit_config,
                 };
                 print!("{}", configure::run(&spec)?);
+                Ok(())
+            }
+            Cmd::CalibrateMocker {
+                url,
+                model,
+                lengths,
+                decode_tokens,
+                repeats,
+                kv_tokens,
+                vocab,
+                json,
+            } => {
+                let spec = calibrate::CalibrateSpec {
+                    url,
+                    model,
+                    lengths,
+                    decode_tokens,
+                    repeats,
+                    kv_tokens,
+                    vocab,
+                };
+                let c = calibrate::run(&spec).await?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&c)?);
+                } else {
+                    print!("{}", calibrate::render(&c));
+                }
                 Ok(())
             }
             Cmd::Replay {
