@@ -17,20 +17,31 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use std::time::Instant;
 
-#[derive(Clone, Debug)]
+/// Everything `dynamoctl calibrate-mocker` takes.
+#[derive(Clone, Debug, clap::Args)]
 pub struct CalibrateSpec {
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
     pub url: String,
+    #[arg(long, default_value = "smollm2-135m-instruct")]
     pub model: String,
-    /// Prompt lengths, tokens (at least three distinct).
+    /// Prompt lengths to measure, tokens (at least three distinct).
+    #[arg(long, value_delimiter = ',', default_value = "32,64,128,256,512")]
     pub lengths: Vec<u32>,
     /// Output tokens per request (at least two).
+    #[arg(long, default_value_t = 16)]
     pub decode_tokens: u32,
-    /// Requests per length.
+    /// Requests per length (the fastest is kept).
+    #[arg(long, default_value_t = 2)]
     pub repeats: u32,
     /// Tokens of KV the engine holds (num_blocks × block_size).
+    #[arg(long, default_value_t = 8192)]
     pub kv_tokens: u64,
     /// Token ids are drawn from [256, vocab).
+    #[arg(long, default_value_t = 49152)]
     pub vocab: u32,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// One measured request.
@@ -173,6 +184,7 @@ mod tests {
             repeats: 1,
             kv_tokens: 8192,
             vocab: 49152,
+            json: false,
         };
         assert!(check(&spec)
             .unwrap_err()

@@ -12,23 +12,50 @@ use dynamo_configurator::{
 use std::path::PathBuf;
 
 /// Everything `dynamoctl configure` takes.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, clap::Args)]
 pub struct ConfigureSpec {
+    /// Model name (see configurator/data/models.toml), e.g. Llama-3.1-70B.
+    #[arg(long)]
     pub model: String,
+    /// GPU type: H100, H200, B200, A100, L40S.
+    #[arg(long)]
     pub gpu: String,
+    /// GPUs available in all.
+    #[arg(long)]
     pub gpus: u32,
+    /// Input (prompt) tokens per request.
+    #[arg(long)]
     pub isl: u32,
+    /// Output tokens per request.
+    #[arg(long)]
     pub osl: u32,
+    /// Time-to-first-token target, ms.
+    #[arg(long)]
     pub ttft_ms: f64,
+    /// Inter-token latency target, ms.
+    #[arg(long)]
     pub itl_ms: f64,
-    /// `fp8`, `bf16`, or None for the GPU's best.
+    /// Weights and KV: fp8 or bf16 (default: fp8 where the GPU has FP8 tensor cores).
+    #[arg(long)]
     pub dtype: Option<String>,
-    /// `current` or `trtllm-0.5`.
+    /// Engine profile: current, or trtllm-0.5 (the validation tables' engine).
+    #[arg(long, default_value = "current")]
     pub engine: String,
+    /// Largest tensor-parallel group (GPUs on one NVLink domain).
+    #[arg(long, default_value_t = 8)]
     pub max_tp: u32,
+    /// Bandwidth moving KV from prefill to decode replicas, GB/s.
+    #[arg(long, default_value_t = 25.0)]
     pub kv_link_gbps: f64,
+    /// Print JSON instead of the table.
+    #[arg(long)]
     pub json: bool,
+    /// Write the Pareto plot here (SVG).
+    #[arg(long)]
     pub svg: Option<PathBuf>,
+    /// Write node configs of the best deployment (GPU-free, mocker workers
+    /// with the model's timing), its summary and the plot here.
+    #[arg(long)]
     pub emit_config: Option<PathBuf>,
 }
 

@@ -72,77 +72,10 @@ enum Cmd {
     /// Pick a deployment for an SLA without GPUs: TP/PP, aggregated or
     /// disaggregated, replica counts and batch (prints the Pareto frontier
     /// and the best deployment per GPU budget).
-    Configure {
-        /// Model name (see configurator/data/models.toml), e.g. Llama-3.1-70B.
-        #[arg(long)]
-        model: String,
-        /// GPU type: H100, H200, B200, A100, L40S.
-        #[arg(long)]
-        gpu: String,
-        /// GPUs available in all.
-        #[arg(long)]
-        gpus: u32,
-        /// Input (prompt) tokens per request.
-        #[arg(long)]
-        isl: u32,
-        /// Output tokens per request.
-        #[arg(long)]
-        osl: u32,
-        /// Time-to-first-token target, ms.
-        #[arg(long)]
-        ttft_ms: f64,
-        /// Inter-token latency target, ms.
-        #[arg(long)]
-        itl_ms: f64,
-        /// Weights and KV: fp8 or bf16 (default: fp8 where the GPU has FP8 tensor cores).
-        #[arg(long)]
-        dtype: Option<String>,
-        /// Engine profile: current, or trtllm-0.5 (the validation tables' engine).
-        #[arg(long, default_value = "current")]
-        engine: String,
-        /// Largest tensor-parallel group (GPUs on one NVLink domain).
-        #[arg(long, default_value_t = 8)]
-        max_tp: u32,
-        /// Bandwidth moving KV from prefill to decode replicas, GB/s.
-        #[arg(long, default_value_t = 25.0)]
-        kv_link_gbps: f64,
-        /// Print JSON instead of the table.
-        #[arg(long)]
-        json: bool,
-        /// Write the Pareto plot here (SVG).
-        #[arg(long)]
-        svg: Option<std::path::PathBuf>,
-        /// Write node configs of the best deployment (GPU-free, mocker
-        /// workers with the model's timing), its summary and the plot here.
-        #[arg(long)]
-        emit_config: Option<std::path::PathBuf>,
-    },
+    Configure(configure::ConfigureSpec),
     /// Fit the mocker's step-time polynomials to a running engine's
     /// measured timing (e.g. the CPU engine), so a mocker can stand in for it.
-    CalibrateMocker {
-        #[arg(long, default_value = "http://127.0.0.1:8000")]
-        url: String,
-        #[arg(long, default_value = "smollm2-135m-instruct")]
-        model: String,
-        /// Prompt lengths to measure, tokens.
-        #[arg(long, value_delimiter = ',', default_value = "32,64,128,256,512")]
-        lengths: Vec<u32>,
-        /// Output tokens per request.
-        #[arg(long, default_value_t = 16)]
-        decode_tokens: u32,
-        /// Requests per length (the fastest is kept).
-        #[arg(long, default_value_t = 2)]
-        repeats: u32,
-        /// Tokens of KV the engine holds (num_blocks × block_size).
-        #[arg(long, default_value_t = 8192)]
-        kv_tokens: u64,
-        /// Token ids are drawn from [256, vocab).
-        #[arg(long, default_value_t = 49152)]
-        vocab: u32,
-        /// Print JSON.
-        #[arg(long)]
-        json: bool,
-    },
+    CalibrateMocker(calibrate::CalibrateSpec),
     /// Replay a Mooncake-format JSONL trace against an OpenAI /v1/completions endpoint.
     Replay {
         #[arg(long)]
@@ -263,62 +196,13 @@ fn main() {
                 let r = bench::run(spec).await?;
                 report(&r, json, r.ok, r.first_error.as_deref())
             }
-            Cmd::Configure {
-                model,
-                gpu,
-                gpus,
-                isl,
-                osl,
-                ttft_ms,
-                itl_ms,
-                dtype,
-                engine,
-                max_tp,
-                kv_link_gbps,
-                json,
-                svg,
-                emit_config,
-            } => {
-                let spec = configure::ConfigureSpec {
-                    model,
-                    gpu,
-                    gpus,
-                    isl,
-                    osl,
-                    ttft_ms,
-                    itl_ms,
-                    dtype,
-                    engine,
-                    max_tp,
-                    kv_link_gbps,
-                    json,
-                    svg,
-                    emit_config,
-                };
+            Cmd::Configure(spec) => {
                 print!("{}", configure::run(&spec)?);
                 Ok(())
             }
-            Cmd::CalibrateMocker {
-                url,
-                model,
-                lengths,
-                decode_tokens,
-                repeats,
-                kv_tokens,
-                vocab,
-                json,
-            } => {
-                let spec = calibrate::CalibrateSpec {
-                    url,
-                    model,
-                    lengths,
-                    decode_tokens,
-                    repeats,
-                    kv_tokens,
-                    vocab,
-                };
+            Cmd::CalibrateMocker(spec) => {
                 let c = calibrate::run(&spec).await?;
-                if json {
+                if spec.json {
                     println!("{}", serde_json::to_string_pretty(&c)?);
                 } else {
                     print!("{}", calibrate::render(&c));
