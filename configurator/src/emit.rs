@@ -120,7 +120,8 @@ pub struct File {
 }
 
 fn layout_name(l: &Layout) -> String {
-    format!("tp{} pp{}", l.tp, l.pp)
+    let ep = if l.ep { ", expert parallel" } else { "" };
+    format!("tp{} pp{}{ep}", l.tp, l.pp)
 }
 
 fn worker(
@@ -316,6 +317,7 @@ mod tests {
                 weights: Dtype::Fp8,
                 kv: Dtype::Fp8,
                 reserve: 0.1,
+                expert_parallel: false,
             },
             calib: &cal,
             profile: EngineProfile::current(&cal),

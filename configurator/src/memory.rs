@@ -36,6 +36,10 @@ pub struct Deployment {
     pub kv: Dtype,
     /// Share of HBM kept for activations and runtime buffers (0.1 = 10 %).
     pub reserve: f64,
+    /// MoE layers shard whole experts across the TP group (expert
+    /// parallelism) instead of splitting every expert's matrices; the same
+    /// bytes per GPU either way.
+    pub expert_parallel: bool,
 }
 
 impl Deployment {
@@ -127,6 +131,7 @@ mod tests {
             weights,
             kv: Dtype::Bf16,
             reserve: 0.1,
+            expert_parallel: false,
         }
     }
 

@@ -1,7 +1,8 @@
 //! Time of one forward step of a replica, from its operations: the GEMMs
-//! of every layer (dense MLP or routed experts), attention (prefill FLOPs,
-//! decode KV reads), the TP all-reduces, the PP hops, elementwise work and
-//! per-kernel overhead. Each operation's time is its roofline time over an
+//! of every layer (dense MLP, or routed experts as one grouped GEMM, split
+//! by TP or held whole under expert parallelism), attention (prefill
+//! FLOPs, decode KV reads), the TP all-reduces (or the experts'
+//! all-to-all), the PP hops, elementwise work and per-kernel overhead. Each operation's time is its roofline time over an
 //! efficiency from the calibration tables ([`crate::calib`]); what the
 //! tables cannot see (kernel count, all-reduce latency, per-step framework
 //! cost, whether decode attention shares KV reads across a GQA group) is an
@@ -177,17 +178,37 @@ impl StepModel<'_> {
             t.attention += self.calib.prefill_attention_us(self.gpu, flops);
         }
 
-        // MLP: dense, or routed experts plus shared ones.
+        // MLP: dense, or routed experts plus shared ones. Under TP every GPU
+        // holds a 1/tp slice of every expert and sees every assignment;
+        // under expert parallelism it holds 1/tp of the experts whole and
+        // sees 1/tp of the assignments (on average).
+        let mut all_to_all = false;
         match (&m.moe, moe_layer) {
             (Some(moe), true) => {
-                let ef = moe.expert_ffn as f64 / tp;
-                let assigned = tokens * moe.active as f64;
-                let touched = (moe.experts as f64).min(assigned.ceil());
+                let ep = d.expert_parallel && d.tp > 1 && moe.experts.is_multiple_of(d.tp);
+                let (local_experts, ef, assigned) = if ep {
+                    all_to_all = true;
+                    (
+                        moe.experts as f64 / tp,
+                        moe.expert_ffn as f64,
+                        tokens * moe.active as f64 / tp,
+                    )
+                } else {
+                    (
+                        moe.experts as f64,
+                        moe.expert_ffn as f64 / tp,
+                        tokens * moe.active as f64,
+                    )
+                };
+                let touched = local_experts.min(assigned.ceil());
                 let per_expert = assigned / touched.max(1.0);
                 t.gemm += self.gemm(tokens, moe.experts as f64, hidden);
-                t.gemm += touched
-                    * (self.gemm(per_expert, 2.0 * ef, hidden) + self.gemm(per_expert, hidden, ef));
-                let shared = moe.shared as f64 * ef;
+                // The touched experts run as one grouped GEMM (as MoE kernels
+                // do): the weights streamed once per expert, one launch, so
+                // the work of a GEMM `touched` times as wide.
+                t.gemm += self.gemm(per_expert, 2.0 * ef * touched, hidden)
+                    + self.gemm(per_expert, hidden * touched, ef);
+                let shared = moe.shared as f64 * moe.expert_ffn as f64 / tp;
                 if shared > 0.0 {
                     t.gemm +=
                         self.gemm(tokens, 2.0 * shared, hidden) + self.gemm(tokens, hidden, shared);
@@ -199,11 +220,21 @@ impl StepModel<'_> {
             }
         }
 
-        // Two all-reduces (after attention and after the MLP).
+        // An all-reduce after attention, and after the MLP either another
+        // or, under expert parallelism, an all-to-all out to the experts'
+        // GPUs and back (each GPU routes its 1/tp share of the tokens).
         if d.tp > 1 {
             let bytes = tokens * hidden * 2.0;
-            let wire = 2.0 * (tp - 1.0) / tp * bytes / (self.gpu.link_gbps * 1e9) * 1e6;
-            t.comm += 2.0 * (self.profile.allreduce_us + wire);
+            let allreduce = self.profile.allreduce_us
+                + 2.0 * (tp - 1.0) / tp * bytes / (self.gpu.link_gbps * 1e9) * 1e6;
+            t.comm += allreduce;
+            t.comm += if all_to_all {
+                let active = m.moe.as_ref().map_or(1, |x| x.active) as f64;
+                let sent = bytes / tp * active * (tp - 1.0) / tp;
+                2.0 * (self.profile.allreduce_us + sent / (self.gpu.link_gbps * 1e9) * 1e6)
+            } else {
+                allreduce
+            };
         }
 
         // Elementwise passes over the activations (two norms, rotary,
@@ -318,6 +349,7 @@ mod tests {
                 weights: Dtype::Fp8,
                 kv: Dtype::Bf16,
                 reserve: 0.1,
+                expert_parallel: false,
             },
             profile: EngineProfile::current(&cal),
             calib: &cal,
@@ -389,6 +421,41 @@ mod tests {
             "{tp4pp2} vs {tp4}"
         );
         assert!(tp8 < tp4pp2, "{tp8} vs {tp4pp2}");
+    }
+
+    #[test]
+    fn expert_parallelism_trades_gemm_time_for_an_all_to_all() {
+        let c = Catalog::builtin().unwrap();
+        let cal = Calibration::parse(H200_JSON, c.gpu("H200").unwrap()).unwrap();
+        let tp8 = |model: &str, ep: bool| StepModel {
+            model: c.model(model).unwrap(),
+            gpu: c.gpu("H200").unwrap(),
+            deployment: Deployment {
+                tp: 8,
+                pp: 1,
+                weights: Dtype::Fp8,
+                kv: Dtype::Fp8,
+                reserve: 0.1,
+                expert_parallel: ep,
+            },
+            profile: EngineProfile::current(&cal),
+            calib: &cal,
+        };
+        let step = |ep: bool| {
+            tp8("DeepSeek-V3", ep).step(&Step {
+                decode: 512.0,
+                decode_ctx: 2000.0,
+                ..Step::default()
+            })
+        };
+        // Whole experts run as GEMMs of a better shape than 1/8 slices of
+        // each, for more time on the wire (an all-to-all out and back).
+        let (tp, ep) = (step(false), step(true));
+        assert!(ep.gemm < tp.gemm, "{ep:?} vs {tp:?}");
+        assert!(ep.comm > tp.comm, "{ep:?} vs {tp:?}");
+        // A dense model ignores the flag.
+        let dense = |ep: bool| tp8("Llama-3.1-70B", ep).decode_us(64.0, 1000.0);
+        assert_eq!(dense(true), dense(false));
     }
 
     #[test]

@@ -53,7 +53,8 @@ pub struct Query {
 
 impl Query {
     /// Defaults for `gpu`: FP8 where it has FP8 tensor cores, a TP group of
-    /// up to 8, 8192-token steps, 25 GB/s (200 Gb/s) for KV between nodes.
+    /// up to 8, 8192-token steps, KV between nodes at the GPU's network
+    /// bandwidth.
     pub fn new(gpu: &Gpu, gpus: u32, isl: u32, osl: u32, ttft_ms: f64, itl_ms: f64) -> Self {
         let dtype = if gpu.fp8_tflops > gpu.bf16_tflops {
             Dtype::Fp8
@@ -70,7 +71,7 @@ impl Query {
             kv: dtype,
             max_tp: 8,
             max_num_tokens: 8192,
-            kv_link_gbps: 25.0,
+            kv_link_gbps: gpu.net_gbps,
         }
     }
 }
@@ -107,6 +108,8 @@ pub enum SearchError {
 pub struct Layout {
     pub tp: u32,
     pub pp: u32,
+    /// MoE layers use expert parallelism across the TP group.
+    pub ep: bool,
 }
 
 impl Layout {
@@ -158,11 +161,14 @@ impl Candidate {
     /// A short description: `agg 4×(tp2) b64` or `disagg 2×(tp1):3×(tp4) b128`.
     pub fn label(&self) -> String {
         let l = |x: &Layout| {
+            let mut s = format!("tp{}", x.tp);
             if x.pp > 1 {
-                format!("tp{}pp{}", x.tp, x.pp)
-            } else {
-                format!("tp{}", x.tp)
+                s += &format!("pp{}", x.pp);
             }
+            if x.ep {
+                s += "ep";
+            }
+            s
         };
         match &self.mode {
             Mode::Aggregated {
@@ -235,6 +241,7 @@ impl Ctx<'_> {
             weights: self.q.weights,
             kv: self.q.kv,
             reserve: 0.1,
+            expert_parallel: l.ep,
         }
     }
 
@@ -242,15 +249,23 @@ impl Ctx<'_> {
     fn layouts(&self) -> Vec<(Layout, u64)> {
         let seq = (self.q.isl + self.q.osl) as u64;
         let mut out = Vec::new();
+        // Expert parallelism is a choice only for MoE models whose experts
+        // split evenly over the TP group.
+        let ep_choices = |tp: u32| match &self.model.moe {
+            Some(moe) if tp > 1 && moe.experts.is_multiple_of(tp) => vec![false, true],
+            _ => vec![false],
+        };
         for tp in [1, 2, 4, 8, 16] {
             for pp in [1, 2, 4, 8] {
-                let l = Layout { tp, pp };
-                if tp > self.q.max_tp || l.gpus() > self.q.gpus {
-                    continue;
-                }
-                if let Ok(p) = plan(self.model, self.gpu, &self.deployment(l)) {
-                    if p.kv_tokens >= seq {
-                        out.push((l, p.kv_tokens));
+                for ep in ep_choices(tp) {
+                    let l = Layout { tp, pp, ep };
+                    if tp > self.q.max_tp || l.gpus() > self.q.gpus {
+                        continue;
+                    }
+                    if let Ok(p) = plan(self.model, self.gpu, &self.deployment(l)) {
+                        if p.kv_tokens >= seq {
+                            out.push((l, p.kv_tokens));
+                        }
                     }
                 }
             }
@@ -365,7 +380,7 @@ pub fn search(
         let need = [1, 2, 4, 8, 16]
             .into_iter()
             .filter(|tp| *tp <= q.max_tp)
-            .flat_map(|tp| [1, 2, 4, 8].map(move |pp| Layout { tp, pp }))
+            .flat_map(|tp| [1, 2, 4, 8].map(move |pp| Layout { tp, pp, ep: false }))
             .filter(|l| {
                 plan(model, gpu, &cx.deployment(*l))
                     .is_ok_and(|p| p.kv_tokens >= (q.isl + q.osl) as u64)

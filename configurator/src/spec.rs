@@ -19,6 +19,9 @@ pub struct Gpu {
     pub hbm_tbps: f64,
     /// GPU-to-GPU bandwidth per direction (NVLink, or PCIe without it), GB/s.
     pub link_gbps: f64,
+    /// Scale-out network bandwidth per GPU (its NIC), GB/s: what KV moves
+    /// over between nodes.
+    pub net_gbps: f64,
 }
 
 /// Mixture-of-experts layers of a model.
@@ -217,6 +220,7 @@ impl Catalog {
                 gpu.hbm_gb,
                 gpu.hbm_tbps,
                 gpu.link_gbps,
+                gpu.net_gbps,
             ];
             if sizes.iter().any(|v| v.is_nan() || *v <= 0.0) {
                 return Err(SpecError::Bad {

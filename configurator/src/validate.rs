@@ -69,6 +69,7 @@ pub fn check(catalog: &Catalog, calib: &Calibration) -> Result<Vec<Checked>, Spe
                 weights: Dtype::Fp8,
                 kv: Dtype::Fp8,
                 reserve: 0.1,
+                expert_parallel: false,
             },
             calib,
             profile: EngineProfile::trtllm_0_5(calib),

@@ -44,9 +44,10 @@ pub struct ConfigureSpec {
     /// Largest tensor-parallel group (GPUs on one NVLink domain).
     #[arg(long, default_value_t = 8)]
     pub max_tp: u32,
-    /// Bandwidth moving KV from prefill to decode replicas, GB/s.
-    #[arg(long, default_value_t = 25.0)]
-    pub kv_link_gbps: f64,
+    /// Bandwidth moving KV from prefill to decode replicas, GB/s
+    /// (default: the GPU's network bandwidth from the catalog).
+    #[arg(long)]
+    pub kv_link_gbps: Option<f64>,
     /// Print JSON instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -88,7 +89,9 @@ pub fn run(spec: &ConfigureSpec) -> anyhow::Result<String> {
         q.kv = d;
     }
     q.max_tp = spec.max_tp;
-    q.kv_link_gbps = spec.kv_link_gbps;
+    if let Some(gbps) = spec.kv_link_gbps {
+        q.kv_link_gbps = gbps;
+    }
     let outcome = search(model, gpu, &calib, &profile, &q)?;
     let title = format!(
         "{} on {} × {}, ISL {} / OSL {}, TTFT ≤ {} ms, ITL ≤ {} ms",
@@ -118,6 +121,7 @@ pub fn run(spec: &ConfigureSpec) -> anyhow::Result<String> {
                     weights: q.weights,
                     kv: q.kv,
                     reserve: 0.1,
+                    expert_parallel: layout.ep,
                 },
                 calib: &calib,
                 profile: profile.clone(),
@@ -180,7 +184,7 @@ mod tests {
             dtype: None,
             engine: "current".into(),
             max_tp: 8,
-            kv_link_gbps: 25.0,
+            kv_link_gbps: None,
             json: false,
             svg: None,
             emit_config: None,
