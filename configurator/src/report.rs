@@ -178,25 +178,29 @@ pub fn svg(o: &Outcome, title: &str) -> String {
         pts.join(" ")
     );
     for c in &o.frontier {
+        // Labels sit right of their point, or left of it near the right edge.
+        let (cx, cy) = (x(c.tokens_per_s_per_user), y(c.tokens_per_s_per_gpu));
+        let (lx, anchor) = if cx > l + 0.6 * (w - l - r) {
+            (cx - 6.0, "end")
+        } else {
+            (cx + 6.0, "start")
+        };
         let _ = writeln!(
             s,
-            r#"<circle cx="{:.1}" cy="{:.1}" r="4" fill="black"/><text x="{:.1}" y="{:.1}" font-size="10">{}</text>"#,
-            x(c.tokens_per_s_per_user),
-            y(c.tokens_per_s_per_gpu),
-            x(c.tokens_per_s_per_user) + 6.0,
-            y(c.tokens_per_s_per_gpu) - 6.0,
+            r#"<circle cx="{cx:.1}" cy="{cy:.1}" r="4" fill="black"/><text x="{lx:.1}" y="{:.1}" font-size="10" text-anchor="{anchor}">{}</text>"#,
+            cy - 6.0,
             esc(&c.label())
         );
     }
     let _ = writeln!(
         s,
         r##"<circle cx="{0}" cy="{1}" r="4" fill="#1f77b4"/><text x="{2}" y="{3}">aggregated</text><circle cx="{0}" cy="{4}" r="4" fill="#ff7f0e"/><text x="{2}" y="{5}">disaggregated</text>"##,
-        w - r - 110.0,
-        t + 10.0,
-        w - r - 100.0,
-        t + 14.0,
-        t + 28.0,
-        t + 32.0
+        l + 14.0,
+        h - b - 34.0,
+        l + 24.0,
+        h - b - 30.0,
+        h - b - 16.0,
+        h - b - 12.0
     );
     s.push_str("</svg>\n");
     s
