@@ -67,6 +67,15 @@ fn tick_step(max: f64, n: f64) -> f64 {
         .unwrap_or(10.0 * mag)
 }
 
+/// About 8 round tick values over `[0, max]` (multiples of the step, so
+/// labels carry no accumulated rounding).
+fn ticks(max: f64) -> impl Iterator<Item = f64> {
+    let step = tick_step(max, 8.0);
+    (0..)
+        .map(move |i| i as f64 * step)
+        .take_while(move |v| *v <= max)
+}
+
 /// Feasible deployments as points (aggregated and disaggregated in two
 /// colours) with the frontier drawn through its points and labelled.
 pub fn svg(o: &Outcome, title: &str) -> String {
@@ -106,9 +115,7 @@ pub fn svg(o: &Outcome, title: &str) -> String {
         h - b,
         h - b
     );
-    let xs = tick_step(xmax, 8.0);
-    let mut v = 0.0;
-    while v <= xmax {
+    for v in ticks(xmax) {
         let _ = writeln!(
             s,
             r##"<line x1="{0}" y1="{1}" x2="{0}" y2="{2}" stroke="#ddd"/><text x="{0}" y="{3}" text-anchor="middle">{4}</text>"##,
@@ -118,11 +125,8 @@ pub fn svg(o: &Outcome, title: &str) -> String {
             h - b + 16.0,
             v
         );
-        v += xs;
     }
-    let ys = tick_step(ymax, 8.0);
-    let mut v = 0.0;
-    while v <= ymax {
+    for v in ticks(ymax) {
         let _ = writeln!(
             s,
             r##"<line x1="{0}" y1="{1}" x2="{2}" y2="{1}" stroke="#ddd"/><text x="{3}" y="{4}" text-anchor="end">{5}</text>"##,
@@ -133,7 +137,6 @@ pub fn svg(o: &Outcome, title: &str) -> String {
             y(v) + 4.0,
             v
         );
-        v += ys;
     }
     let _ = writeln!(
         s,

@@ -206,7 +206,7 @@ pub struct Outcome {
     pub evaluated: usize,
 }
 
-/// A replica's predicted behaviour at one batch size.
+/// An aggregated replica's predicted behaviour at one batch size.
 #[derive(Clone, Copy, Debug)]
 struct Point {
     itl_ms: f64,
@@ -320,14 +320,12 @@ impl Ctx<'_> {
         )
     }
 
-    fn decode(&self, l: Layout, batch: u32) -> Point {
+    /// A decode replica at `batch`: (ITL ms, requests/s). Its TTFT is the
+    /// prefill pool's.
+    fn decode(&self, l: Layout, batch: u32) -> (f64, f64) {
         let (isl, osl) = (self.q.isl as f64, self.q.osl as f64);
         let step = self.step_model(l).decode_us(batch as f64, isl + osl / 2.0);
-        Point {
-            itl_ms: step / 1e3,
-            ttft_ms: 0.0,
-            rate: batch as f64 / osl / (step * 1e-6),
-        }
+        (step / 1e3, batch as f64 / osl / (step * 1e-6))
     }
 
     /// Seconds to move one prompt's KV from a prefill to a decode replica.
@@ -432,14 +430,14 @@ pub fn search(
         .collect();
     for &(dl, kv) in &layouts {
         for batch in cx.batches(kv) {
-            let d = cx.decode(dl, batch);
+            let (d_itl_ms, d_rate) = cx.decode(dl, batch);
             for &(pl, n, p_us) in &prefills {
                 let p_rate = n as f64 / (p_us * 1e-6);
                 let mut best: Option<Candidate> = None;
                 for pr in 1..=q.gpus / pl.gpus() {
                     let left = q.gpus - pr * pl.gpus();
                     for dr in 1..=left / dl.gpus() {
-                        let rate = (dr as f64 * d.rate).min(0.9 * pr as f64 * p_rate);
+                        let rate = (dr as f64 * d_rate).min(0.9 * pr as f64 * p_rate);
                         let rho = rate / (pr as f64 * p_rate);
                         let ttft = p_us / 1e3 * (1.0 + rho / (2.0 * (1.0 - rho))) + transfer_ms;
                         let gpus = pr * pl.gpus() + dr * dl.gpus();
@@ -454,10 +452,10 @@ pub fn search(
                             },
                             gpus,
                             ttft_ms: ttft,
-                            itl_ms: d.itl_ms,
-                            tokens_per_s_per_user: 1e3 / d.itl_ms,
+                            itl_ms: d_itl_ms,
+                            tokens_per_s_per_user: 1e3 / d_itl_ms,
                             tokens_per_s_per_gpu: rate * q.osl as f64 / gpus as f64,
-                            meets_sla: sla(ttft, d.itl_ms),
+                            meets_sla: sla(ttft, d_itl_ms),
                         };
                         let better = match &best {
                             None => true,

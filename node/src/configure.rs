@@ -98,7 +98,12 @@ pub fn run(spec: &ConfigureSpec) -> anyhow::Result<String> {
         model.name, spec.gpus, gpu.name, spec.isl, spec.osl, spec.ttft_ms, spec.itl_ms
     );
     let mut written = Vec::new();
-    let plot = report::svg(&outcome, &title);
+    // The plot is drawn only when something will be written.
+    let plot = if spec.svg.is_some() || spec.emit_config.is_some() {
+        report::svg(&outcome, &title)
+    } else {
+        String::new()
+    };
     if let Some(path) = &spec.svg {
         write(path, &plot)?;
         written.push(path.clone());
