@@ -475,27 +475,46 @@ pub struct FrameTimings {
 }
 wire!(FrameTimings = 15);
 
+/// One registration over consecutive blocks of a decode engine's KV pool,
+/// for one request alone (closed once the request no longer waits for it,
+/// so a late write is refused instead of landing in reused blocks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvWindow {
+    /// Remote key, base address (0 unless the provider uses virtual
+    /// addresses) and length in bytes (whole blocks).
+    pub key: u64,
+    pub base: u64,
+    pub len: u64,
+}
+
 /// Where one request's KV blocks are written (one-sided, over libfabric):
-/// a window of a decode worker's landing region registered for this
-/// request alone, closed once the request no longer waits for it.
+/// straight into pool blocks the decode engine reserved for it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KvTransferTarget {
     /// libfabric provider of the decode worker's endpoint (e.g. `tcp;ofi_rxm`).
     pub provider: String,
     /// The endpoint's address (`fi_getname`).
     pub address: Vec<u8>,
-    /// Remote key, base address and length of the window.
-    pub key: u64,
-    pub base: u64,
-    pub len: u64,
-    /// Bytes per block slot.
+    /// Bytes per block.
     pub block_bytes: u64,
-    /// First block slot (within the window) and number of slots to fill.
-    pub first_slot: u32,
-    pub slots: u32,
-    /// Notice the last write carries (remote CQ data): the decode worker's
-    /// own completion queue tells it the blocks have landed.
+    /// Windows over the reserved blocks, in prompt order: the blocks to
+    /// write fill window 0 first (`len / block_bytes` of them), then
+    /// window 1, and so on.
+    pub windows: Vec<KvWindow>,
+    /// The write into window `i` carries the notice `notify + i` (remote CQ
+    /// data): the decode worker's own completion queue tells it the blocks
+    /// have landed.
     pub notify: u64,
+}
+
+impl KvTransferTarget {
+    /// Blocks the windows hold in all.
+    pub fn blocks(&self) -> u64 {
+        match self.block_bytes {
+            0 => 0,
+            bb => self.windows.iter().map(|w| w.len / bb).sum(),
+        }
+    }
 }
 
 /// Decode worker → prefill worker (`Subjects::worker_prefill`, request/reply):
@@ -515,10 +534,13 @@ pub struct PrefillRequest {
     /// Absolute deadline, Unix milliseconds (0 = none).
     pub deadline_unix_ms: u64,
 }
-wire!(PrefillRequest = 80);
+// Kind 80 was the first `PrefillRequest`, whose target was a slot range of
+// a landing region; retired, never reused.
+wire!(PrefillRequest = 83);
 
-/// Prefill worker → decode worker: the blocks now in the target's slots
-/// (slot `first_slot + i` holds `blocks[i]`), or an [`ErrorReply`].
+/// Prefill worker → decode worker: the blocks now in the target's windows
+/// (the `i`-th block of the windows, in order, holds `blocks[i]`), or an
+/// [`ErrorReply`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PrefillReply {
     pub request_id: RequestId,

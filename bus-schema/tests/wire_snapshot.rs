@@ -328,12 +328,19 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                 target: KvTransferTarget {
                     provider: "tcp;ofi_rxm".into(),
                     address: vec![1, 2, 3, 4],
-                    key: 9,
-                    base: 0,
-                    len: 4096,
                     block_bytes: 1024,
-                    first_slot: 2,
-                    slots: 2,
+                    windows: vec![
+                        KvWindow {
+                            key: 9,
+                            base: 0,
+                            len: 2048,
+                        },
+                        KvWindow {
+                            key: 10,
+                            base: 0x7f00_0000_0000,
+                            len: 1024,
+                        },
+                    ],
                     notify: 0x1234,
                 },
                 deadline_unix_ms: 1_700_000_000_000,

@@ -151,7 +151,6 @@ fn worker(
     if role.is_some() {
         writeln!(out, "\n[workers.transfer]")?;
         writeln!(out, "provider = \"tcp;ofi_rxm\"")?;
-        writeln!(out, "landing_blocks = 256")?;
     }
     writeln!(out, "\n[workers.mocker]")?;
     writeln!(out, "block_size = {}", t.block_size)?;

@@ -107,6 +107,11 @@ pub struct Node {
 impl Node {
     /// Starts a node from TOML text.
     pub fn start(config: &str) -> Self {
+        Self::start_with_log(config, "info,async_nats=warn")
+    }
+
+    /// Starts a node whose log keeps what `filter` (`DYNAMO_LOG` syntax) lets through.
+    pub fn start_with_log(config: &str, filter: &str) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let cfg = dir.path().join("node.toml");
         std::fs::write(&cfg, config).expect("write config");
@@ -115,7 +120,7 @@ impl Node {
         let child = Command::new(bin("dynamo-node"))
             .arg("--config")
             .arg(&cfg)
-            .env("DYNAMO_LOG", "info,async_nats=warn")
+            .env("DYNAMO_LOG", filter)
             .env("DYNAMO_STATE_DIR", dir.path())
             .stdout(Stdio::null())
             .stderr(logf)

@@ -283,6 +283,67 @@ async fn mocker_workers_disaggregate_with_buffers_of_the_configured_size() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_land_in_scattered_pool_blocks_through_one_window_per_run() {
+    let nats = Nats::start();
+    let port = free_port();
+    // A decode pool of 16 blocks: after two 7-block requests it is full, and
+    // the blocks reserved next come from the LRU, which hands out a finished
+    // prompt's blocks in reverse order (released tail first), so they are
+    // not consecutive and need a window each.
+    let mocker = |name: &str, role: &str, blocks: u32| {
+        let extra = format!(
+            "[[workers]]\ncount = 1\nrole = \"{role}\"\nengine = \"mocker\"\nmodel = \"{MODEL}\"\n\
+             heartbeat_ms = 500\n\n[workers.mocker]\nspeedup = 0.0\nkv_bytes_per_block = 65536\n\
+             num_blocks = {blocks}\n"
+        );
+        Node::start_with_log(
+            &node_config(name, &nats.url, None, 0, &extra),
+            "info,dynamo_worker=debug,async_nats=warn",
+        )
+    };
+    let _p = mocker("prefill", "prefill", 1024);
+    let d = mocker("decode", "decode", 16);
+    let mut gw = gateway(&nats, port);
+    let http = Http::new(port);
+    http.wait_ready(2, &mut gw).await;
+    for i in 0..5u32 {
+        let prompt: Vec<u32> = (0..100).map(|t| 1000 + i * 1000 + t).collect();
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 12});
+        let r = http.post("/v1/completions", &body).await;
+        assert_eq!(r.status, 200, "{}", r.json);
+        let t = &r.json["timings"];
+        assert_eq!(t["disaggregated"], true, "{t}");
+        assert!(t["fallback"].is_null(), "{t}");
+        // All 6 full blocks came through the pool (the mocker refuses a
+        // block that does not carry its own hash: a misplaced write fails).
+        assert_eq!(
+            r.json["usage"]["prompt_tokens_details"]["cached_tokens"],
+            96
+        );
+        assert_eq!(r.json["choices"][0]["text"], expected_text(&prompt, 12).1);
+    }
+    let log = d.log_text();
+    let windows: Vec<u32> = log
+        .lines()
+        .filter(|l| l.contains("remote prefill done"))
+        .filter_map(|l| {
+            l.split("windows=")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .collect();
+    assert_eq!(windows.len(), 5, "{log}");
+    assert_eq!(windows[0], 1, "a fresh pool gives consecutive blocks");
+    assert!(
+        windows.iter().any(|&w| w > 1),
+        "an evicting pool scatters the blocks: {windows:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn blocks_evicted_to_host_memory_are_announced_and_served_from_there() {
     let nats = Nats::start();
     let port = free_port();

@@ -106,7 +106,9 @@ pub struct RawRouter {
 pub struct RawTransfer {
     /// libfabric provider: `tcp;ofi_rxm` (default) or `shm` (same host only).
     pub provider: Option<String>,
-    /// Block slots in a decode worker's landing region.
+    /// Ignored: blocks now land straight in the decode engine's pool.
+    /// Still accepted (with a warning) so configs written for the old
+    /// landing region keep loading.
     pub landing_blocks: Option<u32>,
     pub write_timeout_ms: Option<u64>,
     pub prefill_timeout_ms: Option<u64>,
@@ -453,7 +455,6 @@ impl NodeConfig {
             let dt = TransferConfig::default();
             let transfer = TransferConfig {
                 provider: t.provider.unwrap_or(dt.provider),
-                landing_blocks: t.landing_blocks.unwrap_or(dt.landing_blocks),
                 write_timeout: ms(t.write_timeout_ms, dt.write_timeout),
                 prefill_timeout: ms(t.prefill_timeout_ms, dt.prefill_timeout),
                 fence_after: t.fence_after.unwrap_or(dt.fence_after),
@@ -478,11 +479,14 @@ impl NodeConfig {
                     return Err(invalid(&key(k), "must be positive"));
                 }
             }
-            if transfer.landing_blocks == 0 || transfer.fence_after == 0 {
-                return Err(invalid(
-                    &key("transfer"),
-                    "landing_blocks and fence_after must be at least 1",
-                ));
+            if transfer.fence_after == 0 {
+                return Err(invalid(&key("transfer.fence_after"), "must be at least 1"));
+            }
+            if t.landing_blocks.is_some() {
+                tracing::warn!(
+                    field = %key("transfer.landing_blocks"),
+                    "ignored: KV blocks are written straight into the decode engine's pool"
+                );
             }
             workers.push(WorkerGroup {
                 count: w.count,
@@ -540,6 +544,9 @@ mod tests {
             "../cluster-config/examples/ha/worker-2.toml",
             "../cluster-config/examples/ha/worker-3.toml",
             "../cluster-config/examples/bench.toml",
+            "../cluster-config/examples/disagg/gateway.toml",
+            "../cluster-config/examples/disagg/prefill.toml",
+            "../cluster-config/examples/disagg/decode.toml",
         ] {
             let p = Path::new(env!("CARGO_MANIFEST_DIR")).join(f);
             NodeConfig::load(&p).unwrap_or_else(|e| panic!("{f}: {e}"));
@@ -582,5 +589,22 @@ mod tests {
             .to_string();
         assert!(e.contains("namespace"), "{e}");
         assert!(parse(&format!("{base}bogus = 1\n")).is_err());
+        let e = parse(&format!(
+            "{base}[[workers]]\nengine = \"cpu\"\nrole = \"decode\"\n[workers.transfer]\nfence_after = 0\n"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("workers[0].transfer.fence_after"), "{e}");
+    }
+
+    #[test]
+    fn the_retired_landing_region_size_still_loads() {
+        let c = parse(
+            "node_id = \"a\"\n[nats]\nurl = \"embedded\"\n[[workers]]\nengine = \"cpu\"\n\
+             role = \"decode\"\n[workers.transfer]\nlanding_blocks = 256\n",
+        )
+        .unwrap();
+        assert_eq!(c.workers[0].role, WorkerRole::Decode);
+        assert_eq!(c.workers[0].transfer, TransferConfig::default());
     }
 }

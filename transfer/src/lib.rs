@@ -349,6 +349,30 @@ impl Agent {
         })
     }
 
+    /// Registers `len` bytes of memory owned elsewhere (an engine's KV
+    /// pool) as a window of its own, as [`Self::window`] does for part of a
+    /// region: peers write there only while the window lives.
+    ///
+    /// # Safety
+    /// The `len` bytes at `ptr` must stay allocated until the window is
+    /// dropped, and nothing may read or write them while a peer can.
+    pub unsafe fn window_at(&mut self, ptr: *mut u8, len: usize) -> Result<Window, FabricError> {
+        if len == 0 || ptr.is_null() {
+            return Err(FabricError::OutOfRange {
+                offset: ptr as u64,
+                len: len as u64,
+                size: 0,
+            });
+        }
+        // SAFETY: per this function's contract.
+        let (mr, remote) = unsafe { self.register_raw(ptr, len)? };
+        Ok(Window {
+            _owner: self.inner.clone(),
+            mr,
+            remote,
+        })
+    }
+
     /// Registers `len` bytes at `ptr` for local and remote access under a
     /// fresh key (binding it to the endpoint where the provider asks).
     ///

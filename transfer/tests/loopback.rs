@@ -174,6 +174,54 @@ fn shm_closed_windows_refuse_late_writes() {
     closed_windows_refuse_late_writes("shm");
 }
 
+/// A window over memory the agent does not own (an engine's KV pool)
+/// takes writes, with their notice, only while it lives.
+fn foreign_memory_windows(provider: &str) {
+    let mut pool = vec![0u8; 3 * 4096];
+    let mut target = Agent::new(provider).expect("provider available");
+    // SAFETY: `pool` outlives the window and is not touched while it lives.
+    let window = unsafe { target.window_at(pool.as_mut_ptr().add(4096), 4096).unwrap() };
+    let remote = window.remote();
+    let (progress, _spin, mut init, peer) = connect(provider, target);
+    let mut src = init.register(4096).unwrap();
+    src.bytes_mut().fill(6);
+    let op = |notify| WriteOp {
+        local: &src,
+        offset: 0,
+        len: 4096,
+        peer,
+        remote: &remote,
+        remote_offset: 0,
+        notify,
+    };
+    init.write(op(Some(5)), Duration::from_secs(10)).unwrap();
+    let t0 = std::time::Instant::now();
+    while !progress.take_notice(5) {
+        assert!(t0.elapsed() < Duration::from_secs(5), "notice never came");
+        std::thread::yield_now();
+    }
+    drop(window);
+    assert!(init.write(op(None), Duration::from_secs(2)).is_err());
+    drop(progress);
+    assert!(pool[..4096].iter().all(|b| *b == 0));
+    assert!(pool[4096..8192].iter().all(|b| *b == 6));
+    assert!(pool[8192..].iter().all(|b| *b == 0));
+    // SAFETY: a null or empty span is refused before anything is registered.
+    let mut a = Agent::new(provider).unwrap();
+    assert!(unsafe { a.window_at(std::ptr::null_mut(), 4096) }.is_err());
+    assert!(unsafe { a.window_at(pool.as_mut_ptr(), 0) }.is_err());
+}
+
+#[test]
+fn tcp_rxm_foreign_memory_windows() {
+    foreign_memory_windows("tcp;ofi_rxm");
+}
+
+#[test]
+fn shm_foreign_memory_windows() {
+    foreign_memory_windows("shm");
+}
+
 #[test]
 fn unknown_provider_is_a_clear_error() {
     assert!(matches!(

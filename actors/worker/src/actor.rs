@@ -119,13 +119,8 @@ impl Actor for WorkerActor {
 
         let role = args.config.role;
         let transfer = if role == WorkerRole::Prefill || role == WorkerRole::Decode {
-            let t = KvTransfer::open(
-                id,
-                args.config.transfer.clone(),
-                role,
-                engine.kv_block_bytes(),
-            )
-            .map_err(|e| format!("KV transfer endpoint: {e}"))?;
+            let t = KvTransfer::open(id, args.config.transfer.clone(), engine.kv_block_bytes())
+                .map_err(|e| format!("KV transfer endpoint: {e}"))?;
             Some(Arc::new(t))
         } else {
             None
@@ -575,7 +570,7 @@ impl RemotePrefillPipe {
         if let Ok(mut o) = self.outcome.lock() {
             match remote {
                 Ok(done) => {
-                    tracing::debug!(request = %id, prefill_worker = %done.reply.worker_id, blocks = done.imported, "remote prefill done");
+                    tracing::debug!(request = %id, prefill_worker = %done.reply.worker_id, blocks = done.imported, windows = done.windows, "remote prefill done");
                     o.remote = Some(done.reply);
                 }
                 Err(why) => {

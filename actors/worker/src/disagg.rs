@@ -1,36 +1,41 @@
 //! Disaggregated serving on a worker: a prefill worker computes a prompt's
-//! KV and writes its blocks, one-sided over libfabric, straight into a
-//! registered landing region of the decode worker, which imports them into
-//! its engine's prefix cache and generates.
+//! KV and writes its blocks, one-sided over libfabric, straight into pool
+//! blocks the decode worker's engine reserved for them; the decode engine
+//! then caches them as if it had computed them, and generates.
 //!
 //! Invariants:
-//! - a decode worker reserves consecutive landing slots before it asks for
-//!   a prefill and frees them only after it has copied them out, so two
-//!   requests never share a slot; the prefill worker writes through a
-//!   window registered for that request alone, closed before the slots are
-//!   freed, so a write that arrives late (after a timeout or a cancel) is
-//!   refused instead of landing in someone else's slots;
-//! - it accepts only blocks whose hashes are its own prompt's, in order,
-//!   and only once its own completion queue has the write's notice (remote
-//!   CQ data): the data is in place, whatever the bus says;
+//! - a decode worker reserves the blocks in its engine before it asks for
+//!   a prefill; the engine neither computes with, hands out nor evicts a
+//!   reserved block, so nothing else touches the bytes a peer writes;
+//! - the prefill worker writes through windows registered for this request
+//!   alone (one per run of consecutive blocks), closed before the blocks
+//!   are committed or released, so a write that arrives late (after a
+//!   timeout or a cancel) is refused instead of landing in reused blocks;
+//! - it commits only blocks whose hashes are its own prompt's, in order,
+//!   and only once its own completion queue has every written window's
+//!   notice (remote CQ data): the data is in place, whatever the bus says;
 //! - every failure (prefill worker gone or slow, transfer timeout, bad
-//!   reply, no free slots, fenced peer) is returned as a reason: the caller
-//!   prefills locally and reports the reason; nothing waits past
+//!   reply, no blocks to spare, fenced peer) is returned as a reason: the
+//!   caller prefills locally and reports the reason; nothing waits past
 //!   `prefill_timeout`, and a write never waits past `write_timeout`;
 //! - a prefill worker that fails `fence_after` times in a row is skipped
 //!   for `fence_for`.
 
 use dynamo_bus_schema::blocks::{sequence_hashes, SequenceHash};
+use dynamo_bus_schema::KvWindow;
 use dynamo_bus_schema::{
     decode, unix_ms, CancelReason, CancelRequest, ErrorKind, ErrorReply, FinishReason,
     GenerateDisagg, GenerateRequest, KvTransferTarget, ModelCard, PrefillReply, PrefillRequest,
-    RequestId, SamplingParams, TransferStarting, WireError, WorkerId, WorkerRole,
+    RequestId, SamplingParams, TransferStarting, WireError, WorkerId,
 };
-use dynamo_engine::{Engine, EngineEvent, EngineLimits, KvBlockData, ValidRequest};
+use dynamo_engine::{
+    Engine, EngineEvent, EngineLimits, KvArena, KvBlockData, ReservationId, ValidRequest,
+};
 use dynamo_runtime::{counters, Bus};
-use dynamo_transfer::{Agent, FabricError, Peer, Progress, Region, RemoteRegion, WriteOp};
+use dynamo_transfer::{Agent, FabricError, Peer, Progress, Region, RemoteRegion, Window, WriteOp};
 use futures::StreamExt;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -44,8 +49,6 @@ const NOTICE_GRACE: Duration = Duration::from_secs(2);
 pub struct TransferConfig {
     /// libfabric provider: `tcp;ofi_rxm` (default, any host) or `shm` (same host).
     pub provider: String,
-    /// Block slots in a decode worker's landing region.
-    pub landing_blocks: u32,
     /// Longest one write of a request's blocks may take before it fails.
     pub write_timeout: Duration,
     /// Longest a decode worker waits for a remote prefill (compute and
@@ -61,7 +64,6 @@ impl Default for TransferConfig {
     fn default() -> Self {
         TransferConfig {
             provider: "tcp;ofi_rxm".into(),
-            landing_blocks: 256,
             write_timeout: Duration::from_secs(5),
             prefill_timeout: Duration::from_secs(60),
             fence_after: 2,
@@ -70,44 +72,40 @@ impl Default for TransferConfig {
     }
 }
 
-struct Landing {
-    region: Mutex<Region>,
-    used: Mutex<Vec<bool>>,
+/// Pool blocks reserved in the decode engine for one remote prefill, and
+/// the windows the prefill worker writes them through. Dropped without a
+/// commit, it closes the windows first and then frees the blocks, so a
+/// late write can never land in blocks handed to someone else.
+struct PoolLease {
+    windows: Vec<Window>,
+    /// Blocks per window, in order.
+    sizes: Vec<usize>,
+    engine: Arc<dyn Engine>,
+    /// `None` once committed.
+    id: Option<ReservationId>,
+    /// Keeps the pool memory mapped while a window is open over it.
+    _arena: Arc<KvArena>,
 }
 
-/// Consecutive landing slots reserved for one request.
-struct Lease<'a> {
-    landing: &'a Landing,
-    first: usize,
-    n: usize,
-}
-
-impl Drop for Lease<'_> {
+impl Drop for PoolLease {
     fn drop(&mut self) {
-        if let Ok(mut used) = self.landing.used.lock() {
-            used[self.first..self.first + self.n].fill(false);
+        self.windows.clear();
+        if let Some(id) = self.id.take() {
+            self.engine.release_blocks(id);
         }
     }
 }
 
-impl Landing {
-    fn lease(&self, n: usize) -> Option<Lease<'_>> {
-        let mut used = self.used.lock().ok()?;
-        let mut run = 0;
-        for i in 0..used.len() {
-            run = if used[i] { 0 } else { run + 1 };
-            if run == n {
-                let first = i + 1 - n;
-                used[first..=i].fill(true);
-                return Some(Lease {
-                    landing: self,
-                    first,
-                    n,
-                });
-            }
+/// Runs of consecutive block indices: `(first, count)`, in order.
+fn runs(blocks: &[u32]) -> Vec<(u32, usize)> {
+    let mut out: Vec<(u32, usize)> = Vec::new();
+    for &b in blocks {
+        match out.last_mut() {
+            Some((first, n)) if *first as u64 + *n as u64 == b as u64 => *n += 1,
+            _ => out.push((b, 1)),
         }
-        None
     }
+    out
 }
 
 /// Removes a key from a map when dropped.
@@ -133,7 +131,8 @@ pub struct KvTransfer {
     progress: Progress,
     address: Vec<u8>,
     block_bytes: usize,
-    landing: Option<Landing>,
+    /// Base of the next request's notices (each window takes one).
+    next_notice: AtomicU64,
     peers: Mutex<HashMap<Vec<u8>, Peer>>,
     fences: Mutex<HashMap<WorkerId, Fence>>,
     /// Source regions of writes that failed or timed out: the provider may
@@ -148,27 +147,18 @@ pub struct KvTransfer {
 pub struct RemoteDone {
     pub reply: PrefillReply,
     pub imported: usize,
+    /// Windows the blocks were written through (runs of consecutive pool blocks).
+    pub windows: usize,
 }
 
 impl KvTransfer {
-    /// Opens the endpoint (and, for a decode worker, registers its landing region).
+    /// Opens the endpoint of a prefill or decode worker.
     pub fn open(
         worker_id: WorkerId,
         cfg: TransferConfig,
-        role: WorkerRole,
         block_bytes: usize,
     ) -> Result<Self, FabricError> {
-        let mut agent = Agent::new(&cfg.provider)?;
-        let landing = if role == WorkerRole::Decode {
-            let n = cfg.landing_blocks as usize;
-            let region = agent.register(n * block_bytes)?;
-            Some(Landing {
-                region: Mutex::new(region),
-                used: Mutex::new(vec![false; n]),
-            })
-        } else {
-            None
-        };
+        let agent = Agent::new(&cfg.provider)?;
         let address = agent.address()?;
         let progress =
             Progress::spawn(agent).map_err(|e| FabricError::Completion(e.to_string()))?;
@@ -178,7 +168,7 @@ impl KvTransfer {
             progress,
             address,
             block_bytes,
-            landing,
+            next_notice: AtomicU64::new(1),
             peers: Mutex::new(HashMap::new()),
             fences: Mutex::new(HashMap::new()),
             graveyard: Mutex::new(Vec::new()),
@@ -242,41 +232,30 @@ impl KvTransfer {
                 left.as_secs()
             ));
         }
-        let landing = self
-            .landing
-            .as_ref()
-            .ok_or("this worker has no landing region (it is not a decode worker)")?;
         let hashes = sequence_hashes(&req.token_ids, card.block_size as usize, card.hash_salt);
         let skip = (plan.cached_blocks as usize).min(hashes.len());
         let n = hashes.len() - skip;
         if n == 0 {
             return Err("no uncached full block to transfer".into());
         }
-        let lease = landing
-            .lease(n)
-            .ok_or_else(|| format!("no {n} free consecutive landing slots"))?;
-        // The prefill worker writes through a window of its own over these
-        // slots; it is closed (dropped, before the lease) whatever happens,
-        // so a late write can never land in slots leased to someone else.
-        let window = {
-            let mut region = landing
-                .region
-                .lock()
-                .map_err(|_| "landing region lock poisoned")?;
-            let mut agent = self.progress.agent();
-            // SAFETY: the landing region lives as long as this endpoint,
-            // and the window is dropped within this call.
-            unsafe {
-                agent.window(
-                    &mut region,
-                    lease.first * self.block_bytes,
-                    n * self.block_bytes,
-                )
-            }
-            .map_err(|e| format!("cannot open a landing window: {e}"))?
-        };
-        let remote = window.remote();
-        let notify = req.request_id.0 as u64 ^ ((lease.first as u64) << 48);
+        let mut lease = self.lease(engine, n).await?;
+        let notify = self
+            .next_notice
+            .fetch_add(lease.windows.len() as u64, Ordering::Relaxed);
+        let windows = lease
+            .windows
+            .iter()
+            .zip(&lease.sizes)
+            .map(|(w, &blocks)| {
+                let r = w.remote();
+                debug_assert_eq!(r.len, (blocks * self.block_bytes) as u64);
+                KvWindow {
+                    key: r.key,
+                    base: r.base,
+                    len: r.len,
+                }
+            })
+            .collect();
         let (start_tx, mut start_rx) = tokio::sync::oneshot::channel();
         if let Ok(mut s) = self.starting.lock() {
             s.insert(req.request_id, start_tx);
@@ -293,12 +272,8 @@ impl KvTransfer {
             target: KvTransferTarget {
                 provider: self.cfg.provider.clone(),
                 address: self.address.clone(),
-                key: remote.key,
-                base: remote.base,
-                len: remote.len,
                 block_bytes: self.block_bytes as u64,
-                first_slot: 0,
-                slots: n as u32,
+                windows,
                 notify,
             },
             deadline_unix_ms: unix_ms() + self.cfg.prefill_timeout.as_millis() as u64,
@@ -337,50 +312,86 @@ impl KvTransfer {
                 "prefill worker {peer} named blocks that are not this prompt's"
             ));
         }
-        if !reply.blocks.is_empty() && !self.wait_notice(notify).await {
-            self.record(peer, false);
-            return Err(format!(
-                "prefill worker {peer} replied but its writes never landed here (no notice)"
-            ));
+        // The windows the written blocks fill, each with its own notice.
+        let mut written = 0;
+        for (i, &size) in lease.sizes.iter().enumerate() {
+            if written >= reply.blocks.len() {
+                break;
+            }
+            written += size;
+            if !self.wait_notice(notify + i as u64).await {
+                self.record(peer, false);
+                return Err(format!(
+                    "prefill worker {peer} replied but its writes never landed here (no notice)"
+                ));
+            }
         }
-        let bb = self.block_bytes;
-        let blocks: Vec<KvBlockData> = {
-            let region = landing
-                .region
-                .lock()
-                .map_err(|_| "landing region lock poisoned")?;
-            let bytes = region.bytes();
-            reply
-                .blocks
-                .iter()
-                .enumerate()
-                .map(|(i, &hash)| {
-                    let at = (lease.first + i) * bb;
-                    KvBlockData {
-                        hash,
-                        parent: if i == 0 {
-                            parent
-                        } else {
-                            Some(reply.blocks[i - 1])
-                        },
-                        bytes: bytes[at..at + bb].to_vec(),
-                    }
-                })
-                .collect()
-        };
-        drop(window);
-        drop(lease);
+        // No peer can write the blocks once their windows are closed.
+        lease.windows.clear();
+        let id = lease.id.take().ok_or("reservation already used")?;
         let imported = engine
-            .import_blocks(blocks)
+            .commit_blocks(id, parent, reply.blocks.clone())
             .map_err(|e| e.to_string())?
             .await
-            .map_err(|_| "engine stopped during import".to_string())?
+            .map_err(|_| "engine stopped during the commit".to_string())?
             .map_err(|e| {
                 self.record(peer, false);
-                format!("importing blocks from {peer}: {e}")
+                format!("storing the blocks from {peer}: {e}")
             })?;
         self.record(peer, true);
-        Ok(RemoteDone { reply, imported })
+        Ok(RemoteDone {
+            reply,
+            imported,
+            windows: lease.sizes.len(),
+        })
+    }
+
+    /// Reserves `n` blocks in the engine's pool and opens a window over
+    /// each run of consecutive ones.
+    async fn lease(&self, engine: &Arc<dyn Engine>, n: usize) -> Result<PoolLease, String> {
+        let arena = engine.kv_arena();
+        if arena.block_bytes() != self.block_bytes {
+            return Err(format!(
+                "the engine's pool blocks are {} bytes, transfers move {}",
+                arena.block_bytes(),
+                self.block_bytes
+            ));
+        }
+        let reservation = engine
+            .reserve_blocks(n)
+            .map_err(|e| e.to_string())?
+            .await
+            .map_err(|_| "engine stopped during the reservation".to_string())?
+            .map_err(|e| format!("cannot reserve {n} KV blocks for the transfer: {e}"))?;
+        let mut lease = PoolLease {
+            windows: Vec::new(),
+            sizes: Vec::new(),
+            engine: engine.clone(),
+            id: Some(reservation.id),
+            _arena: arena.clone(),
+        };
+        let mut agent = self.progress.agent();
+        for (first, count) in runs(&reservation.blocks) {
+            let range = arena
+                .block_range(first as usize)
+                .ok_or_else(|| format!("the engine reserved block {first}, outside its pool"))?;
+            if first as usize + count > arena.blocks() {
+                return Err(format!(
+                    "the engine reserved blocks past its pool ({first}+{count})"
+                ));
+            }
+            // SAFETY: the blocks are inside the arena, which the lease keeps
+            // mapped; they are reserved, so the engine does not touch them
+            // until the lease commits or releases them, after closing this
+            // window.
+            let window = unsafe {
+                agent.window_at(arena.as_ptr().add(range.start), count * self.block_bytes)
+            }
+            .map_err(|e| format!("cannot open a window over the pool: {e}"))?;
+            lease.windows.push(window);
+            lease.sizes.push(count);
+        }
+        Ok(lease)
     }
 
     /// Waits (briefly: the notice is read by the spinning progress thread
@@ -399,8 +410,9 @@ impl KvTransfer {
         }
     }
 
-    /// Prefill side: writes `blocks` into the target's slots and waits for
-    /// the completion (blocking; run it off the async executor).
+    /// Prefill side: writes `blocks` into the target's windows, in order
+    /// (one write per window, carrying its notice), and waits for the
+    /// completions (blocking; run it off the async executor).
     fn write_blocks(
         &self,
         target: &KvTransferTarget,
@@ -428,23 +440,44 @@ impl KvTransfer {
         for (i, b) in blocks.iter().enumerate() {
             src.bytes_mut()[i * bb..(i + 1) * bb].copy_from_slice(&b.bytes);
         }
-        let remote = RemoteRegion {
-            key: target.key,
-            base: target.base,
-            len: target.len,
-        };
-        let res = agent.write(
-            WriteOp {
+        // Window i takes the next `len / block_bytes` blocks.
+        let mut plan = Vec::new();
+        let mut next = 0;
+        for (i, w) in target.windows.iter().enumerate() {
+            if next == blocks.len() {
+                break;
+            }
+            let k = (w.len as usize / bb).min(blocks.len() - next);
+            let remote = RemoteRegion {
+                key: w.key,
+                base: w.base,
+                len: w.len,
+            };
+            plan.push((next, k, remote, target.notify.wrapping_add(i as u64)));
+            next += k;
+        }
+        let ops: Vec<WriteOp> = plan
+            .iter()
+            .map(|(first, k, remote, notice)| WriteOp {
                 local: &src,
-                offset: 0,
-                len: total,
+                offset: first * bb,
+                len: k * bb,
                 peer,
-                remote: &remote,
-                remote_offset: target.first_slot as u64 * bb as u64,
-                notify: Some(target.notify),
-            },
-            self.cfg.write_timeout,
-        );
+                remote,
+                remote_offset: 0,
+                notify: Some(*notice),
+            })
+            .collect();
+        let res = if next < blocks.len() {
+            Err(FabricError::OutOfRange {
+                offset: 0,
+                len: total as u64,
+                size: (next * bb) as u64,
+            })
+        } else {
+            agent.write_all(&ops, self.cfg.write_timeout)
+        };
+        drop(ops);
         if res.is_err() {
             match self.graveyard.lock() {
                 Ok(mut g) => g.push(src),
@@ -531,6 +564,15 @@ impl PrefillServer {
                 t.block_bytes, self.transfer.block_bytes
             )));
         }
+        if t.windows.is_empty()
+            || t.windows
+                .iter()
+                .any(|w| w.len == 0 || w.len % self.transfer.block_bytes as u64 != 0)
+        {
+            return Err(invalid(
+                "target windows must be non-empty and hold whole blocks".into(),
+            ));
+        }
         if t.provider != self.transfer.cfg.provider {
             return Err(invalid(format!(
                 "target speaks {:?}, this worker {:?}",
@@ -604,7 +646,7 @@ impl PrefillServer {
         let blocks: Vec<KvBlockData> = exported
             .into_iter()
             .skip(skip)
-            .take(t.slots as usize)
+            .take(t.blocks() as usize)
             .collect();
         let t_tx = Instant::now();
         if !blocks.is_empty() {
@@ -646,37 +688,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn landing_slots_are_leased_consecutively_and_freed_on_drop() {
-        let t = KvTransfer::open(
-            WorkerId(1),
-            TransferConfig {
-                landing_blocks: 4,
-                ..TransferConfig::default()
-            },
-            WorkerRole::Decode,
-            64,
-        )
-        .expect("tcp;ofi_rxm endpoint");
-        let l = t.landing.as_ref().unwrap();
-        let a = l.lease(2).unwrap();
-        let b = l.lease(2).unwrap();
-        assert_eq!((a.first, b.first), (0, 2));
-        assert!(l.lease(1).is_none());
-        drop(a);
-        assert!(l.lease(3).is_none());
-        let c = l.lease(2).unwrap();
-        assert_eq!(c.first, 0);
+    fn reserved_blocks_split_into_runs_of_consecutive_indices() {
+        assert_eq!(runs(&[]), vec![]);
+        assert_eq!(runs(&[4]), vec![(4, 1)]);
+        assert_eq!(
+            runs(&[0, 1, 2, 7, 8, 3, 9]),
+            vec![(0, 3), (7, 2), (3, 1), (9, 1)]
+        );
+        assert_eq!(runs(&[5, 4]), vec![(5, 1), (4, 1)]);
+        assert_eq!(runs(&[u32::MAX, 0]), vec![(u32::MAX, 1), (0, 1)]);
     }
 
     #[test]
     fn repeated_failures_fence_a_peer_and_success_clears_it() {
-        let t = KvTransfer::open(
-            WorkerId(1),
-            TransferConfig::default(),
-            WorkerRole::Prefill,
-            64,
-        )
-        .expect("tcp;ofi_rxm endpoint");
+        let t = KvTransfer::open(WorkerId(1), TransferConfig::default(), 64)
+            .expect("tcp;ofi_rxm endpoint");
         let w = WorkerId(9);
         t.record(w, false);
         assert!(t.fenced(w).is_none());

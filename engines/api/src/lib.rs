@@ -15,8 +15,12 @@ use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::{
     ErrorKind, FinishReason, GenerateRequest, LoadMetrics, RequestId, SamplingParams, WireError,
 };
+use std::sync::Arc;
 use thiserror::Error;
 use tokio::sync::mpsc;
+
+mod arena;
+pub use arena::{ArenaError, KvArena};
 
 /// Limits a request is checked against (from the model card).
 #[derive(Clone, Copy, Debug)]
@@ -257,6 +261,20 @@ pub struct KvSnapshot {
     pub offloaded: Vec<(KvTier, Vec<SequenceHash>)>,
 }
 
+/// Names pool blocks an engine reserved for a peer to write.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ReservationId(pub u64);
+
+/// Pool blocks reserved for a peer to write straight into ([`KvArena`]
+/// blocks, in the order the peer fills them). Until the reservation is
+/// committed or released, the engine neither computes with these blocks,
+/// nor hands them out, nor evicts them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reservation {
+    pub id: ReservationId,
+    pub blocks: Vec<u32>,
+}
+
 /// Sends an engine a command carrying a reply channel: the receiver of the
 /// answer, or [`EngineError::Stopped`] when `send` finds the engine gone.
 pub fn ask<T>(
@@ -299,6 +317,30 @@ pub trait Engine: Send + Sync + 'static {
         &self,
         blocks: Vec<KvBlockData>,
     ) -> Result<tokio::sync::oneshot::Receiver<Result<usize, EngineError>>, EngineError>;
+    /// The memory the engine's KV pool lives in (block `b` of the pool is
+    /// block `b` of the arena), for peers to write reserved blocks.
+    fn kv_arena(&self) -> Arc<KvArena>;
+    /// Reserves `n` pool blocks for a peer to write (evicting cached blocks,
+    /// offloaded first, as a step would); fails with
+    /// [`EngineError::Overloaded`] when the pool cannot spare them.
+    fn reserve_blocks(
+        &self,
+        n: usize,
+    ) -> Result<tokio::sync::oneshot::Receiver<Result<Reservation, EngineError>>, EngineError>;
+    /// The peer's writes have landed: the first `hashes.len()` reserved
+    /// blocks now hold `hashes` (a chain after `parent`) and join the prefix
+    /// cache, exactly as [`Engine::import_blocks`] would store them; the
+    /// rest are freed. Answers how many were stored. Commit only once no
+    /// peer can write the blocks any more (their registration is closed).
+    fn commit_blocks(
+        &self,
+        id: ReservationId,
+        parent: Option<SequenceHash>,
+        hashes: Vec<SequenceHash>,
+    ) -> Result<tokio::sync::oneshot::Receiver<Result<usize, EngineError>>, EngineError>;
+    /// Frees a reservation without storing anything (unknown ids are
+    /// ignored). Release only once no peer can write the blocks any more.
+    fn release_blocks(&self, id: ReservationId);
 }
 
 #[cfg(test)]

@@ -9,9 +9,11 @@
 //!   stop tokens and `max_tokens`.
 
 //! - [`offload`]: host-memory and disk tiers under the pool.
+//! - [`reserve`]: pool blocks reserved for a peer's one-sided writes.
 
 pub mod block_pool;
 pub mod offload;
+pub mod reserve;
 pub mod scheduler;
 
 pub use block_pool::{BlockIdx, BlockPool, Evicted};

@@ -25,8 +25,8 @@ use crate::offload::{OffloadStats, TierStore};
 use dynamo_bus_schema::blocks::{chain, local_block_hash, sequence_hashes, SequenceHash};
 use dynamo_bus_schema::{FinishReason, LoadMetrics, RequestId};
 use dynamo_engine::{
-    EngineError, EngineEvent, KvBlockData, KvCacheEvent, KvSnapshot, KvTier, ValidRequest,
-    ValidSampling,
+    EngineError, EngineEvent, KvBlockData, KvCacheEvent, KvSnapshot, KvTier, ReservationId,
+    ValidRequest, ValidSampling,
 };
 
 /// An engine's KV storage as the offload tiers see it: whole blocks as bytes.
@@ -108,6 +108,9 @@ pub struct Scheduler {
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
     tiers: Option<TierStore>,
+    /// Blocks reserved for peers' writes (see [`crate::reserve`]).
+    pub(crate) reserved: HashMap<ReservationId, Vec<BlockIdx>>,
+    pub(crate) next_reservation: u64,
 }
 
 impl Scheduler {
@@ -123,6 +126,8 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             tiers: None,
+            reserved: HashMap::new(),
+            next_reservation: 1,
         }
     }
 
@@ -215,6 +220,10 @@ impl Scheduler {
 
     pub fn pool(&self) -> &BlockPool {
         &self.pool
+    }
+
+    pub(crate) fn pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
     }
 
     /// Queues a request.

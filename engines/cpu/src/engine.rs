@@ -20,7 +20,8 @@ use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::{FinishReason, LoadMetrics, RequestId};
 pub use dynamo_engine::KvBlockData;
 use dynamo_engine::{
-    Engine, EngineError, EngineEvent, KvCacheEvent, KvSnapshot, ResponseStream, ValidRequest,
+    Engine, EngineError, EngineEvent, KvArena, KvCacheEvent, KvSnapshot, Reservation,
+    ReservationId, ResponseStream, ValidRequest,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -154,6 +155,8 @@ pub enum StartError {
     Config(#[from] CpuConfigError),
     #[error("cannot start engine threads: {0}")]
     Threads(String),
+    #[error("cannot reserve the KV pool: {0}")]
+    Memory(#[from] dynamo_engine::ArenaError),
 }
 
 enum Cmd {
@@ -166,6 +169,14 @@ enum Cmd {
         oneshot::Sender<Result<usize, EngineError>>,
     ),
     Stats(oneshot::Sender<CpuStats>),
+    Reserve(usize, oneshot::Sender<Result<Reservation, EngineError>>),
+    Commit(
+        ReservationId,
+        Option<SequenceHash>,
+        Vec<SequenceHash>,
+        oneshot::Sender<Result<usize, EngineError>>,
+    ),
+    Release(ReservationId),
 }
 
 pub struct CpuEngine {
@@ -173,6 +184,7 @@ pub struct CpuEngine {
     load: Arc<Mutex<LoadMetrics>>,
     kv_rx: Mutex<Option<mpsc::UnboundedReceiver<KvCacheEvent>>>,
     block_bytes: usize,
+    arena: Arc<KvArena>,
 }
 
 impl CpuEngine {
@@ -209,8 +221,9 @@ impl CpuEngine {
             cfg.num_blocks as usize,
             info.block_size as usize,
             c.kv_dim(),
-        );
+        )?;
         let block_bytes = kv.block_bytes();
+        let arena = kv.arena();
         let mut driver = Driver {
             model,
             pool,
@@ -231,6 +244,7 @@ impl CpuEngine {
             load,
             kv_rx: Mutex::new(cfg.emit_kv_events.then_some(kv_rx)),
             block_bytes,
+            arena,
         })
     }
 
@@ -278,6 +292,27 @@ impl Engine for CpuEngine {
         blocks: Vec<KvBlockData>,
     ) -> Result<oneshot::Receiver<Result<usize, EngineError>>, EngineError> {
         dynamo_engine::ask(|tx| self.tx.send(Cmd::Import(blocks, tx)).is_ok())
+    }
+    fn kv_arena(&self) -> Arc<KvArena> {
+        self.arena.clone()
+    }
+    fn reserve_blocks(
+        &self,
+        n: usize,
+    ) -> Result<oneshot::Receiver<Result<Reservation, EngineError>>, EngineError> {
+        dynamo_engine::ask(|tx| self.tx.send(Cmd::Reserve(n, tx)).is_ok())
+    }
+    fn commit_blocks(
+        &self,
+        id: ReservationId,
+        parent: Option<SequenceHash>,
+        hashes: Vec<SequenceHash>,
+    ) -> Result<oneshot::Receiver<Result<usize, EngineError>>, EngineError> {
+        dynamo_engine::ask(|tx| self.tx.send(Cmd::Commit(id, parent, hashes, tx)).is_ok())
+    }
+    fn release_blocks(&self, id: ReservationId) {
+        // A stopped engine holds no reservation any more.
+        let _ = self.tx.send(Cmd::Release(id));
     }
 }
 
@@ -406,6 +441,21 @@ impl Driver {
                     computed_tokens: self.computed_tokens,
                     offload: self.sched.offload_stats(),
                 });
+            }
+            Cmd::Reserve(n, tx) => {
+                let r = self.sched.reserve(n, &mut self.kv);
+                self.flush_kv_events();
+                self.publish();
+                let _ = tx.send(r);
+            }
+            Cmd::Commit(id, parent, hashes, tx) => {
+                let r = self.sched.commit_reserved(id, parent, &hashes);
+                self.flush_kv_events();
+                self.publish();
+                let _ = tx.send(r);
+            }
+            Cmd::Release(id) => {
+                self.sched.release_reserved(id);
             }
         }
         self.publish();

@@ -1,14 +1,23 @@
-//! The paged KV store: for every layer, K and V rows of `kv_dim` floats in
-//! slots; block `b` owns slots `b·block_size .. (b+1)·block_size`. Which
+//! The paged KV store: for every block, layer by layer, `block_size` K rows
+//! then `block_size` V rows of `kv_dim` floats, in one [`KvArena`]. Which
 //! block holds what is decided by the shared `dynamo_batcher` pool; this
 //! only holds the numbers.
 //!
-//! Invariants: memory is allocated zeroed and lazily touched, so resident
-//! memory grows with the blocks actually used; an exported block is
-//! `layers × (K, V) × block_size × kv_dim` little-endian f32s, and
-//! importing it back restores the block exactly.
+//! Invariants: a block is one contiguous run of the arena (so a peer can
+//! write a whole block with one one-sided write, straight into the pool),
+//! laid out exactly as [`KvCache::export_block`] returns it:
+//! `layers × (K, V) × block_size × kv_dim` little-endian f32s; importing it
+//! back restores the block exactly. Memory is reserved, not committed, so
+//! resident memory grows with the blocks actually used. Rows are read and
+//! written through raw pointers one at a time, never through a reference
+//! over the arena: a block reserved for a peer is never touched here.
 
+use dynamo_engine::{ArenaError, KvArena};
+use std::sync::Arc;
 use thiserror::Error;
+
+// The arena holds native f32s and blocks travel as little-endian bytes.
+const _: () = assert!(cfg!(target_endian = "little"));
 
 #[derive(Debug, Error, PartialEq)]
 pub enum KvError {
@@ -23,22 +32,24 @@ pub struct KvCache {
     blocks: usize,
     block_size: usize,
     kv_dim: usize,
-    /// `[layer][slot][kv_dim]`
-    k: Vec<f32>,
-    v: Vec<f32>,
+    arena: Arc<KvArena>,
 }
 
 impl KvCache {
-    pub fn new(layers: usize, blocks: usize, block_size: usize, kv_dim: usize) -> Self {
-        let n = layers * blocks * block_size * kv_dim;
-        KvCache {
+    pub fn new(
+        layers: usize,
+        blocks: usize,
+        block_size: usize,
+        kv_dim: usize,
+    ) -> Result<Self, ArenaError> {
+        let block_bytes = layers * 2 * block_size * kv_dim * 4;
+        Ok(KvCache {
             layers,
             blocks,
             block_size,
             kv_dim,
-            k: vec![0.0; n],
-            v: vec![0.0; n],
-        }
+            arena: Arc::new(KvArena::new(blocks, block_bytes)?),
+        })
     }
 
     pub fn block_size(&self) -> usize {
@@ -47,30 +58,60 @@ impl KvCache {
 
     /// Bytes of one block across all layers (K and V).
     pub fn block_bytes(&self) -> usize {
-        self.layers * 2 * self.block_size * self.kv_dim * 4
+        self.arena.block_bytes()
+    }
+
+    /// The memory the blocks live in (for peers to write reserved blocks).
+    pub fn arena(&self) -> Arc<KvArena> {
+        self.arena.clone()
+    }
+
+    /// Offset, in floats, of the K row of `slot` in `layer` (its V row is
+    /// `block_size` rows further).
+    #[inline]
+    fn at(&self, layer: usize, slot: usize) -> usize {
+        let (block, off) = (slot / self.block_size, slot % self.block_size);
+        assert!(
+            block < self.blocks && layer < self.layers,
+            "KV slot out of range"
+        );
+        ((block * self.layers + layer) * 2 * self.block_size + off) * self.kv_dim
     }
 
     #[inline]
-    fn at(&self, layer: usize, slot: usize) -> usize {
-        (layer * self.blocks * self.block_size + slot) * self.kv_dim
+    fn row(&self, at: usize) -> &[f32] {
+        // SAFETY: `at` comes from `at()`, so the row is inside the arena,
+        // which is page-aligned (f32-aligned); the slot belongs to a block
+        // the scheduler handed to a sequence, which no peer writes.
+        unsafe {
+            std::slice::from_raw_parts(self.arena.as_ptr().cast::<f32>().add(at), self.kv_dim)
+        }
     }
 
     #[inline]
     pub fn k(&self, layer: usize, slot: usize) -> &[f32] {
-        let o = self.at(layer, slot);
-        &self.k[o..o + self.kv_dim]
+        self.row(self.at(layer, slot))
     }
 
     #[inline]
     pub fn v(&self, layer: usize, slot: usize) -> &[f32] {
-        let o = self.at(layer, slot);
-        &self.v[o..o + self.kv_dim]
+        self.row(self.at(layer, slot) + self.block_size * self.kv_dim)
     }
 
     pub fn write(&mut self, layer: usize, slot: usize, k: &[f32], v: &[f32]) {
         let o = self.at(layer, slot);
-        self.k[o..o + self.kv_dim].copy_from_slice(k);
-        self.v[o..o + self.kv_dim].copy_from_slice(v);
+        let n = self.kv_dim.min(k.len()).min(v.len());
+        let base = self.arena.as_ptr().cast::<f32>();
+        // SAFETY: both rows are inside the arena (see `row`); `&mut self`
+        // means no row of this cache is borrowed meanwhile.
+        unsafe {
+            std::ptr::copy_nonoverlapping(k.as_ptr(), base.add(o), n);
+            std::ptr::copy_nonoverlapping(
+                v.as_ptr(),
+                base.add(o + self.block_size * self.kv_dim),
+                n,
+            );
+        }
     }
 
     fn check(&self, block: usize) -> Result<(), KvError> {
@@ -86,15 +127,12 @@ impl KvCache {
     /// The block's K and V for every layer, as bytes.
     pub fn export_block(&self, block: usize) -> Result<Vec<u8>, KvError> {
         self.check(block)?;
-        let mut out = Vec::with_capacity(self.block_bytes());
-        let n = self.block_size * self.kv_dim;
-        for l in 0..self.layers {
-            let o = self.at(l, block * self.block_size);
-            for x in self.k[o..o + n].iter().chain(&self.v[o..o + n]) {
-                out.extend_from_slice(&x.to_le_bytes());
-            }
-        }
-        Ok(out)
+        // SAFETY: only reserved blocks are written by peers, and the engine
+        // exports cached blocks only.
+        unsafe { self.arena.read_block(block) }.ok_or(KvError::NoSuchBlock {
+            block,
+            blocks: self.blocks,
+        })
     }
 
     /// Overwrites the block with bytes from [`Self::export_block`].
@@ -106,19 +144,9 @@ impl KvCache {
                 expected: self.block_bytes(),
             });
         }
-        let n = self.block_size * self.kv_dim;
-        let mut vals = bytes
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-        for l in 0..self.layers {
-            let o = self.at(l, block * self.block_size);
-            for x in self.k[o..o + n].iter_mut() {
-                *x = vals.next().unwrap_or_default();
-            }
-            for x in self.v[o..o + n].iter_mut() {
-                *x = vals.next().unwrap_or_default();
-            }
-        }
+        // SAFETY: `&mut self`, and the engine imports into blocks it just
+        // allocated (never a reserved one).
+        unsafe { self.arena.write_block(block, bytes) };
         Ok(())
     }
 }
@@ -138,7 +166,7 @@ mod tests {
 
     #[test]
     fn blocks_round_trip_as_bytes_and_bad_input_is_refused() {
-        let mut a = KvCache::new(2, 3, 4, 6);
+        let mut a = KvCache::new(2, 3, 4, 6).unwrap();
         for l in 0..2 {
             for s in 4..8 {
                 let k: Vec<f32> = (0..6).map(|i| (l * 100 + s * 10 + i) as f32).collect();
@@ -148,7 +176,15 @@ mod tests {
         }
         let bytes = a.export_block(1).unwrap();
         assert_eq!(bytes.len(), a.block_bytes());
-        let mut b = KvCache::new(2, 3, 4, 6);
+        // Layout: per layer, the block's K rows then its V rows.
+        let f = |i: usize| f32::from_le_bytes(bytes[i * 4..i * 4 + 4].try_into().unwrap());
+        let row = |r: usize| (0..6).map(|i| f(r * 6 + i)).collect::<Vec<f32>>();
+        assert_eq!(row(0), a.k(0, 4));
+        assert_eq!(row(3), a.k(0, 7));
+        assert_eq!(row(4), a.v(0, 4));
+        assert_eq!(row(8), a.k(1, 4));
+        assert_eq!(row(15), a.v(1, 7));
+        let mut b = KvCache::new(2, 3, 4, 6).unwrap();
         b.import_block(2, &bytes).unwrap();
         for l in 0..2 {
             for s in 0..4 {

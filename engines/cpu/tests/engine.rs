@@ -196,6 +196,27 @@ async fn seeded_sampling_is_reproducible() {
     assert_ne!(a.tokens, c.tokens);
 }
 
+/// `b` announced `hashes` as one stored chain, and serves `prompt` from
+/// them with the tokens `first` got by computing it.
+async fn stored_then_served(
+    b: &CpuEngine,
+    events: &mut tokio::sync::mpsc::UnboundedReceiver<dynamo_engine::KvCacheEvent>,
+    hashes: &[dynamo_bus_schema::blocks::SequenceHash],
+    prompt: &[u32],
+    first: &Outcome,
+) {
+    match events.recv().await.unwrap().data {
+        KvCacheEventData::Stored { parent, blocks } => {
+            assert_eq!(parent, None);
+            assert_eq!(blocks, hashes);
+        }
+        other => panic!("{other:?}"),
+    }
+    let second = run(b, request(2, prompt.to_vec(), SamplingParams::greedy(12))).await;
+    assert_eq!(second.cached as usize, (prompt.len() - 1) / 16 * 16);
+    assert_eq!(second.tokens, first.tokens);
+}
+
 #[tokio::test]
 async fn kv_blocks_move_between_engines_as_bytes() {
     let prompt = chat(Some(&"Be brief. ".repeat(20)), "Name a large animal.");
@@ -209,16 +230,7 @@ async fn kv_blocks_move_between_engines_as_bytes() {
     let mut events = b.take_kv_events().unwrap();
     let stored = b.import_blocks(blocks).unwrap().await.unwrap().unwrap();
     assert_eq!(stored, hashes.len());
-    match events.recv().await.unwrap().data {
-        KvCacheEventData::Stored { parent, blocks } => {
-            assert_eq!(parent, None);
-            assert_eq!(blocks, hashes);
-        }
-        other => panic!("{other:?}"),
-    }
-    let second = run(&b, request(2, prompt.clone(), SamplingParams::greedy(12))).await;
-    assert_eq!(second.cached as usize, (prompt.len() - 1) / 16 * 16);
-    assert_eq!(second.tokens, first.tokens);
+    stored_then_served(&b, &mut events, &hashes, &prompt, &first).await;
     // Bad bytes are refused, not stored.
     let bad = dynamo_cpu_engine::KvBlockData {
         hash: dynamo_bus_schema::blocks::SequenceHash(1),
@@ -226,6 +238,62 @@ async fn kv_blocks_move_between_engines_as_bytes() {
         bytes: vec![0; 3],
     };
     assert!(b.import_blocks(vec![bad]).unwrap().await.unwrap().is_err());
+}
+
+#[tokio::test]
+async fn blocks_written_into_reserved_pool_blocks_serve_like_computed_ones() {
+    let prompt = chat(Some(&"Be brief. ".repeat(20)), "Name a large animal.");
+    let a = engine(CpuEngineConfig::default());
+    let first = run(&a, request(1, prompt.clone(), SamplingParams::greedy(12))).await;
+    let hashes = sequence_hashes(&prompt, 16, fixture().lm.card.hash_salt);
+    let blocks = a.export_blocks(hashes.clone()).unwrap().await.unwrap();
+
+    let b = engine(CpuEngineConfig::default());
+    let mut events = b.take_kv_events().unwrap();
+    let r = b
+        .reserve_blocks(hashes.len())
+        .unwrap()
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(r.blocks.len(), hashes.len());
+    assert_eq!(b.load().kv_used_blocks as usize, hashes.len());
+    // A peer's writes: each block's bytes straight into its pool block.
+    let arena = b.kv_arena();
+    assert_eq!(arena.block_bytes(), b.kv_block_bytes());
+    for (blk, data) in r.blocks.iter().zip(&blocks) {
+        // SAFETY: the blocks are reserved for this test, which writes them
+        // before committing.
+        assert!(unsafe { arena.write_block(*blk as usize, &data.bytes) });
+    }
+    let stored = b
+        .commit_blocks(r.id, None, hashes.clone())
+        .unwrap()
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(stored, hashes.len());
+    stored_then_served(&b, &mut events, &hashes, &prompt, &first).await;
+    // The committed blocks are the pool's own: exporting them gives the bytes written.
+    let back = b.export_blocks(hashes.clone()).unwrap().await.unwrap();
+    assert_eq!(back, blocks);
+
+    // A released reservation frees its blocks and stores nothing.
+    let r = b.reserve_blocks(2).unwrap().await.unwrap().unwrap();
+    b.release_blocks(r.id);
+    assert!(b
+        .commit_blocks(r.id, None, vec![])
+        .unwrap()
+        .await
+        .unwrap()
+        .is_err());
+    assert_eq!(b.load().kv_used_blocks, 0);
+    // More blocks than the pool has are refused.
+    let too_many = CpuEngineConfig::default().num_blocks as usize + 1;
+    assert!(matches!(
+        b.reserve_blocks(too_many).unwrap().await.unwrap(),
+        Err(dynamo_engine::EngineError::Overloaded(_))
+    ));
 }
 
 #[tokio::test]

@@ -30,7 +30,7 @@ fn paged_forward_matches_the_contiguous_reference() {
         .iter()
         .map(|&b| BlockIdx(b))
         .collect();
-    let mut kv = KvCache::new(f.model.w.cfg.n_layers, 8, 16, f.model.w.cfg.kv_dim());
+    let mut kv = KvCache::new(f.model.w.cfg.n_layers, 8, 16, f.model.w.cfg.kv_dim()).unwrap();
     let split = 19;
     let mut paged = Vec::new();
     for (lo, hi) in [(0, split), (split, n)] {

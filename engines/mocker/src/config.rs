@@ -80,6 +80,8 @@ pub enum ConfigError {
     BadTokenRange { lo: u32, hi: u32 },
     #[error("mocker.{0}")]
     Offload(String),
+    #[error("mocker KV pool: {0}")]
+    Memory(#[from] dynamo_engine::ArenaError),
 }
 
 impl MockerConfig {

@@ -8,7 +8,11 @@ use crate::tokens::next_token;
 use dynamo_batcher::{BlockData, BlockIdx, Scheduler, SchedulerConfig, TierStore};
 use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::{LoadMetrics, RequestId};
-use dynamo_engine::{EngineError, EngineEvent, KvBlockData, KvCacheEvent, ValidRequest};
+use dynamo_engine::{
+    ArenaError, EngineError, EngineEvent, KvArena, KvBlockData, KvCacheEvent, Reservation,
+    ReservationId, ValidRequest,
+};
+use std::sync::Arc;
 
 /// What one step produced.
 #[derive(Debug, Default)]
@@ -37,6 +41,11 @@ impl BlockData for SimulatedKv {
 
 pub struct MockerCore {
     cfg: MockerConfig,
+    /// The pool's memory, written only by peers (disaggregated prefill):
+    /// a block is checked when its reservation is committed and then given
+    /// back to the system, so resident memory is bounded by the blocks in
+    /// flight, not by the pool.
+    arena: Arc<KvArena>,
     token_lo: u32,
     token_hi: u32,
     sched: Scheduler,
@@ -49,7 +58,11 @@ impl MockerCore {
         token_range: (u32, u32),
         eos_ids: Vec<u32>,
         record_kv_events: bool,
-    ) -> Self {
+    ) -> Result<Self, ArenaError> {
+        let arena = Arc::new(KvArena::new(
+            cfg.num_blocks as usize,
+            cfg.kv_bytes_per_block as usize,
+        )?);
         let sc = SchedulerConfig {
             block_size: cfg.block_size,
             num_blocks: cfg.num_blocks,
@@ -67,11 +80,83 @@ impl MockerCore {
                 Err(e) => tracing::error!(error = %e, "mocker offload tiers disabled"),
             }
         }
-        MockerCore {
+        Ok(MockerCore {
             cfg,
+            arena,
             token_lo: token_range.0,
             token_hi: token_range.1,
             sched,
+        })
+    }
+
+    pub fn arena(&self) -> Arc<KvArena> {
+        self.arena.clone()
+    }
+
+    /// Reserves pool blocks for a peer's writes.
+    pub fn reserve(&mut self, n: usize) -> Result<Reservation, EngineError> {
+        let mut kv = SimulatedKv(self.cfg.kv_bytes_per_block as usize);
+        self.sched.reserve(n, &mut kv)
+    }
+
+    /// Stores the written prefix of a reservation after checking that each
+    /// block carries its hash (as [`Self::export_blocks`] makes them): a
+    /// torn or misplaced write is refused and nothing is stored.
+    pub fn commit(
+        &mut self,
+        id: ReservationId,
+        parent: Option<SequenceHash>,
+        hashes: &[SequenceHash],
+    ) -> Result<usize, EngineError> {
+        let blocks: Vec<u32> = self
+            .sched
+            .reservation(id)
+            .ok_or_else(|| EngineError::Internal(format!("no reservation {}", id.0)))?
+            .iter()
+            .map(|b| b.0)
+            .collect();
+        let bad = blocks.iter().zip(hashes).find(|(&b, h)| {
+            let head = self.arena.block_range(b as usize).map(|r| {
+                let mut head = [0u8; 8];
+                // SAFETY: the block is reserved and its writer is done (the
+                // commit contract); 8 bytes inside it (kv_bytes_per_block >= 8).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        self.arena.as_ptr().add(r.start),
+                        head.as_mut_ptr(),
+                        8,
+                    )
+                };
+                head
+            });
+            head != Some(h.0.to_le_bytes())
+        });
+        let result = match bad {
+            Some((_, h)) => {
+                self.sched.release_reserved(id);
+                Err(EngineError::BadKvData(format!(
+                    "block {:016x} landed torn or misplaced (it does not carry its hash)",
+                    h.0
+                )))
+            }
+            None => self.sched.commit_reserved(id, parent, hashes),
+        };
+        for b in blocks {
+            // SAFETY: the reservation is gone and its writer is done; the
+            // mocker never reads a block's bytes except at commit.
+            unsafe { self.arena.discard_block(b as usize) };
+        }
+        result
+    }
+
+    /// Frees a reservation.
+    pub fn release(&mut self, id: ReservationId) {
+        if let Some(blocks) = self.sched.reservation(id).map(|b| b.to_vec()) {
+            self.sched.release_reserved(id);
+            for b in blocks {
+                // SAFETY: as in `commit`.
+                unsafe { self.arena.discard_block(b.0 as usize) };
+            }
         }
     }
 
@@ -227,7 +312,7 @@ mod tests {
     }
 
     fn core(cfg: MockerConfig) -> MockerCore {
-        MockerCore::new(cfg, 1, (100, 1000), vec![2], true)
+        MockerCore::new(cfg, 1, (100, 1000), vec![2], true).unwrap()
     }
 
     fn run_to_end(c: &mut MockerCore) -> HashMap<RequestId, (u32, Vec<u32>, FinishReason)> {

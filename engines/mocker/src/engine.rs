@@ -9,8 +9,8 @@ use crate::core::MockerCore;
 use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::{LoadMetrics, RequestId};
 use dynamo_engine::{
-    Engine, EngineError, EngineEvent, KvBlockData, KvCacheEvent, KvSnapshot, ResponseStream,
-    ValidRequest,
+    Engine, EngineError, EngineEvent, KvArena, KvBlockData, KvCacheEvent, KvSnapshot, Reservation,
+    ReservationId, ResponseStream, ValidRequest,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -26,6 +26,14 @@ enum Cmd {
         Vec<KvBlockData>,
         oneshot::Sender<Result<usize, EngineError>>,
     ),
+    Reserve(usize, oneshot::Sender<Result<Reservation, EngineError>>),
+    Commit(
+        ReservationId,
+        Option<SequenceHash>,
+        Vec<SequenceHash>,
+        oneshot::Sender<Result<usize, EngineError>>,
+    ),
+    Release(ReservationId),
 }
 
 /// What the mocker needs to know about the model it pretends to run.
@@ -42,6 +50,7 @@ pub struct MockerEngine {
     load: Arc<Mutex<LoadMetrics>>,
     kv_rx: Mutex<Option<mpsc::UnboundedReceiver<KvCacheEvent>>>,
     block_bytes: usize,
+    arena: Arc<KvArena>,
 }
 
 impl MockerEngine {
@@ -54,7 +63,8 @@ impl MockerEngine {
             range,
             model.eos_token_ids,
             cfg.emit_kv_events,
-        );
+        )?;
+        let arena = core.arena();
         let (tx, rx) = mpsc::unbounded_channel();
         let (kv_tx, kv_rx) = mpsc::unbounded_channel();
         let load = Arc::new(Mutex::new(core.load()));
@@ -66,6 +76,7 @@ impl MockerEngine {
             load,
             kv_rx: Mutex::new(emit.then_some(kv_rx)),
             block_bytes,
+            arena,
         })
     }
 }
@@ -109,6 +120,27 @@ impl Engine for MockerEngine {
     ) -> Result<oneshot::Receiver<Result<usize, EngineError>>, EngineError> {
         dynamo_engine::ask(|tx| self.tx.send(Cmd::Import(blocks, tx)).is_ok())
     }
+    fn kv_arena(&self) -> Arc<KvArena> {
+        self.arena.clone()
+    }
+    fn reserve_blocks(
+        &self,
+        n: usize,
+    ) -> Result<oneshot::Receiver<Result<Reservation, EngineError>>, EngineError> {
+        dynamo_engine::ask(|tx| self.tx.send(Cmd::Reserve(n, tx)).is_ok())
+    }
+    fn commit_blocks(
+        &self,
+        id: ReservationId,
+        parent: Option<SequenceHash>,
+        hashes: Vec<SequenceHash>,
+    ) -> Result<oneshot::Receiver<Result<usize, EngineError>>, EngineError> {
+        dynamo_engine::ask(|tx| self.tx.send(Cmd::Commit(id, parent, hashes, tx)).is_ok())
+    }
+    fn release_blocks(&self, id: ReservationId) {
+        // A stopped engine holds no reservation any more.
+        let _ = self.tx.send(Cmd::Release(id));
+    }
 }
 
 async fn run(
@@ -146,6 +178,17 @@ async fn run(
                 Cmd::Import(blocks, tx) => {
                     let _ = tx.send(core.import_blocks(blocks));
                 }
+                Cmd::Reserve(n, tx) => {
+                    let r = core.reserve(n);
+                    publish_load(core, &load);
+                    let _ = tx.send(r);
+                }
+                Cmd::Commit(id, parent, hashes, tx) => {
+                    let r = core.commit(id, parent, &hashes);
+                    publish_load(core, &load);
+                    let _ = tx.send(r);
+                }
+                Cmd::Release(id) => core.release(id),
                 Cmd::Cancel(id) => {
                     if core.cancel(id) {
                         if let Some(tx) = outs.remove(&id) {
@@ -346,5 +389,69 @@ mod tests {
             rx.recv().await,
             Some(EngineEvent::Started { cached_tokens: 48 })
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn blocks_written_into_reserved_pool_blocks_are_checked_then_cached() {
+        let cfg = MockerConfig {
+            kv_bytes_per_block: 3 * 4096,
+            ..MockerConfig::default()
+        };
+        let a = MockerEngine::start(cfg.clone(), model()).unwrap();
+        let prompt: Vec<u32> = (100..164).collect();
+        collect(a.generate(req(1, prompt.clone(), 2)).unwrap()).await;
+        let hashes = dynamo_bus_schema::blocks::sequence_hashes(&prompt, 16, 9);
+        let blocks = a.export_blocks(hashes.clone()).unwrap().await.unwrap();
+
+        let b = MockerEngine::start(cfg, model()).unwrap();
+        let arena = b.kv_arena();
+        let write = |r: &Reservation, torn: bool| {
+            for (i, (blk, data)) in r.blocks.iter().zip(&blocks).enumerate() {
+                let mut bytes = data.bytes.clone();
+                if torn && i == 2 {
+                    bytes[0] ^= 1;
+                }
+                // SAFETY: reserved for this test, written before the commit.
+                assert!(unsafe { arena.write_block(*blk as usize, &bytes) });
+            }
+        };
+        // A torn block: refused, nothing stored, the blocks are freed.
+        let r = b.reserve_blocks(4).unwrap().await.unwrap().unwrap();
+        assert_eq!(b.load().kv_used_blocks, 4);
+        write(&r, true);
+        let err = b
+            .commit_blocks(r.id, None, hashes.clone())
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(matches!(err, Err(EngineError::BadKvData(_))));
+        assert_eq!(b.load().kv_used_blocks, 0);
+        // Committed blocks are given back to the system (they read as zeros).
+        // SAFETY: no reservation holds the block any more.
+        let block = unsafe { arena.read_block(r.blocks[0] as usize) }.unwrap();
+        assert!(block.iter().all(|&x| x == 0));
+
+        let r = b.reserve_blocks(4).unwrap().await.unwrap().unwrap();
+        write(&r, false);
+        let stored = b
+            .commit_blocks(r.id, None, hashes.clone())
+            .unwrap()
+            .await
+            .unwrap();
+        assert_eq!(stored, Ok(4));
+        let mut rx = b.generate(req(2, prompt, 2)).unwrap();
+        assert_eq!(
+            rx.recv().await,
+            Some(EngineEvent::Started { cached_tokens: 48 })
+        );
+        // A released reservation can no longer be committed.
+        let r = b.reserve_blocks(1).unwrap().await.unwrap().unwrap();
+        b.release_blocks(r.id);
+        assert!(b
+            .commit_blocks(r.id, None, vec![])
+            .unwrap()
+            .await
+            .unwrap()
+            .is_err());
     }
 }

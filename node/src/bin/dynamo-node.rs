@@ -21,9 +21,12 @@ fn main() {
     let args = Args::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_env(env::LOG)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,async_nats=warn"));
+    // Colours only on a terminal: a log file or journal gets plain text.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .init();
     let cfg = match NodeConfig::load(&args.config) {
         Ok(c) => c,
