@@ -76,7 +76,10 @@ impl Default for TransferConfig {
 /// the windows the prefill worker writes them through. Dropped without a
 /// commit, it closes the windows first and then frees the blocks, so a
 /// late write can never land in blocks handed to someone else.
-struct PoolLease {
+struct PoolLease<'a> {
+    /// Windows are closed with the agent locked, so no incoming write is
+    /// being processed (checked against its key, then copied) meanwhile.
+    progress: &'a Progress,
     windows: Vec<Window>,
     /// Blocks per window, in order.
     sizes: Vec<usize>,
@@ -87,9 +90,18 @@ struct PoolLease {
     _arena: Arc<KvArena>,
 }
 
-impl Drop for PoolLease {
+impl PoolLease<'_> {
+    fn close_windows(&mut self) {
+        if !self.windows.is_empty() {
+            let _agent = self.progress.agent();
+            self.windows.clear();
+        }
+    }
+}
+
+impl Drop for PoolLease<'_> {
     fn drop(&mut self) {
-        self.windows.clear();
+        self.close_windows();
         if let Some(id) = self.id.take() {
             self.engine.release_blocks(id);
         }
@@ -319,7 +331,7 @@ impl KvTransfer {
                 break;
             }
             written += size;
-            if !self.wait_notice(notify + i as u64).await {
+            if !self.wait_notice(notify.wrapping_add(i as u64)).await {
                 self.record(peer, false);
                 return Err(format!(
                     "prefill worker {peer} replied but its writes never landed here (no notice)"
@@ -327,7 +339,7 @@ impl KvTransfer {
             }
         }
         // No peer can write the blocks once their windows are closed.
-        lease.windows.clear();
+        lease.close_windows();
         let id = lease.id.take().ok_or("reservation already used")?;
         let imported = engine
             .commit_blocks(id, parent, reply.blocks.clone())
@@ -348,7 +360,7 @@ impl KvTransfer {
 
     /// Reserves `n` blocks in the engine's pool and opens a window over
     /// each run of consecutive ones.
-    async fn lease(&self, engine: &Arc<dyn Engine>, n: usize) -> Result<PoolLease, String> {
+    async fn lease(&self, engine: &Arc<dyn Engine>, n: usize) -> Result<PoolLease<'_>, String> {
         let arena = engine.kv_arena();
         if arena.block_bytes() != self.block_bytes {
             return Err(format!(
@@ -364,13 +376,13 @@ impl KvTransfer {
             .map_err(|_| "engine stopped during the reservation".to_string())?
             .map_err(|e| format!("cannot reserve {n} KV blocks for the transfer: {e}"))?;
         let mut lease = PoolLease {
+            progress: &self.progress,
             windows: Vec::new(),
             sizes: Vec::new(),
             engine: engine.clone(),
             id: Some(reservation.id),
             _arena: arena.clone(),
         };
-        let mut agent = self.progress.agent();
         for (first, count) in runs(&reservation.blocks) {
             let range = arena
                 .block_range(first as usize)
@@ -384,8 +396,12 @@ impl KvTransfer {
             // mapped; they are reserved, so the engine does not touch them
             // until the lease commits or releases them, after closing this
             // window.
+            // (The agent's lock is held for this statement only: dropping
+            // the lease on an error takes it again.)
             let window = unsafe {
-                agent.window_at(arena.as_ptr().add(range.start), count * self.block_bytes)
+                self.progress
+                    .agent()
+                    .window_at(arena.as_ptr().add(range.start), count * self.block_bytes)
             }
             .map_err(|e| format!("cannot open a window over the pool: {e}"))?;
             lease.windows.push(window);

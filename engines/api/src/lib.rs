@@ -10,6 +10,9 @@
 //! - Every [`ResponseStream`] ends with exactly one terminal event
 //!   ([`EngineEvent::Finished`] or [`EngineEvent::Failed`]) unless the
 //!   receiver is dropped first; [`EngineEvent::Started`] comes before any tokens.
+//! - An engine's KV pool lives in its [`KvArena`]; blocks it reserved for a
+//!   peer ([`Engine::reserve_blocks`]) are written only by that peer until
+//!   they are committed or released.
 
 use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::{

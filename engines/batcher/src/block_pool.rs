@@ -1,6 +1,6 @@
 //! Paged KV block pool with prefix caching and LRU eviction. It holds no
 //! tensors: an engine keeps its KV data in slots indexed by [`BlockIdx`]
-//! (the mocker keeps none at all).
+//! (the mocker keeps none beyond checking the blocks a peer writes).
 //!
 //! Invariants (checked by `check_invariants` in tests):
 //! - every block is in exactly one of: referenced (`refs > 0`), evictable
