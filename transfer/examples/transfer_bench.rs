@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 const SIZE: usize = 64 << 20;
-const RUNS: usize = 9;
+const RUNS: usize = 25;
 
 /// One side of a libfabric transfer: initiator, source and the target.
 struct Fabric {
