@@ -446,7 +446,11 @@ impl Driver {
                 let r = self.sched.reserve(n, &mut self.kv);
                 self.flush_kv_events();
                 self.publish();
-                let _ = tx.send(r);
+                // Nobody waits for it any more (the request went away):
+                // the blocks go straight back (and `apply` publishes that).
+                if let Err(Ok(r)) = tx.send(r) {
+                    self.sched.release_reserved(r.id);
+                }
             }
             Cmd::Commit(id, parent, hashes, tx) => {
                 let r = self.sched.commit_reserved(id, parent, &hashes);

@@ -294,6 +294,11 @@ async fn blocks_written_into_reserved_pool_blocks_serve_like_computed_ones() {
         b.reserve_blocks(too_many).unwrap().await.unwrap(),
         Err(dynamo_engine::EngineError::Overloaded(_))
     ));
+    // A reservation nobody waits for any more is given back at once.
+    drop(b.reserve_blocks(3).unwrap());
+    let r = b.reserve_blocks(1).unwrap().await.unwrap().unwrap();
+    assert_eq!(b.load().kv_used_blocks, 1);
+    b.release_blocks(r.id);
 }
 
 #[tokio::test]

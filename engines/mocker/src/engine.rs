@@ -181,7 +181,12 @@ async fn run(
                 Cmd::Reserve(n, tx) => {
                     let r = core.reserve(n);
                     publish_load(core, &load);
-                    let _ = tx.send(r);
+                    // Nobody waits for it any more (the request went away):
+                    // the blocks go straight back.
+                    if let Err(Ok(r)) = tx.send(r) {
+                        core.release(r.id);
+                        publish_load(core, &load);
+                    }
                 }
                 Cmd::Commit(id, parent, hashes, tx) => {
                     let r = core.commit(id, parent, &hashes);
@@ -453,5 +458,11 @@ mod tests {
             .await
             .unwrap()
             .is_err());
+        // A reservation nobody waits for any more is given back at once.
+        let used = b.load().kv_used_blocks;
+        drop(b.reserve_blocks(3).unwrap());
+        let r = b.reserve_blocks(1).unwrap().await.unwrap().unwrap();
+        assert_eq!(b.load().kv_used_blocks, used + 1);
+        b.release_blocks(r.id);
     }
 }
