@@ -88,6 +88,29 @@ impl KvCache {
         }
     }
 
+    pub fn kv_dim(&self) -> usize {
+        self.kv_dim
+    }
+
+    /// The K rows (then, `block_size` rows on, the V rows) of `block` in
+    /// `layer`: `2 × block_size × kv_dim` contiguous floats.
+    #[inline]
+    pub fn block_rows(&self, layer: usize, block: usize) -> &[f32] {
+        assert!(
+            block < self.blocks && layer < self.layers,
+            "KV block out of range"
+        );
+        let at = (block * self.layers + layer) * 2 * self.block_size * self.kv_dim;
+        // SAFETY: inside the arena (checked above), f32-aligned; the block
+        // belongs to a sequence, so no peer writes it (see `row`).
+        unsafe {
+            std::slice::from_raw_parts(
+                self.arena.as_ptr().cast::<f32>().add(at),
+                2 * self.block_size * self.kv_dim,
+            )
+        }
+    }
+
     #[inline]
     pub fn k(&self, layer: usize, slot: usize) -> &[f32] {
         self.row(self.at(layer, slot))

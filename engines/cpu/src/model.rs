@@ -305,22 +305,29 @@ impl Head<'_> {
     fn attend_impl(&self, q: &[f32], scores: &mut Vec<f32>, out: &mut [f32]) {
         let hd = q.len();
         let (l, off) = (self.layer, self.kv_off);
-        let bs = self.kv.block_size();
+        let (bs, kvd) = (self.kv.block_size(), self.kv.kv_dim());
         let n = self.pos + 1;
         scores.clear();
         scores.resize(n, 0.0);
         let mut max = f32::NEG_INFINITY;
-        for (p, s) in scores.iter_mut().enumerate() {
-            let slot = self.table[p / bs].0 as usize * bs + p % bs;
-            let v = f32ops::dot_generic(q, &self.kv.k(l, slot)[off..off + hd]) * self.scale;
-            max = max.max(v);
-            *s = v;
+        // Position p is row p % bs of block table[p / bs]; a block's K rows
+        // (then its V rows) are contiguous, so walk block by block.
+        for (chunk, b) in scores.chunks_mut(bs).zip(self.table) {
+            let rows = self.kv.block_rows(l, b.0 as usize);
+            for (r, s) in chunk.iter_mut().enumerate() {
+                let k = &rows[r * kvd + off..r * kvd + off + hd];
+                let v = f32ops::dot_generic(q, k) * self.scale;
+                max = max.max(v);
+                *s = v;
+            }
         }
         let inv = 1.0 / f32ops::softmax_exp_generic(scores, max);
         out.fill(0.0);
-        for (p, s) in scores.iter().enumerate() {
-            let slot = self.table[p / bs].0 as usize * bs + p % bs;
-            f32ops::axpy_generic(s * inv, &self.kv.v(l, slot)[off..off + hd], out);
+        for (chunk, b) in scores.chunks(bs).zip(self.table) {
+            let rows = &self.kv.block_rows(l, b.0 as usize)[bs * kvd..];
+            for (r, s) in chunk.iter().enumerate() {
+                f32ops::axpy_generic(s * inv, &rows[r * kvd + off..r * kvd + off + hd], out);
+            }
         }
     }
 }
