@@ -238,4 +238,82 @@ mod tests {
         assert_eq!(s.pool().available(), 6);
         s.pool().check_invariants();
     }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Reserve(u8),
+        Commit(u8, u8),
+        Release(u8),
+        Import(u8),
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            3 => (1u8..5).prop_map(Op::Reserve),
+            2 => (any::<u8>(), 0u8..5).prop_map(|(i, k)| Op::Commit(i, k)),
+            1 => any::<u8>().prop_map(Op::Release),
+            2 => any::<u8>().prop_map(Op::Import),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config { cases: 300, rng_seed: proptest::test_runner::RngSeed::Fixed(7), ..Default::default() })]
+        #[test]
+        fn random_reservations_never_share_or_leak_blocks(ops in proptest::collection::vec(op(), 1..120)) {
+            let mut s = sched(12);
+            let chain = sequence_hashes(&(0..96).collect::<Vec<u32>>(), 4, 7);
+            let mut live: Vec<dynamo_engine::Reservation> = Vec::new();
+            let mut next_hash = 0usize;
+            for op in ops {
+                match op {
+                    Op::Reserve(n) => {
+                        if let Ok(r) = s.reserve(n as usize, &mut NoKv) {
+                            live.push(r);
+                        }
+                    }
+                    Op::Commit(i, k) => {
+                        if !live.is_empty() {
+                            let r = live.swap_remove(i as usize % live.len());
+                            let k = (k as usize).min(r.blocks.len());
+                            let from = next_hash % (chain.len() - k);
+                            let hashes = &chain[from..from + k];
+                            let parent = from.checked_sub(1).map(|i| chain[i]);
+                            let stored = s.commit_reserved(r.id, parent, hashes).unwrap();
+                            proptest::prop_assert!(stored <= k);
+                            // Every committed hash is cached, in this block or an earlier one.
+                            for h in hashes {
+                                proptest::prop_assert!(s.cached_block(*h).is_some());
+                            }
+                            next_hash += k;
+                        }
+                    }
+                    Op::Release(i) => {
+                        if !live.is_empty() {
+                            let r = live.swap_remove(i as usize % live.len());
+                            proptest::prop_assert!(s.release_reserved(r.id));
+                        }
+                    }
+                    Op::Import(h) => {
+                        s.import_block(chain[h as usize % chain.len()], None);
+                    }
+                }
+                s.pool().check_invariants();
+                // Reserved blocks are exactly the used ones, each held once,
+                // and no cached hash maps to one of them.
+                let mut held: Vec<u32> = live.iter().flat_map(|r| r.blocks.clone()).collect();
+                let n = held.len();
+                held.sort();
+                held.dedup();
+                proptest::prop_assert_eq!(held.len(), n);
+                proptest::prop_assert_eq!(s.pool().used(), n);
+                proptest::prop_assert_eq!(s.reserved_blocks(), n);
+                for h in &chain {
+                    if let Some(b) = s.cached_block(*h) {
+                        proptest::prop_assert!(!held.contains(&b.0));
+                    }
+                }
+            }
+        }
+    }
 }
