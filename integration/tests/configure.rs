@@ -19,86 +19,33 @@ fn configure(args: &[&str]) -> std::process::Output {
 #[test]
 fn bad_input_exits_non_zero_with_a_message() {
     let base = ["--isl", "2000", "--osl", "200"];
-    for (args, want) in [
+    // (model, gpu, gpus, ttft ms, itl ms) and what stderr must say.
+    for (spec, want) in [
         (
-            vec![
-                "--model",
-                "Llama-9",
-                "--gpu",
-                "H200",
-                "--gpus",
-                "8",
-                "--ttft-ms",
-                "1000",
-                "--itl-ms",
-                "50",
-            ],
+            ["Llama-9", "H200", "8", "1000", "50"],
             "unknown model \"Llama-9\" (known: Llama-3.1-8B",
         ),
         (
-            vec![
-                "--model",
-                "Llama-3.1-8B",
-                "--gpu",
-                "H900",
-                "--gpus",
-                "8",
-                "--ttft-ms",
-                "1000",
-                "--itl-ms",
-                "50",
-            ],
+            ["Llama-3.1-8B", "H900", "8", "1000", "50"],
             "unknown GPU \"H900\"",
         ),
         (
-            vec![
-                "--model",
-                "Llama-3.1-70B",
-                "--gpu",
-                "H100",
-                "--gpus",
-                "8",
-                "--ttft-ms",
-                "1",
-                "--itl-ms",
-                "0.5",
-            ],
+            ["Llama-3.1-70B", "H100", "8", "1", "0.5"],
             "no deployment of Llama-3.1-70B on 8 × H100 meets",
         ),
         (
-            vec![
-                "--model",
-                "DeepSeek-V3",
-                "--gpu",
-                "H100",
-                "--gpus",
-                "4",
-                "--ttft-ms",
-                "1000",
-                "--itl-ms",
-                "50",
-            ],
+            ["DeepSeek-V3", "H100", "4", "1000", "50"],
             "4 × H100 cannot hold DeepSeek-V3",
         ),
         (
-            vec![
-                "--model",
-                "Llama-3.1-8B",
-                "--gpu",
-                "H100",
-                "--gpus",
-                "0",
-                "--ttft-ms",
-                "1000",
-                "--itl-ms",
-                "50",
-            ],
+            ["Llama-3.1-8B", "H100", "0", "1000", "50"],
             "gpus must be positive",
         ),
     ] {
-        let mut all = args.clone();
-        all.extend(base);
-        let out = configure(&all);
+        let flags = ["--model", "--gpu", "--gpus", "--ttft-ms", "--itl-ms"];
+        let mut args: Vec<&str> = flags.iter().zip(spec).flat_map(|(f, v)| [*f, v]).collect();
+        args.extend(base);
+        let out = configure(&args);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
         assert!(err.contains(want), "{args:?}: {err}");

@@ -341,12 +341,7 @@ impl Agent {
             });
         }
         // SAFETY: the range is inside the region, which the caller keeps alive.
-        let (mr, remote) = unsafe { self.register_raw(region.buf.as_mut_ptr().add(offset), len)? };
-        Ok(Window {
-            _owner: self.inner.clone(),
-            mr,
-            remote,
-        })
+        unsafe { self.window_at(region.buf.as_mut_ptr().add(offset), len) }
     }
 
     /// Registers `len` bytes of memory owned elsewhere (an engine's KV

@@ -81,8 +81,6 @@ struct PoolLease<'a> {
     /// being processed (checked against its key, then copied) meanwhile.
     progress: &'a Progress,
     windows: Vec<Window>,
-    /// Blocks per window, in order.
-    sizes: Vec<usize>,
     engine: Arc<dyn Engine>,
     /// `None` once committed.
     id: Option<ReservationId>,
@@ -254,13 +252,11 @@ impl KvTransfer {
         let notify = self
             .next_notice
             .fetch_add(lease.windows.len() as u64, Ordering::Relaxed);
-        let windows = lease
+        let windows: Vec<KvWindow> = lease
             .windows
             .iter()
-            .zip(&lease.sizes)
-            .map(|(w, &blocks)| {
+            .map(|w| {
                 let r = w.remote();
-                debug_assert_eq!(r.len, (blocks * self.block_bytes) as u64);
                 KvWindow {
                     key: r.key,
                     base: r.base,
@@ -326,11 +322,11 @@ impl KvTransfer {
         }
         // The windows the written blocks fill, each with its own notice.
         let mut written = 0;
-        for (i, &size) in lease.sizes.iter().enumerate() {
+        for (i, w) in preq.target.windows.iter().enumerate() {
             if written >= reply.blocks.len() {
                 break;
             }
-            written += size;
+            written += (w.len / preq.target.block_bytes) as usize;
             if !self.wait_notice(notify.wrapping_add(i as u64)).await {
                 self.record(peer, false);
                 return Err(format!(
@@ -354,7 +350,7 @@ impl KvTransfer {
         Ok(RemoteDone {
             reply,
             imported,
-            windows: lease.sizes.len(),
+            windows: preq.target.windows.len(),
         })
     }
 
@@ -378,15 +374,11 @@ impl KvTransfer {
         let mut lease = PoolLease {
             progress: &self.progress,
             windows: Vec::new(),
-            sizes: Vec::new(),
             engine: engine.clone(),
             id: Some(reservation.id),
             _arena: arena.clone(),
         };
         for (first, count) in runs(&reservation.blocks) {
-            let range = arena
-                .block_range(first as usize)
-                .ok_or_else(|| format!("the engine reserved block {first}, outside its pool"))?;
             if first as usize + count > arena.blocks() {
                 return Err(format!(
                     "the engine reserved blocks past its pool ({first}+{count})"
@@ -399,13 +391,13 @@ impl KvTransfer {
             // (The agent's lock is held for this statement only: dropping
             // the lease on an error takes it again.)
             let window = unsafe {
-                self.progress
-                    .agent()
-                    .window_at(arena.as_ptr().add(range.start), count * self.block_bytes)
+                self.progress.agent().window_at(
+                    arena.as_ptr().add(first as usize * self.block_bytes),
+                    count * self.block_bytes,
+                )
             }
             .map_err(|e| format!("cannot open a window over the pool: {e}"))?;
             lease.windows.push(window);
-            lease.sizes.push(count);
         }
         Ok(lease)
     }

@@ -108,30 +108,16 @@ impl MockerCore {
         parent: Option<SequenceHash>,
         hashes: &[SequenceHash],
     ) -> Result<usize, EngineError> {
-        let blocks: Vec<u32> = self
+        let blocks = self
             .sched
             .reservation(id)
             .ok_or_else(|| EngineError::Internal(format!("no reservation {}", id.0)))?
+            .to_vec();
+        let torn = blocks
             .iter()
-            .map(|b| b.0)
-            .collect();
-        let bad = blocks.iter().zip(hashes).find(|(&b, h)| {
-            let head = self.arena.block_range(b as usize).map(|r| {
-                let mut head = [0u8; 8];
-                // SAFETY: the block is reserved and its writer is done (the
-                // commit contract); 8 bytes inside it (kv_bytes_per_block >= 8).
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        self.arena.as_ptr().add(r.start),
-                        head.as_mut_ptr(),
-                        8,
-                    )
-                };
-                head
-            });
-            head != Some(h.0.to_le_bytes())
-        });
-        let result = match bad {
+            .zip(hashes)
+            .find(|(b, h)| self.head(**b) != Some(h.0.to_le_bytes()));
+        let result = match torn {
             Some((_, h)) => {
                 self.sched.release_reserved(id);
                 Err(EngineError::BadKvData(format!(
@@ -141,22 +127,36 @@ impl MockerCore {
             }
             None => self.sched.commit_reserved(id, parent, hashes),
         };
-        for b in blocks {
-            // SAFETY: the reservation is gone and its writer is done; the
-            // mocker never reads a block's bytes except at commit.
-            unsafe { self.arena.discard_block(b as usize) };
-        }
+        self.discard(&blocks);
         result
     }
 
     /// Frees a reservation.
     pub fn release(&mut self, id: ReservationId) {
-        if let Some(blocks) = self.sched.reservation(id).map(|b| b.to_vec()) {
+        if let Some(blocks) = self.sched.reservation(id).map(<[BlockIdx]>::to_vec) {
             self.sched.release_reserved(id);
-            for b in blocks {
-                // SAFETY: as in `commit`.
-                unsafe { self.arena.discard_block(b.0 as usize) };
-            }
+            self.discard(&blocks);
+        }
+    }
+
+    /// The first 8 bytes of a block a peer wrote.
+    fn head(&self, b: BlockIdx) -> Option<[u8; 8]> {
+        let r = self.arena.block_range(b.0 as usize)?;
+        let mut head = [0u8; 8];
+        // SAFETY: the block is reserved and its writer is done (the commit
+        // contract); 8 bytes inside it (kv_bytes_per_block >= 8).
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.arena.as_ptr().add(r.start), head.as_mut_ptr(), 8)
+        };
+        Some(head)
+    }
+
+    /// Gives the pages of blocks no reservation holds any more back.
+    fn discard(&self, blocks: &[BlockIdx]) {
+        for b in blocks {
+            // SAFETY: the reservation is gone and its writer is done; the
+            // mocker never reads a block's bytes except at commit.
+            unsafe { self.arena.discard_block(b.0 as usize) };
         }
     }
 
