@@ -17,6 +17,15 @@ pub const MODEL: &str = "smollm2-135m-instruct";
 /// The mocker's default output token range starts here (see `MockerConfig::token_lo`).
 pub const TOKEN_LO: u32 = 256;
 
+/// Fails the test with the command's stderr unless it exited successfully.
+pub fn assert_success(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

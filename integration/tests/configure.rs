@@ -4,7 +4,7 @@
 //! over a real NATS and serves requests. And `dynamoctl calibrate-mocker`
 //! recovers an engine's timing from what it measures over HTTP.
 
-use dynamo_integration::{bin, free_port, node_config, Http, Nats, Node, MODEL};
+use dynamo_integration::{assert_success, bin, free_port, node_config, Http, Nats, Node, MODEL};
 use serde_json::{json, Value};
 use std::process::Command;
 
@@ -76,11 +76,7 @@ async fn an_emitted_deployment_runs_and_serves() {
         "--emit-config",
         out_dir.to_str().unwrap(),
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(report["evaluated"].as_u64().unwrap() > 10, "{report}");
     assert!(!report["frontier"].as_array().unwrap().is_empty());
@@ -170,11 +166,7 @@ async fn calibrate_mocker_recovers_an_engines_timing() {
     })
     .await
     .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["points"].as_array().unwrap().len(), 4, "{v}");
     let poly = |k: &str, x: f64| {

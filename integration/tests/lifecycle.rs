@@ -166,11 +166,7 @@ async fn dynamoctl_status_and_bench() {
         .args(["status", "--json", "--namespace", "it", "--nats", &nats.url])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["nodes"][0]["node_id"], "n1");
     assert_eq!(v["nodes"][0]["pid"], node.pid());
@@ -229,11 +225,7 @@ async fn dynamoctl_status_and_bench() {
             .args(&args)
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_success(&out);
         let r: Value = serde_json::from_slice(&out.stdout).unwrap();
         assert_eq!(r["requests"], 40);
         assert_eq!(r["ok"], 40, "{r}");
@@ -352,11 +344,7 @@ async fn dynamoctl_drain_stops_new_work_and_lets_in_flight_requests_finish() {
     })
     .await
     .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["drained"], true, "{report}");
     assert_eq!(report["state"], "draining");
@@ -383,11 +371,7 @@ async fn dynamoctl_drain_stops_new_work_and_lets_in_flight_requests_finish() {
     }
     // Resume: the worker is serving again.
     let out = ctl(&["drain", &a, "--resume"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let reg = registrations(&nats.url).await;
     let ra = reg.iter().find(|r| r.worker_id.to_string() == a).unwrap();
     assert_eq!(ra.state, dynamo_bus_schema::WorkerState::Serving);
