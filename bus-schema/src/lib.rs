@@ -9,6 +9,8 @@
 //!   build does not know are returned as [`codec::DecodeError`] values (an
 //!   unknown kind is kept, with its raw payload, so a receiver can count it
 //!   and move on).
+//! - Nothing is published as one message past [`codec::MAX_MESSAGE`]:
+//!   larger replies travel in [`ChunkedReply`] pieces ([`chunk`]).
 //! - Subject names are built only by [`subjects::Subjects`], scoped by a
 //!   validated namespace.
 //! - The encoded form of every message is pinned by the snapshot test in
@@ -16,12 +18,16 @@
 //!   its type fails that test.
 
 pub mod blocks;
+pub mod chunk;
 pub mod codec;
 pub mod ids;
 pub mod messages;
 pub mod subjects;
 
-pub use codec::{decode, decode_payload, encode, peek_kind, DecodeError, MessageKind, WireMessage};
+pub use codec::{
+    decode, decode_assembled, decode_payload, encode, peek_kind, DecodeError, MessageKind,
+    WireMessage, MAX_MESSAGE,
+};
 pub use ids::*;
 pub use messages::*;
 pub use subjects::{Namespace, NamespaceError, Subjects};

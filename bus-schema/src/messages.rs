@@ -124,6 +124,10 @@ open_enum!(
         Serving = 1,
         /// Finishes in-flight requests, takes no new ones.
         Draining = 2,
+        /// Its engine died: it takes nothing and is being restarted (a new
+        /// generation follows). Older routers read it as an unknown state,
+        /// which is not routable either.
+        Failed = 3,
     }
 );
 
@@ -168,6 +172,11 @@ open_enum!(
         /// The worker's KV transfer endpoint stops polling for progress (a
         /// peer that never polls: writes into it stall and time out).
         StopTransferProgress = 2,
+        /// The worker's engine driver panics (its task or thread dies).
+        PanicEngine = 3,
+        /// One of the target actor's background tasks ends as if its input
+        /// had gone away (see [`ActorFault::task`]).
+        EndTask = 4,
     }
 );
 
@@ -322,6 +331,33 @@ pub struct ModelCard {
     pub source: String,
 }
 
+impl ModelCard {
+    /// A content hash of everything a gateway derives from the card
+    /// (tokenizer, chat template, special tokens, limits, block identity):
+    /// two cards with the same digest preprocess every request alike.
+    pub fn digest(&self) -> u64 {
+        let mut bytes = Vec::with_capacity(256 + self.chat_template.len());
+        let mut put = |b: &[u8]| {
+            bytes.extend_from_slice(&(b.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(b);
+        };
+        put(self.name.0.as_bytes());
+        put(&self.context_length.to_le_bytes());
+        put(&self.block_size.to_le_bytes());
+        put(self.chat_template.as_bytes());
+        put(self.bos_token.as_deref().unwrap_or("\u{0}none").as_bytes());
+        put(self.eos_token.as_deref().unwrap_or("\u{0}none").as_bytes());
+        for id in &self.eos_token_ids {
+            put(&id.to_le_bytes());
+        }
+        put(&self.vocab_size.to_le_bytes());
+        put(self.tokenizer.sha256.as_bytes());
+        put(&self.tokenizer.len.to_le_bytes());
+        put(&self.hash_salt.to_le_bytes());
+        xxhash_rust::xxh3::xxh3_64(&bytes)
+    }
+}
+
 /// Load as a worker reports it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LoadMetrics {
@@ -428,7 +464,22 @@ pub struct FaultInjection {
 }
 wire!(FaultInjection = 50);
 
-/// Reply to a [`FaultInjection`].
+/// Admin → node (`Subjects::node_fault`): inject a fault into an actor
+/// named by its role (`router`, `gateway`, or a worker id in hex), for
+/// faults that are not a worker's alone (a background task that ends).
+/// Refused unless the node's config enables fault injection.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ActorFault {
+    /// `router`, `gateway`, or a worker id (hex, as `dynamoctl status` shows it).
+    pub actor: String,
+    pub fault: FaultKind,
+    /// The task [`FaultKind::EndTask`] ends (names are listed in the refusal
+    /// when unknown); empty for other faults.
+    pub task: String,
+}
+wire!(ActorFault = 52);
+
+/// Reply to a [`FaultInjection`] or an [`ActorFault`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct FaultAck {
     pub applied: bool,
@@ -713,6 +764,22 @@ pub struct RouterInfo {
     pub dumps: u64,
 }
 wire!(RouterInfo = 75);
+
+/// One piece of a reply too large for one bus message (a worker's KV dump,
+/// a router's active-load snapshot): the reply's whole envelope, encoded,
+/// split into `count` pieces sent in order to the request's reply subject.
+/// See [`crate::chunk`] for splitting and reassembly.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChunkedReply {
+    /// Names this reply (random per reply), so pieces of two replies never mix.
+    pub stream: u64,
+    /// 0-based position of this piece.
+    pub index: u32,
+    /// Pieces in all (at least 2: a reply that fits is sent whole).
+    pub count: u32,
+    pub data: Vec<u8>,
+}
+wire!(ChunkedReply = 90);
 
 /// Unix time in milliseconds (0 if the clock is before 1970).
 pub fn unix_ms() -> u64 {

@@ -380,6 +380,23 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             "TransferStarting",
             enc(encode(&TransferStarting { request_id: rid })),
         ),
+        (
+            "ActorFault",
+            enc(encode(&ActorFault {
+                actor: "router".into(),
+                fault: FaultKind::EndTask,
+                task: "kv-events".into(),
+            })),
+        ),
+        (
+            "ChunkedReply",
+            enc(encode(&ChunkedReply {
+                stream: 0xabcdef,
+                index: 1,
+                count: 3,
+                data: vec![0xD7, 1, 63, 0],
+            })),
+        ),
     ]
 }
 
@@ -474,14 +491,85 @@ fn unknown_enum_values_are_kept() {
     assert_eq!(f.reason, FinishReason::Unknown(77));
 }
 
+/// Cases per fuzz property: `DYNAMO_FUZZ_CASES` (`make fuzz` sets a large
+/// number), else `default` (a short bounded run in `make test`).
+fn fuzz_cases(default: u32) -> u32 {
+    std::env::var("DYNAMO_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Decodes `bytes` as every wire type (the fuzz tests' one call), and as
+/// pieces of a large reply.
+fn decode_all(bytes: &[u8]) {
+    macro_rules! all {
+        ($($t:ty),* $(,)?) => { $( let _ = decode::<$t>(bytes); let _ = decode_assembled::<$t>(bytes); )* };
+    }
+    all!(
+        GenerateRequest,
+        GenerateAck,
+        ErrorReply,
+        FrameStarted,
+        FrameTokens,
+        FrameFinished,
+        FrameError,
+        FrameHeartbeat,
+        FrameTimings,
+        CancelRequest,
+        LoadReport,
+        WorkerRegistration,
+        NodeRegistration,
+        DrainRequest,
+        DrainReply,
+        ArtifactRequest,
+        ArtifactChunk,
+        FaultInjection,
+        FaultAck,
+        ActorFault,
+        GenerateDisagg,
+        PrefillRequest,
+        PrefillReply,
+        TransferStarting,
+        KvEventBatch,
+        KvDumpRequest,
+        KvDump,
+        KvDumpTiered,
+        ActiveLoadEvent,
+        RouterHeartbeat,
+        ActiveLoadSnapshotRequest,
+        ActiveLoadSnapshot,
+        RouterInfoRequest,
+        RouterInfo,
+        ChunkedReply,
+    );
+    if let Ok(piece) = decode::<ChunkedReply>(bytes) {
+        let mut a = dynamo_bus_schema::chunk::Assembler::default();
+        let _ = a.push(piece);
+    }
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 2000, rng_seed: proptest::test_runner::RngSeed::Fixed(7), ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: fuzz_cases(2000), rng_seed: proptest::test_runner::RngSeed::Fixed(7), ..ProptestConfig::default() })]
     #[test]
-    fn random_bytes_never_panic(mut bytes in proptest::collection::vec(any::<u8>(), 0..256), kind in 0u16..60) {
+    fn random_bytes_never_panic(mut bytes in proptest::collection::vec(any::<u8>(), 0..256), kind in 0u16..100) {
         if bytes.len() >= 4 { bytes[0] = 0xD7; bytes[1] = 1; bytes[2..4].copy_from_slice(&kind.to_le_bytes()); }
-        let _ = decode::<GenerateRequest>(&bytes);
-        let _ = decode::<WorkerRegistration>(&bytes);
-        let _ = decode::<FrameTokens>(&bytes);
-        let _ = decode::<ArtifactChunk>(&bytes);
+        decode_all(&bytes);
+    }
+
+    /// Every sample with bytes flipped, cut or appended: never a panic, and
+    /// whatever decodes is a value of the right kind.
+    #[test]
+    fn mutated_messages_never_panic(which in 0usize..64, edits in proptest::collection::vec((any::<usize>(), any::<u8>(), 0u8..3), 1..8)) {
+        let s = samples();
+        let mut bytes = s[which % s.len()].1.clone();
+        for (pos, b, op) in edits {
+            match op {
+                0 if !bytes.is_empty() => { let i = pos % bytes.len(); bytes[i] ^= b | 1; }
+                1 if !bytes.is_empty() => bytes.truncate(pos % bytes.len()),
+                _ => bytes.push(b),
+            }
+        }
+        decode_all(&bytes);
     }
 }

@@ -77,6 +77,16 @@ pub struct RawGateway {
     pub shutdown_grace_ms: Option<u64>,
     /// Most migrations per request (0 = off).
     pub max_migrations: Option<u32>,
+    /// Admission: requests of one model served at once.
+    pub max_inflight_requests: Option<u32>,
+    /// Admission: requests of one model waiting for a place (past it: 429).
+    pub max_queued_requests: Option<u32>,
+    /// Admission: longest a request waits for a place (past it: 503).
+    pub max_queue_wait_ms: Option<u64>,
+    /// Bodies this large or larger are tokenized on the blocking pool.
+    pub blocking_preprocess_bytes: Option<usize>,
+    /// Threads of the blocking preprocessing pool.
+    pub preprocess_threads: Option<usize>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -98,6 +108,8 @@ pub struct RawRouter {
     /// Disaggregated serving: a prefill worker with this many requests
     /// waiting is skipped.
     pub max_prefill_queue: Option<u32>,
+    /// How long a worker that refused a request as overloaded is avoided.
+    pub overload_backoff_ms: Option<u64>,
 }
 
 /// `[workers.transfer]`: the KV transfer endpoint of prefill/decode workers.
@@ -114,6 +126,9 @@ pub struct RawTransfer {
     pub prefill_timeout_ms: Option<u64>,
     pub fence_after: Option<u32>,
     pub fence_for_ms: Option<u64>,
+    /// MiB a prefill worker's failed or timed-out writes may hold before it
+    /// refuses new transfers.
+    pub max_stalled_mib: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -302,7 +317,40 @@ impl NodeConfig {
                     max_route_attempts: g.max_route_attempts.unwrap_or(d.max_route_attempts),
                     shutdown_grace: ms(g.shutdown_grace_ms, d.shutdown_grace),
                     max_migrations: g.max_migrations.unwrap_or(d.max_migrations),
+                    admission: dynamo_gateway::config::AdmissionConfig {
+                        max_inflight: g.max_inflight_requests.unwrap_or(d.admission.max_inflight),
+                        max_queued: g.max_queued_requests.unwrap_or(d.admission.max_queued),
+                        max_queue_wait: ms(g.max_queue_wait_ms, d.admission.max_queue_wait),
+                    },
+                    blocking_preprocess_bytes: g
+                        .blocking_preprocess_bytes
+                        .unwrap_or(d.blocking_preprocess_bytes),
+                    preprocess_threads: g.preprocess_threads.unwrap_or(d.preprocess_threads),
                 };
+                if cfg.admission.max_inflight == 0 {
+                    return Err(invalid(
+                        "gateway.max_inflight_requests",
+                        "must be at least 1",
+                    ));
+                }
+                if cfg.admission.max_queue_wait > cfg.request_timeout {
+                    return Err(invalid(
+                        "gateway.max_queue_wait_ms",
+                        "must not exceed gateway.request_timeout_ms",
+                    ));
+                }
+                if cfg.preprocess_threads == 0 || cfg.preprocess_threads > 256 {
+                    return Err(invalid("gateway.preprocess_threads", "must be 1-256"));
+                }
+                if cfg.max_migrations > 100 {
+                    return Err(invalid("gateway.max_migrations", "must be 0-100"));
+                }
+                if cfg.request_timeout > Duration::from_secs(24 * 3600) {
+                    return Err(invalid(
+                        "gateway.request_timeout_ms",
+                        "must be at most 86400000 (a day)",
+                    ));
+                }
                 if cfg.liveness_timeout < Duration::from_millis(300) {
                     return Err(invalid(
                         "gateway.liveness_timeout_ms",
@@ -340,33 +388,43 @@ impl NodeConfig {
                     .unwrap_or(d.disagg.min_remote_prefill_tokens),
                 max_prefill_queue: r.max_prefill_queue.unwrap_or(d.disagg.max_prefill_queue),
             },
+            overload_backoff: ms(r.overload_backoff_ms, d.overload_backoff),
         };
         if router.disagg.max_prefill_queue == 0 {
             return Err(invalid("router.max_prefill_queue", "must be at least 1"));
         }
         let mut router = router;
         if let PolicyKind::KvAware(w) = &mut router.policy {
-            for (key, v, slot) in [
+            // The same ranges a request's `routing` extension has.
+            for (key, v, slot, hi) in [
                 (
                     "router.overlap_weight",
                     r.overlap_weight,
                     &mut w.overlap_weight,
+                    dynamo_gateway::openai::MAX_OVERLAP_WEIGHT,
                 ),
                 (
                     "router.host_hit_cost",
                     r.host_hit_cost,
                     &mut w.host_hit_cost,
+                    1.0,
                 ),
                 (
                     "router.disk_hit_cost",
                     r.disk_hit_cost,
                     &mut w.disk_hit_cost,
+                    1.0,
                 ),
-                ("router.temperature", r.temperature, &mut w.temperature),
+                (
+                    "router.temperature",
+                    r.temperature,
+                    &mut w.temperature,
+                    dynamo_gateway::openai::MAX_ROUTING_TEMPERATURE,
+                ),
             ] {
                 if let Some(v) = v {
-                    if !(v.is_finite() && v >= 0.0) {
-                        return Err(invalid(key, "must be a finite number >= 0"));
+                    if !(v.is_finite() && (0.0..=hi).contains(&v)) {
+                        return Err(invalid(key, format!("must be between 0 and {hi}")));
                     }
                     *slot = v;
                 }
@@ -459,6 +517,10 @@ impl NodeConfig {
                 prefill_timeout: ms(t.prefill_timeout_ms, dt.prefill_timeout),
                 fence_after: t.fence_after.unwrap_or(dt.fence_after),
                 fence_for: ms(t.fence_for_ms, dt.fence_for),
+                max_stalled_bytes: t
+                    .max_stalled_mib
+                    .map(|m| (m as usize).saturating_mul(1 << 20))
+                    .unwrap_or(dt.max_stalled_bytes),
             };
             if !["tcp;ofi_rxm", "tcp", "shm", "verbs;ofi_rxm", "efa"]
                 .contains(&transfer.provider.as_str())

@@ -122,36 +122,12 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
         heartbeat_unix_ms: unix_ms(),
     };
     let node_key = cfg.node_id.0.clone();
-    let put = |reg: &NodeRegistration| {
-        let (nodes, bus) = (nodes.clone(), bus.clone());
-        let key = node_key.clone();
-        let bytes: Result<bytes::Bytes, _> = encode(reg).map(|b| b.into());
-        async move {
-            let b = match bytes {
-                Ok(b) => b,
-                Err(e) => return tracing::error!(error = %e, "cannot encode node registration"),
-            };
-            if nodes.put(key.clone(), b.clone()).await.is_ok() {
-                return;
-            }
-            // The bus may have restarted without its JetStream state: the
-            // bucket is created again and the write retried once.
-            let again = async {
-                let kv = bus
-                    .kv_bucket(
-                        &bus.subjects.nodes_bucket(),
-                        dynamo_runtime::bus::REGISTRY_MAX_AGE,
-                    )
-                    .await
-                    .map_err(|e| e.to_string())?;
-                kv.put(key, b).await.map_err(|e| e.to_string())
-            };
-            if let Err(e) = again.await {
-                tracing::warn!(error = %e, "cannot refresh node registration");
-            }
-        }
+    let registrar = NodeRegistrar {
+        bus: bus.clone(),
+        nodes: nodes.clone(),
+        key: node_key.clone(),
     };
-    put(&reg).await;
+    registrar.put(&reg).await;
     println!(
         "dynamo-node {} ready: nats {url}{}",
         cfg.node_id,
@@ -161,39 +137,106 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
             .unwrap_or_default()
     );
 
+    // The node's record is refreshed by a task of its own, so a slow or
+    // absent bus never delays the reaction to a signal.
+    let heartbeat = tokio::spawn(registrar.clone().run(reg, sup.clone()));
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    let mut beat = tokio::time::interval(Duration::from_secs(1));
-    let mut reg = reg;
     let mut sup_handle = sup_handle;
-    let died = loop {
-        tokio::select! {
-            _ = term.recv() => break false,
-            _ = int.recv() => break false,
-            _ = &mut sup_handle => break true,
-            _ = beat.tick() => {
-                reg.heartbeat_unix_ms = unix_ms();
-                if let Ok(ractor::rpc::CallResult::Success(mut c)) = sup.call(SupervisorMsg::Children, Some(Duration::from_secs(1))).await {
-                    c.sort();
-                    reg.actors = c;
-                }
-                put(&reg).await;
-            }
-        }
+    let died = tokio::select! {
+        _ = term.recv() => false,
+        _ = int.recv() => false,
+        _ = &mut sup_handle => true,
     };
+    heartbeat.abort();
     if died {
         anyhow::bail!("node supervisor stopped unexpectedly");
     }
+    // A second signal stops the node at once.
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {},
+            _ = int.recv() => {},
+        }
+        eprintln!("dynamo-node: second signal; stopping now");
+        std::process::exit(130);
+    });
     tracing::info!("shutting down: draining in-flight requests");
     let grace = cfg.shutdown_grace + Duration::from_secs(5);
     let _ = sup.call(SupervisorMsg::Shutdown, Some(grace)).await;
     sup.stop(None);
     let _ = tokio::time::timeout(Duration::from_secs(5), sup_handle).await;
-    // Bounded: with the bus gone these would wait for a server that is not there.
-    let _ = tokio::time::timeout(Duration::from_secs(2), nodes.delete(&node_key)).await;
-    let _ = tokio::time::timeout(Duration::from_secs(2), bus.client.flush()).await;
+    // Bounded, and skipped without a bus: nothing would answer.
+    if bus.is_connected() {
+        let _ = tokio::time::timeout(Duration::from_secs(2), nodes.delete(&node_key)).await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), bus.client.flush()).await;
+    }
     tracing::info!("node stopped");
     Ok(())
+}
+
+/// Writes the node's record in the nodes bucket.
+#[derive(Clone)]
+struct NodeRegistrar {
+    bus: Bus,
+    nodes: async_nats::jetstream::kv::Store,
+    key: String,
+}
+
+impl NodeRegistrar {
+    /// One write, bounded; the bus may have restarted without its
+    /// JetStream state, so the bucket is created again and the write
+    /// retried once.
+    async fn put(&self, reg: &NodeRegistration) {
+        let b: bytes::Bytes = match encode(reg) {
+            Ok(b) => b.into(),
+            Err(e) => return tracing::error!(error = %e, "cannot encode node registration"),
+        };
+        let limit = Duration::from_secs(2);
+        if let Ok(Ok(_)) =
+            tokio::time::timeout(limit, self.nodes.put(self.key.clone(), b.clone())).await
+        {
+            return;
+        }
+        if !self.bus.is_connected() {
+            return;
+        }
+        let again = async {
+            let kv = self
+                .bus
+                .kv_bucket(
+                    &self.bus.subjects.nodes_bucket(),
+                    dynamo_runtime::bus::REGISTRY_MAX_AGE,
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            kv.put(self.key.clone(), b).await.map_err(|e| e.to_string())
+        };
+        match tokio::time::timeout(limit, again).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "cannot refresh node registration"),
+            Err(_) => tracing::warn!("refreshing the node registration timed out"),
+        }
+    }
+
+    /// Refreshes the record every second with the actors running.
+    async fn run(self, mut reg: NodeRegistration, sup: ractor::ActorRef<SupervisorMsg>) {
+        let mut beat = tokio::time::interval(Duration::from_secs(1));
+        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        beat.tick().await;
+        loop {
+            beat.tick().await;
+            reg.heartbeat_unix_ms = unix_ms();
+            if let Ok(ractor::rpc::CallResult::Success(mut c)) = sup
+                .call(SupervisorMsg::Children, Some(Duration::from_secs(1)))
+                .await
+            {
+                c.sort();
+                reg.actors = c;
+            }
+            self.put(&reg).await;
+        }
+    }
 }
 
 fn hostname() -> String {

@@ -1,5 +1,10 @@
 //! An embedded `nats-server -js` child process with its own data directory,
 //! on a free loopback port. Killed (and its directory removed) on drop.
+//!
+//! The server runs in a process group of its own, so a terminal's Ctrl-C
+//! (SIGINT to the node's whole group) reaches the node only: the node
+//! drains and deregisters over a bus that is still up, and stops the
+//! server last.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -46,7 +51,17 @@ impl EmbeddedNats {
             .tempdir()
             .map_err(NatsError::DataDir)?;
         let log = dir.path().join("nats.log");
-        let child = Command::new("nats-server")
+        let mut cmd = Command::new("nats-server");
+        // SAFETY: prctl is async-signal-safe; it only asks the kernel to
+        // stop the server if the node dies without stopping it (kill -9),
+        // since its own process group keeps the terminal's signals away.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
+        let child = cmd
             .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
             .arg(dir.path().join("js"))
             .arg("-l")
@@ -54,6 +69,8 @@ impl EmbeddedNats {
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
+            // Shielded from the terminal's signals: the node stops it last.
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .map_err(NatsError::Spawn)?;

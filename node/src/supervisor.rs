@@ -9,7 +9,10 @@
 use crate::config::EngineSpec;
 use crate::config::{NodeConfig, WorkerGroup};
 use dynamo_bus_schema::blocks::hash_salt;
-use dynamo_bus_schema::{unix_ms, FaultAck, FaultInjection, WireError, WorkerId};
+use dynamo_bus_schema::{
+    decode_payload, peek_kind, unix_ms, ActorFault, ErrorKind, ErrorReply, FaultAck,
+    FaultInjection, WireError, WireMessage, WorkerId,
+};
 use dynamo_cpu_engine::{CpuEngine, CpuModelInfo};
 use dynamo_engine::Engine;
 use dynamo_gateway::{GatewayActor, GatewayArgs, GatewayMsg};
@@ -24,7 +27,6 @@ use ractor::{
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio_util::sync::{CancellationToken, DropGuard};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum ChildKind {
@@ -73,6 +75,10 @@ pub struct GroupModel {
 pub enum SupervisorMsg {
     Start(ChildKind),
     InjectFault(FaultInjection, RpcReplyPort<FaultAck>),
+    /// A fault for an actor named by role (`router`, `gateway`) or worker id.
+    InjectActorFault(ActorFault, RpcReplyPort<FaultAck>),
+    /// The fault-injection server ended (it is started again).
+    FaultServerEnded(String),
     /// Graceful stop of every child; replies when done.
     Shutdown(RpcReplyPort<()>),
     /// Names of the running children.
@@ -91,7 +97,7 @@ pub struct SupervisorState {
     backoffs: HashMap<String, Backoff>,
     generations: HashMap<WorkerId, u64>,
     shutting_down: bool,
-    _guard: DropGuard,
+    tasks: dynamo_runtime::Tasks,
 }
 
 impl Actor for NodeSupervisor {
@@ -104,7 +110,10 @@ impl Actor for NodeSupervisor {
         myself: ActorRef<SupervisorMsg>,
         args: SupervisorArgs,
     ) -> Result<SupervisorState, ActorProcessingErr> {
-        let tasks = CancellationToken::new();
+        let me = myself.clone();
+        let tasks = dynamo_runtime::Tasks::new(Arc::new(move |why| {
+            let _ = me.cast(SupervisorMsg::FaultServerEnded(why));
+        }));
         let mut st = SupervisorState {
             bus: args.bus,
             cfg: args.config,
@@ -115,17 +124,10 @@ impl Actor for NodeSupervisor {
             backoffs: HashMap::new(),
             generations: HashMap::new(),
             shutting_down: false,
-            _guard: tasks.clone().drop_guard(),
+            tasks,
         };
         if st.cfg.fault_injection {
-            let subject = st.bus.subjects.node_fault(&st.cfg.node_id);
-            let sub = st.bus.client.subscribe(subject).await?;
-            tokio::spawn(serve_faults(
-                st.bus.clone(),
-                sub,
-                myself.clone(),
-                tasks.child_token(),
-            ));
+            st.serve_faults(&myself).await?;
             tracing::warn!("fault injection is enabled on this node");
         }
         // Start-up failures are fatal (bad port, engine config…); later ones restart.
@@ -169,7 +171,7 @@ impl Actor for NodeSupervisor {
             }
             SupervisorMsg::InjectFault(f, reply) => {
                 let ack = match st.workers.get(&f.worker_id) {
-                    Some(w) => match w.cast(WorkerMsg::InjectFault(f.fault)) {
+                    Some(w) => match w.cast(WorkerMsg::InjectFault(f.fault, String::new())) {
                         Ok(()) => FaultAck {
                             applied: true,
                             message: format!("{:?} sent to worker {}", f.fault, f.worker_id),
@@ -185,6 +187,17 @@ impl Actor for NodeSupervisor {
                     },
                 };
                 let _ = reply.send(ack);
+            }
+            SupervisorMsg::InjectActorFault(f, reply) => {
+                let _ = reply.send(st.actor_fault(f));
+            }
+            SupervisorMsg::FaultServerEnded(why) => {
+                tracing::warn!(%why, "fault injection server ended; serving again");
+                if !st.shutting_down {
+                    if let Err(e) = st.serve_faults(&myself).await {
+                        tracing::error!(error = %e, "cannot serve fault injection");
+                    }
+                }
             }
             SupervisorMsg::Shutdown(reply) => {
                 st.shutdown().await;
@@ -232,6 +245,47 @@ impl Actor for NodeSupervisor {
 }
 
 impl SupervisorState {
+    async fn serve_faults(
+        &mut self,
+        myself: &ActorRef<SupervisorMsg>,
+    ) -> Result<(), ActorProcessingErr> {
+        let subject = self.bus.subjects.node_fault(&self.cfg.node_id);
+        let sub = self.bus.client.subscribe(subject).await?;
+        self.tasks.spawn(
+            "faults",
+            answer_faults(self.bus.clone(), sub, myself.clone()),
+        );
+        Ok(())
+    }
+
+    /// Applies a fault to an actor named by role or worker id.
+    fn actor_fault(&self, f: ActorFault) -> FaultAck {
+        let task = f.task.clone();
+        let sent = match f.actor.as_str() {
+            "router" => ractor::registry::where_is(ROUTER_ACTOR_NAME)
+                .map(ActorRef::<dynamo_router::RouterMsg>::from)
+                .map(|r| {
+                    r.cast(dynamo_router::RouterMsg::InjectFault(f.fault, task))
+                        .is_ok()
+                }),
+            "gateway" => self
+                .gateway
+                .as_ref()
+                .map(|g| g.cast(GatewayMsg::InjectFault(f.fault, task)).is_ok()),
+            other => other
+                .parse::<WorkerId>()
+                .ok()
+                .and_then(|w| self.workers.get(&w))
+                .map(|w| w.cast(WorkerMsg::InjectFault(f.fault, task)).is_ok()),
+        };
+        let (applied, message) = match sent {
+            Some(true) => (true, format!("{:?} sent to {}", f.fault, f.actor)),
+            Some(false) => (false, format!("{} is unreachable", f.actor)),
+            None => (false, format!("no actor {:?} on this node", f.actor)),
+        };
+        FaultAck { applied, message }
+    }
+
     fn schedule_restart(&mut self, kind: ChildKind, myself: &ActorRef<SupervisorMsg>) {
         let (base, max) = (self.cfg.restart_base, self.cfg.restart_max);
         let delay = self
@@ -239,12 +293,8 @@ impl SupervisorState {
             .entry(kind.name())
             .or_insert_with(|| Backoff::new(base, max, Duration::from_secs(60)))
             .next_delay(Instant::now());
-        let me = myself.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(delay).await;
-            // The supervisor may be gone (shutdown): nothing to restart then.
-            let _ = me.cast(SupervisorMsg::Start(kind));
-        });
+        // A timer of the supervisor's own: gone with it (nothing to restart then).
+        myself.send_after(delay, move || SupervisorMsg::Start(kind));
     }
 
     async fn spawn_child(
@@ -348,28 +398,47 @@ impl SupervisorState {
         Ok(())
     }
 
+    /// Stops the node's actors: the gateway stops taking requests and lets
+    /// in-flight ones finish (within the grace period), the workers drain
+    /// and deregister, then everything stops. Every step is bounded, the
+    /// workers are handled together rather than one by one, and nothing
+    /// waits on a bus that is gone.
     async fn shutdown(&mut self) {
         self.shutting_down = true;
+        self.tasks.shutdown();
         let grace = self.cfg.shutdown_grace;
         if let Some(g) = self.gateway.take() {
             let _ = g
                 .call(GatewayMsg::Shutdown, Some(grace + Duration::from_secs(1)))
                 .await;
         }
-        for w in self.workers.values() {
-            let _ = w.call(WorkerMsg::Drain, Some(Duration::from_secs(2))).await;
-        }
+        let workers: Vec<ActorRef<WorkerMsg>> = self.workers.values().cloned().collect();
+        futures::future::join_all(
+            workers
+                .iter()
+                .map(|w| w.call(WorkerMsg::Drain, Some(Duration::from_secs(2)))),
+        )
+        .await;
         let t0 = Instant::now();
         loop {
-            let mut busy = 0;
-            for w in self.workers.values() {
-                if let Ok(ractor::rpc::CallResult::Success(n)) = w
-                    .call(WorkerMsg::Inflight, Some(Duration::from_secs(1)))
-                    .await
-                {
-                    busy += n;
-                }
+            // Without a bus no frame reaches a client: nothing to wait for.
+            if !self.bus.is_connected() {
+                tracing::warn!("the bus is gone; not waiting for in-flight requests");
+                break;
             }
+            let counts = futures::future::join_all(
+                workers
+                    .iter()
+                    .map(|w| w.call(WorkerMsg::Inflight, Some(Duration::from_secs(1)))),
+            )
+            .await;
+            let busy: u32 = counts
+                .into_iter()
+                .filter_map(|c| match c {
+                    Ok(ractor::rpc::CallResult::Success(n)) => Some(n),
+                    _ => None,
+                })
+                .sum();
             if busy == 0 || t0.elapsed() > grace {
                 if busy > 0 {
                     tracing::warn!(busy, "grace period over with requests still in flight");
@@ -378,11 +447,12 @@ impl SupervisorState {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        for w in self.workers.values() {
-            let _ = w
-                .call(WorkerMsg::Deregister, Some(Duration::from_secs(2)))
-                .await;
-        }
+        futures::future::join_all(
+            workers
+                .iter()
+                .map(|w| w.call(WorkerMsg::Deregister, Some(Duration::from_secs(3)))),
+        )
+        .await;
         for (_, (_, cell)) in self.children.drain() {
             cell.stop(Some("node shutting down".into()));
         }
@@ -390,29 +460,41 @@ impl SupervisorState {
     }
 }
 
-async fn serve_faults(
-    bus: Bus,
-    sub: async_nats::Subscriber,
-    sup: ActorRef<SupervisorMsg>,
-    cancel: CancellationToken,
-) {
-    bus.serve(sub, cancel, |f: FaultInjection| {
-        let sup = sup.clone();
-        async move {
-            let res = sup
-                .call(
-                    |r| SupervisorMsg::InjectFault(f, r),
-                    Some(Duration::from_secs(2)),
-                )
-                .await;
-            Ok::<_, WireError>(match res {
-                Ok(ractor::rpc::CallResult::Success(a)) => a,
-                _ => FaultAck {
-                    applied: false,
-                    message: "supervisor did not answer".into(),
-                },
-            })
+/// Answers fault injections (by worker id, or for an actor by role) on
+/// the node's fault subject; undecodable requests are refused and counted.
+async fn answer_faults(bus: Bus, mut sub: async_nats::Subscriber, sup: ActorRef<SupervisorMsg>) {
+    use futures::StreamExt;
+    while let Some(m) = sub.next().await {
+        let limit = Some(Duration::from_secs(2));
+        type Ask = Box<dyn FnOnce(RpcReplyPort<FaultAck>) -> SupervisorMsg + Send>;
+        let asked: Result<Ask, _> = match peek_kind(&m.payload) {
+            Ok((k, p)) if k == FaultInjection::KIND => decode_payload::<FaultInjection>(p)
+                .map(|f| Box::new(move |r| SupervisorMsg::InjectFault(f, r)) as Ask),
+            Ok((k, p)) if k == ActorFault::KIND => decode_payload::<ActorFault>(p)
+                .map(|f| Box::new(move |r| SupervisorMsg::InjectActorFault(f, r)) as Ask),
+            Ok((k, _)) => Err(dynamo_bus_schema::DecodeError::UnexpectedKind {
+                expected: FaultInjection::KIND.0,
+                found: k.0,
+                name: "FaultInjection",
+            }),
+            Err(e) => Err(e),
+        };
+        match asked {
+            Ok(ask) => {
+                let ack = match sup.call(ask, limit).await {
+                    Ok(ractor::rpc::CallResult::Success(a)) => a,
+                    _ => FaultAck {
+                        applied: false,
+                        message: "supervisor did not answer".into(),
+                    },
+                };
+                bus.reply(m.reply.as_ref(), &ack).await;
+            }
+            Err(e) => {
+                dynamo_runtime::counters::reject("fault injection", m.subject.as_str(), &e);
+                let error = WireError::new(ErrorKind::BadMessage, e.to_string());
+                bus.reply(m.reply.as_ref(), &ErrorReply { error }).await;
+            }
         }
-    })
-    .await;
+    }
 }

@@ -12,10 +12,15 @@
 //! order of creation; a region's memory stays allocated and registered
 //! while the region lives; memory-region keys are unique per process; a
 //! write either completes, fails with the provider's error, or times out:
-//! it never waits forever.
+//! it never waits forever. Every operation carries a tag of its own (its
+//! completion context), so a late completion of an operation its waiter
+//! gave up on is never counted for another one; a region such an operation
+//! still uses is kept by the agent ([`Agent::bury`]) until that completion
+//! arrives, and freed then.
 
 use dynamo_fabric_sys as sys;
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -96,6 +101,8 @@ pub fn reset_inherited_signal_handlers() {
 
 /// Unique memory-region keys: providers with `mr_mode` 0 take the key we ask for.
 static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
+/// Unique operation tags (the completion context of each posted operation).
+static NEXT_OP: AtomicU64 = AtomicU64::new(1);
 
 /// A peer inserted into this agent's address vector.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -155,6 +162,13 @@ pub struct Agent {
     /// Notices (remote CQ data of peers' [`WriteOp::notify`] writes) read
     /// from the completion queue and not yet taken.
     notices: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<u64>>>,
+    /// Completions of operations a waiter still waits for, by tag.
+    completed: HashMap<u64, Result<(), String>>,
+    /// Operations whose waiter gave up (timeout, error), by tag, with the
+    /// key of the local region each one uses.
+    abandoned: HashMap<u64, u64>,
+    /// Regions kept (by key) until every abandoned operation on them completes.
+    buried: HashMap<u64, Region>,
 }
 
 impl Agent {
@@ -253,6 +267,9 @@ impl Agent {
                 virt_addr,
                 provider: provider.into(),
                 notices: Default::default(),
+                completed: HashMap::new(),
+                abandoned: HashMap::new(),
+                buried: HashMap::new(),
             })
         }
     }
@@ -421,7 +438,9 @@ impl Agent {
 
     /// Reads completions (the target of writes must call this: manual progress).
     /// Returns how many of this agent's own operations completed; notices
-    /// from peers' writes are kept for [`Self::take_notice`].
+    /// from peers' writes are kept for [`Self::take_notice`]. A failed
+    /// operation is its waiter's error, not this call's: only a broken
+    /// completion queue is.
     pub fn progress(&mut self) -> Result<usize, FabricError> {
         let mut entries = [sys::fi_cq_data_entry::default(); 16];
         let mut done = 0;
@@ -438,6 +457,7 @@ impl Agent {
                         }
                     } else {
                         done += 1;
+                        self.complete(e.op_context as u64, Ok(()));
                     }
                 }
                 continue;
@@ -448,13 +468,35 @@ impl Agent {
             if rc == -(sys::FI_EAVAIL as isize) {
                 let mut err = sys::fi_cq_err_entry::default();
                 // SAFETY: one error entry.
-                unsafe { sys::dfi_cq_readerr(self.inner.cq, &mut err, 0) };
-                return Err(FabricError::Completion(format!(
-                    "error {} (provider {})",
-                    err.err, err.prov_errno
-                )));
+                let n = unsafe { sys::dfi_cq_readerr(self.inner.cq, &mut err, 0) };
+                if n <= 0 {
+                    check("fi_cq_readerr", n as i64)?;
+                    continue;
+                }
+                done += 1;
+                self.complete(
+                    err.op_context as u64,
+                    Err(format!("error {} (provider {})", err.err, err.prov_errno)),
+                );
+                continue;
             }
             check("fi_cq_read", rc as i64)?;
+        }
+    }
+
+    /// Records the completion of operation `tag`: its waiter's, or, for an
+    /// abandoned one, the end of its claim on a buried region.
+    fn complete(&mut self, tag: u64, result: Result<(), String>) {
+        match self.abandoned.remove(&tag) {
+            Some(key) => {
+                if !self.abandoned.values().any(|k| *k == key) {
+                    // Nothing reads or writes it any more.
+                    self.buried.remove(&key);
+                }
+            }
+            None => {
+                self.completed.insert(tag, result);
+            }
         }
     }
 
@@ -469,7 +511,8 @@ impl Agent {
     /// Writes `op.local[offset..offset+len]` to `op.remote` at
     /// `remote_offset` on `op.peer` and waits for the completion (at most
     /// `timeout`). With `op.notify`, the target's completion queue gets the
-    /// notice once the data is in place.
+    /// notice once the data is in place. On an error, a caller that wants
+    /// to drop the source region hands it to [`Self::bury`] instead.
     pub fn write(&mut self, op: WriteOp<'_>, timeout: Duration) -> Result<(), FabricError> {
         self.rma(Rma::Write(op.notify), op, timeout)
     }
@@ -482,36 +525,92 @@ impl Agent {
 
     fn rma(&mut self, kind: Rma, op: WriteOp<'_>, timeout: Duration) -> Result<(), FabricError> {
         let deadline = Instant::now() + timeout;
-        let mut done = self.post(kind, &op, timeout, deadline)?;
-        self.wait(&mut done, 1, timeout, deadline)
+        let tag = self.post(kind, &op, timeout, deadline)?;
+        self.wait(&[(tag, op.local.remote.key)], timeout, deadline)
     }
 
     /// Posts every write of `ops` before waiting for any, then waits for
     /// all their completions (at most `timeout` in all): segments of one
-    /// transfer move concurrently. A caller that gives up on an error must
-    /// keep the source regions alive (the provider may still read them).
+    /// transfer move concurrently. On an error, a caller that wants to drop
+    /// the source regions hands them to [`Self::bury`] instead (the
+    /// provider may still read them).
     pub fn write_all(&mut self, ops: &[WriteOp<'_>], timeout: Duration) -> Result<(), FabricError> {
         let deadline = Instant::now() + timeout;
-        let mut done = 0;
+        let mut tags = Vec::with_capacity(ops.len());
         for op in ops {
-            done += self.post(Rma::Write(op.notify), op, timeout, deadline)?;
+            match self.post(Rma::Write(op.notify), op, timeout, deadline) {
+                Ok(tag) => tags.push((tag, op.local.remote.key)),
+                Err(e) => {
+                    self.abandon(&tags);
+                    return Err(e);
+                }
+            }
         }
-        self.wait(&mut done, ops.len(), timeout, deadline)
+        self.wait(&tags, timeout, deadline)
+    }
+
+    /// Keeps `region` until every operation on it that its waiter gave up
+    /// on has completed (or frees it now if there is none). The memory a
+    /// provider may still read or write is never freed under it.
+    pub fn bury(&mut self, region: Region) {
+        let key = region.remote.key;
+        if self.abandoned.values().any(|k| *k == key) {
+            self.buried.insert(key, region);
+        }
+    }
+
+    /// Bytes of regions kept for operations that have not completed yet.
+    pub fn buried_bytes(&self) -> usize {
+        self.buried.values().map(|r| r.buf.len()).sum()
+    }
+
+    /// Operations given up on whose completion has not arrived yet.
+    pub fn abandoned_ops(&self) -> usize {
+        self.abandoned.len()
+    }
+
+    /// Gives up on `tags`: their completions, when they come, only free
+    /// what they held.
+    fn abandon(&mut self, tags: &[(u64, u64)]) {
+        for &(tag, key) in tags {
+            if self.completed.remove(&tag).is_none() {
+                self.abandoned.insert(tag, key);
+            }
+        }
     }
 
     fn wait(
         &mut self,
-        done: &mut usize,
-        want: usize,
+        tags: &[(u64, u64)],
         timeout: Duration,
         deadline: Instant,
     ) -> Result<(), FabricError> {
         loop {
-            *done += self.progress()?;
-            if *done >= want {
+            if let Err(e) = self.progress() {
+                self.abandon(tags);
+                return Err(e);
+            }
+            let mut all = true;
+            let mut failed = None;
+            for (tag, _) in tags {
+                match self.completed.get(tag) {
+                    None => all = false,
+                    Some(Err(e)) => failed = Some(e.clone()),
+                    Some(Ok(())) => {}
+                }
+            }
+            if let Some(e) = failed {
+                self.abandon(tags);
+                return Err(FabricError::Completion(e));
+            }
+            if all {
+                for (tag, _) in tags {
+                    self.completed.remove(tag);
+                }
                 return Ok(());
             }
             if Instant::now() >= deadline {
+                self.abandon(tags);
                 return Err(FabricError::Timeout(timeout));
             }
             std::hint::spin_loop();
@@ -519,14 +618,14 @@ impl Agent {
     }
 
     /// Posts one operation (retrying while the provider is busy); returns
-    /// how many earlier operations completed meanwhile.
+    /// its tag.
     fn post(
         &mut self,
         kind: Rma,
         op: &WriteOp<'_>,
         timeout: Duration,
         deadline: Instant,
-    ) -> Result<usize, FabricError> {
+    ) -> Result<u64, FabricError> {
         let &WriteOp {
             local,
             offset,
@@ -550,11 +649,13 @@ impl Agent {
                 size: remote.len,
             });
         }
-        let mut done = 0;
+        let tag = NEXT_OP.fetch_add(1, Ordering::Relaxed);
+        // The tag rides as the completion context; it is never dereferenced.
+        let context = tag as usize as *mut libc::c_void;
         loop {
             // SAFETY: the local range is inside a registered region that
             // outlives the call (we wait for the completion below; a caller
-            // that gives up on a timeout must keep the region alive).
+            // that gives up buries the region until it completes).
             let buf = local.buf.as_ptr().wrapping_add(offset);
             let addr = remote.base + remote_offset;
             let rc = unsafe {
@@ -567,7 +668,7 @@ impl Agent {
                         peer.0,
                         addr,
                         remote.key,
-                        ptr::null_mut(),
+                        context,
                     ),
                     Rma::Write(Some(data)) => sys::dfi_writedata(
                         self.inner.ep,
@@ -578,7 +679,7 @@ impl Agent {
                         peer.0,
                         addr,
                         remote.key,
-                        ptr::null_mut(),
+                        context,
                     ),
                     Rma::Read => sys::dfi_read(
                         self.inner.ep,
@@ -588,20 +689,32 @@ impl Agent {
                         peer.0,
                         addr,
                         remote.key,
-                        ptr::null_mut(),
+                        context,
                     ),
                 }
             };
             if rc == 0 {
-                return Ok(done);
+                return Ok(tag);
             }
             if rc != -(libc::EAGAIN as isize) {
                 check("fi_write", rc as i64)?;
             }
-            done += self.progress()?;
+            self.progress()?;
             if Instant::now() >= deadline {
                 return Err(FabricError::Timeout(timeout));
             }
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        // The endpoint lives on while any region of this agent does, and an
+        // abandoned operation may still touch a buried region: leak those
+        // rather than free memory the provider may use (a prefill worker
+        // bounds how much it buries).
+        for (_, r) in self.buried.drain() {
+            std::mem::forget(r);
         }
     }
 }

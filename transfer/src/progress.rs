@@ -3,7 +3,7 @@
 //!
 //! Invariants: the thread stops when the [`Progress`] is dropped; it spins
 //! only while an [`Expecting`] guard lives, and polls every [`IDLE_POLL`]
-//! otherwise; a paused thread never polls again.
+//! otherwise; a paused thread does not poll until resumed.
 
 use crate::{Agent, FabricError};
 use std::sync::atomic::Ordering;
@@ -18,7 +18,7 @@ use std::time::Duration;
 pub struct Progress {
     agent: std::sync::Arc<std::sync::Mutex<Agent>>,
     shared: std::sync::Arc<ProgressFlags>,
-    thread: Option<std::thread::JoinHandle<Result<(), FabricError>>>,
+    thread: Option<std::thread::JoinHandle<Option<FabricError>>>,
 }
 
 #[derive(Default)]
@@ -48,10 +48,18 @@ impl Progress {
         let thread = std::thread::Builder::new()
             .name("fabric-progress".into())
             .spawn(move || {
+                // A broken completion queue is reported at `stop`, but the
+                // thread keeps polling: it is the endpoint's only progress.
+                let mut first_error = None;
                 while !f.stop.load(Ordering::Relaxed) {
                     if !f.paused.load(Ordering::Relaxed) {
                         if let Ok(mut a) = a.lock() {
-                            a.progress()?;
+                            if let Err(e) = a.progress() {
+                                if first_error.is_none() {
+                                    tracing::error!(error = %e, "KV transfer progress failed");
+                                    first_error = Some(e);
+                                }
+                            }
                         }
                     }
                     if f.expecting.load(Ordering::Relaxed) > 0 {
@@ -60,7 +68,7 @@ impl Progress {
                         std::thread::sleep(IDLE_POLL);
                     }
                 }
-                Ok(())
+                first_error
             })?;
         Ok(Progress {
             agent,
@@ -86,9 +94,14 @@ impl Progress {
         self.agent().take_notice(data)
     }
 
-    /// Stops polling for good (fault injection: a peer that never polls).
+    /// Stops polling (fault injection: a peer that never polls).
     pub fn pause(&self) {
         self.shared.paused.store(true, Ordering::Relaxed);
+    }
+
+    /// Polls again after [`Self::pause`].
+    pub fn resume(&self) {
+        self.shared.paused.store(false, Ordering::Relaxed);
     }
 
     /// Stops the thread; returns the first progress error, if any.
@@ -99,9 +112,9 @@ impl Progress {
     fn halt(&mut self) -> Result<(), FabricError> {
         self.shared.stop.store(true, Ordering::Relaxed);
         match self.thread.take().map(|t| t.join()) {
-            Some(Ok(r)) => r,
+            Some(Ok(None)) | None => Ok(()),
+            Some(Ok(Some(e))) => Err(e),
             Some(Err(_)) => Err(FabricError::Completion("progress thread panicked".into())),
-            None => Ok(()),
         }
     }
 }

@@ -1,7 +1,9 @@
 //! Real libfabric endpoints on loopback: one-sided writes land byte for
 //! byte, and a write to a peer that is gone fails within its timeout.
 
-use dynamo_transfer::{Agent, Expecting, FabricError, Peer, Progress, WriteOp};
+use dynamo_transfer::{
+    Agent, Expecting, FabricError, Peer, Progress, Region, RemoteRegion, WriteOp,
+};
 use std::time::Duration;
 
 fn write_and_check(provider: &str) {
@@ -220,6 +222,74 @@ fn tcp_rxm_foreign_memory_windows() {
 #[test]
 fn shm_foreign_memory_windows() {
     foreign_memory_windows("shm");
+}
+
+/// A write to a target that stops polling times out; the source region
+/// its provider may still read is kept by the agent, not freed, and is
+/// freed once the write completes after all. A later write is not
+/// confused by that late completion.
+fn a_stalled_write_keeps_its_region_until_it_lands(provider: &str) {
+    const LEN: usize = 1 << 20;
+    let mut target = Agent::new(provider).expect("provider available");
+    let dst = target.register(LEN).unwrap();
+    let remote = dst.remote();
+    let (progress, _spin, mut init, peer) = connect(provider, target);
+    let warm = init.register(4096).unwrap();
+    fn op<'a>(local: &'a Region, len: usize, peer: Peer, remote: &'a RemoteRegion) -> WriteOp<'a> {
+        WriteOp {
+            local,
+            offset: 0,
+            len,
+            peer,
+            remote,
+            remote_offset: 0,
+            notify: None,
+        }
+    }
+    // The connection is up (set-up needs the target's progress too).
+    init.write(op(&warm, 4096, peer, &remote), Duration::from_secs(10))
+        .unwrap();
+    progress.pause();
+    let mut src = init.register(LEN).unwrap();
+    src.bytes_mut().fill(8);
+    assert!(matches!(
+        init.write(op(&src, LEN, peer, &remote), Duration::from_millis(300)),
+        Err(FabricError::Timeout(_))
+    ));
+    init.bury(src);
+    assert_eq!(init.buried_bytes(), LEN);
+    assert_eq!(init.abandoned_ops(), 1);
+    progress.resume();
+    let t0 = std::time::Instant::now();
+    while init.buried_bytes() > 0 {
+        init.progress().unwrap();
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the stalled write never completed"
+        );
+        std::thread::yield_now();
+    }
+    assert_eq!(init.abandoned_ops(), 0);
+    init.write(op(&warm, 4096, peer, &remote), Duration::from_secs(10))
+        .unwrap();
+    drop(progress);
+    assert!(
+        dst.bytes()[4096..].iter().all(|b| *b == 8),
+        "the late write landed whole"
+    );
+    // Nothing to keep: a region no abandoned operation uses is freed at once.
+    init.bury(warm);
+    assert_eq!(init.buried_bytes(), 0);
+}
+
+#[test]
+fn tcp_rxm_a_stalled_write_keeps_its_region_until_it_lands() {
+    a_stalled_write_keeps_its_region_until_it_lands("tcp;ofi_rxm");
+}
+
+#[test]
+fn shm_a_stalled_write_keeps_its_region_until_it_lands() {
+    a_stalled_write_keeps_its_region_until_it_lands("shm");
 }
 
 #[test]

@@ -1,20 +1,27 @@
 //! `GatewayActor`: owns the HTTP server, the frame inbox and their tasks.
 //! Handlers run on the server's tasks (not through the mailbox); the actor's
 //! mailbox carries lifecycle messages only.
+//!
+//! Invariants: the server and the inbox are long-lived tasks of the
+//! actor's `Tasks`: if either ends on its own (the listener fails, the
+//! subscription closes) the actor fails and its supervisor restarts it
+//! (a new server, a new inbox); every short-lived task (a stream, a
+//! cancel) belongs to the same set and stops with it.
 
+use crate::admission::Admission;
 use crate::config::GatewayConfig;
 use crate::handlers::app;
 use crate::inbox::Inbox;
 use crate::metrics::Metrics;
 use crate::models::ModelCache;
-use crate::shared::Shared;
-use dynamo_bus_schema::{unix_ms, GatewayId};
-use dynamo_runtime::Bus;
+use crate::preprocess::PreprocessPool;
+use crate::shared::{Shared, CONTROL_CONCURRENCY};
+use dynamo_bus_schema::{unix_ms, FaultKind, GatewayId};
+use dynamo_runtime::{Bus, Gate, Tasks};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use tokio::task::JoinHandle;
-use tokio_util::sync::{CancellationToken, DropGuard};
+use tokio_util::sync::CancellationToken;
 
 pub struct GatewayActor;
 
@@ -27,14 +34,18 @@ pub enum GatewayMsg {
     /// Stop accepting requests, let in-flight ones finish within the grace
     /// period, then reply.
     Shutdown(RpcReplyPort<()>),
+    /// A background task ended on its own.
+    TaskEnded(String),
+    /// Fault injection ([`FaultKind::EndTask`]: `server` or `inbox`).
+    InjectFault(FaultKind, String),
 }
 
 pub struct GatewayRuntime {
     shared: Arc<Shared>,
     server_stop: CancellationToken,
-    server: Option<JoinHandle<()>>,
-    tasks: CancellationToken,
-    _guard: DropGuard,
+    /// Fires when the server has finished (graceful shutdown done).
+    server_done: Option<tokio::sync::oneshot::Receiver<()>>,
+    tasks: Tasks,
 }
 
 impl Actor for GatewayActor {
@@ -44,50 +55,61 @@ impl Actor for GatewayActor {
 
     async fn pre_start(
         &self,
-        _myself: ActorRef<GatewayMsg>,
+        myself: ActorRef<GatewayMsg>,
         args: GatewayArgs,
     ) -> Result<GatewayRuntime, ActorProcessingErr> {
+        let me = myself.clone();
+        let tasks = Tasks::new(Arc::new(move |why| {
+            let _ = me.cast(GatewayMsg::TaskEnded(why));
+        }));
         let gateway_id = GatewayId::random();
         let frames_subject = args.bus.subjects.gateway_frames(gateway_id);
         let listener = tokio::net::TcpListener::bind(args.config.listen)
             .await
             .map_err(|e| format!("cannot listen on {}: {e}", args.config.listen))?;
         let sub = args.bus.client.subscribe(frames_subject.clone()).await?;
+        let c = &args.config;
         let shared = Arc::new(Shared {
-            bus: args.bus,
+            bus: args.bus.clone(),
             gateway_id,
             frames_subject,
             inbox: Inbox::default(),
-            config: args.config.clone(),
             metrics: Metrics::new()?,
             models: ModelCache::default(),
+            admission: Admission::new(c.admission.clone()),
+            preprocess: PreprocessPool::new(c.preprocess_threads, c.blocking_preprocess_bytes),
+            control: Gate::new(CONTROL_CONCURRENCY),
+            spawner: tasks.spawner(),
+            config: args.config.clone(),
             accepting: AtomicBool::new(true),
             started_unix_s: unix_ms() / 1000,
         });
-        let tasks = CancellationToken::new();
-        let guard = tasks.clone().drop_guard();
         let inbox_owner = shared.clone();
-        let inbox_stop = tasks.child_token();
-        tokio::spawn(async move { inbox_owner.inbox.run(sub, inbox_stop).await });
+        tasks.spawn("inbox", async move { inbox_owner.inbox.run(sub).await });
 
-        let server_stop = tasks.child_token();
-        let stop = server_stop.clone();
+        let server_stop = CancellationToken::new();
+        let (stop, asked) = (server_stop.clone(), server_stop.clone());
         let router = app(shared.clone());
-        let server = tokio::spawn(async move {
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        tasks.spawn("server", async move {
             let res = axum::serve(listener, router)
                 .with_graceful_shutdown(async move { stop.cancelled().await })
                 .await;
-            if let Err(e) = res {
+            if let Err(e) = &res {
                 tracing::error!(error = %e, "HTTP server failed");
+            }
+            let _ = done_tx.send(());
+            if asked.is_cancelled() && res.is_ok() {
+                // Shut down on purpose: not an unexpected end.
+                std::future::pending::<()>().await;
             }
         });
         tracing::info!(listen = %args.config.listen, gateway = %gateway_id, "gateway serving");
         Ok(GatewayRuntime {
             shared,
             server_stop,
-            server: Some(server),
+            server_done: Some(done_rx),
             tasks,
-            _guard: guard,
         })
     }
 
@@ -96,7 +118,7 @@ impl Actor for GatewayActor {
         _myself: ActorRef<GatewayMsg>,
         rt: &mut GatewayRuntime,
     ) -> Result<(), ActorProcessingErr> {
-        rt.tasks.cancel();
+        rt.tasks.shutdown();
         Ok(())
     }
 
@@ -110,9 +132,9 @@ impl Actor for GatewayActor {
             GatewayMsg::Shutdown(reply) => {
                 rt.shared.accepting.store(false, Ordering::Relaxed);
                 rt.server_stop.cancel();
-                if let Some(server) = rt.server.take() {
+                if let Some(done) = rt.server_done.take() {
                     let grace = rt.shared.config.shutdown_grace;
-                    if tokio::time::timeout(grace, server).await.is_err() {
+                    if tokio::time::timeout(grace, done).await.is_err() {
                         tracing::warn!(
                             ?grace,
                             "in-flight requests did not finish within the grace period"
@@ -120,6 +142,18 @@ impl Actor for GatewayActor {
                     }
                 }
                 let _ = reply.send(());
+            }
+            GatewayMsg::TaskEnded(why) => return Err(format!("gateway: {why}").into()),
+            GatewayMsg::InjectFault(FaultKind::EndTask, task) => {
+                if !rt.tasks.end(&task) {
+                    tracing::warn!(task, tasks = ?rt.tasks.names(), "no such task to end");
+                }
+            }
+            GatewayMsg::InjectFault(FaultKind::PanicActor, _) => {
+                panic!("fault injected into the gateway")
+            }
+            GatewayMsg::InjectFault(other, _) => {
+                tracing::warn!(?other, "fault not applicable to the gateway")
             }
         }
         Ok(())

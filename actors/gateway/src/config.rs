@@ -9,7 +9,8 @@ pub struct GatewayConfig {
     pub listen: SocketAddr,
     /// Largest accepted request body in bytes (larger → 413).
     pub max_body_bytes: usize,
-    /// End-to-end deadline of a request unless it asks for a shorter one.
+    /// End-to-end deadline of a request unless it asks for a shorter one
+    /// (also the largest `timeout_ms` a request may ask for).
     pub request_timeout: Duration,
     /// A stream with no frame (tokens or worker heartbeat) for this long
     /// has lost its worker: the request migrates or fails.
@@ -23,6 +24,37 @@ pub struct GatewayConfig {
     /// Most times one request may move to another worker after its worker
     /// failed (0 turns migration off).
     pub max_migrations: u32,
+    /// Admission control, per model.
+    pub admission: AdmissionConfig,
+    /// Bodies at least this large are tokenized (chat template and
+    /// tokenizer) on the blocking pool instead of the async workers.
+    pub blocking_preprocess_bytes: usize,
+    /// Threads of that pool (at most this many large bodies at once).
+    pub preprocess_threads: usize,
+}
+
+/// Per-model admission control: past `max_inflight` requests being served,
+/// up to `max_queued` wait (at most `max_queue_wait` each, FIFO); beyond
+/// that a request is refused at once with 429, and one that waited too long
+/// with 503, both with `Retry-After`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdmissionConfig {
+    /// Requests of one model served at once.
+    pub max_inflight: u32,
+    /// Requests of one model waiting for a place.
+    pub max_queued: u32,
+    /// Longest a request waits for a place.
+    pub max_queue_wait: Duration,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        AdmissionConfig {
+            max_inflight: 1024,
+            max_queued: 256,
+            max_queue_wait: Duration::from_millis(500),
+        }
+    }
 }
 
 impl Default for GatewayConfig {
@@ -36,6 +68,9 @@ impl Default for GatewayConfig {
             max_route_attempts: 3,
             shutdown_grace: Duration::from_secs(30),
             max_migrations: 3,
+            admission: AdmissionConfig::default(),
+            blocking_preprocess_bytes: 64 * 1024,
+            preprocess_threads: 2,
         }
     }
 }

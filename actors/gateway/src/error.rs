@@ -13,7 +13,12 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<&'static str>,
+    /// Seconds after which a retry may succeed (the `Retry-After` header).
+    pub retry_after: Option<u32>,
 }
+
+/// `Retry-After` for refusals under load (seconds).
+pub const RETRY_AFTER_S: u32 = 1;
 
 impl ApiError {
     /// 400 for a bad parameter.
@@ -24,6 +29,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: param.into(),
             code: None,
+            retry_after: None,
         }
     }
     pub fn with_code(mut self, code: &'static str) -> Self {
@@ -37,6 +43,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: Some("model".into()),
             code: Some("model_not_found"),
+            retry_after: None,
         }
     }
     pub fn unavailable(message: impl Into<String>) -> Self {
@@ -46,6 +53,29 @@ impl ApiError {
             kind: "service_unavailable_error",
             param: None,
             code: Some("no_workers_available"),
+            retry_after: Some(RETRY_AFTER_S),
+        }
+    }
+    /// 429: the model's queue is full (admission control).
+    pub fn too_many_requests(message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            message: message.into(),
+            kind: "rate_limit_error",
+            param: None,
+            code: Some("queue_full"),
+            retry_after: Some(RETRY_AFTER_S),
+        }
+    }
+    /// 503: admitted work waited too long, or every worker is overloaded.
+    pub fn overloaded(message: impl Into<String>, code: &'static str) -> Self {
+        ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            message: message.into(),
+            kind: "service_unavailable_error",
+            param: None,
+            code: Some(code),
+            retry_after: Some(RETRY_AFTER_S),
         }
     }
     pub fn too_large(limit: usize) -> Self {
@@ -55,6 +85,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("request_too_large"),
+            retry_after: None,
         }
     }
     pub fn timeout(message: impl Into<String>) -> Self {
@@ -64,6 +95,7 @@ impl ApiError {
             kind: "timeout_error",
             param: None,
             code: Some("deadline_exceeded"),
+            retry_after: None,
         }
     }
     pub fn internal(message: impl Into<String>) -> Self {
@@ -73,6 +105,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: None,
+            retry_after: None,
         }
     }
     pub fn bad_gateway(message: impl Into<String>) -> Self {
@@ -82,6 +115,7 @@ impl ApiError {
             kind: "server_error",
             param: None,
             code: Some("worker_failed"),
+            retry_after: None,
         }
     }
     pub fn not_found(path: &str) -> Self {
@@ -91,6 +125,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: Some("unknown_url"),
+            retry_after: None,
         }
     }
     pub fn method_not_allowed() -> Self {
@@ -100,6 +135,7 @@ impl ApiError {
             kind: "invalid_request_error",
             param: None,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -121,6 +157,13 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(s),
+            );
+        }
+        r
     }
 }

@@ -16,21 +16,16 @@
 //!   router slot, removes its inbox entry and, unless the worker already
 //!   finished, cancels it on the worker.
 
+use crate::dispatch::{dispatch, release, send_cancel, Attempt, DispatchError};
 use crate::error::ApiError;
 use crate::inbox::Frame;
 use crate::openai::ValidGenerate;
 use crate::shared::Shared;
-use dynamo_bus_schema::{
-    unix_ms, CancelReason, CancelRequest, ErrorKind, FinishReason, GenerateAck, GenerateDisagg,
-    GenerateRequest, ModelName, RequestId, SamplingParams, WireError, WorkerId,
-};
+use dynamo_bus_schema::{CancelReason, ErrorKind, FinishReason, RequestId, WireError, WorkerId};
 use dynamo_model::{IncrementalDecoder, Preprocessor};
-use dynamo_router::{RouteDecision, RouteError, RouterMsg};
-use dynamo_runtime::BusError;
-use ractor::rpc::CallResult;
+use dynamo_router::{RouteDecision, RouterMsg};
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -91,7 +86,7 @@ pub struct Generation {
     /// The id of the current attempt on the bus.
     id: RequestId,
     decision: Option<RouteDecision>,
-    rx: mpsc::UnboundedReceiver<Frame>,
+    rx: mpsc::Receiver<Frame>,
     next_seq: u32,
     decoder: IncrementalDecoder,
     stop: Vec<String>,
@@ -118,14 +113,6 @@ pub struct Generation {
     timings: Option<dynamo_bus_schema::PhaseTimings>,
 }
 
-/// Everything needed to send (or re-send) a request.
-struct Attempt {
-    model: ModelName,
-    prompt: Arc<Vec<u32>>,
-    sampling: SamplingParams,
-    routing: Option<dynamo_router::policy::KvCostWeights>,
-}
-
 /// What a frame means for the stream.
 enum FrameOutcome {
     Continue,
@@ -135,26 +122,30 @@ enum FrameOutcome {
 
 impl Generation {
     /// Routes the prompt and gets a worker to accept it, trying other
-    /// workers when one refuses (retryable) or is unreachable.
+    /// workers when one refuses (retryable) or is unreachable. With
+    /// `card_digest`, a worker whose model card differs is refused
+    /// ([`DispatchError::CardChanged`]: tokenize again with its card).
     pub async fn start(
         shared: Arc<Shared>,
         pre: Arc<Preprocessor>,
         v: ValidGenerate,
+        card_digest: Option<u64>,
         deadline: Instant,
         started_at: Instant,
         max_migrations: u32,
-    ) -> Result<Self, ApiError> {
+    ) -> Result<Self, DispatchError> {
         let id = RequestId::random();
         let plan = Attempt {
             model: pre.card.name.clone(),
             prompt: Arc::new(v.token_ids),
             sampling: v.sampling,
             routing: v.routing,
+            card_digest,
+            block_size: pre.card.block_size,
         };
         let mut failed = Vec::new();
         let (decision, rx) = dispatch(
             &shared,
-            &pre,
             id,
             &plan,
             plan.prompt.clone(),
@@ -231,9 +222,15 @@ impl Generation {
                 }
             };
             let Some(frame) = frame else {
+                // Only the inbox closes it: the client read too slowly.
                 self.done = true;
-                return Some(Err(ApiError::internal(
-                    "Response stream closed unexpectedly.",
+                self.shared
+                    .metrics
+                    .rejected
+                    .with_label_values(&["slow_client"])
+                    .inc();
+                return Some(Err(ApiError::unavailable(
+                    "The response was not read fast enough and was dropped.",
                 )));
             };
             let Some(seq) = frame.seq() else {
@@ -289,9 +286,10 @@ impl Generation {
         tokens.extend_from_slice(&self.plan.prompt);
         tokens.extend_from_slice(&self.generated);
         let id = RequestId::random();
+        // The tokens are fixed now: any worker of the model will do.
+        self.plan.card_digest = None;
         match dispatch(
             &self.shared,
-            &self.pre,
             id,
             &self.plan,
             Arc::new(tokens),
@@ -311,7 +309,11 @@ impl Generation {
                 self.prefill_reported = false;
             }
             Err(e) => {
-                tracing::warn!(request = %self.public_id, error = %e.message, "migration found no worker");
+                let why = match e {
+                    DispatchError::Api(e) => e.message,
+                    DispatchError::CardChanged(d) => format!("card {d:x} changed"),
+                };
+                tracing::warn!(request = %self.public_id, error = %why, "migration found no worker");
                 m.migration_failures.with_label_values(&["no_worker"]).inc();
                 self.fail(err);
             }
@@ -488,194 +490,4 @@ fn migratable(kind: ErrorKind) -> bool {
         kind,
         ErrorKind::EngineFailed | ErrorKind::Unavailable | ErrorKind::Overloaded
     )
-}
-
-/// Routes `tokens` and gets a worker to accept them as request `id`,
-/// trying other workers when one refuses (retryable) or is unreachable;
-/// workers in `exclude` are never chosen and the ones that fail are added.
-#[allow(clippy::too_many_arguments)]
-async fn dispatch(
-    shared: &Arc<Shared>,
-    pre: &Preprocessor,
-    id: RequestId,
-    plan: &Attempt,
-    tokens: Arc<Vec<u32>>,
-    sampling: &SamplingParams,
-    deadline: Instant,
-    exclude: &mut Vec<WorkerId>,
-) -> Result<(RouteDecision, mpsc::UnboundedReceiver<Frame>), ApiError> {
-    let attempts = shared.config.max_route_attempts.max(1);
-    let mut last_error = None;
-    for attempt in 0..attempts {
-        if attempt > 0 {
-            shared.metrics.route_retries.inc();
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(ApiError::timeout(
-                "The request did not reach a worker before its deadline.",
-            ));
-        }
-        let decision = route(
-            shared,
-            id,
-            &plan.model,
-            &tokens,
-            exclude,
-            plan.routing,
-            left,
-        )
-        .await?;
-        let rx = shared.inbox.register(id);
-        let req = GenerateRequest {
-            request_id: id,
-            model: plan.model.clone(),
-            token_ids: (*tokens).clone(),
-            sampling: sampling.clone(),
-            reply_to: shared.frames_subject.clone(),
-            deadline_unix_ms: unix_ms()
-                + deadline
-                    .saturating_duration_since(Instant::now())
-                    .as_millis() as u64,
-        };
-        let subject = shared.bus.subjects.worker_generate(decision.worker_id);
-        let wait = shared.config.ack_timeout.min(left);
-        let res: Result<GenerateAck, BusError> = match decision.prefill_worker {
-            Some(prefill_worker) => {
-                let req = GenerateDisagg {
-                    request: req,
-                    prefill_worker,
-                    cached_blocks: decision.overlap_blocks,
-                };
-                shared.bus.request(subject, &req, wait).await
-            }
-            None => shared.bus.request(subject, &req, wait).await,
-        };
-        let failure = match res {
-            Ok(ack) => match ack.rejected {
-                None => {
-                    let bs = pre.card.block_size as u64;
-                    shared
-                        .metrics
-                        .predicted_cached_tokens
-                        .inc_by((decision.overlap_blocks as u64 * bs).min(tokens.len() as u64));
-                    return Ok((decision, rx));
-                }
-                Some(e) if e.kind.is_retryable() => Some(map_wire(&e)),
-                Some(e) => {
-                    release(shared, id);
-                    return Err(map_wire(&e));
-                }
-            },
-            Err(BusError::NoResponders { .. }) => {
-                Some(ApiError::unavailable("The chosen worker is gone."))
-            }
-            Err(BusError::Timeout { .. }) => {
-                // It may have accepted after all: make sure it stops.
-                send_cancel(
-                    shared,
-                    decision.worker_id,
-                    id,
-                    CancelReason::DeadlineExceeded,
-                );
-                Some(ApiError::unavailable(
-                    "The chosen worker did not acknowledge in time.",
-                ))
-            }
-            Err(BusError::Remote { error, .. }) => Some(map_wire(&error)),
-            Err(e) => {
-                tracing::warn!(request = %id, error = %e, "cannot send request");
-                Some(ApiError::unavailable(
-                    "The bus is unavailable; retry shortly.",
-                ))
-            }
-        };
-        tracing::debug!(request = %id, worker = %decision.worker_id, ?failure, "worker did not take request");
-        exclude.push(decision.worker_id);
-        release(shared, id);
-        last_error = failure;
-    }
-    Err(last_error.unwrap_or_else(|| ApiError::unavailable("No worker accepted the request.")))
-}
-
-async fn route(
-    shared: &Shared,
-    request_id: RequestId,
-    model: &ModelName,
-    tokens: &Arc<Vec<u32>>,
-    exclude: &[WorkerId],
-    weights: Option<dynamo_router::policy::KvCostWeights>,
-    within: Duration,
-) -> Result<RouteDecision, ApiError> {
-    let router = shared.router()?;
-    let t0 = Instant::now();
-    loop {
-        let call = router
-            .call(
-                |reply| RouterMsg::Route {
-                    request_id,
-                    model: model.clone(),
-                    token_ids: tokens.clone(),
-                    exclude: exclude.to_vec(),
-                    weights,
-                    reply,
-                },
-                Some(Duration::from_secs(2).min(within)),
-            )
-            .await;
-        let Ok(CallResult::Success(answer)) = call else {
-            return Err(ApiError::unavailable(
-                "The router did not answer; retry shortly.",
-            ));
-        };
-        match answer {
-            // A replica that just started loads its view first; wait for it
-            // (bounded by the router's own cap and this request's deadline).
-            Err(RouteError::CatchingUp) if t0.elapsed() < within => {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(RouteError::CatchingUp) => {
-                return Err(ApiError::unavailable(
-                    "The router is still starting; retry shortly.",
-                ))
-            }
-            Err(RouteError::UnknownModel { model }) => {
-                return Err(ApiError::model_not_found(&model))
-            }
-            Err(e @ RouteError::NoWorkers { .. }) => {
-                return Err(ApiError::unavailable(format!("{e}. Retry shortly.")))
-            }
-            Ok(d) => return Ok(d),
-        }
-    }
-}
-
-fn release(shared: &Shared, id: RequestId) {
-    shared.inbox.unregister(id);
-    if let Ok(r) = shared.router() {
-        let _ = r.cast(RouterMsg::Release(id));
-    }
-}
-
-fn send_cancel(shared: &Arc<Shared>, worker: WorkerId, id: RequestId, reason: CancelReason) {
-    let Ok(handle) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    let shared = shared.clone();
-    handle.spawn(async move {
-        let subject = shared.bus.subjects.worker_cancel(worker);
-        if let Err(e) = shared
-            .bus
-            .publish(
-                subject,
-                &CancelRequest {
-                    request_id: id,
-                    reason,
-                },
-            )
-            .await
-        {
-            tracing::warn!(request = %id, error = %e, "cannot send cancel");
-        }
-    });
 }

@@ -1,23 +1,30 @@
 //! HTTP handlers: OpenAI endpoints, health and metrics.
+//!
+//! A generate request: parse the body (cheap) → the model's preprocessor
+//! (404 for an unknown model) → admission (429/503 past the model's
+//! limits, before any tokenizing) → template and tokenize (large bodies on
+//! the blocking pool) → route and send each prompt → JSON or SSE
+//! ([`crate::respond`]). A prompt routed to a worker whose model card
+//! differs from the one it was tokenized with is tokenized again with
+//! that card, once.
 
+use crate::dispatch::DispatchError;
 use crate::error::ApiError;
-use crate::generate::{GenEvent, Generation, Usage};
+use crate::generate::Generation;
 use crate::models;
-use crate::openai::{parse_body, ChatRequest, CompletionRequest, ValidGenerate, ValidOptions};
+use crate::openai::{parse_body, ChatRequest, CompletionRequest, Parsed, ValidGenerate};
+use crate::respond::{collect_response, stream_response, WORKER_HEADER};
+use crate::router_metrics::router_metrics;
 use crate::shared::Shared;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{StatusCode, Uri};
-use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use dynamo_model::Preprocessor;
-use futures::stream::{self, StreamExt};
 use serde_json::{json, Value};
-use std::convert::Infallible;
-use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -29,7 +36,7 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Endpoint::Chat => "chat_completions",
             Endpoint::Completions => "completions",
@@ -104,44 +111,89 @@ async fn handle(
     t0: Instant,
 ) -> Result<Response, ApiError> {
     if !s.is_accepting() {
+        s.metrics
+            .rejected
+            .with_label_values(&["shutting_down"])
+            .inc();
         return Err(ApiError::unavailable("This gateway is shutting down."));
     }
     let body = body.map_err(|r| body_error(r, s.config.max_body_bytes))?;
-    let (model, pre, gens, opts) = match ep {
-        Endpoint::Chat => {
-            let req: ChatRequest = parse_body(&body)?;
-            let opts = req.common.options()?;
-            let pre = s.models.get(&s, &req.common.model).await?;
-            let v = req.validate(&pre)?;
-            (req.common.model, pre, vec![v], opts)
-        }
-        Endpoint::Completions => {
-            let req: CompletionRequest = parse_body(&body)?;
-            let opts = req.common.options()?;
-            let pre = s.models.get(&s, &req.common.model).await?;
-            let v = req.validate(&pre)?;
-            (req.common.model, pre, v, opts)
-        }
-    };
-    for g in &gens {
-        s.metrics.input_tokens.inc_by(g.token_ids.len() as u64);
-    }
+    let parsed = Arc::new(match ep {
+        Endpoint::Chat => Parsed::Chat(parse_body::<ChatRequest>(&body)?),
+        Endpoint::Completions => Parsed::Completions(parse_body::<CompletionRequest>(&body)?),
+    });
+    let common = parsed.common();
+    let opts = common.options(&s.config)?;
+    let model = common.model.clone();
     let timeout = opts
         .timeout_ms
         .map(Duration::from_millis)
-        .unwrap_or(s.config.request_timeout)
-        .min(s.config.request_timeout);
+        .unwrap_or(s.config.request_timeout);
     let deadline = t0 + timeout;
-    let mut started = Vec::with_capacity(gens.len());
-    let max_migrations = opts
-        .max_migrations
-        .unwrap_or(s.config.max_migrations)
-        .min(s.config.max_migrations);
-    for mut v in gens {
-        v.routing = opts.routing;
-        started.push(
-            Generation::start(s.clone(), pre.clone(), v, deadline, t0, max_migrations).await?,
-        );
+    let max_migrations = opts.max_migrations.unwrap_or(s.config.max_migrations);
+    let mut loaded = s.models.get(&s, &model).await?;
+    let (permit, waited) = s.admission.admit(&model, deadline).await.map_err(|r| {
+        s.metrics.rejected.with_label_values(&[r.reason()]).inc();
+        match r {
+            crate::admission::Refusal::QueueFull => ApiError::too_many_requests(format!(
+                "Too many requests for {model}: its queue is full. Retry shortly."
+            )),
+            crate::admission::Refusal::QueueTimeout(w) => ApiError::overloaded(
+                format!(
+                    "{model} is overloaded: the request waited {} ms for a place. Retry shortly.",
+                    w.as_millis()
+                ),
+                "queue_timeout",
+            ),
+        }
+    })?;
+    s.metrics.queue_wait.observe(waited.as_secs_f64());
+    // At most two passes: the second with the card a routed worker has.
+    let mut started = Vec::new();
+    for pass in 0..2 {
+        let (p, pre) = (parsed.clone(), loaded.pre.clone());
+        let gens: Vec<ValidGenerate> = s
+            .preprocess
+            .run(body.len(), move || p.validate(&pre))
+            .await??;
+        if pass == 0 {
+            for g in &gens {
+                s.metrics.input_tokens.inc_by(g.token_ids.len() as u64);
+            }
+        }
+        // The second pass takes whichever card the worker has.
+        let want = (pass == 0).then_some(loaded.digest);
+        started.clear();
+        let mut changed = None;
+        for mut v in gens {
+            v.routing = opts.routing;
+            match Generation::start(
+                s.clone(),
+                loaded.pre.clone(),
+                v,
+                want,
+                deadline,
+                t0,
+                max_migrations,
+            )
+            .await
+            {
+                Ok(g) => started.push(g),
+                Err(DispatchError::Api(e)) => return Err(e),
+                Err(DispatchError::CardChanged(d)) => {
+                    changed = Some(d);
+                    break;
+                }
+            }
+        }
+        match changed {
+            None => break,
+            Some(d) => {
+                // Dropping what started releases it.
+                started.clear();
+                loaded = s.models.get_card(&s, &model, d).await?;
+            }
+        }
     }
     let workers: Vec<String> = started
         .iter()
@@ -149,9 +201,18 @@ async fn handle(
         .collect();
     let out = if opts.stream {
         // The stream task observes the duration when the stream ends.
-        Ok(stream_response(s.clone(), started, ep, model, opts, t0))
+        Ok(stream_response(
+            s.clone(),
+            started,
+            ep,
+            model,
+            opts,
+            t0,
+            permit,
+        ))
     } else {
         let r = collect_response(started, ep, &model).await;
+        drop(permit);
         s.metrics
             .request_duration
             .observe(t0.elapsed().as_secs_f64());
@@ -165,240 +226,15 @@ async fn handle(
     })
 }
 
-/// Response header naming the worker(s) that served the request.
-pub const WORKER_HEADER: &str = "x-dynamo-worker";
-
-/// Renders stream chunks around a prefix built once per response.
-struct ChunkWriter {
-    /// `{"id":…,"object":…,"created":…,"model":…,"choices":`
-    prefix: String,
-}
-
-impl ChunkWriter {
-    fn new(id: &str, object: &str, created: u64, model: &str) -> Self {
-        let q = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into());
-        ChunkWriter {
-            prefix: format!(
-                "{{\"id\":{},\"object\":{},\"created\":{created},\"model\":{},\"choices\":",
-                q(id),
-                q(object),
-                q(model)
-            ),
-        }
-    }
-
-    /// A chunk with arbitrary `choices` (and optionally one more top-level
-    /// field: `usage`, or `timings` on a choice's last chunk).
-    fn raw(&self, choices: &Value, extra: Option<(&str, &Value)>) -> Event {
-        let mut s = String::with_capacity(self.prefix.len() + 128);
-        s.push_str(&self.prefix);
-        s.push_str(&choices.to_string());
-        if let Some((key, v)) = extra {
-            let _ = write!(s, ",\"{key}\":{v}");
-        }
-        s.push('}');
-        Event::default().data(s)
-    }
-}
-
-/// The `timings` extension of a response: where its prompt time went.
-fn timings_json(t: &dynamo_bus_schema::PhaseTimings) -> Value {
-    let ms = |x: f32| (x as f64 * 10.0).round() / 10.0;
-    json!({
-        "queue_ms": ms(t.queue_ms),
-        "prefill_ms": ms(t.prefill_ms),
-        "transfer_ms": ms(t.transfer_ms),
-        "first_token_ms": ms(t.first_token_ms),
-        "prefill_worker": t.prefill_worker.map(|w| w.to_string()),
-        "decode_worker": t.decode_worker.to_string(),
-        "disaggregated": t.prefill_worker.is_some(),
-        "fallback": t.fallback,
+/// A place among the concurrent status requests, or 503.
+fn control(s: &Shared) -> Result<dynamo_runtime::Ticket, ApiError> {
+    s.control.try_enter().ok_or_else(|| {
+        ApiError::overloaded("Too many status requests at once; retry shortly.", "busy")
     })
 }
 
-/// A content chunk: only the text is escaped per token.
-fn chunk_text(prefix: &str, ep: Endpoint, index: usize, text: &str) -> Event {
-    let t = serde_json::to_string(text).unwrap_or_else(|_| "\"\"".into());
-    let mut s = String::with_capacity(prefix.len() + t.len() + 96);
-    s.push_str(prefix);
-    match ep {
-        Endpoint::Chat => {
-            let _ = write!(s, "[{{\"index\":{index},\"delta\":{{\"content\":{t}}},\"logprobs\":null,\"finish_reason\":null}}]}}");
-        }
-        Endpoint::Completions => {
-            let _ = write!(
-                s,
-                "[{{\"index\":{index},\"text\":{t},\"logprobs\":null,\"finish_reason\":null}}]}}"
-            );
-        }
-    }
-    Event::default().data(s)
-}
-
-fn now_s() -> u64 {
-    dynamo_bus_schema::unix_ms() / 1000
-}
-
-fn response_id(ep: Endpoint, g: &Generation) -> String {
-    match ep {
-        Endpoint::Chat => format!("chatcmpl-{}", g.request_id()),
-        Endpoint::Completions => format!("cmpl-{}", g.request_id()),
-    }
-}
-
-async fn collect_response(
-    gens: Vec<Generation>,
-    ep: Endpoint,
-    model: &str,
-) -> Result<Response, ApiError> {
-    let id = response_id(ep, &gens[0]);
-    let results = futures::future::join_all(gens.into_iter().map(|mut g| async move {
-        let mut text = String::new();
-        loop {
-            match g.next().await {
-                Some(Ok(GenEvent::Text(t))) => text.push_str(&t),
-                Some(Ok(GenEvent::Done {
-                    finish_reason,
-                    usage,
-                    timings,
-                })) => return Ok((text, finish_reason, usage, timings)),
-                Some(Err(e)) => return Err(e),
-                None => return Err(ApiError::internal("Stream ended without a result.")),
-            }
-        }
-    }))
-    .await;
-    let mut usage = Usage::default();
-    let mut choices = Vec::new();
-    let mut all_timings = Vec::new();
-    for (i, r) in results.into_iter().enumerate() {
-        let (text, finish_reason, u, timings) = r?;
-        usage.add(&u);
-        all_timings.extend(timings.map(|t| timings_json(&t)));
-        choices.push(match ep {
-            Endpoint::Chat => json!({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish_reason}),
-            Endpoint::Completions => json!({"index": i, "text": text, "logprobs": null, "finish_reason": finish_reason}),
-        });
-    }
-    let object = match ep {
-        Endpoint::Chat => "chat.completion",
-        Endpoint::Completions => "text_completion",
-    };
-    let mut body = json!({
-        "id": id, "object": object, "created": now_s(), "model": model,
-        "choices": choices, "usage": usage.json(),
-    });
-    // Extension: where the first choice's prompt time went (all choices' when n > 1).
-    match all_timings.len() {
-        0 => {}
-        1 => body["timings"] = all_timings.remove(0),
-        _ => body["timings"] = Value::Array(all_timings),
-    }
-    Ok(Json(body).into_response())
-}
-
-fn stream_response(
-    s: Arc<Shared>,
-    gens: Vec<Generation>,
-    ep: Endpoint,
-    model: String,
-    opts: ValidOptions,
-    t0: Instant,
-) -> Response {
-    let id = response_id(ep, &gens[0]);
-    let created = now_s();
-    let object = match ep {
-        Endpoint::Chat => "chat.completion.chunk",
-        Endpoint::Completions => "text_completion",
-    };
-    let chunks = ChunkWriter::new(&id, object, created, &model);
-    let chunk_prefix = chunks.prefix.clone();
-    let chunk = move |choices: Value, extra: Option<(&str, Value)>| -> Event {
-        chunks.raw(&choices, extra.as_ref().map(|(k, v)| (*k, v)))
-    };
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Event, Infallible>>(64);
-    let n = gens.len();
-    // The task ends when every generation ends or the client goes away (send fails),
-    // which drops the generations and cancels them on their workers.
-    tokio::spawn(async move {
-        let streams = gens.into_iter().enumerate().map(|(i, g)| {
-            stream::unfold(Some(g), move |g| async move {
-                let mut g = g?;
-                let ev = g.next().await?;
-                Some(((i, ev), Some(g)))
-            })
-            .boxed()
-        });
-        let mut all = stream::select_all(streams);
-        if ep == Endpoint::Chat {
-            for i in 0..n {
-                let c = json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
-                if tx.send(Ok(chunk(c, None))).await.is_err() {
-                    return;
-                }
-            }
-        }
-        let mut usage = Usage::default();
-        loop {
-            // A client that leaves while nothing is being sent (a long
-            // prefill) is noticed at once, not at the next event.
-            let next = tokio::select! {
-                next = all.next() => next,
-                _ = tx.closed() => return,
-            };
-            let Some((i, ev)) = next else { break };
-            let event = match ev {
-                // The hot path (one event per token) skips building a JSON value.
-                Ok(GenEvent::Text(t)) => chunk_text(&chunk_prefix, ep, i, &t),
-                Ok(GenEvent::Done {
-                    finish_reason,
-                    usage: u,
-                    timings,
-                }) => {
-                    usage.add(&u);
-                    let timings = timings.map(|t| ("timings", timings_json(&t)));
-                    match ep {
-                        Endpoint::Chat => chunk(
-                            json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": finish_reason}]),
-                            timings,
-                        ),
-                        Endpoint::Completions => chunk(
-                            json!([{"index": i, "text": "", "logprobs": null, "finish_reason": finish_reason}]),
-                            timings,
-                        ),
-                    }
-                }
-                Err(e) => {
-                    s.metrics.errors.with_label_values(&[e.metric_kind()]).inc();
-                    let _ = tx
-                        .send(Ok(Event::default().data(e.body().to_string())))
-                        .await;
-                    return;
-                }
-            };
-            if tx.send(Ok(event)).await.is_err() {
-                return;
-            }
-        }
-        if opts.include_usage
-            && tx
-                .send(Ok(chunk(json!([]), Some(("usage", usage.json())))))
-                .await
-                .is_err()
-        {
-            return;
-        }
-        let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
-        s.metrics
-            .request_duration
-            .observe(t0.elapsed().as_secs_f64());
-    });
-    Sse::new(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
-        .into_response()
-}
-
 async fn list_models(State(s): State<Arc<Shared>>) -> Result<Json<Value>, ApiError> {
+    let _place = control(&s)?;
     let models = models::list(&s).await?;
     let data: Vec<Value> = models
         .iter()
@@ -414,7 +250,12 @@ async fn list_models(State(s): State<Arc<Shared>>) -> Result<Json<Value>, ApiErr
 }
 
 async fn health(State(s): State<Arc<Shared>>) -> Response {
+    let place = match control(&s) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
     let models = models::list(&s).await.unwrap_or_default();
+    drop(place);
     let workers: usize = models.iter().map(|m| m.workers.len()).sum();
     let accepting = s.is_accepting();
     let body = json!({
@@ -432,6 +273,11 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    let _place = match control(&s) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    s.metrics.queued.set(s.admission.waiting_total() as i64);
     let mut text = s.metrics.render();
     if let Ok(r) = s.router() {
         if let Ok(ractor::rpc::CallResult::Success(info)) = r
@@ -454,111 +300,6 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
         .into_response()
 }
 
-/// The router's KV index state in the Prometheus text format.
-fn router_metrics(info: &dynamo_router::KvInfo) -> String {
-    use std::fmt::Write;
-    let st = &info.stats;
-    let mut out = String::new();
-    for (name, help, v) in [
-        (
-            "kv_events_applied_total",
-            "KV events applied to the index",
-            st.applied,
-        ),
-        (
-            "kv_event_duplicates_total",
-            "KV events dropped as duplicates",
-            st.duplicates,
-        ),
-        (
-            "kv_event_gaps_total",
-            "Gaps detected in a worker's KV event ids",
-            st.gaps,
-        ),
-        (
-            "kv_dumps_total",
-            "Worker block tables loaded (start-up and gap repair)",
-            st.dumps,
-        ),
-        (
-            "kv_events_unknown_total",
-            "KV events of a kind or tier this build does not know",
-            st.unknown,
-        ),
-    ] {
-        let _ = writeln!(out, "# HELP dynamo_router_{name} {help}");
-        let _ = writeln!(out, "# TYPE dynamo_router_{name} counter");
-        let _ = writeln!(out, "dynamo_router_{name} {v}");
-    }
-    let _ = writeln!(
-        out,
-        "# HELP dynamo_router_kv_index_blocks Blocks the router's index holds per worker and tier"
-    );
-    let _ = writeln!(out, "# TYPE dynamo_router_kv_index_blocks gauge");
-    for (w, b) in &info.blocks {
-        for (tier, n) in ["device", "host", "disk"].iter().zip(b) {
-            let _ = writeln!(
-                out,
-                "dynamo_router_kv_index_blocks{{worker=\"{w}\",tier=\"{tier}\"}} {n}"
-            );
-        }
-    }
-    let _ = writeln!(
-        out,
-        "# HELP dynamo_router_worker_inflight Requests in flight per worker, all router replicas"
-    );
-    let _ = writeln!(out, "# TYPE dynamo_router_worker_inflight gauge");
-    for (w, l) in &info.load {
-        let _ = writeln!(
-            out,
-            "dynamo_router_worker_inflight{{worker=\"{w}\"}} {}",
-            l.inflight
-        );
-    }
-    let _ = writeln!(out, "# HELP dynamo_router_worker_pending_prefill_tokens Uncached prompt tokens not yet prefilled per worker, all replicas");
-    let _ = writeln!(
-        out,
-        "# TYPE dynamo_router_worker_pending_prefill_tokens gauge"
-    );
-    for (w, l) in &info.load {
-        let _ = writeln!(
-            out,
-            "dynamo_router_worker_pending_prefill_tokens{{worker=\"{w}\"}} {}",
-            l.prefill_tokens
-        );
-    }
-    let _ = writeln!(out, "# HELP dynamo_router_kv_config_mismatch Workers whose KV block size or hash salt differ from their model's (excluded from KV scoring)");
-    let _ = writeln!(out, "# TYPE dynamo_router_kv_config_mismatch gauge");
-    let _ = writeln!(
-        out,
-        "dynamo_router_kv_config_mismatch {}",
-        info.mismatched.len()
-    );
-    for w in &info.mismatched {
-        let _ = writeln!(
-            out,
-            "dynamo_router_kv_config_mismatch_worker{{worker=\"{w}\"}} 1"
-        );
-    }
-    let t = &info.timings;
-    out.push_str(&t.hashing.render(
-        "dynamo_router_hashing_seconds",
-        "Time to hash a request's blocks (KV-aware policies)",
-    ));
-    out.push_str(&t.find_matches.render(
-        "dynamo_router_find_matches_seconds",
-        "Time to query the KV index",
-    ));
-    out.push_str(&t.total.render(
-        "dynamo_router_route_seconds",
-        "Time of a whole routing decision",
-    ));
-    let _ = writeln!(out, "# HELP dynamo_router_info Routing policy in use");
-    let _ = writeln!(out, "# TYPE dynamo_router_info gauge");
-    let _ = writeln!(out, "dynamo_router_info{{policy=\"{}\"}} 1", info.policy);
-    out
-}
-
 /// `POST /v1/dynamo/overlap` `{"model", "prompt": [token ids]}`: how many
 /// leading KV blocks of the prompt each worker holds, by tier, according to
 /// this gateway's router (for debugging routing decisions).
@@ -571,6 +312,7 @@ async fn overlap(
         model: String,
         prompt: Vec<u32>,
     }
+    let _place = control(&s)?;
     let body = body.map_err(|r| body_error(r, s.config.max_body_bytes))?;
     let req: Req = parse_body(&body)?;
     let router = s.router()?;
@@ -604,6 +346,7 @@ async fn overlap(
 /// Used by tests: validate without serving.
 pub fn validate_chat(pre: &Preprocessor, body: &[u8]) -> Result<ValidGenerate, ApiError> {
     let req: ChatRequest = parse_body(body)?;
-    req.common.options()?;
+    req.common
+        .options(&crate::config::GatewayConfig::default())?;
     req.validate(pre)
 }

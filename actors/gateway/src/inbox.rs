@@ -4,7 +4,11 @@
 //! Invariant: an entry exists from just before a request is sent until its
 //! generation is dropped; frames for unknown ids (late frames after a
 //! cancel) are dropped and counted at debug level; undecodable frames are
-//! rejected and counted.
+//! rejected and counted. Each request's channel holds at most
+//! [`FRAME_BACKLOG`] frames: a request whose client stops reading its
+//! stream for that long loses its entry (its channel closes, and the
+//! generation fails the request, which cancels it on the worker) instead
+//! of holding the gateway's memory.
 
 use dynamo_bus_schema::{
     decode_payload, peek_kind, FrameError, FrameFinished, FrameHeartbeat, FrameStarted,
@@ -15,7 +19,6 @@ use futures::StreamExt;
 use std::collections::HashMap;
 use std::sync::Mutex;
 use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
 #[derive(Debug)]
 pub enum Frame {
@@ -52,18 +55,29 @@ impl Frame {
     }
 }
 
+/// Frames one request's channel holds before its client is declared too
+/// slow (about 20 s of a fast stream: one frame per engine step).
+pub const FRAME_BACKLOG: usize = 2048;
+
 #[derive(Default)]
 pub struct Inbox {
-    waiting: Mutex<HashMap<RequestId, mpsc::UnboundedSender<Frame>>>,
+    waiting: Mutex<HashMap<RequestId, mpsc::Sender<Frame>>>,
+    /// Requests dropped because their channel was full.
+    overflows: std::sync::atomic::AtomicU64,
 }
 
 impl Inbox {
-    pub fn register(&self, id: RequestId) -> mpsc::UnboundedReceiver<Frame> {
-        let (tx, rx) = mpsc::unbounded_channel();
+    pub fn register(&self, id: RequestId) -> mpsc::Receiver<Frame> {
+        let (tx, rx) = mpsc::channel(FRAME_BACKLOG);
         if let Ok(mut w) = self.waiting.lock() {
             w.insert(id, tx);
         }
         rx
+    }
+
+    /// Requests whose frames overflowed their channel so far.
+    pub fn overflows(&self) -> u64 {
+        self.overflows.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn unregister(&self, id: RequestId) {
@@ -74,12 +88,26 @@ impl Inbox {
 
     fn deliver(&self, frame: Frame) {
         let id = frame.request_id();
-        let tx = self.waiting.lock().ok().and_then(|w| w.get(&id).cloned());
-        match tx {
-            Some(tx) => {
-                let _ = tx.send(frame);
+        let Ok(mut w) = self.waiting.lock() else {
+            return;
+        };
+        let Some(tx) = w.get(&id) else {
+            tracing::debug!(request = %id, "frame for a request that is gone");
+            return;
+        };
+        match tx.try_send(frame) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                // The client stopped reading: its generation sees the
+                // channel close and fails (and cancels) the request.
+                w.remove(&id);
+                self.overflows
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(request = %id, backlog = FRAME_BACKLOG, "client too slow; dropping its request");
             }
-            None => tracing::debug!(request = %id, "frame for a request that is gone"),
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                w.remove(&id);
+            }
         }
     }
 
@@ -104,14 +132,9 @@ impl Inbox {
         }
     }
 
-    /// Runs the subscription until cancelled.
-    pub async fn run(&self, mut sub: async_nats::Subscriber, cancel: CancellationToken) {
-        loop {
-            let m = tokio::select! {
-                _ = cancel.cancelled() => break,
-                m = sub.next() => m,
-            };
-            let Some(m) = m else { break };
+    /// Runs the subscription until it ends.
+    pub async fn run(&self, mut sub: async_nats::Subscriber) {
+        while let Some(m) = sub.next().await {
             self.on_message(m.subject.as_str(), &m.payload);
         }
     }

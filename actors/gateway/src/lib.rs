@@ -1,14 +1,17 @@
 //! `dynamo-gateway`: the OpenAI-compatible HTTP edge.
 //!
 //! Request path: parse the body ([`openai`]) → model preprocessor (chat
-//! template + tokenizer, [`models`]) → validate into `ValidGenerate` → route
-//! (router actor) → send to the worker and stream frames back
-//! ([`generate`], [`inbox`]) → detokenize incrementally, apply stop strings
-//! → JSON or SSE ([`handlers`]). Every failure becomes an OpenAI error
+//! template + tokenizer, [`models`]) → admission ([`admission`]) →
+//! validate into `ValidGenerate` ([`preprocess`] for large bodies) → route
+//! and send ([`dispatch`]) → stream frames back ([`generate`], [`inbox`])
+//! → detokenize incrementally, apply stop strings → JSON or SSE
+//! ([`respond`], from [`handlers`]). Every failure becomes an OpenAI error
 //! object through [`error::ApiError`], the one mapping to HTTP.
 
 pub mod actor;
+pub mod admission;
 pub mod config;
+pub mod dispatch;
 pub mod error;
 pub mod generate;
 pub mod handlers;
@@ -16,6 +19,9 @@ pub mod inbox;
 pub mod metrics;
 pub mod models;
 pub mod openai;
+pub mod preprocess;
+pub mod respond;
+pub mod router_metrics;
 pub mod shared;
 
 pub use actor::{GatewayActor, GatewayArgs, GatewayMsg};

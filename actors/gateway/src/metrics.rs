@@ -22,6 +22,12 @@ pub struct Metrics {
     pub migration_failures: IntCounterVec,
     pub phase: HistogramVec,
     pub disagg_fallbacks: IntCounter,
+    /// Requests refused under load, by why (queue_full, queue_timeout,
+    /// workers_overloaded, shutting_down, slow_client).
+    pub rejected: IntCounterVec,
+    /// Requests waiting for admission now (set when rendered).
+    pub queued: IntGauge,
+    pub queue_wait: Histogram,
     bus_rejected: IntGauge,
 }
 
@@ -98,6 +104,24 @@ impl Metrics {
             "disagg_fallbacks_total",
             "Requests planned for a remote prefill that prefilled locally instead",
         )?;
+        let rejected = IntCounterVec::new(
+            Opts::new(
+                "rejected_requests_total",
+                "Requests refused under load (429/503 with Retry-After), by reason",
+            ),
+            &["reason"],
+        )?;
+        let queued = IntGauge::new(
+            "queued_requests",
+            "Requests waiting for admission (all models)",
+        )?;
+        let queue_wait = Histogram::with_opts(
+            HistogramOpts::new(
+                "queue_wait_seconds",
+                "Time admitted requests waited for a place",
+            )
+            .buckets(buckets_s()),
+        )?;
         let bus_rejected = IntGauge::new(
             "bus_rejected_messages",
             "Bus messages this process rejected (malformed or unknown)",
@@ -118,6 +142,9 @@ impl Metrics {
             Box::new(migration_failures.clone()),
             Box::new(phase.clone()),
             Box::new(disagg_fallbacks.clone()),
+            Box::new(rejected.clone()),
+            Box::new(queued.clone()),
+            Box::new(queue_wait.clone()),
             Box::new(bus_rejected.clone()),
         ] {
             registry.register(c)?;
@@ -139,6 +166,9 @@ impl Metrics {
             migration_failures,
             phase,
             disagg_fallbacks,
+            rejected,
+            queued,
+            queue_wait,
             bus_rejected,
         })
     }

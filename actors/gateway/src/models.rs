@@ -1,18 +1,42 @@
 //! Per-model preprocessors, built from the model card a worker registered
 //! and the tokenizer artifact fetched from that worker over the bus.
+//!
+//! Invariants: a preprocessor is kept per (model, card digest), at most
+//! [`CARDS_PER_MODEL`] per model; requests of a model are tokenized with
+//! its *current* card, which is the newest the router knew when the model
+//! was first loaded and becomes whichever card a routed worker turned out
+//! to have ([`ModelCache::get_card`]): after a rolling upgrade the first
+//! request that reaches an upgraded worker switches the model over.
 
 use crate::error::ApiError;
 use crate::shared::Shared;
-use dynamo_bus_schema::{ArtifactChunk, ArtifactRequest, ModelCard};
+use dynamo_bus_schema::{ArtifactChunk, ArtifactRequest, ModelCard, WorkerId};
 use dynamo_model::Preprocessor;
 use dynamo_router::{ModelEntry, RouterMsg};
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+/// Cards (digests) of one model kept loaded at once (a mixed fleet in a
+/// rolling upgrade has two).
+pub const CARDS_PER_MODEL: usize = 4;
+
+/// A model's preprocessor and the digest of the card it was built from.
+#[derive(Clone)]
+pub struct Loaded {
+    pub pre: Arc<Preprocessor>,
+    pub digest: u64,
+}
+
+struct Cards {
+    current: u64,
+    /// Newest last.
+    loaded: Vec<Loaded>,
+}
+
 #[derive(Default)]
 pub struct ModelCache {
-    ready: RwLock<HashMap<String, Arc<Preprocessor>>>,
+    ready: RwLock<HashMap<String, Cards>>,
     loading: tokio::sync::Mutex<()>,
 }
 
@@ -31,14 +55,37 @@ pub async fn list(shared: &Shared) -> Result<Vec<ModelEntry>, ApiError> {
 }
 
 impl ModelCache {
-    /// The preprocessor for `model`, loading it on first use.
-    pub async fn get(&self, shared: &Shared, model: &str) -> Result<Arc<Preprocessor>, ApiError> {
-        if let Some(p) = self.ready.read().ok().and_then(|r| r.get(model).cloned()) {
-            return Ok(p);
+    fn lookup(&self, model: &str, digest: Option<u64>) -> Option<Loaded> {
+        let r = self.ready.read().ok()?;
+        let cards = r.get(model)?;
+        let want = digest.unwrap_or(cards.current);
+        cards.loaded.iter().find(|l| l.digest == want).cloned()
+    }
+
+    fn keep(&self, model: &str, l: Loaded) {
+        let Ok(mut r) = self.ready.write() else {
+            return;
+        };
+        let cards = r.entry(model.to_string()).or_insert_with(|| Cards {
+            current: l.digest,
+            loaded: Vec::new(),
+        });
+        cards.current = l.digest;
+        cards.loaded.retain(|x| x.digest != l.digest);
+        cards.loaded.push(l);
+        if cards.loaded.len() > CARDS_PER_MODEL {
+            cards.loaded.remove(0);
+        }
+    }
+
+    /// The preprocessor of `model`'s current card, loading it on first use.
+    pub async fn get(&self, shared: &Shared, model: &str) -> Result<Loaded, ApiError> {
+        if let Some(l) = self.lookup(model, None) {
+            return Ok(l);
         }
         let _one_at_a_time = self.loading.lock().await;
-        if let Some(p) = self.ready.read().ok().and_then(|r| r.get(model).cloned()) {
-            return Ok(p);
+        if let Some(l) = self.lookup(model, None) {
+            return Ok(l);
         }
         let all = list(shared).await?;
         if all.is_empty() {
@@ -50,23 +97,85 @@ impl ModelCache {
             .into_iter()
             .find(|m| m.card.name.0 == model)
             .ok_or_else(|| ApiError::model_not_found(model))?;
+        // The workers that have the newest card first.
+        let workers = entry.workers.clone();
+        self.load(shared, model, entry.card, &workers).await
+    }
+
+    /// The preprocessor of the card with `digest` (a routed worker's), which
+    /// becomes the model's current card.
+    pub async fn get_card(
+        &self,
+        shared: &Shared,
+        model: &str,
+        digest: u64,
+    ) -> Result<Loaded, ApiError> {
+        if let Some(l) = self.lookup(model, Some(digest)) {
+            self.keep(model, l.clone());
+            return Ok(l);
+        }
+        let _one_at_a_time = self.loading.lock().await;
+        if let Some(l) = self.lookup(model, Some(digest)) {
+            self.keep(model, l.clone());
+            return Ok(l);
+        }
+        let router = shared.router()?;
+        let workers = match router
+            .call(RouterMsg::Workers, Some(Duration::from_secs(2)))
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(w)) => w,
+            _ => {
+                return Err(ApiError::unavailable(
+                    "The router did not answer; retry shortly.",
+                ))
+            }
+        };
+        let with: Vec<_> = workers
+            .into_iter()
+            .filter(|w| w.reg.model.name.0 == model && w.card_digest == digest)
+            .collect();
+        let Some(first) = with.first() else {
+            return Err(ApiError::unavailable(
+                "The model's workers changed while this request was routed; retry.",
+            ));
+        };
+        let card = first.reg.model.clone();
+        let ids: Vec<WorkerId> = with.iter().map(|w| w.reg.worker_id).collect();
+        tracing::info!(
+            model,
+            digest = format!("{digest:016x}"),
+            "a worker has another model card; switching to it"
+        );
+        self.load(shared, model, card, &ids).await
+    }
+
+    async fn load(
+        &self,
+        shared: &Shared,
+        model: &str,
+        card: ModelCard,
+        workers: &[WorkerId],
+    ) -> Result<Loaded, ApiError> {
         let mut last_err = None;
-        for w in &entry.workers {
-            match fetch_tokenizer(shared, *w, &entry.card).await {
+        for w in workers {
+            match fetch_tokenizer(shared, *w, &card).await {
                 Ok(bytes) => {
-                    let card = entry.card.clone();
+                    let card = card.clone();
+                    let digest = card.digest();
                     let pre = tokio::task::spawn_blocking(move || Preprocessor::new(card, &bytes))
                         .await
                         .map_err(|e| ApiError::internal(format!("tokenizer load panicked: {e}")))?
                         .map_err(|e| {
                             ApiError::internal(format!("cannot load the tokenizer of {model}: {e}"))
                         })?;
-                    let pre = Arc::new(pre);
-                    if let Ok(mut r) = self.ready.write() {
-                        r.insert(model.to_string(), pre.clone());
-                    }
+                    let l = Loaded {
+                        pre: Arc::new(pre),
+                        digest,
+                    };
+                    self.keep(model, l.clone());
                     tracing::info!(model, worker = %w, "model preprocessor loaded");
-                    return Ok(pre);
+                    return Ok(l);
                 }
                 Err(e) => {
                     tracing::warn!(model, worker = %w, error = %e, "tokenizer fetch failed");
@@ -96,7 +205,7 @@ async fn fetch_tokenizer(
         let req = ArtifactRequest {
             name: card.tokenizer.name.clone(),
             offset: out.len() as u64,
-            max_len: 512 * 1024,
+            max_len: 256 * 1024,
         };
         let chunk: ArtifactChunk = shared
             .bus
@@ -107,6 +216,9 @@ async fn fetch_tokenizer(
             return Err("inconsistent artifact chunk".into());
         }
         out.extend_from_slice(&chunk.data);
+    }
+    if dynamo_model::card::sha256_hex(&out) != card.tokenizer.sha256 {
+        return Err("the tokenizer's digest does not match the card".into());
     }
     Ok(out)
 }

@@ -4,7 +4,26 @@
 //! [`CompletionRequest`], then into `ValidGenerate`s (one per prompt); only
 //! those reach routing. Unknown fields are ignored (as vLLM does) so clients
 //! that send extra OpenAI options keep working.
+//!
+//! Every field has a range (a value outside it is a 400 naming the field):
+//!
+//! | field | range |
+//! |---|---|
+//! | `temperature` | 0 – 2 |
+//! | `top_p` | (0, 1] |
+//! | `top_k` | 0 (off) – the vocabulary size |
+//! | `max_tokens`, `max_completion_tokens` | ≥ 1, and prompt + completion ≤ the context length |
+//! | `stop` | a string or up to [`MAX_STOP`] strings, each 1 – [`MAX_STOP_BYTES`] bytes |
+//! | `n` | 1 |
+//! | `messages` | 1 – [`MAX_MESSAGES`] messages |
+//! | `prompt` | 1 – [`MAX_PROMPTS`] prompts, each non-empty, token ids inside the vocabulary |
+//! | `timeout_ms` | 1 – the gateway's `request_timeout_ms` |
+//! | `max_migrations` | 0 – [`MAX_MIGRATIONS`] (capped by the gateway's `max_migrations`) |
+//! | `routing.overlap_weight` | 0 – [`MAX_OVERLAP_WEIGHT`] |
+//! | `routing.host_hit_cost`, `routing.disk_hit_cost` | 0 – 1 |
+//! | `routing.temperature` | 0 – [`MAX_ROUTING_TEMPERATURE`] |
 
+use crate::config::GatewayConfig;
 use crate::error::ApiError;
 use dynamo_bus_schema::SamplingParams;
 use dynamo_model::{ChatMessage, Preprocessor};
@@ -17,6 +36,21 @@ pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: bool,
 }
+
+/// Most stop strings per request (OpenAI's limit).
+pub const MAX_STOP: usize = 4;
+/// Longest stop string, in bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
+/// Most messages in one chat request.
+pub const MAX_MESSAGES: usize = 4096;
+/// Most prompts in one completions request.
+pub const MAX_PROMPTS: usize = 64;
+/// Largest per-request migration limit a request may name.
+pub const MAX_MIGRATIONS: u32 = 100;
+/// Largest `routing.overlap_weight`.
+pub const MAX_OVERLAP_WEIGHT: f64 = 1000.0;
+/// Largest `routing.temperature`.
+pub const MAX_ROUTING_TEMPERATURE: f64 = 100.0;
 
 /// Options shared by both endpoints.
 #[derive(Debug, Deserialize)]
@@ -127,26 +161,40 @@ fn stop_strings(v: &Option<Value>) -> Result<Vec<String>, ApiError> {
     let bad = || {
         ApiError::invalid(
             Some("stop".into()),
-            "`stop` must be a string or an array of at most 4 non-empty strings",
+            format!("`stop` must be a string or an array of at most {MAX_STOP} strings of 1 to {MAX_STOP_BYTES} bytes"),
         )
     };
     let out = match v {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) => a
+        Some(Value::Array(a)) if a.len() <= MAX_STOP => a
             .iter()
             .map(|x| x.as_str().map(str::to_string).ok_or_else(bad))
             .collect::<Result<Vec<_>, _>>()?,
         _ => return Err(bad()),
     };
-    if out.len() > 4 || out.iter().any(String::is_empty) {
+    if out.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
         return Err(bad());
     }
     Ok(out)
 }
 
+/// A number that must lie in `lo..=hi`, or a 400 naming `field`.
+fn in_range(field: &str, v: f64, lo: f64, hi: f64) -> Result<f64, ApiError> {
+    if v.is_finite() && (lo..=hi).contains(&v) {
+        Ok(v)
+    } else {
+        Err(ApiError::invalid(
+            Some(field.to_string()),
+            format!("{field} = {v} is out of range: it must be between {lo} and {hi}"),
+        ))
+    }
+}
+
 impl CommonParams {
-    pub fn options(&self) -> Result<ValidOptions, ApiError> {
+    /// The request-wide options, checked against their ranges and the
+    /// gateway's limits.
+    pub fn options(&self, cfg: &GatewayConfig) -> Result<ValidOptions, ApiError> {
         if let Some(n) = self.n {
             if n != 1 {
                 return Err(ApiError::invalid(
@@ -155,30 +203,47 @@ impl CommonParams {
                 ));
             }
         }
-        if self.timeout_ms == Some(0) {
-            return Err(ApiError::invalid(
-                Some("timeout_ms".into()),
-                "timeout_ms must be positive",
-            ));
+        let max_timeout = cfg.request_timeout.as_millis() as u64;
+        if let Some(t) = self.timeout_ms {
+            if t == 0 || t > max_timeout {
+                return Err(ApiError::invalid(
+                    Some("timeout_ms".into()),
+                    format!(
+                        "timeout_ms = {t} is out of range: it must be between 1 and {max_timeout}"
+                    ),
+                ));
+            }
+        }
+        if let Some(m) = self.max_migrations {
+            if m > MAX_MIGRATIONS {
+                return Err(ApiError::invalid(
+                    Some("max_migrations".into()),
+                    format!("max_migrations = {m} is out of range: it must be between 0 and {MAX_MIGRATIONS}"),
+                ));
+            }
         }
         let routing = match &self.routing {
             None => None,
             Some(r) => {
                 let mut w = KvCostWeights::default();
-                for (name, v, slot) in [
-                    ("overlap_weight", r.overlap_weight, &mut w.overlap_weight),
-                    ("host_hit_cost", r.host_hit_cost, &mut w.host_hit_cost),
-                    ("disk_hit_cost", r.disk_hit_cost, &mut w.disk_hit_cost),
-                    ("temperature", r.temperature, &mut w.temperature),
+                for (name, v, slot, hi) in [
+                    (
+                        "overlap_weight",
+                        r.overlap_weight,
+                        &mut w.overlap_weight,
+                        MAX_OVERLAP_WEIGHT,
+                    ),
+                    ("host_hit_cost", r.host_hit_cost, &mut w.host_hit_cost, 1.0),
+                    ("disk_hit_cost", r.disk_hit_cost, &mut w.disk_hit_cost, 1.0),
+                    (
+                        "temperature",
+                        r.temperature,
+                        &mut w.temperature,
+                        MAX_ROUTING_TEMPERATURE,
+                    ),
                 ] {
                     if let Some(v) = v {
-                        if !(v.is_finite() && v >= 0.0) {
-                            return Err(ApiError::invalid(
-                                Some(format!("routing.{name}")),
-                                format!("routing.{name} = {v} is invalid: it must be a finite number >= 0"),
-                            ));
-                        }
-                        *slot = v;
+                        *slot = in_range(&format!("routing.{name}"), v, 0.0, hi)?;
                     }
                 }
                 Some(w)
@@ -192,7 +257,7 @@ impl CommonParams {
                 .is_some_and(|o| o.include_usage),
             timeout_ms: self.timeout_ms,
             routing,
-            max_migrations: self.max_migrations,
+            max_migrations: self.max_migrations.map(|m| m.min(cfg.max_migrations)),
         })
     }
 
@@ -204,13 +269,7 @@ impl CommonParams {
         prompt_param: &str,
         default_max: Option<u32>,
     ) -> Result<ValidGenerate, ApiError> {
-        let temperature = self.temperature.unwrap_or(1.0);
-        if !(0.0..=2.0).contains(&temperature) {
-            return Err(ApiError::invalid(
-                Some("temperature".into()),
-                format!("temperature = {temperature} is out of range: it must be between 0 and 2"),
-            ));
-        }
+        let temperature = in_range("temperature", self.temperature.unwrap_or(1.0), 0.0, 2.0)?;
         let top_p = self.top_p.unwrap_or(1.0);
         if !(top_p > 0.0 && top_p <= 1.0) {
             return Err(ApiError::invalid(
@@ -219,10 +278,11 @@ impl CommonParams {
             ));
         }
         let top_k = self.top_k.unwrap_or(0);
-        if top_k < 0 {
+        let vocab = pre.card.vocab_size;
+        if !(0..=vocab as i64).contains(&top_k) {
             return Err(ApiError::invalid(
                 Some("top_k".into()),
-                "top_k must be >= 0",
+                format!("top_k = {top_k} is out of range: it must be between 0 (off) and {vocab}"),
             ));
         }
         let (param, requested) = match (self.max_completion_tokens, self.max_tokens) {
@@ -243,7 +303,6 @@ impl CommonParams {
                 "The prompt is empty.",
             ));
         }
-        let vocab = pre.card.vocab_size;
         if let Some(bad) = token_ids.iter().find(|&&t| t >= vocab) {
             return Err(ApiError::invalid(
                 Some(prompt_param.into()),
@@ -315,10 +374,10 @@ fn message_text(m: &InMessage, i: usize) -> Result<String, ApiError> {
 
 impl ChatRequest {
     pub fn validate(&self, pre: &Preprocessor) -> Result<ValidGenerate, ApiError> {
-        if self.messages.is_empty() {
+        if self.messages.is_empty() || self.messages.len() > MAX_MESSAGES {
             return Err(ApiError::invalid(
                 Some("messages".into()),
-                "`messages` must contain at least one message.",
+                format!("`messages` must contain 1 to {MAX_MESSAGES} messages."),
             ));
         }
         let mut msgs = Vec::with_capacity(self.messages.len());
@@ -400,10 +459,10 @@ impl CompletionRequest {
             },
             _ => return Err(bad()),
         };
-        if prompts.len() > 64 {
+        if prompts.len() > MAX_PROMPTS {
             return Err(ApiError::invalid(
                 Some("prompt".into()),
-                "At most 64 prompts per request.",
+                format!("At most {MAX_PROMPTS} prompts per request."),
             ));
         }
         prompts
@@ -413,6 +472,30 @@ impl CompletionRequest {
                     .validate(pre, ids, "prompt", Some(COMPLETIONS_DEFAULT_MAX_TOKENS))
             })
             .collect()
+    }
+}
+
+/// A parsed body of either endpoint.
+#[derive(Debug)]
+pub enum Parsed {
+    Chat(ChatRequest),
+    Completions(CompletionRequest),
+}
+
+impl Parsed {
+    pub fn common(&self) -> &CommonParams {
+        match self {
+            Parsed::Chat(r) => &r.common,
+            Parsed::Completions(r) => &r.common,
+        }
+    }
+
+    /// One `ValidGenerate` per prompt (templating and tokenizing).
+    pub fn validate(&self, pre: &Preprocessor) -> Result<Vec<ValidGenerate>, ApiError> {
+        match self {
+            Parsed::Chat(r) => r.validate(pre).map(|v| vec![v]),
+            Parsed::Completions(r) => r.validate(pre),
+        }
     }
 }
 
@@ -440,5 +523,48 @@ mod tests {
         assert!(stop_strings(&Some(serde_json::json!(["a", "b", "c", "d", "e"]))).is_err());
         assert!(stop_strings(&Some(serde_json::json!([""]))).is_err());
         assert!(stop_strings(&Some(serde_json::json!(3))).is_err());
+        assert!(stop_strings(&Some(serde_json::json!(["x".repeat(MAX_STOP_BYTES + 1)]))).is_err());
+    }
+
+    #[test]
+    fn options_out_of_range_name_their_field() {
+        let cfg = GatewayConfig::default();
+        for (body, field) in [
+            (
+                r#"{"model":"m","routing":{"overlap_weight":1e308}}"#,
+                "routing.overlap_weight",
+            ),
+            (
+                r#"{"model":"m","routing":{"host_hit_cost":2}}"#,
+                "routing.host_hit_cost",
+            ),
+            (
+                r#"{"model":"m","routing":{"disk_hit_cost":-1}}"#,
+                "routing.disk_hit_cost",
+            ),
+            (
+                r#"{"model":"m","routing":{"temperature":1000}}"#,
+                "routing.temperature",
+            ),
+            (r#"{"model":"m","timeout_ms":0}"#, "timeout_ms"),
+            (r#"{"model":"m","timeout_ms":99999999999}"#, "timeout_ms"),
+            (r#"{"model":"m","max_migrations":1000}"#, "max_migrations"),
+            (r#"{"model":"m","n":2}"#, "n"),
+        ] {
+            let p: CommonParams = serde_json::from_str(body).unwrap();
+            let e = p.options(&cfg).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{body}");
+            assert_eq!(e.status.as_u16(), 400);
+        }
+        let p: CommonParams = serde_json::from_str(
+            r#"{"model":"m","max_migrations":50,"routing":{"overlap_weight":1000}}"#,
+        )
+        .unwrap();
+        let o = p.options(&cfg).unwrap();
+        assert_eq!(
+            o.max_migrations,
+            Some(cfg.max_migrations),
+            "capped by the gateway"
+        );
     }
 }

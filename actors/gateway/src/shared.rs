@@ -1,15 +1,21 @@
 //! State shared by every HTTP handler of one gateway.
 
+use crate::admission::Admission;
 use crate::config::GatewayConfig;
 use crate::error::ApiError;
 use crate::inbox::Inbox;
 use crate::metrics::Metrics;
 use crate::models::ModelCache;
+use crate::preprocess::PreprocessPool;
 use dynamo_bus_schema::GatewayId;
 use dynamo_router::{RouterMsg, ROUTER_ACTOR_NAME};
-use dynamo_runtime::Bus;
+use dynamo_runtime::{Bus, Gate, Spawner};
 use ractor::ActorRef;
 use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Status requests (`/health`, `/metrics`, `/v1/models`, overlap) served
+/// at once: each asks the router, whose mailbox they must not flood.
+pub const CONTROL_CONCURRENCY: usize = 64;
 
 pub struct Shared {
     pub bus: Bus,
@@ -19,6 +25,12 @@ pub struct Shared {
     pub config: GatewayConfig,
     pub metrics: Metrics,
     pub models: ModelCache,
+    pub admission: Admission,
+    pub preprocess: PreprocessPool,
+    /// Bounds status requests (see [`CONTROL_CONCURRENCY`]).
+    pub control: Gate,
+    /// Spawns the gateway's short-lived tasks (cancels, streams).
+    pub spawner: Spawner,
     pub accepting: AtomicBool,
     pub started_unix_s: u64,
 }

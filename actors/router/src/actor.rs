@@ -1,25 +1,27 @@
-//! `RouterActor`: a thin shell around [`RouterState`]. It feeds the state
-//! from the bus (the workers KV bucket, watched with history, and the load
-//! subject) and answers route/release/list calls from the gateway.
+//! `RouterActor`: a thin shell around [`RouterState`]. Its feeds
+//! ([`crate::feeds`]) bring the bus in (the workers KV bucket, watched with
+//! history; load reports; KV events; peers' load), dumps
+//! ([`crate::dumps`]) fill the index, and it answers route/release/list
+//! calls from the gateway.
 //!
-//! The watch and load tasks are owned by the actor (a cancellation token
-//! stops them in `post_stop`) and re-establish themselves with backoff when
-//! the bus drops.
+//! Invariants: every task is owned by the actor's `Tasks`: they stop with
+//! its state, and one that ends on its own fails the actor (its supervisor
+//! restarts it with fresh feeds, and it catches up again before routing);
+//! route calls are bounded by the gateway's admission, feeds by their
+//! gates, ticks by one outstanding each.
 
+use crate::dumps::request_dump;
+use crate::feeds::{self, FEED_BACKLOG};
 use crate::policy::{build, PolicyKind};
 use crate::state::{ModelEntry, RouteDecision, RouteError, RouterState, WorkerEntry};
 use dynamo_bus_schema::{
-    decode, decode_payload, peek_kind, ActiveLoadEvent, ActiveLoadSnapshot,
-    ActiveLoadSnapshotRequest, ErrorKind, KvDump, KvDumpRequest, KvDumpTiered, KvEventBatch,
-    LoadReport, ModelName, RequestId, RouterHeartbeat, RouterId, WireError, WireMessage, WorkerId,
-    WorkerRegistration,
+    ActiveLoadEvent, FaultKind, KvDumpTiered, KvEventBatch, LoadReport, ModelName, RequestId,
+    RouterHeartbeat, RouterId, WorkerId, WorkerRegistration,
 };
-use dynamo_runtime::{counters, Backoff, Bus};
-use futures::StreamExt;
+use dynamo_runtime::{Bus, Gate, Tasks, Ticket};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio_util::sync::CancellationToken;
 
 /// Router settings.
 #[derive(Clone, Debug)]
@@ -30,6 +32,8 @@ pub struct RouterConfig {
     pub policy: PolicyKind,
     /// When prefill moves to prefill workers (disaggregated serving).
     pub disagg: crate::DisaggPolicy,
+    /// How long a worker that refused a request as overloaded is avoided.
+    pub overload_backoff: Duration,
 }
 
 impl Default for RouterConfig {
@@ -38,17 +42,20 @@ impl Default for RouterConfig {
             worker_ttl: Duration::from_secs(3),
             policy: PolicyKind::LeastLoaded,
             disagg: crate::DisaggPolicy::default(),
+            overload_backoff: crate::state::DEFAULT_OVERLOAD_BACKOFF,
         }
     }
 }
 
+/// The router's mailbox. Messages from bus feeds carry their feed's
+/// [`Ticket`] (dropped once handled), which bounds how many wait.
 pub enum RouterMsg {
-    Upsert(Box<WorkerRegistration>),
-    KvBatch(KvEventBatch),
+    Upsert(Box<WorkerRegistration>, Ticket),
+    KvBatch(KvEventBatch, Ticket),
     KvDump(KvDumpTiered),
-    Remove(WorkerId),
-    Load(LoadReport),
-    Expire,
+    Remove(WorkerId, Ticket),
+    Load(LoadReport, Ticket),
+    Expire(Ticket),
     Route {
         request_id: RequestId,
         model: ModelName,
@@ -62,8 +69,10 @@ pub enum RouterMsg {
     Release(RequestId),
     /// An own request's first token came back.
     PrefillDone(RequestId),
-    RemoteLoad(ActiveLoadEvent),
-    PeerHeartbeat(RouterId),
+    /// A worker refused one of this gateway's requests as overloaded.
+    WorkerOverloaded(WorkerId),
+    RemoteLoad(ActiveLoadEvent, Ticket),
+    PeerHeartbeat(RouterId, Ticket),
     LoadSnapshot(Vec<ActiveLoadEvent>),
     /// The peer snapshot step is over (loaded, or no peer answered).
     SnapshotDone,
@@ -71,7 +80,12 @@ pub enum RouterMsg {
     RegistryLoaded,
     ServeSnapshot(RpcReplyPort<Vec<ActiveLoadEvent>>),
     /// Publish this router's heartbeat.
-    Heartbeat,
+    Heartbeat(Ticket),
+    /// A background task ended on its own (its input is gone).
+    TaskEnded(String),
+    /// Fault injection: [`FaultKind::EndTask`] ends the named task,
+    /// [`FaultKind::PanicActor`] panics in the handler.
+    InjectFault(FaultKind, String),
     Models(RpcReplyPort<Vec<ModelEntry>>),
     KvInfo(RpcReplyPort<KvInfo>),
     Info(RpcReplyPort<dynamo_bus_schema::RouterInfo>),
@@ -108,7 +122,43 @@ pub struct RouterArgs {
 pub struct RouterRuntime {
     state: RouterState,
     bus: Bus,
-    tasks: CancellationToken,
+    /// Load events and heartbeats for the peers, published by a task of
+    /// their own (the bus never stalls routing). Bounded: when the bus is
+    /// away and it fills, newer ones are dropped (peers expire what they
+    /// miss with this router's heartbeats).
+    to_peers: tokio::sync::mpsc::Sender<ToPeers>,
+    tasks: Tasks,
+}
+
+/// Load events and heartbeats that may wait for the bus.
+const TO_PEERS_BACKLOG: usize = 8192;
+
+enum ToPeers {
+    Load(ActiveLoadEvent),
+    Heartbeat(RouterHeartbeat),
+}
+
+impl RouterRuntime {
+    fn tell_peers(&self, m: ToPeers) {
+        if self.to_peers.try_send(m).is_err() {
+            tracing::debug!("peer load backlog full; dropping an update");
+        }
+    }
+}
+
+/// Publishes what the router tells its peers.
+async fn publish_to_peers(bus: Bus, mut rx: tokio::sync::mpsc::Receiver<ToPeers>) {
+    let subject = bus.subjects.router_load();
+    while let Some(m) = rx.recv().await {
+        let res = match &m {
+            ToPeers::Load(ev) => bus.publish(subject.clone(), ev).await,
+            ToPeers::Heartbeat(hb) => bus.publish(subject.clone(), hb).await,
+        };
+        if let Err(e) = res {
+            // Peers expire what they miss; our own view stays exact.
+            tracing::debug!(error = %e, "cannot publish to peer routers");
+        }
+    }
 }
 
 impl Actor for RouterActor {
@@ -121,72 +171,83 @@ impl Actor for RouterActor {
         myself: ActorRef<RouterMsg>,
         args: RouterArgs,
     ) -> Result<RouterRuntime, ActorProcessingErr> {
-        let tasks = CancellationToken::new();
-        let bucket = args.bus.subjects.workers_bucket();
-        tokio::spawn(watch_workers(
-            args.bus.clone(),
-            bucket,
-            myself.clone(),
-            tasks.child_token(),
-        ));
-        tokio::spawn(forward::<LoadReport>(
-            args.bus.clone(),
-            args.bus.subjects.load_all(),
-            myself.clone(),
-            tasks.child_token(),
-            RouterMsg::Load,
-        ));
-        if let Err(e) = args.bus.ensure_kv_events_stream().await {
-            tracing::warn!(error = %e, "cannot create the KV events stream");
-        }
-        tokio::spawn(forward::<KvEventBatch>(
-            args.bus.clone(),
-            args.bus.subjects.kv_events_all(),
-            myself.clone(),
-            tasks.child_token(),
-            RouterMsg::KvBatch,
-        ));
-        let tick = tasks.child_token();
         let me = myself.clone();
-        let period = args.config.worker_ttl / 4;
-        tokio::spawn(async move {
-            let mut iv = tokio::time::interval(period.max(Duration::from_millis(50)));
-            loop {
-                tokio::select! {
-                    _ = tick.cancelled() => break,
-                    _ = iv.tick() => if me.cast(RouterMsg::Expire).is_err() { break },
-                }
-            }
-        });
+        let tasks = Tasks::new(Arc::new(move |why| {
+            let _ = me.cast(RouterMsg::TaskEnded(why));
+        }));
+        let bus = args.bus.clone();
         let mut state = RouterState::new(args.config.worker_ttl, build(args.config.policy));
         state.set_disagg(args.config.disagg);
+        state.set_overload_backoff(args.config.overload_backoff);
         state.begin_catch_up(Instant::now());
-        tokio::spawn(serve_info(
-            args.bus.clone(),
-            myself.clone(),
-            tasks.child_token(),
-        ));
-        tokio::spawn(share_load(
-            args.bus.clone(),
-            state.router_id(),
-            myself.clone(),
-            tasks.child_token(),
-        ));
-        let hb = tasks.child_token();
-        let me2 = myself.clone();
-        tokio::spawn(async move {
-            let mut iv = tokio::time::interval(Duration::from_secs(1));
-            loop {
-                tokio::select! {
-                    _ = hb.cancelled() => break,
-                    _ = iv.tick() => if me2.cast(RouterMsg::Heartbeat).is_err() { break },
-                }
-            }
-        });
+        tasks.spawn(
+            "workers",
+            feeds::watch_workers(bus.clone(), myself.clone(), Gate::new(FEED_BACKLOG)),
+        );
+        tasks.spawn(
+            "load-reports",
+            feeds::forward::<LoadReport>(
+                bus.clone(),
+                bus.subjects.load_all(),
+                myself.clone(),
+                Gate::new(FEED_BACKLOG),
+                RouterMsg::Load,
+            ),
+        );
+        if let Err(e) = bus.ensure_kv_events_stream().await {
+            tracing::warn!(error = %e, "cannot create the KV events stream");
+        }
+        tasks.spawn(
+            "kv-events",
+            feeds::forward::<KvEventBatch>(
+                bus.clone(),
+                bus.subjects.kv_events_all(),
+                myself.clone(),
+                Gate::new(FEED_BACKLOG),
+                RouterMsg::KvBatch,
+            ),
+        );
+        let period = (args.config.worker_ttl / 4).max(Duration::from_millis(50));
+        tasks.spawn(
+            "expiry-tick",
+            feeds::ticker(period, myself.clone(), RouterMsg::Expire),
+        );
+        tasks.spawn(
+            "info",
+            feeds::serve_info(bus.clone(), myself.clone(), tasks.token()),
+        );
+        // Peers' load: subscribe first, then ask a peer for its snapshot,
+        // so nothing between the two is lost.
+        let sub = bus.client.subscribe(bus.subjects.router_load()).await?;
+        tasks.spawn(
+            "peer-load",
+            feeds::peer_load(
+                sub,
+                state.router_id(),
+                myself.clone(),
+                Gate::new(FEED_BACKLOG),
+            ),
+        );
+        tasks.spawn(
+            "snapshots",
+            feeds::snapshots(
+                bus.clone(),
+                state.router_id(),
+                myself.clone(),
+                tasks.token(),
+            ),
+        );
+        tasks.spawn(
+            "heartbeat-tick",
+            feeds::ticker(Duration::from_secs(1), myself.clone(), RouterMsg::Heartbeat),
+        );
+        let (to_peers, rx) = tokio::sync::mpsc::channel(TO_PEERS_BACKLOG);
+        tasks.spawn("to-peers", publish_to_peers(bus.clone(), rx));
         tracing::info!(policy = state.policy_name(), "router started");
         Ok(RouterRuntime {
             state,
-            bus: args.bus,
+            bus,
+            to_peers,
             tasks,
         })
     }
@@ -196,7 +257,7 @@ impl Actor for RouterActor {
         _myself: ActorRef<RouterMsg>,
         rt: &mut RouterRuntime,
     ) -> Result<(), ActorProcessingErr> {
-        rt.tasks.cancel();
+        rt.tasks.shutdown();
         Ok(())
     }
 
@@ -209,23 +270,42 @@ impl Actor for RouterActor {
         let s = &mut rt.state;
         let now = Instant::now();
         match msg {
-            RouterMsg::Upsert(reg) => {
+            RouterMsg::Upsert(reg, _ticket) => {
                 s.upsert(*reg, now);
                 // A worker seen for the first time is dumped at once, not at
                 // the next tick: a starting replica routes only after that.
                 for w in s.kv_dumps_due(now) {
-                    tokio::spawn(request_dump(rt.bus.clone(), w, myself.clone()));
+                    rt.tasks.spawn_transient(
+                        "kv-dump",
+                        request_dump(rt.bus.clone(), w, myself.clone()),
+                    );
                 }
             }
-            RouterMsg::KvBatch(b) => s.kv_batch(b),
+            RouterMsg::KvBatch(b, _ticket) => s.kv_batch(b),
             RouterMsg::KvDump(d) => s.kv_dump(d),
-            RouterMsg::Remove(id) => s.remove(id),
-            RouterMsg::Load(r) => s.load(r, now),
-            RouterMsg::Expire => {
+            RouterMsg::Remove(id, _ticket) => s.remove(id),
+            RouterMsg::Load(r, _ticket) => s.load(r, now),
+            RouterMsg::Expire(_ticket) => {
                 s.expire(now);
                 for w in s.kv_dumps_due(now) {
-                    tokio::spawn(request_dump(rt.bus.clone(), w, myself.clone()));
+                    rt.tasks.spawn_transient(
+                        "kv-dump",
+                        request_dump(rt.bus.clone(), w, myself.clone()),
+                    );
                 }
+            }
+            RouterMsg::WorkerOverloaded(w) => s.overloaded(w, now),
+            RouterMsg::TaskEnded(why) => return Err(format!("router: {why}").into()),
+            RouterMsg::InjectFault(FaultKind::PanicActor, _) => {
+                panic!("fault injected into the router")
+            }
+            RouterMsg::InjectFault(FaultKind::EndTask, task) => {
+                if !rt.tasks.end(&task) {
+                    tracing::warn!(task, tasks = ?rt.tasks.names(), "no such task to end");
+                }
+            }
+            RouterMsg::InjectFault(other, _) => {
+                tracing::warn!(?other, "fault not applicable to the router")
             }
             RouterMsg::Route {
                 request_id,
@@ -240,7 +320,7 @@ impl Actor for RouterActor {
                         // The caller gave up: undo the accounting.
                         s.release(request_id);
                     } else {
-                        publish_load(&rt.bus, &ev).await;
+                        rt.tell_peers(ToPeers::Load(ev));
                     }
                 }
                 Err(e) => {
@@ -249,16 +329,16 @@ impl Actor for RouterActor {
             },
             RouterMsg::Release(id) => {
                 if let Some(ev) = s.release(id) {
-                    publish_load(&rt.bus, &ev).await;
+                    rt.tell_peers(ToPeers::Load(ev));
                 }
             }
             RouterMsg::PrefillDone(id) => {
                 if let Some(ev) = s.prefill_done(id) {
-                    publish_load(&rt.bus, &ev).await;
+                    rt.tell_peers(ToPeers::Load(ev));
                 }
             }
-            RouterMsg::RemoteLoad(ev) => s.remote_load(&ev, now),
-            RouterMsg::PeerHeartbeat(p) => s.peer_heartbeat(p, now),
+            RouterMsg::RemoteLoad(ev, _ticket) => s.remote_load(&ev, now),
+            RouterMsg::PeerHeartbeat(p, _ticket) => s.peer_heartbeat(p, now),
             RouterMsg::LoadSnapshot(entries) => {
                 tracing::info!(
                     entries = entries.len(),
@@ -271,13 +351,11 @@ impl Actor for RouterActor {
             RouterMsg::ServeSnapshot(reply) => {
                 let _ = reply.send(s.active_snapshot());
             }
-            RouterMsg::Heartbeat => {
+            RouterMsg::Heartbeat(_ticket) => {
                 let hb = RouterHeartbeat {
                     router_id: s.router_id(),
                 };
-                if let Err(e) = rt.bus.publish(rt.bus.subjects.router_load(), &hb).await {
-                    tracing::debug!(error = %e, "cannot publish router heartbeat");
-                }
+                rt.tell_peers(ToPeers::Heartbeat(hb));
             }
             RouterMsg::KvInfo(reply) => {
                 let blocks = s
@@ -317,294 +395,5 @@ impl Actor for RouterActor {
             }
         }
         Ok(())
-    }
-}
-
-async fn watch_workers(
-    bus: Bus,
-    bucket: String,
-    router: ActorRef<RouterMsg>,
-    cancel: CancellationToken,
-) {
-    let mut backoff = Backoff::new(
-        Duration::from_millis(100),
-        Duration::from_secs(2),
-        Duration::from_secs(10),
-    );
-    while !cancel.is_cancelled() {
-        let watch = async {
-            let kv = bus
-                .kv_bucket(&bucket, dynamo_runtime::bus::REGISTRY_MAX_AGE)
-                .await?;
-            kv.watch_with_history(">")
-                .await
-                .map_err(|e| dynamo_runtime::BusError::Bucket {
-                    bucket: bucket.clone(),
-                    reason: e.to_string(),
-                })
-        };
-        let mut w = match watch.await {
-            Ok(w) => w,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot watch worker registrations; retrying");
-                tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    _ = tokio::time::sleep(backoff.next_delay(Instant::now())) => continue,
-                }
-            }
-        };
-        // The history is read once an entry says nothing is pending, or
-        // when none comes at all (an empty bucket).
-        let mut history_read = false;
-        let quiet = tokio::time::sleep(Duration::from_millis(200));
-        tokio::pin!(quiet);
-        loop {
-            let entry = tokio::select! {
-                _ = cancel.cancelled() => return,
-                _ = &mut quiet, if !history_read => {
-                    history_read = true;
-                    let _ = router.cast(RouterMsg::RegistryLoaded);
-                    continue;
-                }
-                e = w.next() => e,
-            };
-            // Signalled after this entry's own message (below).
-            let last_of_history = matches!(&entry, Some(Ok(e)) if e.delta == 0) && !history_read;
-            let entry = match entry {
-                Some(Ok(e)) => e,
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "worker watch failed; re-watching");
-                    break;
-                }
-                None => break,
-            };
-            let msg = match entry.operation {
-                async_nats::jetstream::kv::Operation::Put => {
-                    match decode::<WorkerRegistration>(&entry.value) {
-                        Ok(reg) => RouterMsg::Upsert(Box::new(reg)),
-                        Err(e) => {
-                            counters::reject("WorkerRegistration", &entry.key, &e);
-                            continue;
-                        }
-                    }
-                }
-                _ => match entry.key.parse::<WorkerId>() {
-                    Ok(id) => RouterMsg::Remove(id),
-                    Err(e) => {
-                        counters::reject("worker key", &entry.key, &e);
-                        continue;
-                    }
-                },
-            };
-            if router.cast(msg).is_err() {
-                return;
-            }
-            if last_of_history {
-                history_read = true;
-                let _ = router.cast(RouterMsg::RegistryLoaded);
-            }
-        }
-        tokio::select! {
-            _ = cancel.cancelled() => return,
-            _ = tokio::time::sleep(backoff.next_delay(Instant::now())) => {}
-        }
-    }
-}
-
-async fn publish_load(bus: &Bus, ev: &ActiveLoadEvent) {
-    if let Err(e) = bus.publish(bus.subjects.router_load(), ev).await {
-        // Peers expire what they miss; our own view stays exact.
-        tracing::debug!(error = %e, "cannot publish active load");
-    }
-}
-
-/// Follows the other replicas' load: subscribes first, then asks a peer for
-/// a snapshot (so nothing between the two is lost), then serves snapshots to
-/// replicas that start after this one.
-async fn share_load(
-    bus: Bus,
-    me: RouterId,
-    router: ActorRef<RouterMsg>,
-    cancel: CancellationToken,
-) {
-    let mut sub = match bus.client.subscribe(bus.subjects.router_load()).await {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot subscribe to router load");
-            return;
-        }
-    };
-    let fwd_cancel = cancel.clone();
-    let fwd_router = router.clone();
-    tokio::spawn(async move {
-        loop {
-            let m = tokio::select! {
-                _ = fwd_cancel.cancelled() => return,
-                m = sub.next() => m,
-            };
-            let Some(m) = m else { return };
-            let msg = match peek_kind(&m.payload) {
-                Ok((k, p)) if k == ActiveLoadEvent::KIND => {
-                    match decode_payload::<ActiveLoadEvent>(p) {
-                        // Our own echo: the state already has it.
-                        Ok(ev) if ev.router_id == me => continue,
-                        other => other.map(RouterMsg::RemoteLoad),
-                    }
-                }
-                Ok((k, p)) if k == RouterHeartbeat::KIND => decode_payload::<RouterHeartbeat>(p)
-                    .map(|h| RouterMsg::PeerHeartbeat(h.router_id)),
-                Ok((k, _)) => {
-                    counters::reject(
-                        "router load",
-                        m.subject.as_str(),
-                        &format!("unknown kind {}", k.0),
-                    );
-                    continue;
-                }
-                Err(e) => Err(e),
-            };
-            match msg {
-                Ok(msg) => {
-                    if fwd_router.cast(msg).is_err() {
-                        return;
-                    }
-                }
-                Err(e) => counters::reject("router load", m.subject.as_str(), &e),
-            }
-        }
-    });
-    let req = ActiveLoadSnapshotRequest { router_id: me };
-    // No responder: this is the first replica. A peer that is slow to
-    // answer (a loaded machine) is asked again: without its snapshot this
-    // replica would not see the requests already in flight.
-    for attempt in 1..=3 {
-        match bus
-            .request::<_, ActiveLoadSnapshot>(
-                bus.subjects.router_snapshot(),
-                &req,
-                Duration::from_secs(2),
-            )
-            .await
-        {
-            Ok(snap) => {
-                let _ = router.cast(RouterMsg::LoadSnapshot(snap.entries));
-                break;
-            }
-            Err(e @ dynamo_runtime::BusError::NoResponders { .. }) => {
-                tracing::info!(reason = %e, "no peer snapshot of the active load (first replica?)");
-                break;
-            }
-            Err(e) => {
-                tracing::warn!(reason = %e, attempt, "peer snapshot of the active load failed")
-            }
-        }
-    }
-    let _ = router.cast(RouterMsg::SnapshotDone);
-    let snap_sub = match bus
-        .client
-        .queue_subscribe(bus.subjects.router_snapshot(), "routers".into())
-        .await
-    {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot serve load snapshots");
-            return;
-        }
-    };
-    bus.serve(snap_sub, cancel, |_: ActiveLoadSnapshotRequest| async {
-        ask(&router, RouterMsg::ServeSnapshot)
-            .await
-            .map(|entries| ActiveLoadSnapshot { entries })
-    })
-    .await;
-}
-
-/// Answers `dynamoctl`'s info requests (one replica of the queue group answers).
-async fn serve_info(bus: Bus, router: ActorRef<RouterMsg>, cancel: CancellationToken) {
-    let sub = match bus
-        .client
-        .queue_subscribe(bus.subjects.router_info(), "routers".into())
-        .await
-    {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot serve router info");
-            return;
-        }
-    };
-    bus.serve(sub, cancel, |_: dynamo_bus_schema::RouterInfoRequest| {
-        ask(&router, RouterMsg::Info)
-    })
-    .await;
-}
-
-/// Asks the router actor for something on behalf of a bus request.
-async fn ask<T: Send + 'static>(
-    router: &ActorRef<RouterMsg>,
-    msg: fn(RpcReplyPort<T>) -> RouterMsg,
-) -> Result<T, WireError> {
-    match router.call(msg, Some(Duration::from_secs(2))).await {
-        Ok(ractor::rpc::CallResult::Success(v)) => Ok(v),
-        _ => Err(WireError::new(
-            ErrorKind::Unavailable,
-            "router is restarting",
-        )),
-    }
-}
-
-/// Asks a worker for its block table and hands the answer to the router.
-async fn request_dump(bus: Bus, w: WorkerId, router: ActorRef<RouterMsg>) {
-    let req = KvDumpRequest {
-        reason: "router sync".into(),
-    };
-    let subject = bus.subjects.worker_kv_dump(w);
-    let answer = bus
-        .request_bytes(subject.clone(), &req, Duration::from_secs(2))
-        .await;
-    // Workers answer with every tier; a device-only dump is accepted too.
-    let dump = answer.map(|b| match peek_kind(&b) {
-        Ok((k, p)) if k == KvDump::KIND => decode_payload::<KvDump>(p).map(Into::into),
-        _ => decode::<KvDumpTiered>(&b),
-    });
-    match dump {
-        Ok(Ok(d)) => {
-            let _ = router.cast(RouterMsg::KvDump(d));
-        }
-        Ok(Err(e)) => counters::reject("KvDumpTiered", &subject, &e),
-        // Retried from the tick until the worker answers or expires.
-        Err(e) => tracing::debug!(worker = %w, error = %e, "KV dump request failed"),
-    }
-}
-
-/// Forwards every decodable `T` published on `subject` to the router as
-/// `wrap(T)`; undecodable messages are rejected and counted.
-async fn forward<T: WireMessage>(
-    bus: Bus,
-    subject: String,
-    router: ActorRef<RouterMsg>,
-    cancel: CancellationToken,
-    wrap: fn(T) -> RouterMsg,
-) {
-    let mut sub = match bus.client.subscribe(subject.clone()).await {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(subject, error = %e, "cannot subscribe");
-            return;
-        }
-    };
-    loop {
-        let msg = tokio::select! {
-            _ = cancel.cancelled() => return,
-            m = sub.next() => m,
-        };
-        let Some(msg) = msg else { return };
-        match decode::<T>(&msg.payload) {
-            Ok(v) => {
-                if router.cast(wrap(v)).is_err() {
-                    return;
-                }
-            }
-            Err(e) => counters::reject(T::NAME, msg.subject.as_str(), &e),
-        }
     }
 }

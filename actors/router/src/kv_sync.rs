@@ -23,6 +23,10 @@ use std::time::{Duration, Instant};
 
 /// Most events buffered per worker while its dump is outstanding.
 const MAX_BUFFER: usize = 100_000;
+/// Most blocks those events may name in all (an event names up to 4096):
+/// past either bound newer events are dropped, and the gap they leave
+/// after the dump is re-synced from another dump.
+const MAX_BUFFER_BLOCKS: usize = 1 << 20;
 /// A dump not answered within this long is asked for again.
 const DUMP_RETRY: Duration = Duration::from_secs(2);
 
@@ -35,6 +39,8 @@ enum Sync {
     Syncing {
         generation: u64,
         buffer: Vec<KvEvent>,
+        /// Blocks the buffered events name.
+        buffered_blocks: usize,
         asked_at: Option<Instant>,
     },
 }
@@ -93,6 +99,7 @@ impl KvSync {
                     Sync::Syncing {
                         generation,
                         buffer: Vec::new(),
+                        buffered_blocks: 0,
                         asked_at: None,
                     },
                 );
@@ -141,10 +148,12 @@ impl KvSync {
                     w,
                     Sync::Syncing {
                         generation: b.generation,
-                        buffer: b.events,
+                        buffer: Vec::new(),
+                        buffered_blocks: 0,
                         asked_at: None,
                     },
                 );
+                self.feed(w, b.events);
                 return true;
             }
             Some(Sync::Live { generation, .. }) | Some(Sync::Syncing { generation, .. })
@@ -176,8 +185,15 @@ impl KvSync {
                 return false;
             };
             match state {
-                Sync::Syncing { buffer, .. } => {
-                    if buffer.len() < MAX_BUFFER {
+                Sync::Syncing {
+                    buffer,
+                    buffered_blocks,
+                    ..
+                } => {
+                    if buffer.len() < MAX_BUFFER
+                        && *buffered_blocks + ev.blocks.len() <= MAX_BUFFER_BLOCKS
+                    {
+                        *buffered_blocks += ev.blocks.len();
                         buffer.push(ev);
                     }
                 }
@@ -188,13 +204,14 @@ impl KvSync {
                     } else if id > *next {
                         self.stats.gaps += 1;
                         tracing::warn!(worker = %w, expected = *next, got = id, "KV event gap; re-syncing from a dump");
-                        let mut buffer = vec![ev];
-                        buffer.extend(iter);
                         *state = Sync::Syncing {
                             generation: *generation,
-                            buffer,
+                            buffer: Vec::new(),
+                            buffered_blocks: 0,
                             asked_at: None,
                         };
+                        let rest: Vec<KvEvent> = std::iter::once(ev).chain(iter).collect();
+                        self.feed(w, rest);
                         return true;
                     } else {
                         *next += 1;

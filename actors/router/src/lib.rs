@@ -1,4 +1,4 @@
-//! `dynamo-router`: the router actor (first version).
+//! `dynamo-router`: the router actor.
 //!
 //! Workers register in a JetStream KV bucket and refresh their record every
 //! heartbeat; the router watches the bucket (with history, so a late router
@@ -16,8 +16,11 @@ pub mod actor;
 pub mod approx;
 pub mod catch_up;
 pub mod disagg;
+pub mod dumps;
+pub mod feeds;
 pub mod kv_sync;
 pub mod policy;
+pub mod registry;
 pub mod state;
 pub mod timing;
 

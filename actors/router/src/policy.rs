@@ -3,6 +3,12 @@
 //! A policy sees the request (model, prompt tokens) and the eligible
 //! candidates (serving, fresh, not excluded) and picks one. It never sees
 //! workers that cannot take the request.
+//!
+//! Invariant: selection is total. Given a non-empty candidate list every
+//! policy returns one of its workers, whatever the weights or loads: costs
+//! are compared with a total order, a cost that is not a finite number
+//! counts as the worst, and sampling that cannot be done (weights that
+//! overflow or vanish) falls back to the cheapest.
 
 use dynamo_bus_schema::{LoadMetrics, ModelName, WorkerId};
 use dynamo_kv_index::Overlap;
@@ -65,7 +71,7 @@ impl RoutingPolicy for RoundRobin {
         "round_robin"
     }
     fn select(&mut self, _req: &RouteRequest<'_>, candidates: &[Candidate]) -> WorkerId {
-        let c = &candidates[self.next % candidates.len()];
+        let c = &candidates[self.next % candidates.len().max(1)];
         self.next = self.next.wrapping_add(1);
         c.worker_id
     }
@@ -84,7 +90,7 @@ impl RoutingPolicy for LeastLoaded {
     fn select(&mut self, _req: &RouteRequest<'_>, candidates: &[Candidate]) -> WorkerId {
         let min = candidates.iter().map(Candidate::load).min().unwrap_or(0);
         let tied: Vec<&Candidate> = candidates.iter().filter(|c| c.load() == min).collect();
-        let c = tied[self.tie % tied.len()];
+        let c = tied[self.tie % tied.len().max(1)];
         self.tie = self.tie.wrapping_add(1);
         c.worker_id
     }
@@ -133,24 +139,29 @@ impl KvAware {
         }
     }
 
-    /// The predicted cost of sending a request of `input` tokens to `c`.
+    /// The predicted cost of sending a request of `input` tokens to `c`
+    /// (in blocks of `c`'s own size).
     pub fn cost(&self, c: &Candidate, input: usize) -> f64 {
-        Self::cost_with(&self.w, c, input)
+        Self::cost_with(&self.w, c, input, c.block_size)
     }
 
-    fn cost_with(w: &KvCostWeights, c: &Candidate, input: usize) -> f64 {
+    /// The cost in blocks of `unit` tokens: candidates whose block sizes
+    /// differ (a misconfigured worker) are compared in one unit, while each
+    /// one's cache hits count in its own blocks.
+    fn cost_with(w: &KvCostWeights, c: &Candidate, input: usize, unit: u32) -> f64 {
         let bs = c.block_size.max(1) as f64;
+        let unit = unit.max(1) as f64;
         let o = &c.overlap;
         let saved = bs
             * (o.device as f64
                 + o.host as f64 * (1.0 - w.host_hit_cost)
                 + o.disk as f64 * (1.0 - w.disk_hit_cost));
         let uncached = (input as f64 - saved).max(0.0);
-        let prefill_blocks = (c.pending_prefill_tokens as f64 + uncached) / bs;
+        let prefill_blocks = (c.pending_prefill_tokens as f64 + uncached) / unit;
         // The worker's report lags by up to one report interval; the routers'
         // own count of in-flight blocks does not.
-        let active = (c.reported.kv_used_blocks as u64).max(c.active_blocks) as f64;
-        let decode_blocks = active + (input as f64 / bs).ceil();
+        let active = (c.reported.kv_used_blocks as u64).max(c.active_blocks) as f64 * bs / unit;
+        let decode_blocks = active + (input as f64 / unit).ceil();
         w.overlap_weight * prefill_blocks + decode_blocks
     }
 }
@@ -165,35 +176,47 @@ impl RoutingPolicy for KvAware {
     fn select(&mut self, req: &RouteRequest<'_>, candidates: &[Candidate]) -> WorkerId {
         use rand::Rng;
         let w = req.weights.unwrap_or(self.w);
+        // A cost that is not a finite number (weights or loads at the edge
+        // of f64) counts as the worst possible.
+        let unit = candidates.iter().map(|c| c.block_size).min().unwrap_or(1);
         let costs: Vec<f64> = candidates
             .iter()
-            .map(|c| Self::cost_with(&w, c, req.token_ids.len()))
+            .map(|c| Self::cost_with(&w, c, req.token_ids.len(), unit))
+            .map(|c| if c.is_finite() { c } else { f64::MAX })
             .collect();
-        if w.temperature > 0.0 {
-            let min = costs.iter().cloned().fold(f64::INFINITY, f64::min);
+        let min = costs.iter().copied().min_by(f64::total_cmp).unwrap_or(0.0);
+        if w.temperature > 0.0 && w.temperature.is_finite() {
             let weights: Vec<f64> = costs
                 .iter()
                 .map(|c| (-(c - min) / w.temperature).exp())
+                .map(|x| if x.is_finite() { x } else { 0.0 })
                 .collect();
             let total: f64 = weights.iter().sum();
-            let mut x = self.rng.random::<f64>() * total;
-            for (c, w) in candidates.iter().zip(&weights) {
-                if x < *w {
-                    return c.worker_id;
+            if total.is_finite() && total > 0.0 {
+                let mut x = self.rng.random::<f64>() * total;
+                for (c, w) in candidates.iter().zip(&weights) {
+                    if x < *w {
+                        return c.worker_id;
+                    }
+                    x -= w;
                 }
-                x -= w;
             }
         }
-        let min = costs.iter().cloned().fold(f64::INFINITY, f64::min);
+        // The cheapest (within a relative tolerance), then the least loaded,
+        // then at random. `min` is one of the costs, so `best` is never empty.
+        let tol = 1e-9 * min.abs().max(1.0);
         let best: Vec<&Candidate> = candidates
             .iter()
             .zip(&costs)
-            .filter(|(_, c)| (**c - min).abs() < 1e-9)
+            .filter(|(_, c)| **c - min <= tol)
             .map(|(c, _)| c)
             .collect();
         let least = best.iter().map(|c| c.load()).min().unwrap_or(0);
         let tied: Vec<&&Candidate> = best.iter().filter(|c| c.load() == least).collect();
-        tied[self.rng.random_range(0..tied.len())].worker_id
+        match tied.len() {
+            0 => candidates[0].worker_id,
+            n => tied[self.rng.random_range(0..n)].worker_id,
+        }
     }
 }
 
@@ -217,7 +240,7 @@ impl RoutingPolicy for Random {
     }
     fn select(&mut self, _req: &RouteRequest<'_>, candidates: &[Candidate]) -> WorkerId {
         use rand::Rng;
-        candidates[self.rng.random_range(0..candidates.len())].worker_id
+        candidates[self.rng.random_range(0..candidates.len().max(1))].worker_id
     }
 }
 
@@ -291,6 +314,42 @@ mod tests {
         let mut stale = cand(2, 0);
         stale.reported.inflight_requests = 9;
         assert_eq!(ll.select(&req, &[cand(1, 1), stale]).0, 2);
+    }
+
+    #[test]
+    fn selection_is_total_whatever_the_weights() {
+        let m = ModelName("m".into());
+        let tokens: Vec<u32> = (300..400).collect();
+        let mut loaded = cand(2, 3);
+        loaded.pending_prefill_tokens = u64::MAX;
+        loaded.reported.kv_used_blocks = u32::MAX;
+        let cs = [cand(1, 0), loaded, cand(3, 1)];
+        let mut p = KvAware::new(KvCostWeights::default());
+        for (ow, t) in [
+            (1e308, 0.0),
+            (f64::MAX, 0.0),
+            (f64::INFINITY, 0.0),
+            (f64::NAN, 0.0),
+            (1.0, 1e-300),
+            (1e308, 1e308),
+            (1.0, f64::NAN),
+            (1.0, f64::INFINITY),
+            (0.0, 5.0),
+        ] {
+            let req = RouteRequest {
+                model: &m,
+                token_ids: &tokens,
+                weights: Some(KvCostWeights {
+                    overlap_weight: ow,
+                    temperature: t,
+                    ..KvCostWeights::default()
+                }),
+            };
+            for _ in 0..20 {
+                let w = p.select(&req, &cs);
+                assert!(cs.iter().any(|c| c.worker_id == w), "{ow} {t}: {w:?}");
+            }
+        }
     }
 
     #[test]

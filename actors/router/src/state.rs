@@ -1,13 +1,20 @@
-//! The router's synchronous state: the worker registry and the policy.
+//! The router's synchronous state: the worker registry, the KV index, the
+//! shared active load, and the policy that picks a worker.
 //!
 //! Invariants:
 //! - a worker is routable only if its registration is `Serving`, serves the
-//!   requested model, and was refreshed within the TTL;
+//!   requested model, and was refreshed within the TTL (see
+//!   [`crate::registry`]); one that refused a request as overloaded is
+//!   avoided while another can take it;
 //! - a newer `generation` of a worker resets the router's in-flight count
 //!   for it (the old engine and its requests are gone);
 //! - `release` never underflows and ignores releases for an older generation;
 //! - prefill workers (role `Prefill`) never get whole requests: they are
-//!   only named as a decision's `prefill_worker`.
+//!   only named as a decision's `prefill_worker`;
+//! - a request's blocks are hashed with each candidate's own block size and
+//!   salt (once per distinct configuration), so one misconfigured worker
+//!   never spoils the overlap of the others;
+//! - a routing decision is total: with an eligible worker, one is returned.
 
 use crate::active::{ActiveLoad, WorkerLoad};
 use crate::approx::Approx;
@@ -15,15 +22,14 @@ use crate::catch_up::CatchUp;
 use crate::disagg::{DisaggPolicy, PrefillCandidate};
 use crate::kv_sync::{KvStats, KvSync};
 use crate::policy::{Candidate, KvCostWeights, RouteRequest, RoutingPolicy};
+pub use crate::registry::{ModelEntry, WorkerEntry};
+use crate::registry::{Registry, Upserted};
 use crate::timing::RouteTimings;
 use dynamo_bus_schema::blocks::{sequence_hashes, SequenceHash};
-use dynamo_bus_schema::{
-    unix_ms, LoadReport, ModelCard, ModelName, WorkerId, WorkerRegistration, WorkerRole,
-    WorkerState,
-};
 use dynamo_bus_schema::{ActiveLoadEvent, KvDumpTiered, KvEventBatch, RequestId, RouterId};
+use dynamo_bus_schema::{LoadReport, ModelName, WorkerId, WorkerRegistration, WorkerRole};
 use dynamo_kv_index::Overlap;
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
@@ -33,22 +39,19 @@ fn generates(role: WorkerRole) -> bool {
     role != WorkerRole::Prefill
 }
 
+/// How long a worker that refused a request as overloaded is avoided.
+pub const DEFAULT_OVERLOAD_BACKOFF: Duration = Duration::from_millis(500);
+
 #[derive(Clone, Debug, Error, PartialEq)]
 pub enum RouteError {
     #[error("model {model:?} is not served by any registered worker")]
     UnknownModel { model: String },
     #[error("no worker is available for model {model:?} ({registered} registered, none serving and fresh)")]
     NoWorkers { model: String, registered: usize },
+    #[error("every worker of model {model:?} is overloaded")]
+    Overloaded { model: String },
     #[error("the router is still loading its view of the cluster")]
     CatchingUp,
-}
-
-#[derive(Clone, Debug)]
-pub struct WorkerEntry {
-    pub reg: WorkerRegistration,
-    pub last_seen: Instant,
-    /// Its block size or hash salt differs from its model's other workers.
-    pub kv_mismatch: bool,
 }
 
 /// A routing decision.
@@ -63,18 +66,28 @@ pub struct RouteDecision {
     /// The prefill worker to prefill on (disaggregated serving), when the
     /// uncached part is long enough and a prefill worker has room.
     pub prefill_worker: Option<WorkerId>,
+    /// [`dynamo_bus_schema::ModelCard::digest`] of the chosen worker's card
+    /// (a gateway that tokenized with another card does it again).
+    pub card_digest: u64,
 }
 
-/// A served model and the workers serving it.
-#[derive(Clone, Debug)]
-pub struct ModelEntry {
-    pub card: ModelCard,
-    pub workers: Vec<WorkerId>,
+/// Block hashes of one prompt, per (block size, salt): computed once for
+/// every candidate that shares the configuration.
+#[derive(Default)]
+struct Hashed {
+    by_config: HashMap<(u32, u64), Vec<SequenceHash>>,
+}
+
+impl Hashed {
+    fn of(&mut self, token_ids: &[u32], block_size: u32, salt: u64) -> &[SequenceHash] {
+        self.by_config
+            .entry((block_size, salt))
+            .or_insert_with(|| sequence_hashes(token_ids, block_size as usize, salt))
+    }
 }
 
 pub struct RouterState {
-    ttl: Duration,
-    workers: BTreeMap<WorkerId, WorkerEntry>,
+    registry: Registry,
     policy: Box<dyn RoutingPolicy>,
     kv: KvSync,
     active: ActiveLoad,
@@ -82,6 +95,7 @@ pub struct RouterState {
     approx: Approx,
     catch_up: CatchUp,
     disagg: DisaggPolicy,
+    overload_backoff: Duration,
 }
 
 impl RouterState {
@@ -91,8 +105,7 @@ impl RouterState {
 
     pub fn with_id(id: RouterId, ttl: Duration, policy: Box<dyn RoutingPolicy>) -> Self {
         RouterState {
-            ttl,
-            workers: BTreeMap::new(),
+            registry: Registry::new(ttl),
             policy,
             kv: KvSync::default(),
             // Peers heartbeat every second; entries outlive any request deadline.
@@ -101,12 +114,18 @@ impl RouterState {
             approx: Approx::default(),
             catch_up: CatchUp::done(),
             disagg: DisaggPolicy::default(),
+            overload_backoff: DEFAULT_OVERLOAD_BACKOFF,
         }
     }
 
     /// Sets when prefill moves to prefill workers.
     pub fn set_disagg(&mut self, policy: DisaggPolicy) {
         self.disagg = policy;
+    }
+
+    /// Sets how long a worker that refused as overloaded is avoided.
+    pub fn set_overload_backoff(&mut self, backoff: Duration) {
+        self.overload_backoff = backoff;
     }
 
     /// Holds routing until this replica's view is whole (see `catch_up`).
@@ -186,88 +205,29 @@ impl RouterState {
         self.policy.name()
     }
 
-    /// A registration or heartbeat arrived. Its own heartbeat time counts:
-    /// a record replayed from the bucket for a worker that died long ago is
-    /// not taken as a sign of life.
+    /// A registration or heartbeat arrived.
     pub fn upsert(&mut self, reg: WorkerRegistration, now: Instant) {
-        let id = reg.worker_id;
-        self.upsert_inner(reg, now);
-        self.check_kv_config(id);
-    }
-
-    fn upsert_inner(&mut self, reg: WorkerRegistration, now: Instant) {
-        let age = Duration::from_millis(unix_ms().saturating_sub(reg.heartbeat_unix_ms));
-        let now = now
-            .checked_sub(age.min(self.ttl + Duration::from_secs(1)))
-            .unwrap_or(now);
-        match self.workers.get_mut(&reg.worker_id) {
-            Some(e) => {
-                if reg.generation > e.reg.generation {
-                    tracing::info!(worker = %reg.worker_id, generation = reg.generation, "worker restarted");
-                    self.active.worker_changed(reg.worker_id, reg.generation);
-                    self.approx.forget(reg.worker_id);
-                    if reg.kv_events {
-                        self.kv.worker_seen(reg.worker_id, reg.generation);
-                    } else {
-                        self.kv.worker_gone(reg.worker_id);
-                    }
-                } else if reg.generation < e.reg.generation {
-                    return; // stale record from before a restart
+        let (id, generation, kv_events) = (reg.worker_id, reg.generation, reg.kv_events);
+        let (node, model) = (reg.node_id.clone(), reg.model.name.clone());
+        match self.registry.upsert(reg, now) {
+            Upserted::New => {
+                tracing::info!(worker = %id, node = %node, model = %model, kv_events, "worker registered");
+                if kv_events {
+                    self.kv.worker_seen(id, generation);
                 }
-                e.reg = reg;
-                e.last_seen = now;
             }
-            None => {
-                tracing::info!(worker = %reg.worker_id, node = %reg.node_id, model = %reg.model.name, kv_events = reg.kv_events, "worker registered");
-                if reg.kv_events {
-                    self.kv.worker_seen(reg.worker_id, reg.generation);
+            Upserted::Restarted => {
+                tracing::info!(worker = %id, generation, "worker restarted");
+                self.active.worker_changed(id, generation);
+                self.approx.forget(id);
+                if kv_events {
+                    self.kv.worker_seen(id, generation);
+                } else {
+                    self.kv.worker_gone(id);
                 }
-                self.workers.insert(
-                    reg.worker_id,
-                    WorkerEntry {
-                        reg,
-                        last_seen: now,
-                        kv_mismatch: false,
-                    },
-                );
             }
+            Upserted::Refreshed | Upserted::Stale => {}
         }
-    }
-
-    /// Marks a worker whose block size or hash salt differs from the first
-    /// registered worker of the same model, and says so loudly: the router
-    /// could never match its blocks and would route as if it had none.
-    fn check_kv_config(&mut self, id: WorkerId) {
-        let Some(me) = self.workers.get(&id) else {
-            return;
-        };
-        let (model, mine) = (
-            me.reg.model.name.clone(),
-            (me.reg.model.block_size, me.reg.model.hash_salt),
-        );
-        let reference = self
-            .workers
-            .values()
-            .filter(|e| e.reg.model.name == model && e.reg.worker_id != id && !e.kv_mismatch)
-            .min_by_key(|e| e.reg.started_unix_ms)
-            .map(|e| {
-                (
-                    e.reg.worker_id,
-                    e.reg.model.block_size,
-                    e.reg.model.hash_salt,
-                )
-            });
-        let mismatch = matches!(reference, Some((_, bs, salt)) if (bs, salt) != mine);
-        let e = self.workers.get_mut(&id).expect("present");
-        if mismatch && !e.kv_mismatch {
-            let (rw, bs, salt) = reference.expect("mismatch has a reference");
-            tracing::error!(
-                worker = %id, model = %model, block_size = mine.0, hash_salt = mine.1,
-                reference_worker = %rw, reference_block_size = bs, reference_hash_salt = salt,
-                "KV block configuration mismatch: this worker's blocks can never match the router's hashes; it is excluded from KV-aware scoring"
-            );
-        }
-        e.kv_mismatch = mismatch;
     }
 
     pub fn timings(&self) -> &RouteTimings {
@@ -281,8 +241,8 @@ impl RouterState {
             router_id: self.router_id(),
             policy: self.policy_name().to_string(),
             workers: self
-                .workers
-                .values()
+                .registry
+                .entries()
                 .map(|e| {
                     let w = e.reg.worker_id;
                     dynamo_bus_schema::IndexedWorker {
@@ -303,16 +263,12 @@ impl RouterState {
 
     /// Workers whose KV block configuration disagrees with their model's.
     pub fn kv_mismatches(&self) -> Vec<WorkerId> {
-        self.workers
-            .values()
-            .filter(|e| e.kv_mismatch)
-            .map(|e| e.reg.worker_id)
-            .collect()
+        self.registry.kv_mismatches()
     }
 
     /// A worker's registration was deleted (graceful shutdown).
     pub fn remove(&mut self, id: WorkerId) {
-        if self.workers.remove(&id).is_some() {
+        if self.registry.remove(id) {
             tracing::info!(worker = %id, "worker deregistered");
         }
         self.kv.worker_gone(id);
@@ -322,26 +278,18 @@ impl RouterState {
 
     /// A load report arrived; it also counts as a sign of life.
     pub fn load(&mut self, report: LoadReport, now: Instant) {
-        if let Some(e) = self.workers.get_mut(&report.worker_id) {
-            if report.generation == e.reg.generation {
-                e.reg.load = report.load;
-                e.last_seen = now;
-            }
-        }
+        self.registry.load(report, now);
+    }
+
+    /// A worker refused a request as overloaded: avoid it for a while.
+    pub fn overloaded(&mut self, w: WorkerId, now: Instant) {
+        self.registry.mark_overloaded(w, now, self.overload_backoff);
     }
 
     /// Drops workers not heard from within the TTL; returns them.
     pub fn expire(&mut self, now: Instant) -> Vec<WorkerId> {
-        let ttl = self.ttl;
-        let dead: Vec<WorkerId> = self
-            .workers
-            .iter()
-            .filter(|(_, e)| now.duration_since(e.last_seen) > ttl)
-            .map(|(id, _)| *id)
-            .collect();
+        let dead = self.registry.expire(now);
         for id in &dead {
-            tracing::warn!(worker = %id, "worker expired (no heartbeat within TTL)");
-            self.workers.remove(id);
             self.kv.worker_gone(*id);
             self.active.worker_changed(*id, u64::MAX);
             self.approx.forget(*id);
@@ -378,18 +326,40 @@ impl RouterState {
             return Err(RouteError::CatchingUp);
         }
         let t0 = Instant::now();
-        let ttl = self.ttl;
         let mut registered = 0;
-        let candidates: Vec<Candidate> = self
-            .workers
-            .values()
+        let mut eligible: Vec<&WorkerEntry> = self
+            .registry
+            .entries()
             .filter(|e| &e.reg.model.name == model && generates(e.reg.role))
             .inspect(|_| registered += 1)
-            .filter(|e| {
-                e.reg.state == WorkerState::Serving
-                    && now.duration_since(e.last_seen) <= ttl
-                    && !exclude.contains(&e.reg.worker_id)
-            })
+            .filter(|e| self.registry.routable(e, now) && !exclude.contains(&e.reg.worker_id))
+            .collect();
+        if eligible.is_empty() {
+            return Err(if registered == 0 {
+                RouteError::UnknownModel {
+                    model: model.0.clone(),
+                }
+            } else {
+                RouteError::NoWorkers {
+                    model: model.0.clone(),
+                    registered,
+                }
+            });
+        }
+        // Workers that just refused as overloaded are avoided while another can take it.
+        let fresh: Vec<&WorkerEntry> = eligible
+            .iter()
+            .copied()
+            .filter(|e| !self.registry.is_overloaded(e.reg.worker_id, now))
+            .collect();
+        if fresh.is_empty() {
+            return Err(RouteError::Overloaded {
+                model: model.0.clone(),
+            });
+        }
+        eligible = fresh;
+        let mut candidates: Vec<Candidate> = eligible
+            .iter()
             .map(|e| {
                 let l = self.active.load_of(e.reg.worker_id);
                 Candidate {
@@ -403,40 +373,36 @@ impl RouterState {
                 }
             })
             .collect();
-        if candidates.is_empty() {
-            return Err(if registered == 0 {
-                RouteError::UnknownModel {
-                    model: model.0.clone(),
-                }
-            } else {
-                RouteError::NoWorkers {
-                    model: model.0.clone(),
-                    registered,
-                }
-            });
-        }
-        let mut candidates = candidates;
-        let mut hashes = None;
+        let configs: Vec<(u32, u64)> = eligible
+            .iter()
+            .map(|e| (e.reg.model.block_size, e.reg.model.hash_salt))
+            .collect();
+        let mut hashed = Hashed::default();
         if self.policy.needs_overlap() {
-            // Every candidate serves `model`; they share its block size and salt.
-            let card = &self.workers[&candidates[0].worker_id].reg.model;
             let th = Instant::now();
-            let h = sequence_hashes(token_ids, card.block_size as usize, card.hash_salt);
+            for &(bs, salt) in &configs {
+                hashed.of(token_ids, bs, salt);
+            }
             let t1 = Instant::now();
-            let matches = self.kv.index.find_matches(&h);
-            hashes = Some(h);
             self.timings.hashing.observe(t1 - th);
-            self.timings.find_matches.observe(t1.elapsed());
-            for c in &mut candidates {
-                if self.workers[&c.worker_id].kv_mismatch {
-                    continue;
-                }
-                if let Some((_, o)) = matches.iter().find(|(w, _)| *w == c.worker_id) {
-                    c.overlap = *o;
+            // One index query per distinct configuration, each read only
+            // for the candidates hashed that way.
+            for (cfg, h) in &hashed.by_config {
+                let matches: HashMap<WorkerId, Overlap> =
+                    self.kv.index.find_matches(h).into_iter().collect();
+                for (c, _) in candidates
+                    .iter_mut()
+                    .zip(&configs)
+                    .filter(|(_, c)| *c == cfg)
+                {
+                    if let Some(o) = matches.get(&c.worker_id) {
+                        c.overlap = *o;
+                    }
                 }
             }
+            self.timings.find_matches.observe(t1.elapsed());
         }
-        let wid = self.policy.select(
+        let picked = self.policy.select(
             &RouteRequest {
                 model,
                 token_ids,
@@ -444,29 +410,29 @@ impl RouterState {
             },
             &candidates,
         );
-        let chosen = candidates
+        // A policy returns one of the candidates; were it not to, the first
+        // one is taken rather than failing the request.
+        let chosen_at = candidates
             .iter()
-            .find(|c| c.worker_id == wid)
-            .expect("policy picked a candidate");
+            .position(|c| c.worker_id == picked)
+            .unwrap_or(0);
+        let chosen = &candidates[chosen_at];
+        let entry = eligible[chosen_at];
+        let wid = chosen.worker_id;
         let overlap_blocks = chosen.overlap.blocks;
         let prefill_tokens = (token_ids.len() as u64)
             .saturating_sub(overlap_blocks as u64 * chosen.block_size as u64);
-        let generation = self.workers[&wid].reg.generation;
-        if let Some(h) = &hashes {
-            if !self.workers[&wid].reg.kv_events {
-                // No events will tell us what it caches: assume it keeps this prompt.
-                self.approx.record(&mut self.kv.index, wid, h, now);
-            }
-        }
-        let prefill_worker = self.pick_prefill(
-            model,
-            token_ids,
-            hashes.as_deref(),
-            prefill_tokens,
-            exclude,
-            now,
-        );
+        let (generation, card_digest, kv_events) =
+            (entry.reg.generation, entry.card_digest, entry.reg.kv_events);
+        let (bs, salt) = configs[chosen_at];
         let blocks = (token_ids.len() as u64).div_ceil(chosen.block_size.max(1) as u64);
+        if !kv_events && self.policy.needs_overlap() {
+            // No events will tell us what it caches: assume it keeps this prompt.
+            let h = hashed.of(token_ids, bs, salt).to_vec();
+            self.approx.record(&mut self.kv.index, wid, &h, now);
+        }
+        let prefill_worker =
+            self.pick_prefill(model, token_ids, &mut hashed, prefill_tokens, exclude, now);
         let ev = self
             .active
             .add_own(id, wid, generation, (prefill_tokens, blocks), now);
@@ -478,6 +444,7 @@ impl RouterState {
                 prefill_tokens,
                 overlap_blocks,
                 prefill_worker,
+                card_digest,
             },
             ev,
         ))
@@ -489,63 +456,67 @@ impl RouterState {
         &self,
         model: &ModelName,
         token_ids: &[u32],
-        hashes: Option<&[SequenceHash]>,
+        hashed: &mut Hashed,
         uncached: u64,
         exclude: &[WorkerId],
         now: Instant,
     ) -> Option<WorkerId> {
-        let candidates: Vec<PrefillCandidate> = self
-            .workers
-            .values()
+        let prefill: Vec<&WorkerEntry> = self
+            .registry
+            .entries()
             .filter(|e| {
                 &e.reg.model.name == model
                     && e.reg.role == WorkerRole::Prefill
-                    && e.reg.state == WorkerState::Serving
-                    && now.duration_since(e.last_seen) <= self.ttl
+                    && self.registry.routable(e, now)
+                    && !self.registry.is_overloaded(e.reg.worker_id, now)
                     && !exclude.contains(&e.reg.worker_id)
             })
-            .map(|e| PrefillCandidate {
-                worker_id: e.reg.worker_id,
-                overlap_blocks: 0,
-                reported: e.reg.load.clone(),
-            })
             .collect();
-        if candidates.is_empty() {
+        if prefill.is_empty() || uncached < self.disagg.min_remote_prefill_tokens {
             return None;
         }
-        let mut candidates = candidates;
-        let card = &self.workers[&candidates[0].worker_id].reg.model;
-        let computed;
-        let h = match hashes {
-            Some(h) => h,
-            None => {
-                computed = sequence_hashes(token_ids, card.block_size as usize, card.hash_salt);
-                &computed
-            }
-        };
-        {
-            let matches = self.kv.index.find_matches(h);
-            for c in &mut candidates {
-                if let Some((_, o)) = matches.iter().find(|(w, _)| *w == c.worker_id) {
-                    c.overlap_blocks = o.blocks;
-                }
-            }
+        let mut candidates = Vec::with_capacity(prefill.len());
+        for e in prefill {
+            let h = hashed.of(token_ids, e.reg.model.block_size, e.reg.model.hash_salt);
+            let overlap_blocks = self
+                .kv
+                .index
+                .find_matches(h)
+                .into_iter()
+                .find(|(w, _)| *w == e.reg.worker_id)
+                .map(|(_, o)| o.blocks)
+                .unwrap_or(0);
+            candidates.push(PrefillCandidate {
+                worker_id: e.reg.worker_id,
+                overlap_blocks,
+                reported: e.reg.load.clone(),
+            });
         }
         self.disagg.pick(uncached, &candidates)
     }
 
-    /// What each worker serving `model` holds of `token_ids` (for debugging routing).
+    /// What each worker serving `model` holds of `token_ids`, each hashed
+    /// with its own block configuration (for debugging routing).
     pub fn overlap(&self, model: &ModelName, token_ids: &[u32]) -> Vec<(WorkerId, Overlap)> {
-        let Some(card) = self
-            .workers
-            .values()
-            .find(|e| &e.reg.model.name == model)
-            .map(|e| &e.reg.model)
-        else {
-            return Vec::new();
-        };
-        let hashes = sequence_hashes(token_ids, card.block_size as usize, card.hash_salt);
-        self.kv.index.find_matches(&hashes)
+        let mut hashed = Hashed::default();
+        let mut out = Vec::new();
+        for e in self
+            .registry
+            .entries()
+            .filter(|e| &e.reg.model.name == model)
+        {
+            let h = hashed.of(token_ids, e.reg.model.block_size, e.reg.model.hash_salt);
+            if let Some(m) = self
+                .kv
+                .index
+                .find_matches(h)
+                .into_iter()
+                .find(|(w, _)| *w == e.reg.worker_id)
+            {
+                out.push(m);
+            }
+        }
+        out
     }
 
     /// An own request finished (in any way); returns the event to publish.
@@ -555,21 +526,11 @@ impl RouterState {
 
     /// Every served model with its workers (any state).
     pub fn models(&self) -> Vec<ModelEntry> {
-        let mut out: BTreeMap<&ModelName, ModelEntry> = BTreeMap::new();
-        for e in self.workers.values() {
-            out.entry(&e.reg.model.name)
-                .or_insert_with(|| ModelEntry {
-                    card: e.reg.model.clone(),
-                    workers: Vec::new(),
-                })
-                .workers
-                .push(e.reg.worker_id);
-        }
-        out.into_values().collect()
+        self.registry.models()
     }
 
     pub fn workers(&self) -> Vec<WorkerEntry> {
-        self.workers.values().cloned().collect()
+        self.registry.entries().cloned().collect()
     }
 }
 
@@ -738,6 +699,109 @@ mod tests {
         }
         s.expire(later);
         assert!(s.overlap(&m, &prompt).is_empty());
+    }
+
+    /// Stores `prompt`'s blocks for worker `w` in the index, as its KV
+    /// events would (hashed with its own block size and salt).
+    fn store(s: &mut RouterState, w: u64, prompt: &[u32], block_size: usize, salt: u64) {
+        let blocks = sequence_hashes(prompt, block_size, salt);
+        s.kv.dump(KvDumpTiered {
+            worker_id: WorkerId(w),
+            generation: 1,
+            last_event_id: EventId(0),
+            tiers: vec![KvTierBlocks {
+                tier: StorageTier::Device,
+                blocks,
+            }],
+        });
+    }
+
+    #[test]
+    fn a_misconfigured_lowest_id_worker_does_not_spoil_overlap_for_the_others() {
+        let t0 = Instant::now();
+        let policy =
+            crate::policy::build(crate::policy::PolicyKind::KvAware(KvCostWeights::default()));
+        let mut s = RouterState::new(Duration::from_secs(3), policy);
+        let m = ModelName("a".into());
+        // Worker 1 (lowest id, first candidate) uses 32-token blocks and
+        // another salt; workers 2 and 3 use the model's 16 and salt 0.
+        let mut odd = reg(1, 1, "a");
+        odd.model.block_size = 32;
+        odd.model.hash_salt = 99;
+        odd.started_unix_ms = 5;
+        s.upsert(reg(2, 1, "a"), t0);
+        s.upsert(reg(3, 1, "a"), t0);
+        s.upsert(odd, t0);
+        assert_eq!(s.kv_mismatches(), vec![WorkerId(1)]);
+        let prompt: Vec<u32> = (0..96).collect();
+        store(&mut s, 3, &prompt, 16, 0);
+        store(&mut s, 1, &prompt[..64], 32, 99);
+        let d = s.route(RequestId(1), &m, &prompt, &[], t0).unwrap().0;
+        assert_eq!(
+            d.worker_id,
+            WorkerId(3),
+            "the worker holding the prompt wins"
+        );
+        assert_eq!(d.overlap_blocks, 6);
+        // The odd worker's own overlap is exact too, in its own blocks.
+        let o: HashMap<WorkerId, Overlap> = s.overlap(&m, &prompt).into_iter().collect();
+        assert_eq!(o[&WorkerId(3)].device, 6);
+        assert_eq!(o[&WorkerId(1)].device, 2);
+        assert!(!o.contains_key(&WorkerId(2)));
+        let d = s
+            .route(RequestId(2), &m, &prompt, &[WorkerId(3)], t0)
+            .unwrap()
+            .0;
+        assert_eq!((d.worker_id, d.overlap_blocks), (WorkerId(1), 2));
+    }
+
+    #[test]
+    fn an_overloaded_worker_is_avoided_while_another_can_take_it() {
+        let t0 = Instant::now();
+        let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+        let m = ModelName("a".into());
+        s.upsert(reg(1, 1, "a"), t0);
+        s.upsert(reg(2, 1, "a"), t0);
+        s.overloaded(WorkerId(1), t0);
+        for _ in 0..4 {
+            assert_eq!(route(&mut s, &m, &[], t0).unwrap().worker_id, WorkerId(2));
+        }
+        s.overloaded(WorkerId(2), t0);
+        assert!(matches!(
+            route(&mut s, &m, &[], t0),
+            Err(RouteError::Overloaded { .. })
+        ));
+        // The marks expire.
+        let later = t0 + DEFAULT_OVERLOAD_BACKOFF + Duration::from_millis(1);
+        s.upsert(reg(1, 1, "a"), later);
+        s.upsert(reg(2, 1, "a"), later);
+        s.expire(later);
+        assert!(route(&mut s, &m, &[], later).is_ok());
+    }
+
+    #[test]
+    fn a_models_card_is_its_newest_workers_with_the_routed_digest() {
+        let t0 = Instant::now();
+        let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+        let m = ModelName("a".into());
+        let old = reg(1, 1, "a");
+        let mut new = reg(2, 1, "a");
+        new.started_unix_ms = 10;
+        new.model.context_length = 200;
+        s.upsert(old.clone(), t0);
+        s.upsert(new.clone(), t0);
+        let models = s.models();
+        assert_eq!(models.len(), 1);
+        assert_eq!(models[0].card.context_length, 200);
+        assert_eq!(models[0].card_digest, new.model.digest());
+        assert_ne!(old.model.digest(), new.model.digest());
+        let d = route(&mut s, &m, &[], t0).unwrap();
+        let want = if d.worker_id == WorkerId(1) {
+            &old
+        } else {
+            &new
+        };
+        assert_eq!(d.card_digest, want.model.digest());
     }
 
     #[test]

@@ -3,9 +3,12 @@
 use async_nats::jetstream::{self, kv, stream};
 use async_nats::Client;
 use bytes::Bytes;
+use dynamo_bus_schema::chunk::{split, Assembler, ChunkError, MAX_PIECE};
 use dynamo_bus_schema::{
-    decode, encode, peek_kind, DecodeError, ErrorReply, Subjects, WireError, WireMessage,
+    decode, decode_assembled, decode_payload, encode, peek_kind, ChunkedReply, DecodeError,
+    ErrorReply, Subjects, WireError, WireMessage, MAX_MESSAGE,
 };
+use futures::StreamExt;
 use std::time::Duration;
 use thiserror::Error;
 
@@ -32,11 +35,21 @@ pub enum BusError {
     Bucket { bucket: String, reason: String },
     #[error("cannot encode: {0}")]
     Encode(String),
+    #[error("{name} of {len} bytes is larger than one bus message may be ({MAX_MESSAGE} bytes)")]
+    TooLarge { name: &'static str, len: usize },
+    #[error("reply from {subject} came in bad pieces: {source}")]
+    Pieces { subject: String, source: ChunkError },
 }
 
 /// Registry buckets (workers, nodes) drop a record this long after its last
 /// write, so crashed processes do not linger; live ones rewrite every second.
 pub const REGISTRY_MAX_AGE: Duration = Duration::from_secs(60);
+
+/// Messages a subscription buffers before the client drops the newest
+/// (NATS "slow consumer"): a subscriber that falls this far behind loses
+/// messages rather than memory. Every input is numbered or re-sent
+/// (frames, KV events, heartbeats), so a loss is detected and repaired.
+pub const SUBSCRIPTION_CAPACITY: usize = 8192;
 
 /// One process's connection to the bus.
 #[derive(Clone)]
@@ -51,6 +64,7 @@ impl Bus {
     pub async fn connect(url: &str, name: &str, subjects: Subjects) -> Result<Self, BusError> {
         let client = async_nats::ConnectOptions::new()
             .name(name)
+            .subscription_capacity(SUBSCRIPTION_CAPACITY)
             .connection_timeout(Duration::from_secs(5))
             .request_timeout(Some(Duration::from_secs(10)))
             .connect(url)
@@ -67,9 +81,18 @@ impl Bus {
         })
     }
 
-    /// Encodes and publishes a message.
+    /// Whether the connection to the server is up right now.
+    pub fn is_connected(&self) -> bool {
+        self.client.connection_state() == async_nats::connection::State::Connected
+    }
+
+    /// Encodes and publishes a message (refused past [`MAX_MESSAGE`] bytes).
     pub async fn publish<T: WireMessage>(&self, subject: String, msg: &T) -> Result<(), BusError> {
-        let bytes = encode(msg).map_err(|e| BusError::Encode(e.to_string()))?;
+        let bytes = encode_bounded(msg)?;
+        self.publish_bytes(subject, bytes).await
+    }
+
+    async fn publish_bytes(&self, subject: String, bytes: Vec<u8>) -> Result<(), BusError> {
         self.client
             .publish(subject.clone(), Bytes::from(bytes))
             .await
@@ -99,7 +122,7 @@ impl Bus {
         msg: &T,
         timeout: Duration,
     ) -> Result<Bytes, BusError> {
-        let bytes = encode(msg).map_err(|e| BusError::Encode(e.to_string()))?;
+        let bytes = encode_bounded(msg)?;
         // The client's own request timeout (10 s by default) must not cut
         // a longer wait short: the request carries ours.
         let req = async_nats::client::Request::new()
@@ -137,6 +160,76 @@ impl Bus {
                 })
             }
             _ => Ok(reply.payload),
+        }
+    }
+
+    /// Request/reply whose answer may be larger than one message: the
+    /// responder ([`Self::reply`]) sends it whole or in [`ChunkedReply`]
+    /// pieces, which are put back together here. The answer is the raw
+    /// envelope (any kind, for the caller to `peek_kind`; see
+    /// [`decode_assembled`]); an [`ErrorReply`] becomes [`BusError::Remote`].
+    /// `timeout` covers every piece.
+    pub async fn request_large<T: WireMessage>(
+        &self,
+        subject: String,
+        msg: &T,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, BusError> {
+        let bytes = encode_bounded(msg)?;
+        let inbox = self.client.new_inbox();
+        let request_err = |e: &dyn std::fmt::Display| BusError::Request {
+            subject: subject.clone(),
+            reason: e.to_string(),
+        };
+        let mut sub = self
+            .client
+            .subscribe(inbox.clone())
+            .await
+            .map_err(|e| request_err(&e))?;
+        self.client
+            .publish_with_reply(subject.clone(), inbox, Bytes::from(bytes))
+            .await
+            .map_err(|e| request_err(&e))?;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut pieces = Assembler::default();
+        loop {
+            let m = match tokio::time::timeout_at(deadline, sub.next()).await {
+                Err(_) => return Err(BusError::Timeout { subject, timeout }),
+                Ok(None) => return Err(request_err(&"subscription closed")),
+                Ok(Some(m)) => m,
+            };
+            if m.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+                return Err(BusError::NoResponders { subject });
+            }
+            let whole = match peek_kind(&m.payload) {
+                Ok((k, p)) if k == ChunkedReply::KIND => {
+                    let piece: ChunkedReply =
+                        decode_payload(p).map_err(|source| BusError::Decode {
+                            subject: subject.clone(),
+                            source,
+                        })?;
+                    match pieces.push(piece) {
+                        Ok(Some(whole)) => whole,
+                        Ok(None) => continue,
+                        Err(source) => return Err(BusError::Pieces { subject, source }),
+                    }
+                }
+                _ => m.payload.to_vec(),
+            };
+            return match peek_kind(&whole) {
+                Ok((k, _)) if k == ErrorReply::KIND => {
+                    let e: ErrorReply =
+                        decode_assembled(&whole).map_err(|source| BusError::Decode {
+                            subject: subject.clone(),
+                            source,
+                        })?;
+                    Err(BusError::Remote {
+                        subject,
+                        error: e.error,
+                    })
+                }
+                _ => Ok(whole),
+            };
         }
     }
 
@@ -227,7 +320,6 @@ impl Bus {
         F: FnMut(Req) -> Fut,
         Fut: std::future::Future<Output = Result<Resp, WireError>>,
     {
-        use futures::StreamExt;
         loop {
             let m = tokio::select! {
                 _ = cancel.cancelled() => break,
@@ -252,12 +344,47 @@ impl Bus {
         let _ = sub.unsubscribe().await;
     }
 
-    /// Replies to a request message with a typed message (no-op without a reply subject).
+    /// Replies to a request message with a typed message (no-op without a
+    /// reply subject); a reply larger than one message goes in
+    /// [`ChunkedReply`] pieces (requesters read it with [`Self::request_large`]).
     pub async fn reply<T: WireMessage>(&self, reply_to: Option<&async_nats::Subject>, msg: &T) {
-        if let Some(r) = reply_to {
-            if let Err(e) = self.publish(r.to_string(), msg).await {
-                tracing::warn!(error = %e, "cannot send reply");
-            }
+        let Some(r) = reply_to else { return };
+        if let Err(e) = self.reply_to(r.to_string(), msg).await {
+            tracing::warn!(error = %e, "cannot send reply");
         }
     }
+
+    async fn reply_to<T: WireMessage>(&self, subject: String, msg: &T) -> Result<(), BusError> {
+        let bytes = encode(msg).map_err(|e| BusError::Encode(e.to_string()))?;
+        let Some(pieces) = split(&bytes, MAX_PIECE, random_stream_id()) else {
+            return self.publish_bytes(subject, bytes).await;
+        };
+        tracing::debug!(
+            what = T::NAME,
+            bytes = bytes.len(),
+            pieces = pieces.len(),
+            "reply sent in pieces"
+        );
+        for p in &pieces {
+            self.publish(subject.clone(), p).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Encodes a message that must fit in one bus message.
+fn encode_bounded<T: WireMessage>(msg: &T) -> Result<Vec<u8>, BusError> {
+    let bytes = encode(msg).map_err(|e| BusError::Encode(e.to_string()))?;
+    if bytes.len() > MAX_MESSAGE {
+        return Err(BusError::TooLarge {
+            name: T::NAME,
+            len: bytes.len(),
+        });
+    }
+    Ok(bytes)
+}
+
+/// A fresh id for the pieces of one reply.
+fn random_stream_id() -> u64 {
+    dynamo_bus_schema::RequestId::random().0 as u64
 }

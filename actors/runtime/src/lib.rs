@@ -6,10 +6,16 @@
 //! - [`backoff::Backoff`]: restart/retry delays for supervisors and watchers.
 //! - [`counters`]: process-wide counts of rejected bus messages (exported by
 //!   the gateway's `/metrics`, logged everywhere).
+//! - [`tasks::Tasks`]: an actor's background tasks, which fail their actor
+//!   when one ends unexpectedly.
 
 pub mod backoff;
 pub mod bus;
 pub mod counters;
+pub mod mailbox;
+pub mod tasks;
 
 pub use backoff::Backoff;
 pub use bus::{Bus, BusError};
+pub use mailbox::{Gate, Ticket};
+pub use tasks::{OnTaskEnd, Spawner, Tasks};

@@ -1,36 +1,47 @@
 //! `WorkerActor`: serves one engine on the bus.
 //!
 //! Subjects: `worker.<id>.generate` (request/reply: ack, then frames to the
-//! request's `reply_to`), `worker.<id>.cancel`, `worker.<id>.artifact`;
-//! a prefill worker also serves `worker.<id>.prefill`, a decode worker
-//! hears `worker.<id>.transfer` (see [`crate::disagg`]). Registration: the worker's record in the workers KV bucket, rewritten
-//! every heartbeat with its load; load reports on `load.<id>` in between.
+//! request's `reply_to`), `worker.<id>.cancel`, `worker.<id>.artifact`,
+//! `worker.<id>.kv_dump`, `worker.<id>.drain`; a prefill worker also
+//! serves `worker.<id>.prefill`, a decode worker hears
+//! `worker.<id>.transfer` (see [`crate::disagg`]). Its registration and
+//! load reports are kept fresh by [`crate::registration`], its KV events
+//! published by [`crate::kv_events`], its other endpoints answered by
+//! [`crate::endpoints`]; each runs in a task of its own.
 //!
 //! Invariants: every accepted request gets exactly one terminal frame (from
-//! the engine, the deadline, or shutdown); a draining worker accepts nothing
-//! new; all tasks the actor spawns stop when its state is dropped (a
-//! `DropGuard` cancels them, also when the actor panics).
+//! the engine, the deadline, or shutdown); a draining worker accepts
+//! nothing new; every task the actor spawns is owned by its [`Tasks`]: the
+//! tasks stop with its state (also when it panics), and one that ends on
+//! its own fails the actor, so the supervisor restarts it; an engine whose
+//! driver dies makes the worker register as `Failed` at once and fail, so
+//! it is restarted with a fresh engine; at most the engine's capacity of
+//! generate messages wait in the mailbox (more are refused `Overloaded`).
 
-use crate::disagg::{KvTransfer, PrefillServer, TransferConfig};
+use crate::admit::{self, Admission};
+use crate::disagg::{KvTransfer, PrefillServer, RemotePrefillPipe, TransferConfig};
+use crate::endpoints;
 use crate::forward::{Forward, Outcome, PrefillOutcome};
+use crate::registration::{register, Registration};
 use dynamo_bus_schema::{
-    decode, peek_kind, unix_ms, ArtifactChunk, ArtifactRequest, CancelRequest, DrainReply,
-    DrainRequest, ErrorKind, ErrorReply, EventId, FaultKind, GenerateAck, GenerateDisagg,
-    GenerateRequest, KvDumpRequest, KvDumpTiered, KvEvent, KvEventBatch, KvEventKind, KvTierBlocks,
-    LoadReport, ModelCard, NodeId, RequestId, StorageTier, WireError, WireMessage, WorkerId,
-    WorkerRegistration, WorkerRole, WorkerState,
+    decode, unix_ms, ArtifactRequest, CancelRequest, DrainReply, DrainRequest, ErrorKind,
+    ErrorReply, FaultKind, GenerateAck, KvDumpRequest, ModelCard, NodeId, RequestId, WireError,
+    WorkerId, WorkerRegistration, WorkerRole, WorkerState,
 };
-use dynamo_engine::{Engine, EngineEvent, EngineLimits, KvTier, ValidRequest};
-use dynamo_runtime::{counters, Bus};
+use dynamo_engine::{Engine, EngineFault, EngineLimits};
+use dynamo_runtime::{counters, Bus, Gate, Tasks, Ticket};
 use futures::StreamExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio_util::sync::{CancellationToken, DropGuard};
 
 /// Builds a fresh engine (called at every actor (re)start).
 pub type EngineFactory = Arc<dyn Fn() -> Result<Arc<dyn Engine>, String> + Send + Sync + 'static>;
+
+/// Cancels that may wait in the mailbox at once (more wait in the bus
+/// subscription; each names a request in flight, so they are few).
+const CANCEL_BACKLOG: usize = 1024;
 
 /// Worker settings.
 #[derive(Clone, Debug)]
@@ -61,12 +72,15 @@ pub struct WorkerArgs {
 }
 
 pub enum WorkerMsg {
-    Generate(async_nats::Message),
-    Cancel(CancelRequest),
+    Generate(async_nats::Message, Ticket),
+    Cancel(CancelRequest, Ticket),
     Done(RequestId),
-    Heartbeat,
-    PublishLoad,
-    InjectFault(FaultKind),
+    /// A fault, and for [`FaultKind::EndTask`] the task to end.
+    InjectFault(FaultKind, String),
+    /// The engine's driver stopped on its own.
+    EngineDied,
+    /// A background task ended on its own (its input is gone).
+    TaskEnded(String),
     /// Stop taking new requests; replies with the number still in flight.
     Drain(RpcReplyPort<u32>),
     /// Drain (or resume, with `true`) on an admin's request over the bus.
@@ -84,16 +98,16 @@ pub struct WorkerRuntime {
     cfg: WorkerConfig,
     engine: Arc<dyn Engine>,
     limits: EngineLimits,
-    reg: WorkerRegistration,
-    kv: async_nats::jetstream::kv::Store,
+    model: ModelCard,
+    registration: Registration,
     inflight: HashSet<RequestId>,
-    last_load: Option<dynamo_bus_schema::LoadMetrics>,
     /// Prefill and decode workers' KV transfer endpoint.
     transfer: Option<Arc<KvTransfer>>,
+    /// A prefill worker's server (its cancels go only to what it runs).
+    prefill: Option<PrefillServer>,
     /// Requests waiting on a remote prefill (cancelling one stops the wait).
-    prefilling: HashMap<RequestId, CancellationToken>,
-    tasks: CancellationToken,
-    _guard: DropGuard,
+    prefilling: HashMap<RequestId, tokio_util::sync::CancellationToken>,
+    tasks: Tasks,
 }
 
 impl Actor for WorkerActor {
@@ -107,16 +121,13 @@ impl Actor for WorkerActor {
         args: WorkerArgs,
     ) -> Result<WorkerRuntime, ActorProcessingErr> {
         let engine = (args.engine)().map_err(|e| format!("engine failed to start: {e}"))?;
-        let tasks = CancellationToken::new();
-        let guard = tasks.clone().drop_guard();
+        let me = myself.clone();
+        let tasks = Tasks::new(Arc::new(move |why| {
+            let _ = me.cast(WorkerMsg::TaskEnded(why));
+        }));
         let bus = args.bus.clone();
         let s = &bus.subjects;
         let id = args.config.worker_id;
-        let kv = bus
-            .kv_bucket(&s.workers_bucket(), dynamo_runtime::bus::REGISTRY_MAX_AGE)
-            .await
-            .map_err(|e| e.to_string())?;
-
         let role = args.config.role;
         let transfer = if role == WorkerRole::Prefill || role == WorkerRole::Decode {
             let t = KvTransfer::open(id, args.config.transfer.clone(), engine.kv_block_bytes())
@@ -129,6 +140,7 @@ impl Actor for WorkerActor {
             context_length: args.card.context_length,
             vocab_size: args.card.vocab_size,
         };
+        let mut prefill = None;
         if let (WorkerRole::Prefill, Some(t)) = (role, &transfer) {
             let sub = bus.client.subscribe(s.worker_prefill(id)).await?;
             let server = PrefillServer {
@@ -138,30 +150,31 @@ impl Actor for WorkerActor {
                 card: args.card.clone(),
                 limits,
                 worker_id: id,
+                slots: Arc::new(tokio::sync::Semaphore::new(engine.capacity())),
+                active: Default::default(),
             };
-            tokio::spawn(server.run(sub, tasks.child_token()));
+            tasks.spawn(
+                "prefill-server",
+                server.clone().run(sub, tasks.spawner(), tasks.token()),
+            );
+            prefill = Some(server);
         }
         if let (WorkerRole::Decode, Some(t)) = (role, &transfer) {
             let sub = bus.client.subscribe(s.worker_transfer(id)).await?;
-            tokio::spawn(pump_transfer_starts(sub, t.clone(), tasks.child_token()));
+            tasks.spawn("transfer-starts", pump_transfer_starts(sub, t.clone()));
         }
-        let gen_sub = bus.client.subscribe(s.worker_generate(id)).await?;
-        let cancel_sub = bus.client.subscribe(s.worker_cancel(id)).await?;
-        let artifact_sub = bus.client.subscribe(s.worker_artifact(id)).await?;
-        spawn_pump(gen_sub, myself.clone(), tasks.child_token(), |m| {
-            Some(WorkerMsg::Generate(m))
-        });
-        spawn_pump(
-            cancel_sub,
-            myself.clone(),
-            tasks.child_token(),
-            |m| match decode::<CancelRequest>(&m.payload) {
-                Ok(c) => Some(WorkerMsg::Cancel(c)),
-                Err(e) => {
-                    counters::reject("CancelRequest", m.subject.as_str(), &e);
-                    None
-                }
-            },
+        // Generate messages: at most the engine's capacity wait in the
+        // mailbox; past it a request is refused `Overloaded` at once.
+        let gate = Gate::new(engine.capacity());
+        let sub = bus.client.subscribe(s.worker_generate(id)).await?;
+        tasks.spawn(
+            "generate",
+            pump_generate(sub, bus.clone(), id, gate, myself.clone()),
+        );
+        let sub = bus.client.subscribe(s.worker_cancel(id)).await?;
+        tasks.spawn(
+            "cancel",
+            pump_cancel(sub, Gate::new(CANCEL_BACKLOG), myself.clone()),
         );
         bus.ensure_kv_events_stream()
             .await
@@ -169,65 +182,58 @@ impl Actor for WorkerActor {
         let kv_events = engine.take_kv_events();
         let emits_kv_events = kv_events.is_some();
         if let Some(rx) = kv_events {
-            tokio::spawn(publish_kv_events(
-                bus.clone(),
-                id,
-                args.generation,
-                rx,
-                tasks.child_token(),
-            ));
+            tasks.spawn(
+                "kv-events",
+                crate::kv_events::publish(bus.clone(), id, args.generation, rx),
+            );
         }
-        let dump_sub = bus.client.subscribe(s.worker_kv_dump(id)).await?;
-        let (b, eng, generation) = (bus.clone(), engine.clone(), args.generation);
-        let cancel = tasks.child_token();
-        tokio::spawn(async move {
-            b.serve(dump_sub, cancel, |_: KvDumpRequest| {
-                kv_dump(eng.clone(), id, generation)
+        let sub = bus.client.subscribe(s.worker_kv_dump(id)).await?;
+        let (b, eng, generation, cancel) =
+            (bus.clone(), engine.clone(), args.generation, tasks.token());
+        tasks.spawn("kv-dump", async move {
+            b.serve(sub, cancel, |_: KvDumpRequest| {
+                endpoints::kv_dump(eng.clone(), id, generation)
             })
             .await
         });
-        let drain_sub = bus.client.subscribe(s.worker_drain(id)).await?;
-        let (b, me) = (bus.clone(), myself.clone());
-        let cancel = tasks.child_token();
-        tokio::spawn(async move {
-            b.serve(drain_sub, cancel, |req: DrainRequest| {
+        let sub = bus.client.subscribe(s.worker_drain(id)).await?;
+        let (b, me, cancel) = (bus.clone(), myself.clone(), tasks.token());
+        tasks.spawn("drain", async move {
+            b.serve(sub, cancel, |req: DrainRequest| {
                 let me = me.clone();
                 async move {
-                    me.call(
-                        |r| WorkerMsg::AdminDrain(req.resume, r),
-                        Some(Duration::from_secs(5)),
-                    )
-                    .await
-                    .ok()
-                    .and_then(|c| match c {
-                        ractor::rpc::CallResult::Success(r) => Some(r),
-                        _ => None,
-                    })
-                    .ok_or_else(|| WireError::new(ErrorKind::Unavailable, "worker is restarting"))
+                    match me
+                        .call(
+                            |r| WorkerMsg::AdminDrain(req.resume, r),
+                            Some(Duration::from_secs(5)),
+                        )
+                        .await
+                    {
+                        Ok(ractor::rpc::CallResult::Success(r)) => Ok(r),
+                        _ => Err(WireError::new(
+                            ErrorKind::Unavailable,
+                            "worker is restarting",
+                        )),
+                    }
                 }
             })
             .await
         });
-        let (b, artifacts) = (bus.clone(), args.artifacts.clone());
-        let cancel = tasks.child_token();
-        tokio::spawn(async move {
-            b.serve(artifact_sub, cancel, |req: ArtifactRequest| {
-                std::future::ready(artifact_chunk(&artifacts, req))
+        let sub = bus.client.subscribe(s.worker_artifact(id)).await?;
+        let (b, artifacts, cancel) = (bus.clone(), args.artifacts.clone(), tasks.token());
+        tasks.spawn("artifacts", async move {
+            b.serve(sub, cancel, |req: ArtifactRequest| {
+                std::future::ready(endpoints::artifact_chunk(&artifacts, req))
             })
             .await
         });
-        spawn_ticker(
-            myself.clone(),
-            args.config.heartbeat_interval,
-            tasks.child_token(),
-            || WorkerMsg::Heartbeat,
-        );
-        spawn_ticker(
-            myself.clone(),
-            args.config.load_interval,
-            tasks.child_token(),
-            || WorkerMsg::PublishLoad,
-        );
+        // A driver that stops on its own is a dead engine.
+        let (live, me) = (engine.liveness(), myself.clone());
+        tasks.spawn("engine-watch", async move {
+            live.stopped().await;
+            let _ = me.cast(WorkerMsg::EngineDied);
+            std::future::pending::<()>().await
+        });
 
         let now = unix_ms();
         let reg = WorkerRegistration {
@@ -235,7 +241,7 @@ impl Actor for WorkerActor {
             generation: args.generation,
             node_id: args.config.node_id.clone(),
             pid: std::process::id(),
-            role: args.config.role,
+            role,
             state: WorkerState::Serving,
             engine: engine.kind().to_string(),
             model: args.card.clone(),
@@ -244,23 +250,33 @@ impl Actor for WorkerActor {
             load: engine.load(),
             kv_events: emits_kv_events,
         };
-        let mut rt = WorkerRuntime {
+        let (registration, registrar) = register(
+            bus.clone(),
+            reg,
+            engine.clone(),
+            args.config.heartbeat_interval,
+            args.config.load_interval,
+        )
+        .await?;
+        tasks.spawn("registration", async move {
+            registrar.run().await;
+            // Deregistered: nothing more to write until the actor stops.
+            std::future::pending::<()>().await
+        });
+        tracing::info!(worker = %id, generation = args.generation, "worker serving");
+        Ok(WorkerRuntime {
             limits,
             transfer,
+            prefill,
             prefilling: HashMap::new(),
             bus,
             cfg: args.config,
             engine,
-            reg,
-            kv,
+            model: args.card,
+            registration,
             inflight: HashSet::new(),
-            last_load: None,
             tasks,
-            _guard: guard,
-        };
-        rt.heartbeat().await?;
-        tracing::info!(worker = %id, generation = args.generation, "worker serving");
-        Ok(rt)
+        })
     }
 
     async fn post_stop(
@@ -268,7 +284,7 @@ impl Actor for WorkerActor {
         _myself: ActorRef<WorkerMsg>,
         rt: &mut WorkerRuntime,
     ) -> Result<(), ActorProcessingErr> {
-        rt.tasks.cancel();
+        rt.tasks.shutdown();
         Ok(())
     }
 
@@ -279,48 +295,26 @@ impl Actor for WorkerActor {
         rt: &mut WorkerRuntime,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            WorkerMsg::Generate(m) => rt.generate(m, myself).await,
-            WorkerMsg::Cancel(c) if rt.cfg.role == WorkerRole::Prefill => {
-                // Prefills run under their decode worker's request id.
-                rt.engine.cancel(c.request_id);
-            }
-            WorkerMsg::Cancel(c) => {
-                if rt.inflight.contains(&c.request_id) {
-                    tracing::debug!(request = %c.request_id, reason = ?c.reason, "cancel");
-                    if let Some(t) = rt.prefilling.get(&c.request_id) {
-                        t.cancel();
-                    }
-                    rt.engine.cancel(c.request_id);
-                }
-            }
+            WorkerMsg::Generate(m, _ticket) => rt.generate(m, myself).await,
+            WorkerMsg::Cancel(c, _ticket) => rt.cancel(c),
             WorkerMsg::Done(id) => {
                 rt.inflight.remove(&id);
                 rt.prefilling.remove(&id);
+                rt.registration.set_inflight(rt.inflight.len());
             }
-            WorkerMsg::Heartbeat => {
-                if let Err(e) = rt.heartbeat().await {
-                    tracing::warn!(error = %e, "heartbeat failed");
+            WorkerMsg::InjectFault(fault, task) => rt.inject(fault, &task)?,
+            WorkerMsg::EngineDied => {
+                tracing::error!(worker = %rt.cfg.worker_id, "the engine stopped; reporting failed and restarting");
+                if !rt.registration.write_state(WorkerState::Failed).await {
+                    tracing::warn!("could not publish the failed state");
                 }
+                return Err(format!("worker {}: its engine stopped", rt.cfg.worker_id).into());
             }
-            WorkerMsg::PublishLoad => rt.publish_load().await,
-            WorkerMsg::InjectFault(FaultKind::PanicActor) => {
-                panic!("fault injected into worker {}", rt.cfg.worker_id);
-            }
-            WorkerMsg::InjectFault(FaultKind::StopTransferProgress) => match &rt.transfer {
-                Some(t) => {
-                    tracing::warn!(worker = %rt.cfg.worker_id, "fault injected: KV transfer endpoint stops polling");
-                    t.stop_progress();
-                }
-                None => tracing::warn!("no KV transfer endpoint to stop"),
-            },
-            WorkerMsg::InjectFault(other) => {
-                tracing::warn!(?other, "unknown fault kind ignored");
+            WorkerMsg::TaskEnded(why) => {
+                return Err(format!("worker {}: {why}", rt.cfg.worker_id).into());
             }
             WorkerMsg::Drain(reply) => {
-                rt.reg.state = WorkerState::Draining;
-                if let Err(e) = rt.heartbeat().await {
-                    tracing::warn!(error = %e, "cannot publish draining state");
-                }
+                rt.registration.set_state(WorkerState::Draining);
                 let _ = reply.send(rt.inflight.len() as u32);
             }
             WorkerMsg::AdminDrain(resume, reply) => {
@@ -329,16 +323,13 @@ impl Actor for WorkerActor {
                 } else {
                     WorkerState::Draining
                 };
-                if rt.reg.state != state {
+                if rt.registration.state() != state {
                     tracing::info!(worker = %rt.cfg.worker_id, ?state, "admin changed the worker's state");
-                    rt.reg.state = state;
-                    if let Err(e) = rt.heartbeat().await {
-                        tracing::warn!(error = %e, "cannot publish the worker's state");
-                    }
+                    rt.registration.set_state(state);
                 }
                 let _ = reply.send(DrainReply {
                     worker_id: rt.cfg.worker_id,
-                    state: rt.reg.state,
+                    state,
                     inflight: rt.inflight.len() as u32,
                 });
             }
@@ -346,8 +337,8 @@ impl Actor for WorkerActor {
                 let _ = reply.send(rt.inflight.len() as u32);
             }
             WorkerMsg::Deregister(reply) => {
-                if let Err(e) = rt.kv.delete(rt.cfg.worker_id.to_string()).await {
-                    tracing::warn!(error = %e, "cannot delete registration");
+                if !rt.registration.deregister().await {
+                    tracing::warn!("could not delete the registration");
                 }
                 let _ = reply.send(());
             }
@@ -357,57 +348,48 @@ impl Actor for WorkerActor {
 }
 
 impl WorkerRuntime {
-    async fn heartbeat(&mut self) -> Result<(), String> {
-        self.reg.heartbeat_unix_ms = unix_ms();
-        self.reg.load = self.load();
-        let bytes: bytes::Bytes = dynamo_bus_schema::encode(&self.reg)
-            .map_err(|e| e.to_string())?
-            .into();
-        let key = self.cfg.worker_id.to_string();
-        if let Err(e) = self.kv.put(key.clone(), bytes.clone()).await {
-            // A bus restarted without its JetStream state has lost the bucket
-            // (and the KV event stream): create them again and retry once.
-            tracing::warn!(error = %e, "registration write failed; re-creating the bucket");
-            self.kv = self
-                .bus
-                .kv_bucket(
-                    &self.bus.subjects.workers_bucket(),
-                    dynamo_runtime::bus::REGISTRY_MAX_AGE,
-                )
-                .await
-                .map_err(|e| e.to_string())?;
-            if let Err(e) = self.bus.ensure_kv_events_stream().await {
-                tracing::warn!(error = %e, "cannot re-create the KV event stream");
+    fn cancel(&mut self, c: CancelRequest) {
+        if let Some(server) = &self.prefill {
+            // Prefills run under their decode worker's request id.
+            if server.is_active(c.request_id) {
+                self.engine.cancel(c.request_id);
             }
-            self.kv.put(key, bytes).await.map_err(|e| e.to_string())?;
-        }
-        Ok(())
-    }
-
-    fn load(&self) -> dynamo_bus_schema::LoadMetrics {
-        let mut l = self.engine.load();
-        l.inflight_requests = self.inflight.len() as u32;
-        l
-    }
-
-    async fn publish_load(&mut self) {
-        let load = self.load();
-        if self.last_load.as_ref() == Some(&load) {
             return;
         }
-        let report = LoadReport {
-            worker_id: self.cfg.worker_id,
-            generation: self.reg.generation,
-            load: load.clone(),
-        };
-        if self
-            .bus
-            .publish(self.bus.subjects.load(self.cfg.worker_id), &report)
-            .await
-            .is_ok()
-        {
-            self.last_load = Some(load);
+        if self.inflight.contains(&c.request_id) {
+            tracing::debug!(request = %c.request_id, reason = ?c.reason, "cancel");
+            if let Some(t) = self.prefilling.get(&c.request_id) {
+                t.cancel();
+            }
+            self.engine.cancel(c.request_id);
         }
+    }
+
+    fn inject(&mut self, fault: FaultKind, task: &str) -> Result<(), ActorProcessingErr> {
+        let w = self.cfg.worker_id;
+        match fault {
+            FaultKind::PanicActor => panic!("fault injected into worker {w}"),
+            FaultKind::StopTransferProgress => match &self.transfer {
+                Some(t) => {
+                    tracing::warn!(worker = %w, "fault injected: KV transfer endpoint stops polling");
+                    t.stop_progress();
+                }
+                None => tracing::warn!("no KV transfer endpoint to stop"),
+            },
+            FaultKind::PanicEngine => {
+                tracing::warn!(worker = %w, "fault injected: the engine's driver panics");
+                if let Err(e) = self.engine.inject(EngineFault::PanicDriver) {
+                    tracing::warn!(error = %e, "the engine did not take the fault");
+                }
+            }
+            FaultKind::EndTask => {
+                if !self.tasks.end(task) {
+                    tracing::warn!(task, tasks = ?self.tasks.names(), "no such task to end");
+                }
+            }
+            FaultKind::Unknown(k) => tracing::warn!(kind = k, "unknown fault kind ignored"),
+        }
+        Ok(())
     }
 
     async fn reject(&self, m: &async_nats::Message, request_id: RequestId, error: WireError) {
@@ -421,13 +403,7 @@ impl WorkerRuntime {
 
     async fn generate(&mut self, m: async_nats::Message, myself: ActorRef<WorkerMsg>) {
         let received = tokio::time::Instant::now();
-        let parsed = match peek_kind(&m.payload) {
-            Ok((k, _)) if k == GenerateDisagg::KIND => {
-                decode::<GenerateDisagg>(&m.payload).map(|d| (d.request.clone(), Some(d)))
-            }
-            _ => decode::<GenerateRequest>(&m.payload).map(|r| (r, None)),
-        };
-        let (req, plan) = match parsed {
+        let (req, plan) = match admit::parse(&m.payload) {
             Ok(r) => r,
             Err(e) => {
                 counters::reject("GenerateRequest", m.subject.as_str(), &e);
@@ -439,61 +415,39 @@ impl WorkerRuntime {
             }
         };
         let id = req.request_id;
-        if self.reg.state != WorkerState::Serving {
-            let e = WireError::new(ErrorKind::Unavailable, "worker is draining");
-            return self.reject(&m, id, e).await;
-        }
-        if req.model != self.reg.model.name {
-            let e = WireError::new(
-                ErrorKind::InvalidRequest,
-                format!(
-                    "this worker serves {}, not {}",
-                    self.reg.model.name, req.model
-                ),
-            );
-            return self.reject(&m, id, e).await;
-        }
         let now = unix_ms();
-        if req.deadline_unix_ms != 0 && req.deadline_unix_ms <= now {
-            let e = WireError::new(
-                ErrorKind::DeadlineExceeded,
-                "deadline passed before admission",
-            );
-            return self.reject(&m, id, e).await;
-        }
-        if self.inflight.contains(&id) {
-            let e = WireError::new(
-                ErrorKind::InvalidRequest,
-                format!("request {id} is already running"),
-            );
-            return self.reject(&m, id, e).await;
-        }
-        let valid = match ValidRequest::parse(&req, self.limits) {
+        let admission = Admission {
+            state: self.registration.state(),
+            model: &self.model.name,
+            limits: self.limits,
+            inflight: &self.inflight,
+            max_inflight: self.engine.capacity(),
+        };
+        let valid = match admission.check(&req, now) {
             Ok(v) => v,
-            Err(e) => {
-                let e = WireError::new(ErrorKind::InvalidRequest, e.to_string());
-                return self.reject(&m, id, e).await;
-            }
+            Err(e) => return self.reject(&m, id, e).await,
         };
         let prefill = Arc::new(std::sync::Mutex::new(PrefillOutcome::default()));
         // A decode worker given a prefill worker feeds the engine's events
         // through a pipe that first waits for the remote prefill.
         let events = match (plan, &self.transfer) {
             (Some(plan), Some(t)) if self.cfg.role == WorkerRole::Decode => {
+                // Holds at most `max_tokens + 2` events, like the engine's stream.
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                let cancel = self.tasks.child_token();
+                let cancel = self.tasks.token();
                 self.prefilling.insert(id, cancel.clone());
                 let pipe = RemotePrefillPipe {
                     bus: self.bus.clone(),
                     engine: self.engine.clone(),
                     transfer: t.clone(),
-                    card: self.reg.model.clone(),
+                    card: self.model.clone(),
                     req: req.clone(),
                     plan,
                     valid,
                     outcome: prefill.clone(),
                 };
-                tokio::spawn(pipe.run(tx, cancel));
+                self.tasks
+                    .spawn_transient("remote-prefill", pipe.run(tx, cancel));
                 rx
             }
             _ => match self.engine.generate(valid) {
@@ -502,6 +456,7 @@ impl WorkerRuntime {
             },
         };
         self.inflight.insert(id);
+        self.registration.set_inflight(self.inflight.len());
         let ack = GenerateAck {
             request_id: id,
             worker_id: self.cfg.worker_id,
@@ -527,8 +482,8 @@ impl WorkerRuntime {
             prefill,
         };
         let engine = self.engine.clone();
-        let cancel = self.tasks.child_token();
-        tokio::spawn(async move {
+        let cancel = self.tasks.token();
+        self.tasks.spawn_transient("forward", async move {
             let outcome = fwd.run(events, cancel, || engine.cancel(id)).await;
             if let Outcome::Failed(kind) = &outcome {
                 tracing::debug!(request = %id, ?kind, "request failed");
@@ -539,239 +494,63 @@ impl WorkerRuntime {
     }
 }
 
-/// Remote prefill, then the engine's own events, into one stream.
-struct RemotePrefillPipe {
+/// Feeds generate messages to the actor, at most the gate's size at once;
+/// a message that finds the gate full is refused `Overloaded` here (the
+/// gateway retries another worker).
+async fn pump_generate(
+    mut sub: async_nats::Subscriber,
     bus: Bus,
-    engine: Arc<dyn Engine>,
-    transfer: Arc<KvTransfer>,
-    card: ModelCard,
-    req: GenerateRequest,
-    plan: GenerateDisagg,
-    valid: ValidRequest,
-    outcome: Arc<std::sync::Mutex<PrefillOutcome>>,
+    worker_id: WorkerId,
+    gate: Gate,
+    to: ActorRef<WorkerMsg>,
+) {
+    while let Some(m) = sub.next().await {
+        match gate.try_enter() {
+            Some(ticket) => {
+                if to.cast(WorkerMsg::Generate(m, ticket)).is_err() {
+                    return;
+                }
+            }
+            None => match admit::request_id(&m.payload) {
+                Some(request_id) => {
+                    let ack = GenerateAck {
+                        request_id,
+                        worker_id,
+                        rejected: Some(WireError::new(ErrorKind::Overloaded, "the worker is full")),
+                    };
+                    bus.reply(m.reply.as_ref(), &ack).await;
+                }
+                None => {
+                    counters::reject("GenerateRequest", m.subject.as_str(), &"undecodable");
+                    let error = WireError::new(ErrorKind::BadMessage, "undecodable request");
+                    bus.reply(m.reply.as_ref(), &ErrorReply { error }).await;
+                }
+            },
+        }
+    }
 }
 
-impl RemotePrefillPipe {
-    async fn run(
-        self,
-        tx: tokio::sync::mpsc::UnboundedSender<EngineEvent>,
-        cancel: CancellationToken,
-    ) {
-        let id = self.req.request_id;
-        let remote = tokio::select! {
-            r = self.transfer.remote_prefill(&self.bus, &self.engine, &self.card, &self.req, &self.plan) => r,
-            _ = cancel.cancelled() => {
-                let why = dynamo_bus_schema::CancelReason::ClientDisconnected;
-                crate::disagg::cancel_prefill(&self.bus, self.plan.prefill_worker, id, why).await;
-                let _ = tx.send(EngineEvent::Finished { reason: dynamo_bus_schema::FinishReason::Cancelled });
-                return;
-            }
-        };
-        if let Ok(mut o) = self.outcome.lock() {
-            match remote {
-                Ok(done) => {
-                    tracing::debug!(request = %id, prefill_worker = %done.reply.worker_id, blocks = done.imported, windows = done.windows, "remote prefill done");
-                    o.remote = Some(done.reply);
-                }
-                Err(why) => {
-                    tracing::warn!(request = %id, reason = %why, "remote prefill not used; prefilling locally");
-                    o.fallback = Some(why);
+/// Feeds cancels to the actor (waiting when the gate is full: they are few).
+async fn pump_cancel(mut sub: async_nats::Subscriber, gate: Gate, to: ActorRef<WorkerMsg>) {
+    while let Some(m) = sub.next().await {
+        match decode::<CancelRequest>(&m.payload) {
+            Ok(c) => {
+                let ticket = gate.enter().await;
+                if to.cast(WorkerMsg::Cancel(c, ticket)).is_err() {
+                    return;
                 }
             }
-        }
-        if tx.is_closed() {
-            return;
-        }
-        let mut events = match self.engine.generate(self.valid) {
-            Ok(ev) => ev,
-            Err(e) => {
-                let _ = tx.send(EngineEvent::Failed(e));
-                return;
-            }
-        };
-        while let Some(ev) = events.recv().await {
-            if tx.send(ev).is_err() {
-                self.engine.cancel(id);
-                return;
-            }
+            Err(e) => counters::reject("CancelRequest", m.subject.as_str(), &e),
         }
     }
 }
 
 /// Tells the transfer endpoint when a prefill worker starts writing.
-async fn pump_transfer_starts(
-    mut sub: async_nats::Subscriber,
-    transfer: Arc<KvTransfer>,
-    cancel: CancellationToken,
-) {
-    loop {
-        let m = tokio::select! {
-            _ = cancel.cancelled() => break,
-            m = sub.next() => m,
-        };
-        let Some(m) = m else { break };
+async fn pump_transfer_starts(mut sub: async_nats::Subscriber, transfer: Arc<KvTransfer>) {
+    while let Some(m) = sub.next().await {
         match decode::<dynamo_bus_schema::TransferStarting>(&m.payload) {
             Ok(t) => transfer.transfer_starting(t.request_id),
             Err(e) => counters::reject("TransferStarting", m.subject.as_str(), &e),
         }
-    }
-    let _ = sub.unsubscribe().await;
-}
-
-fn spawn_pump(
-    mut sub: async_nats::Subscriber,
-    to: ActorRef<WorkerMsg>,
-    cancel: CancellationToken,
-    map: impl Fn(async_nats::Message) -> Option<WorkerMsg> + Send + 'static,
-) {
-    tokio::spawn(async move {
-        loop {
-            let m = tokio::select! {
-                _ = cancel.cancelled() => break,
-                m = sub.next() => m,
-            };
-            let Some(m) = m else { break };
-            if let Some(msg) = map(m) {
-                if to.cast(msg).is_err() {
-                    break;
-                }
-            }
-        }
-        let _ = sub.unsubscribe().await;
-    });
-}
-
-fn spawn_ticker(
-    to: ActorRef<WorkerMsg>,
-    period: Duration,
-    cancel: CancellationToken,
-    msg: impl Fn() -> WorkerMsg + Send + 'static,
-) {
-    tokio::spawn(async move {
-        let mut iv = tokio::time::interval(period);
-        iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        iv.tick().await;
-        loop {
-            tokio::select! {
-                _ = cancel.cancelled() => break,
-                _ = iv.tick() => if to.cast(msg()).is_err() { break },
-            }
-        }
-    });
-}
-
-/// Publishes the engine's KV events, one batch per wake-up (one engine step
-/// usually), in order. The subject is captured by the KV events stream.
-async fn publish_kv_events(
-    bus: Bus,
-    worker_id: WorkerId,
-    generation: u64,
-    mut rx: tokio::sync::mpsc::UnboundedReceiver<dynamo_engine::KvCacheEvent>,
-    cancel: CancellationToken,
-) {
-    let subject = bus.subjects.kv_events(worker_id);
-    loop {
-        let first = tokio::select! {
-            _ = cancel.cancelled() => break,
-            e = rx.recv() => e,
-        };
-        let Some(first) = first else { break };
-        let mut events = vec![to_wire(first)];
-        while let Ok(e) = rx.try_recv() {
-            events.push(to_wire(e));
-            if events.len() >= 1024 {
-                break;
-            }
-        }
-        let batch = KvEventBatch {
-            worker_id,
-            generation,
-            events,
-            published_unix_ms: unix_ms(),
-        };
-        if let Err(e) = bus.publish(subject.clone(), &batch).await {
-            // Routers detect the gap by event id and ask for a dump.
-            tracing::warn!(error = %e, "cannot publish KV events");
-        }
-    }
-}
-
-fn to_wire(e: dynamo_engine::KvCacheEvent) -> KvEvent {
-    use dynamo_engine::KvCacheEventData as D;
-    let (kind, parent, blocks) = match e.data {
-        D::Stored { parent, blocks } => (KvEventKind::Stored, parent, blocks),
-        D::Removed { blocks } => (KvEventKind::Removed, None, blocks),
-        D::Cleared => (KvEventKind::Cleared, None, Vec::new()),
-    };
-    KvEvent {
-        event_id: EventId(e.event_id),
-        kind,
-        tier: wire_tier(e.tier),
-        parent,
-        blocks,
-    }
-}
-
-/// The engine's block table in every tier, consistent with its events so far.
-async fn kv_dump(
-    engine: Arc<dyn Engine>,
-    worker_id: WorkerId,
-    generation: u64,
-) -> Result<KvDumpTiered, WireError> {
-    let stopped = || WireError::new(ErrorKind::EngineFailed, "engine stopped");
-    let snap = engine
-        .kv_snapshot()
-        .map_err(|_| stopped())?
-        .await
-        .map_err(|_| stopped())?;
-    let mut tiers = vec![KvTierBlocks {
-        tier: StorageTier::Device,
-        blocks: snap.blocks,
-    }];
-    for (tier, blocks) in snap.offloaded {
-        tiers.push(KvTierBlocks {
-            tier: wire_tier(tier),
-            blocks,
-        });
-    }
-    Ok(KvDumpTiered {
-        worker_id,
-        generation,
-        last_event_id: EventId(snap.last_event_id),
-        tiers,
-    })
-}
-
-fn wire_tier(t: KvTier) -> StorageTier {
-    match t {
-        KvTier::Device => StorageTier::Device,
-        KvTier::Host => StorageTier::Host,
-        KvTier::Disk => StorageTier::Disk,
-    }
-}
-
-/// Largest chunk served per artifact request (NATS caps messages at 1 MiB).
-pub const ARTIFACT_CHUNK: u32 = 512 * 1024;
-
-/// One byte range of a named artifact.
-fn artifact_chunk(
-    artifacts: &HashMap<String, Arc<Vec<u8>>>,
-    req: ArtifactRequest,
-) -> Result<ArtifactChunk, WireError> {
-    match artifacts.get(&req.name) {
-        Some(data) if req.offset <= data.len() as u64 => {
-            let start = req.offset as usize;
-            let len = (req.max_len.min(ARTIFACT_CHUNK) as usize).min(data.len() - start);
-            Ok(ArtifactChunk {
-                name: req.name,
-                total_len: data.len() as u64,
-                offset: req.offset,
-                data: data[start..start + len].to_vec(),
-            })
-        }
-        _ => Err(WireError::new(
-            ErrorKind::InvalidRequest,
-            format!("no artifact {:?} at offset {}", req.name, req.offset),
-        )),
     }
 }

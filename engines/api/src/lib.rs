@@ -23,7 +23,12 @@ use thiserror::Error;
 use tokio::sync::mpsc;
 
 mod arena;
+pub mod driver;
 pub use arena::{ArenaError, KvArena};
+pub use driver::{
+    commands, kv_events, liveness, Admission, Alive, Commands, KvEventSink, Liveness, QueueError,
+    Queued, ReservationReceiver, Slot,
+};
 
 /// Limits a request is checked against (from the model card).
 #[derive(Clone, Copy, Debug)]
@@ -206,8 +211,28 @@ impl EngineError {
     }
 }
 
-/// The events of one request, in order.
+/// The events of one request, in order. Unbounded on purpose: the engine
+/// never waits on a consumer (one slow request must not stall the batch),
+/// and a request's stream holds at most `max_tokens + 2` events (started,
+/// one per step with at least one token, one terminal), so its size is
+/// bounded by the request's own validated `max_tokens`.
 pub type ResponseStream = mpsc::UnboundedReceiver<EngineEvent>;
+
+/// KV events an engine buffers for its publisher. When the publisher falls
+/// this far behind (the bus is away), newer events are dropped and
+/// counted: routers see the gap in the event ids and re-sync from a dump.
+pub const KV_EVENT_BUFFER: usize = 65_536;
+
+/// The engine's stream of KV events (bounded: see [`KV_EVENT_BUFFER`]).
+pub type KvEventStream = mpsc::Receiver<KvCacheEvent>;
+
+/// Faults an engine injects into itself on request (chaos tests only; the
+/// node refuses them unless its config enables fault injection).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineFault {
+    /// The driver (task or thread) panics outside any step.
+    PanicDriver,
+}
 
 /// Where a cached KV block lives.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -295,14 +320,25 @@ pub fn ask<T>(
 pub trait Engine: Send + Sync + 'static {
     /// Short engine kind for registration and logs (e.g. `mocker`).
     fn kind(&self) -> &'static str;
-    /// Starts a request; its events arrive on the returned stream.
+    /// Starts a request; its events arrive on the returned stream. Answers
+    /// [`EngineError::Overloaded`] at once when the engine already holds as
+    /// many requests (running and waiting) as it admits.
     fn generate(&self, req: ValidRequest) -> Result<ResponseStream, EngineError>;
     /// Stops a request at the next step and frees its blocks. Unknown ids are ignored.
     fn cancel(&self, id: RequestId);
+    /// Requests the engine holds at once, running and waiting (past it,
+    /// [`Engine::generate`] answers `Overloaded`).
+    fn capacity(&self) -> usize;
     /// Current load.
     fn load(&self) -> LoadMetrics;
     /// Takes the stream of KV cache events (only the first caller gets it).
-    fn take_kv_events(&self) -> Option<mpsc::UnboundedReceiver<KvCacheEvent>>;
+    fn take_kv_events(&self) -> Option<KvEventStream>;
+    /// Resolves once the engine's driver has stopped: a panic, a dead
+    /// thread, or the handle dropped. A worker whose engine stopped on its
+    /// own is dead and must be restarted with a fresh engine.
+    fn liveness(&self) -> Liveness;
+    /// Injects a fault (chaos tests).
+    fn inject(&self, fault: EngineFault) -> Result<(), EngineError>;
     /// Asks for a snapshot of the block table (answered between engine steps).
     fn kv_snapshot(&self) -> Result<tokio::sync::oneshot::Receiver<KvSnapshot>, EngineError>;
     /// Bytes one KV block occupies (what a transfer moves per block).
@@ -326,10 +362,7 @@ pub trait Engine: Send + Sync + 'static {
     /// Reserves `n` pool blocks for a peer to write (evicting cached blocks,
     /// offloaded first, as a step would); fails with
     /// [`EngineError::Overloaded`] when the pool cannot spare them.
-    fn reserve_blocks(
-        &self,
-        n: usize,
-    ) -> Result<tokio::sync::oneshot::Receiver<Result<Reservation, EngineError>>, EngineError>;
+    fn reserve_blocks(&self, n: usize) -> Result<ReservationReceiver, EngineError>;
     /// The peer's writes have landed: the first `hashes.len()` reserved
     /// blocks now hold `hashes` (a chain after `parent`) and join the prefix
     /// cache, exactly as [`Engine::import_blocks`] would store them; the

@@ -12,6 +12,9 @@
 //! - every registration emits `Stored`, every eviction `Removed`, with
 //!   strictly increasing event ids shared with the offload tiers' events
 //!   ([`BlockPool::emit_tier`]);
+//! - no event names more than [`MAX_EVENT_BLOCKS`] blocks (a longer one is
+//!   split into consecutive events, a store chained to its predecessor),
+//!   so every event fits in a bus message whatever the pool's size;
 //! - with eviction recording on, every evicted hashed block is listed once
 //!   in [`BlockPool::take_evicted`] before anything can write into it, so
 //!   an engine can copy its KV to an offload tier first.
@@ -19,6 +22,9 @@
 use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_engine::{KvCacheEvent, KvCacheEventData, KvTier};
 use std::collections::{BTreeSet, HashMap};
+
+/// Most blocks one KV event names (about 9 bytes each on the wire).
+pub const MAX_EVENT_BLOCKS: usize = 4096;
 
 /// Index of a block in the pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -231,11 +237,16 @@ impl BlockPool {
                     parent: Some(p),
                     blocks: more,
                 },
-            ) if *t == tier && blocks.last() == Some(&p) => blocks.extend(more),
+            ) if *t == tier
+                && blocks.last() == Some(&p)
+                && blocks.len() + more.len() <= MAX_EVENT_BLOCKS =>
+            {
+                blocks.extend(more)
+            }
             (
                 Some((t, KvCacheEventData::Removed { blocks })),
                 KvCacheEventData::Removed { blocks: more },
-            ) if *t == tier => blocks.extend(more),
+            ) if *t == tier && blocks.len() + more.len() <= MAX_EVENT_BLOCKS => blocks.extend(more),
             (_, data) => self.events.push((tier, data)),
         }
     }
@@ -254,20 +265,21 @@ impl BlockPool {
         )
     }
 
-    /// Takes the events recorded since the last call, numbered consecutively.
+    /// Takes the events recorded since the last call, numbered
+    /// consecutively, none naming more than [`MAX_EVENT_BLOCKS`] blocks.
     pub fn drain_events(&mut self) -> Vec<KvCacheEvent> {
-        std::mem::take(&mut self.events)
-            .into_iter()
-            .map(|(tier, data)| {
-                let event_id = self.next_event_id;
-                self.next_event_id += 1;
-                KvCacheEvent {
-                    event_id,
+        let mut out = Vec::with_capacity(self.events.len());
+        for (tier, data) in std::mem::take(&mut self.events) {
+            for data in split_event(data) {
+                out.push(KvCacheEvent {
+                    event_id: self.next_event_id,
                     tier,
                     data,
-                }
-            })
-            .collect()
+                });
+                self.next_event_id += 1;
+            }
+        }
+        out
     }
 
     #[cfg(test)]
@@ -297,10 +309,77 @@ impl BlockPool {
     }
 }
 
+/// Splits an event that names more than [`MAX_EVENT_BLOCKS`] blocks into
+/// consecutive ones (each store chained to the last block of the one before).
+fn split_event(data: KvCacheEventData) -> Vec<KvCacheEventData> {
+    match data {
+        KvCacheEventData::Stored { parent, blocks } if blocks.len() > MAX_EVENT_BLOCKS => {
+            let mut parent = parent;
+            blocks
+                .chunks(MAX_EVENT_BLOCKS)
+                .map(|c| {
+                    let e = KvCacheEventData::Stored {
+                        parent,
+                        blocks: c.to_vec(),
+                    };
+                    parent = c.last().copied();
+                    e
+                })
+                .collect()
+        }
+        KvCacheEventData::Removed { blocks } if blocks.len() > MAX_EVENT_BLOCKS => blocks
+            .chunks(MAX_EVENT_BLOCKS)
+            .map(|c| KvCacheEventData::Removed { blocks: c.to_vec() })
+            .collect(),
+        other => vec![other],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn long_events_are_split_into_chained_events_of_bounded_size() {
+        let n = MAX_EVENT_BLOCKS * 2 + 5;
+        let mut p = BlockPool::new(1, true);
+        let hashes: Vec<SequenceHash> = (0..n as u64).map(SequenceHash).collect();
+        p.emit(
+            KvTier::Host,
+            KvCacheEventData::Stored {
+                parent: Some(SequenceHash(u64::MAX)),
+                blocks: hashes.clone(),
+            },
+        );
+        p.emit(
+            KvTier::Host,
+            KvCacheEventData::Removed {
+                blocks: hashes.clone(),
+            },
+        );
+        let ev = p.drain_events();
+        assert_eq!(ev.len(), 6);
+        let ids: Vec<u64> = ev.iter().map(|e| e.event_id).collect();
+        assert_eq!(ids, vec![1, 2, 3, 4, 5, 6]);
+        let mut stored: Vec<SequenceHash> = Vec::new();
+        let mut parent = Some(SequenceHash(u64::MAX));
+        for e in &ev[..3] {
+            let KvCacheEventData::Stored { parent: p, blocks } = &e.data else {
+                panic!("{e:?}")
+            };
+            assert!(blocks.len() <= MAX_EVENT_BLOCKS);
+            assert_eq!(*p, parent, "each piece continues the chain");
+            parent = blocks.last().copied();
+            stored.extend(blocks.iter().copied());
+        }
+        assert_eq!(stored, hashes);
+        for e in &ev[3..] {
+            assert!(
+                matches!(&e.data, KvCacheEventData::Removed { blocks } if blocks.len() <= MAX_EVENT_BLOCKS)
+            );
+        }
+    }
 
     #[test]
     fn lru_evicts_tails_first_and_emits_events() {

@@ -149,6 +149,7 @@ mod tests {
                 num_blocks,
                 max_num_seqs: 4,
                 max_num_batched_tokens: 64,
+                max_waiting: 64,
                 enable_prefix_caching: true,
                 record_kv_events: true,
             },

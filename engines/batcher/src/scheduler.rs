@@ -49,10 +49,21 @@ pub struct SchedulerConfig {
     pub max_num_seqs: u32,
     /// Most tokens (prefill chunks + decodes) in one step.
     pub max_num_batched_tokens: u32,
+    /// Most sequences waiting to be admitted: past it [`Scheduler::add`]
+    /// refuses with `Overloaded` (the router then sends work elsewhere).
+    pub max_waiting: u32,
     /// Reuse cached blocks across requests by block hash.
     pub enable_prefix_caching: bool,
     /// Record KV events for routers.
     pub record_kv_events: bool,
+}
+
+impl SchedulerConfig {
+    /// Requests an engine with this config holds at once: running plus
+    /// waiting (what its [`dynamo_engine::Admission`] admits).
+    pub fn capacity(&self) -> usize {
+        self.max_num_seqs as usize + self.max_waiting as usize
+    }
 }
 
 /// One sequence as the engine sees it.
@@ -230,6 +241,12 @@ impl Scheduler {
     pub fn add(&mut self, req: ValidRequest) -> Result<(), EngineError> {
         if self.seqs.contains_key(&req.id()) {
             return Err(EngineError::Duplicate(req.id()));
+        }
+        if self.waiting.len() >= self.cfg.max_waiting as usize {
+            return Err(EngineError::Overloaded(format!(
+                "{} requests are waiting, the engine's limit",
+                self.waiting.len()
+            )));
         }
         let bs = self.cfg.block_size as usize;
         let needed = (req.prompt().len() + req.sampling().max_tokens as usize).div_ceil(bs);
@@ -555,9 +572,26 @@ mod tests {
             num_blocks: 16,
             max_num_seqs: 4,
             max_num_batched_tokens: 64,
+            max_waiting: 8,
             enable_prefix_caching: true,
             record_kv_events: true,
         }
+    }
+
+    #[test]
+    fn a_full_waiting_queue_refuses_with_overloaded() {
+        let mut s = Scheduler::new(cfg(), 7, vec![2]);
+        for i in 0..8 {
+            s.add(req(i, vec![10, 11], 1)).unwrap();
+        }
+        assert!(matches!(
+            s.add(req(99, vec![10], 1)),
+            Err(EngineError::Overloaded(_))
+        ));
+        // Admitting some makes room again.
+        let plan = s.schedule();
+        assert!(!plan.items.is_empty());
+        s.add(req(99, vec![10], 1)).unwrap();
     }
 
     fn req(id: u128, prompt: Vec<u32>, max_tokens: u32) -> ValidRequest {

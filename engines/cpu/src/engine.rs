@@ -9,7 +9,13 @@
 //! request whose receiver is dropped is cancelled at the next step; a
 //! panic inside a step fails the requests of that step's engine state
 //! (all of them, their blocks freed) with an internal error instead of
-//! killing the engine.
+//! killing the engine; a panic anywhere else kills the thread, which
+//! closes every request's stream and fires the engine's [`Liveness`] (the
+//! worker then restarts with a fresh engine).
+//!
+//! Bounds: requests hold an [`Admission`] slot (running + waiting); work
+//! commands queue at most that many plus [`WORK_HEADROOM`]; KV events
+//! buffer at most [`dynamo_engine::KV_EVENT_BUFFER`].
 
 use crate::kv::{KvCache, KvError};
 use crate::model::{Batch, BatchRow, Model};
@@ -20,13 +26,14 @@ use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::{FinishReason, LoadMetrics, RequestId};
 pub use dynamo_engine::KvBlockData;
 use dynamo_engine::{
-    Engine, EngineError, EngineEvent, KvArena, KvCacheEvent, KvSnapshot, Reservation,
-    ReservationId, ResponseStream, ValidRequest,
+    Admission, Alive, Commands, Engine, EngineError, EngineEvent, EngineFault, KvArena,
+    KvEventSink, KvEventStream, KvSnapshot, Liveness, Queued, Reservation, ReservationId,
+    ReservationReceiver, ResponseStream, Slot, ValidRequest,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use thiserror::Error;
 use tokio::sync::{mpsc, oneshot};
 
@@ -44,6 +51,9 @@ pub struct CpuEngineConfig {
     pub max_num_seqs: u32,
     /// Most tokens (prefill chunks + decodes) in one step.
     pub max_num_batched_tokens: u32,
+    /// Most requests waiting to be admitted; past it the engine answers
+    /// `Overloaded` at once and the router sends work elsewhere.
+    pub max_waiting_seqs: u32,
     /// Reuse cached blocks across requests by block hash.
     pub enable_prefix_caching: bool,
     /// Publish KV events for KV-aware routing.
@@ -64,6 +74,7 @@ impl Default for CpuEngineConfig {
             num_blocks: 512,
             max_num_seqs: 16,
             max_num_batched_tokens: 512,
+            max_waiting_seqs: 64,
             enable_prefix_caching: true,
             emit_kv_events: true,
             offload_host_blocks: 0,
@@ -98,6 +109,7 @@ impl CpuEngineConfig {
                 self.max_num_batched_tokens as u64,
                 1,
             ),
+            ("max_waiting_seqs", self.max_waiting_seqs as u64, 1),
         ] {
             if value < min {
                 return Err(CpuConfigError::TooSmall { field, min, value });
@@ -159,8 +171,17 @@ pub enum StartError {
     Memory(#[from] dynamo_engine::ArenaError),
 }
 
+/// Work commands (snapshots, block moves) queued beyond the admitted requests.
+pub const WORK_HEADROOM: usize = 256;
+
+/// A request's event sender, holding its admission slot while it runs.
+struct Sink {
+    tx: mpsc::UnboundedSender<EngineEvent>,
+    _slot: Slot,
+}
+
 enum Cmd {
-    Add(ValidRequest, mpsc::UnboundedSender<EngineEvent>),
+    Add(ValidRequest, Sink),
     Cancel(RequestId),
     Snapshot(oneshot::Sender<KvSnapshot>),
     Export(Vec<SequenceHash>, oneshot::Sender<Vec<KvBlockData>>),
@@ -177,14 +198,17 @@ enum Cmd {
         oneshot::Sender<Result<usize, EngineError>>,
     ),
     Release(ReservationId),
+    Fault(EngineFault),
 }
 
 pub struct CpuEngine {
-    tx: std_mpsc::Sender<Cmd>,
+    cmds: Commands<Cmd>,
+    admission: Arc<Admission>,
     load: Arc<Mutex<LoadMetrics>>,
-    kv_rx: Mutex<Option<mpsc::UnboundedReceiver<KvCacheEvent>>>,
+    kv_rx: Mutex<Option<KvEventStream>>,
     block_bytes: usize,
     arena: Arc<KvArena>,
+    liveness: Liveness,
 }
 
 impl CpuEngine {
@@ -200,9 +224,11 @@ impl CpuEngine {
             num_blocks: cfg.num_blocks,
             max_num_seqs: cfg.max_num_seqs,
             max_num_batched_tokens: cfg.max_num_batched_tokens,
+            max_waiting: cfg.max_waiting_seqs,
             enable_prefix_caching: cfg.enable_prefix_caching,
             record_kv_events: cfg.emit_kv_events,
         };
+        let capacity = sc.capacity();
         let mut sched = Scheduler::new(sc, info.hash_salt, info.eos_token_ids.clone());
         let offload = cfg.offload();
         if offload.enabled() {
@@ -210,8 +236,9 @@ impl CpuEngine {
                 .map_err(|e| StartError::Config(CpuConfigError::Offload(e.to_string())))?;
             sched = sched.with_offload(tiers);
         }
-        let (tx, rx) = std_mpsc::channel();
-        let (kv_tx, kv_rx) = mpsc::unbounded_channel();
+        let (cmds, rx) = dynamo_engine::commands(capacity + WORK_HEADROOM);
+        let (kv_tx, kv_rx) = dynamo_engine::kv_events();
+        let (alive, liveness) = dynamo_engine::liveness();
         let load = Arc::new(Mutex::new(sched.load()));
         let pool = ThreadPool::new(cfg.threads as usize)
             .map_err(|e| StartError::Threads(e.to_string()))?;
@@ -235,22 +262,28 @@ impl CpuEngine {
             kv_tx,
             load: load.clone(),
         };
+        // Watched through `liveness`: the worker restarts a dead engine.
         std::thread::Builder::new()
             .name("cpu-engine".into())
-            .spawn(move || driver.run(rx))
+            .spawn(move || {
+                let _alive: Alive = alive;
+                driver.run(rx)
+            })
             .map_err(|e| StartError::Threads(e.to_string()))?;
         Ok(CpuEngine {
-            tx,
+            cmds,
+            admission: Admission::new(capacity),
             load,
             kv_rx: Mutex::new(cfg.emit_kv_events.then_some(kv_rx)),
             block_bytes,
             arena,
+            liveness,
         })
     }
 
     /// What the engine computed so far and what its offload tiers did.
     pub fn stats(&self) -> Result<oneshot::Receiver<CpuStats>, EngineError> {
-        dynamo_engine::ask(|tx| self.tx.send(Cmd::Stats(tx)).is_ok())
+        dynamo_engine::ask(|tx| self.cmds.work(Cmd::Stats(tx)).is_ok())
     }
 }
 
@@ -259,24 +292,32 @@ impl Engine for CpuEngine {
         "cpu"
     }
     fn generate(&self, req: ValidRequest) -> Result<ResponseStream, EngineError> {
+        let slot = self.admission.try_admit()?;
         let (tx, rx) = mpsc::unbounded_channel();
-        self.tx
-            .send(Cmd::Add(req, tx))
-            .map_err(|_| EngineError::Stopped)?;
+        self.cmds.work(Cmd::Add(req, Sink { tx, _slot: slot }))?;
         Ok(rx)
     }
     fn cancel(&self, id: RequestId) {
         // A stopped engine has nothing left to cancel.
-        let _ = self.tx.send(Cmd::Cancel(id));
+        let _ = self.cmds.control(Cmd::Cancel(id));
+    }
+    fn capacity(&self) -> usize {
+        self.admission.capacity()
     }
     fn load(&self) -> LoadMetrics {
         self.load.lock().map(|l| l.clone()).unwrap_or_default()
     }
-    fn take_kv_events(&self) -> Option<mpsc::UnboundedReceiver<KvCacheEvent>> {
+    fn take_kv_events(&self) -> Option<KvEventStream> {
         self.kv_rx.lock().ok()?.take()
     }
+    fn liveness(&self) -> Liveness {
+        self.liveness.clone()
+    }
+    fn inject(&self, fault: EngineFault) -> Result<(), EngineError> {
+        Ok(self.cmds.control(Cmd::Fault(fault))?)
+    }
     fn kv_snapshot(&self) -> Result<oneshot::Receiver<KvSnapshot>, EngineError> {
-        dynamo_engine::ask(|tx| self.tx.send(Cmd::Snapshot(tx)).is_ok())
+        dynamo_engine::ask(|tx| self.cmds.work(Cmd::Snapshot(tx)).is_ok())
     }
     fn kv_block_bytes(&self) -> usize {
         self.block_bytes
@@ -285,22 +326,25 @@ impl Engine for CpuEngine {
         &self,
         hashes: Vec<SequenceHash>,
     ) -> Result<oneshot::Receiver<Vec<KvBlockData>>, EngineError> {
-        dynamo_engine::ask(|tx| self.tx.send(Cmd::Export(hashes, tx)).is_ok())
+        dynamo_engine::ask(|tx| self.cmds.work(Cmd::Export(hashes, tx)).is_ok())
     }
     fn import_blocks(
         &self,
         blocks: Vec<KvBlockData>,
     ) -> Result<oneshot::Receiver<Result<usize, EngineError>>, EngineError> {
-        dynamo_engine::ask(|tx| self.tx.send(Cmd::Import(blocks, tx)).is_ok())
+        dynamo_engine::ask(|tx| self.cmds.work(Cmd::Import(blocks, tx)).is_ok())
     }
     fn kv_arena(&self) -> Arc<KvArena> {
         self.arena.clone()
     }
-    fn reserve_blocks(
-        &self,
-        n: usize,
-    ) -> Result<oneshot::Receiver<Result<Reservation, EngineError>>, EngineError> {
-        dynamo_engine::ask(|tx| self.tx.send(Cmd::Reserve(n, tx)).is_ok())
+    fn reserve_blocks(&self, n: usize) -> Result<ReservationReceiver, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.cmds.work(Cmd::Reserve(n, tx))?;
+        let cmds = self.cmds.clone();
+        Ok(ReservationReceiver::new(
+            rx,
+            Box::new(move |id| drop(cmds.control(Cmd::Release(id)))),
+        ))
     }
     fn commit_blocks(
         &self,
@@ -308,11 +352,11 @@ impl Engine for CpuEngine {
         parent: Option<SequenceHash>,
         hashes: Vec<SequenceHash>,
     ) -> Result<oneshot::Receiver<Result<usize, EngineError>>, EngineError> {
-        dynamo_engine::ask(|tx| self.tx.send(Cmd::Commit(id, parent, hashes, tx)).is_ok())
+        dynamo_engine::ask(|tx| self.cmds.work(Cmd::Commit(id, parent, hashes, tx)).is_ok())
     }
     fn release_blocks(&self, id: ReservationId) {
         // A stopped engine holds no reservation any more.
-        let _ = self.tx.send(Cmd::Release(id));
+        let _ = self.cmds.control(Cmd::Release(id));
     }
 }
 
@@ -321,28 +365,28 @@ struct Driver {
     pool: ThreadPool,
     kv: KvCache,
     sched: Scheduler,
-    outs: HashMap<RequestId, mpsc::UnboundedSender<EngineEvent>>,
+    outs: HashMap<RequestId, Sink>,
     rngs: HashMap<RequestId, Rng>,
-    kv_tx: mpsc::UnboundedSender<KvCacheEvent>,
+    kv_tx: KvEventSink,
     load: Arc<Mutex<LoadMetrics>>,
     computed_tokens: u64,
 }
 
 impl Driver {
-    fn run(&mut self, rx: std_mpsc::Receiver<Cmd>) {
+    fn run(&mut self, mut rx: mpsc::UnboundedReceiver<Queued<Cmd>>) {
         'outer: loop {
             if self.sched.is_idle() {
                 self.publish();
-                match rx.recv() {
-                    Ok(cmd) => self.apply(cmd),
-                    Err(_) => break 'outer,
+                match rx.blocking_recv() {
+                    Some(q) => self.apply(q.cmd),
+                    None => break 'outer,
                 }
             }
             loop {
                 match rx.try_recv() {
-                    Ok(cmd) => self.apply(cmd),
-                    Err(std_mpsc::TryRecvError::Empty) => break,
-                    Err(std_mpsc::TryRecvError::Disconnected) => break 'outer,
+                    Ok(q) => self.apply(q.cmd),
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => break 'outer,
                 }
             }
             if self.sched.is_idle() {
@@ -352,8 +396,8 @@ impl Driver {
                 tracing::error!("cpu engine step panicked; failing its requests");
                 for id in self.sched.abort_all() {
                     self.rngs.remove(&id);
-                    if let Some(tx) = self.outs.remove(&id) {
-                        let _ = tx.send(EngineEvent::Failed(EngineError::Internal(
+                    if let Some(sink) = self.outs.remove(&id) {
+                        let _ = sink.tx.send(EngineEvent::Failed(EngineError::Internal(
                             "engine step failed".into(),
                         )));
                     }
@@ -363,8 +407,8 @@ impl Driver {
             self.publish();
         }
         for id in self.sched.abort_all() {
-            if let Some(tx) = self.outs.remove(&id) {
-                let _ = tx.send(EngineEvent::Failed(EngineError::Stopped));
+            if let Some(sink) = self.outs.remove(&id) {
+                let _ = sink.tx.send(EngineEvent::Failed(EngineError::Stopped));
             }
         }
         self.publish();
@@ -372,7 +416,10 @@ impl Driver {
 
     fn apply(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Add(req, tx) => {
+            Cmd::Fault(EngineFault::PanicDriver) => {
+                panic!("fault injected: the cpu engine's driver thread panics");
+            }
+            Cmd::Add(req, sink) => {
                 let id = req.id();
                 let seed = req.sampling().seed.unwrap_or_else(|| {
                     (id.0 as u64) ^ (id.0 >> 64) as u64 ^ std::process::id() as u64
@@ -386,19 +433,19 @@ impl Driver {
                 }
                 match self.sched.add(req) {
                     Ok(()) => {
-                        self.outs.insert(id, tx);
+                        self.outs.insert(id, sink);
                         self.rngs.insert(id, Rng::new(seed));
                     }
                     Err(e) => {
-                        let _ = tx.send(EngineEvent::Failed(e));
+                        let _ = sink.tx.send(EngineEvent::Failed(e));
                     }
                 }
             }
             Cmd::Cancel(id) => {
                 if self.sched.cancel(id) {
                     self.rngs.remove(&id);
-                    if let Some(tx) = self.outs.remove(&id) {
-                        let _ = tx.send(EngineEvent::Finished {
+                    if let Some(sink) = self.outs.remove(&id) {
+                        let _ = sink.tx.send(EngineEvent::Finished {
                             reason: FinishReason::Cancelled,
                         });
                     }
@@ -551,7 +598,7 @@ impl Driver {
         for (id, ev) in events {
             let terminal = matches!(ev, EngineEvent::Finished { .. } | EngineEvent::Failed(_));
             let gone = match self.outs.get(&id) {
-                Some(tx) => tx.send(ev).is_err(),
+                Some(sink) => sink.tx.send(ev).is_err(),
                 None => false,
             };
             if terminal {
@@ -568,7 +615,7 @@ impl Driver {
 
     fn flush_kv_events(&mut self) {
         for ev in self.sched.drain_kv_events() {
-            let _ = self.kv_tx.send(ev);
+            self.kv_tx.send(ev);
         }
     }
 

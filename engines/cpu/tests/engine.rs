@@ -200,7 +200,7 @@ async fn seeded_sampling_is_reproducible() {
 /// them with the tokens `first` got by computing it.
 async fn stored_then_served(
     b: &CpuEngine,
-    events: &mut tokio::sync::mpsc::UnboundedReceiver<dynamo_engine::KvCacheEvent>,
+    events: &mut dynamo_engine::KvEventStream,
     hashes: &[dynamo_bus_schema::blocks::SequenceHash],
     prompt: &[u32],
     first: &Outcome,

@@ -15,6 +15,9 @@ pub struct MockerConfig {
     pub max_num_seqs: u32,
     /// Most tokens (prefill chunks + decodes) in one step.
     pub max_num_batched_tokens: u32,
+    /// Most requests waiting to be admitted; past it the engine answers
+    /// `Overloaded` at once and the router sends work elsewhere.
+    pub max_waiting_seqs: u32,
     /// Simulated time runs this many times faster than real time; `0` or
     /// infinity means no delay at all.
     pub speedup: f64,
@@ -51,6 +54,7 @@ impl Default for MockerConfig {
             num_blocks: 16384,
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
+            max_waiting_seqs: 1024,
             speedup: 1.0,
             enable_prefix_caching: true,
             emit_kv_events: true,
@@ -98,6 +102,7 @@ impl MockerConfig {
                 self.max_num_batched_tokens as u64,
                 1,
             ),
+            ("max_waiting_seqs", self.max_waiting_seqs as u64, 1),
         ] {
             if value < min {
                 return Err(ConfigError::TooSmall { field, min, value });
@@ -121,6 +126,19 @@ impl MockerConfig {
             });
         }
         Ok((self.token_lo, hi))
+    }
+
+    /// The shared scheduler's limits under this config.
+    pub fn scheduler(&self) -> dynamo_batcher::SchedulerConfig {
+        dynamo_batcher::SchedulerConfig {
+            block_size: self.block_size,
+            num_blocks: self.num_blocks,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_waiting: self.max_waiting_seqs,
+            enable_prefix_caching: self.enable_prefix_caching,
+            record_kv_events: self.emit_kv_events,
+        }
     }
 
     /// The offload tiers this config asks for.

@@ -64,12 +64,8 @@ impl MockerCore {
             cfg.kv_bytes_per_block as usize,
         )?);
         let sc = SchedulerConfig {
-            block_size: cfg.block_size,
-            num_blocks: cfg.num_blocks,
-            max_num_seqs: cfg.max_num_seqs,
-            max_num_batched_tokens: cfg.max_num_batched_tokens,
-            enable_prefix_caching: cfg.enable_prefix_caching,
             record_kv_events,
+            ..cfg.scheduler()
         };
         let mut sched = Scheduler::new(sc, salt, eos_ids);
         let offload = cfg.offload();

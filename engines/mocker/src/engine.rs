@@ -1,24 +1,41 @@
 //! The async driver: owns a [`MockerCore`], feeds it commands, runs steps,
 //! announces the step's admissions, sleeps the simulated step time
 //! (divided by the speedup) and then delivers the step's tokens and KV
-//! events. One tokio task per engine; it ends when the engine handle is
-//! dropped, failing whatever is still running with [`EngineError::Stopped`].
+//! events. One tokio task per engine, watched through its [`Liveness`]; it
+//! ends when the engine handle is dropped, failing whatever is still
+//! running with [`EngineError::Stopped`]. If it dies (a panic), every
+//! request's stream closes and the liveness fires, so the worker restarts.
+//!
+//! Bounds: new requests take an [`Admission`] slot (running + waiting,
+//! `max_num_seqs + max_waiting_seqs`); work commands queue at most that
+//! many plus [`WORK_HEADROOM`]; KV events buffer at most
+//! [`dynamo_engine::KV_EVENT_BUFFER`].
 
 use crate::config::{ConfigError, MockerConfig};
 use crate::core::MockerCore;
 use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::{LoadMetrics, RequestId};
 use dynamo_engine::{
-    Engine, EngineError, EngineEvent, KvArena, KvBlockData, KvCacheEvent, KvSnapshot, Reservation,
-    ReservationId, ResponseStream, ValidRequest,
+    Admission, Alive, Commands, Engine, EngineError, EngineEvent, EngineFault, KvArena,
+    KvBlockData, KvEventSink, KvEventStream, KvSnapshot, Liveness, Queued, Reservation,
+    ReservationId, ReservationReceiver, ResponseStream, Slot, ValidRequest,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
 use tokio::sync::oneshot;
 
+/// Work commands (snapshots, block moves) queued beyond the admitted requests.
+pub const WORK_HEADROOM: usize = 256;
+
+/// A request's event sender, holding its admission slot while it runs.
+struct Sink {
+    tx: mpsc::UnboundedSender<EngineEvent>,
+    _slot: Slot,
+}
+
 enum Cmd {
-    Add(ValidRequest, mpsc::UnboundedSender<EngineEvent>),
+    Add(ValidRequest, Sink),
     Cancel(RequestId),
     Snapshot(tokio::sync::oneshot::Sender<KvSnapshot>),
     Export(Vec<SequenceHash>, oneshot::Sender<Vec<KvBlockData>>),
@@ -34,6 +51,7 @@ enum Cmd {
         oneshot::Sender<Result<usize, EngineError>>,
     ),
     Release(ReservationId),
+    Fault(EngineFault),
 }
 
 /// What the mocker needs to know about the model it pretends to run.
@@ -46,11 +64,13 @@ pub struct MockerModel {
 }
 
 pub struct MockerEngine {
-    tx: mpsc::UnboundedSender<Cmd>,
+    cmds: Commands<Cmd>,
+    admission: Arc<Admission>,
     load: Arc<Mutex<LoadMetrics>>,
-    kv_rx: Mutex<Option<mpsc::UnboundedReceiver<KvCacheEvent>>>,
+    kv_rx: Mutex<Option<KvEventStream>>,
     block_bytes: usize,
     arena: Arc<KvArena>,
+    liveness: Liveness,
 }
 
 impl MockerEngine {
@@ -65,18 +85,23 @@ impl MockerEngine {
             cfg.emit_kv_events,
         )?;
         let arena = core.arena();
-        let (tx, rx) = mpsc::unbounded_channel();
-        let (kv_tx, kv_rx) = mpsc::unbounded_channel();
+        let capacity = cfg.scheduler().capacity();
+        let (cmds, rx) = dynamo_engine::commands(capacity + WORK_HEADROOM);
+        let (kv_tx, kv_rx) = dynamo_engine::kv_events();
         let load = Arc::new(Mutex::new(core.load()));
         let emit = cfg.emit_kv_events;
         let block_bytes = cfg.kv_bytes_per_block as usize;
-        tokio::spawn(run(core, cfg, rx, kv_tx, load.clone()));
+        let (alive, liveness) = dynamo_engine::liveness();
+        // Watched through `liveness`: the worker restarts a dead engine.
+        tokio::spawn(run(core, cfg, rx, kv_tx, load.clone(), alive));
         Ok(MockerEngine {
-            tx,
+            cmds,
+            admission: Admission::new(capacity),
             load,
             kv_rx: Mutex::new(emit.then_some(kv_rx)),
             block_bytes,
             arena,
+            liveness,
         })
     }
 }
@@ -86,24 +111,32 @@ impl Engine for MockerEngine {
         "mocker"
     }
     fn generate(&self, req: ValidRequest) -> Result<ResponseStream, EngineError> {
+        let slot = self.admission.try_admit()?;
         let (tx, rx) = mpsc::unbounded_channel();
-        self.tx
-            .send(Cmd::Add(req, tx))
-            .map_err(|_| EngineError::Stopped)?;
+        self.cmds.work(Cmd::Add(req, Sink { tx, _slot: slot }))?;
         Ok(rx)
     }
     fn cancel(&self, id: RequestId) {
         // A stopped engine has nothing left to cancel.
-        let _ = self.tx.send(Cmd::Cancel(id));
+        let _ = self.cmds.control(Cmd::Cancel(id));
+    }
+    fn capacity(&self) -> usize {
+        self.admission.capacity()
     }
     fn load(&self) -> LoadMetrics {
         self.load.lock().map(|l| l.clone()).unwrap_or_default()
     }
-    fn take_kv_events(&self) -> Option<mpsc::UnboundedReceiver<KvCacheEvent>> {
+    fn take_kv_events(&self) -> Option<KvEventStream> {
         self.kv_rx.lock().ok()?.take()
     }
+    fn liveness(&self) -> Liveness {
+        self.liveness.clone()
+    }
+    fn inject(&self, fault: EngineFault) -> Result<(), EngineError> {
+        Ok(self.cmds.control(Cmd::Fault(fault))?)
+    }
     fn kv_snapshot(&self) -> Result<tokio::sync::oneshot::Receiver<KvSnapshot>, EngineError> {
-        dynamo_engine::ask(|tx| self.tx.send(Cmd::Snapshot(tx)).is_ok())
+        dynamo_engine::ask(|tx| self.cmds.work(Cmd::Snapshot(tx)).is_ok())
     }
     fn kv_block_bytes(&self) -> usize {
         self.block_bytes
@@ -112,22 +145,25 @@ impl Engine for MockerEngine {
         &self,
         hashes: Vec<SequenceHash>,
     ) -> Result<oneshot::Receiver<Vec<KvBlockData>>, EngineError> {
-        dynamo_engine::ask(|tx| self.tx.send(Cmd::Export(hashes, tx)).is_ok())
+        dynamo_engine::ask(|tx| self.cmds.work(Cmd::Export(hashes, tx)).is_ok())
     }
     fn import_blocks(
         &self,
         blocks: Vec<KvBlockData>,
     ) -> Result<oneshot::Receiver<Result<usize, EngineError>>, EngineError> {
-        dynamo_engine::ask(|tx| self.tx.send(Cmd::Import(blocks, tx)).is_ok())
+        dynamo_engine::ask(|tx| self.cmds.work(Cmd::Import(blocks, tx)).is_ok())
     }
     fn kv_arena(&self) -> Arc<KvArena> {
         self.arena.clone()
     }
-    fn reserve_blocks(
-        &self,
-        n: usize,
-    ) -> Result<oneshot::Receiver<Result<Reservation, EngineError>>, EngineError> {
-        dynamo_engine::ask(|tx| self.tx.send(Cmd::Reserve(n, tx)).is_ok())
+    fn reserve_blocks(&self, n: usize) -> Result<ReservationReceiver, EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.cmds.work(Cmd::Reserve(n, tx))?;
+        let cmds = self.cmds.clone();
+        Ok(ReservationReceiver::new(
+            rx,
+            Box::new(move |id| drop(cmds.control(Cmd::Release(id)))),
+        ))
     }
     fn commit_blocks(
         &self,
@@ -135,87 +171,88 @@ impl Engine for MockerEngine {
         parent: Option<SequenceHash>,
         hashes: Vec<SequenceHash>,
     ) -> Result<oneshot::Receiver<Result<usize, EngineError>>, EngineError> {
-        dynamo_engine::ask(|tx| self.tx.send(Cmd::Commit(id, parent, hashes, tx)).is_ok())
+        dynamo_engine::ask(|tx| self.cmds.work(Cmd::Commit(id, parent, hashes, tx)).is_ok())
     }
     fn release_blocks(&self, id: ReservationId) {
         // A stopped engine holds no reservation any more.
-        let _ = self.tx.send(Cmd::Release(id));
+        let _ = self.cmds.control(Cmd::Release(id));
     }
 }
 
 async fn run(
     mut core: MockerCore,
     cfg: MockerConfig,
-    mut rx: mpsc::UnboundedReceiver<Cmd>,
-    kv_tx: mpsc::UnboundedSender<KvCacheEvent>,
+    mut rx: mpsc::UnboundedReceiver<Queued<Cmd>>,
+    mut kv_tx: KvEventSink,
     load: Arc<Mutex<LoadMetrics>>,
+    _alive: Alive,
 ) {
-    let mut outs: HashMap<RequestId, mpsc::UnboundedSender<EngineEvent>> = HashMap::new();
-    let apply =
-        |cmd: Cmd,
-         core: &mut MockerCore,
-         outs: &mut HashMap<RequestId, mpsc::UnboundedSender<EngineEvent>>| {
-            match cmd {
-                Cmd::Add(req, tx) => {
-                    let id = req.id();
-                    match core.add(req) {
-                        Ok(()) => {
-                            outs.insert(id, tx);
-                        }
-                        Err(e) => {
-                            let _ = tx.send(EngineEvent::Failed(e));
-                        }
+    let mut outs: HashMap<RequestId, Sink> = HashMap::new();
+    let apply = |cmd: Cmd, core: &mut MockerCore, outs: &mut HashMap<RequestId, Sink>| {
+        match cmd {
+            Cmd::Add(req, sink) => {
+                let id = req.id();
+                match core.add(req) {
+                    Ok(()) => {
+                        outs.insert(id, sink);
                     }
-                }
-                Cmd::Snapshot(tx) => {
-                    // Events are drained after every step, so the snapshot is
-                    // consistent with everything already sent.
-                    let _ = tx.send(core.kv_snapshot());
-                }
-                Cmd::Export(hashes, tx) => {
-                    let _ = tx.send(core.export_blocks(&hashes));
-                }
-                Cmd::Import(blocks, tx) => {
-                    let _ = tx.send(core.import_blocks(blocks));
-                }
-                Cmd::Reserve(n, tx) => {
-                    let r = core.reserve(n);
-                    publish_load(core, &load);
-                    // Nobody waits for it any more (the request went away):
-                    // the blocks go straight back.
-                    if let Err(Ok(r)) = tx.send(r) {
-                        core.release(r.id);
-                        publish_load(core, &load);
-                    }
-                }
-                Cmd::Commit(id, parent, hashes, tx) => {
-                    let r = core.commit(id, parent, &hashes);
-                    publish_load(core, &load);
-                    let _ = tx.send(r);
-                }
-                Cmd::Release(id) => core.release(id),
-                Cmd::Cancel(id) => {
-                    if core.cancel(id) {
-                        if let Some(tx) = outs.remove(&id) {
-                            let _ = tx.send(EngineEvent::Finished {
-                                reason: dynamo_bus_schema::FinishReason::Cancelled,
-                            });
-                        }
+                    Err(e) => {
+                        let _ = sink.tx.send(EngineEvent::Failed(e));
                     }
                 }
             }
-        };
+            Cmd::Fault(EngineFault::PanicDriver) => {
+                panic!("fault injected: the mocker engine's driver panics");
+            }
+            Cmd::Snapshot(tx) => {
+                // Events are drained after every step, so the snapshot is
+                // consistent with everything already sent.
+                let _ = tx.send(core.kv_snapshot());
+            }
+            Cmd::Export(hashes, tx) => {
+                let _ = tx.send(core.export_blocks(&hashes));
+            }
+            Cmd::Import(blocks, tx) => {
+                let _ = tx.send(core.import_blocks(blocks));
+            }
+            Cmd::Reserve(n, tx) => {
+                let r = core.reserve(n);
+                publish_load(core, &load);
+                // Nobody waits for it any more (the request went away):
+                // the blocks go straight back.
+                if let Err(Ok(r)) = tx.send(r) {
+                    core.release(r.id);
+                    publish_load(core, &load);
+                }
+            }
+            Cmd::Commit(id, parent, hashes, tx) => {
+                let r = core.commit(id, parent, &hashes);
+                publish_load(core, &load);
+                let _ = tx.send(r);
+            }
+            Cmd::Release(id) => core.release(id),
+            Cmd::Cancel(id) => {
+                if core.cancel(id) {
+                    if let Some(sink) = outs.remove(&id) {
+                        let _ = sink.tx.send(EngineEvent::Finished {
+                            reason: dynamo_bus_schema::FinishReason::Cancelled,
+                        });
+                    }
+                }
+            }
+        }
+    };
     'outer: loop {
         if core.is_idle() {
             publish_load(&core, &load);
             match rx.recv().await {
-                Some(cmd) => apply(cmd, &mut core, &mut outs),
+                Some(q) => apply(q.cmd, &mut core, &mut outs),
                 None => break 'outer,
             }
         }
         loop {
             match rx.try_recv() {
-                Ok(cmd) => apply(cmd, &mut core, &mut outs),
+                Ok(q) => apply(q.cmd, &mut core, &mut outs),
                 Err(mpsc::error::TryRecvError::Empty) => break,
                 Err(mpsc::error::TryRecvError::Disconnected) => break 'outer,
             }
@@ -236,13 +273,13 @@ async fn run(
         }
         deliver(rest, &mut outs, &mut core);
         for ev in core.drain_kv_events() {
-            let _ = kv_tx.send(ev);
+            kv_tx.send(ev);
         }
         publish_load(&core, &load);
     }
     for id in core.abort_all() {
-        if let Some(tx) = outs.remove(&id) {
-            let _ = tx.send(EngineEvent::Failed(EngineError::Stopped));
+        if let Some(sink) = outs.remove(&id) {
+            let _ = sink.tx.send(EngineEvent::Failed(EngineError::Stopped));
         }
     }
     publish_load(&core, &load);
@@ -252,13 +289,13 @@ async fn run(
 /// stream, and a stream nobody reads any more cancels its request.
 fn deliver(
     events: Vec<(RequestId, EngineEvent)>,
-    outs: &mut HashMap<RequestId, mpsc::UnboundedSender<EngineEvent>>,
+    outs: &mut HashMap<RequestId, Sink>,
     core: &mut MockerCore,
 ) {
     for (id, ev) in events {
         let terminal = matches!(ev, EngineEvent::Finished { .. } | EngineEvent::Failed(_));
         let gone = match outs.get(&id) {
-            Some(tx) => tx.send(ev).is_err(),
+            Some(sink) => sink.tx.send(ev).is_err(),
             None => false,
         };
         if terminal {

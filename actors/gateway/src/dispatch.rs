@@ -1,0 +1,272 @@
+//! Getting a worker to take a prompt: route it (router actor), send it,
+//! wait for the acknowledgement, and try another worker when one refuses
+//! or is unreachable.
+//!
+//! Invariants: a worker that fails a request is never chosen again for it;
+//! a worker that refuses as overloaded is reported to the router, which
+//! avoids it for a while; the deadline bounds every wait; a request routed
+//! to a worker whose model card differs from the one it was tokenized with
+//! is given back ([`DispatchError::CardChanged`]) so the caller tokenizes
+//! it again with that card; every route that does not end in an accepted
+//! request is released.
+
+use crate::error::ApiError;
+use crate::generate::map_wire;
+use crate::inbox::Frame;
+use crate::shared::Shared;
+use dynamo_bus_schema::{
+    unix_ms, CancelReason, CancelRequest, ErrorKind, GenerateAck, GenerateDisagg, GenerateRequest,
+    ModelName, RequestId, SamplingParams, WorkerId,
+};
+use dynamo_router::{RouteDecision, RouteError, RouterMsg};
+use dynamo_runtime::BusError;
+use ractor::rpc::CallResult;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// Everything needed to send (or re-send) a request.
+pub struct Attempt {
+    pub model: ModelName,
+    pub prompt: Arc<Vec<u32>>,
+    pub sampling: SamplingParams,
+    pub routing: Option<dynamo_router::policy::KvCostWeights>,
+    /// The card the prompt was tokenized with (`None`: any worker will do,
+    /// as for a migration, whose tokens are fixed).
+    pub card_digest: Option<u64>,
+    /// Tokens per KV block of that card.
+    pub block_size: u32,
+}
+
+/// Why a request could not be dispatched.
+#[derive(Debug)]
+pub enum DispatchError {
+    Api(ApiError),
+    /// The router chose a worker whose model card (digest) differs from
+    /// the one the prompt was tokenized with.
+    CardChanged(u64),
+}
+
+impl From<ApiError> for DispatchError {
+    fn from(e: ApiError) -> Self {
+        DispatchError::Api(e)
+    }
+}
+
+/// Routes `tokens` and gets a worker to accept them as request `id`,
+/// trying other workers when one refuses (retryable) or is unreachable;
+/// workers in `exclude` are never chosen and the ones that fail are added.
+pub async fn dispatch(
+    shared: &Arc<Shared>,
+    id: RequestId,
+    plan: &Attempt,
+    tokens: Arc<Vec<u32>>,
+    sampling: &SamplingParams,
+    deadline: Instant,
+    exclude: &mut Vec<WorkerId>,
+) -> Result<(RouteDecision, mpsc::Receiver<Frame>), DispatchError> {
+    let attempts = shared.config.max_route_attempts.max(1);
+    let mut last_error = None;
+    for attempt in 0..attempts {
+        if attempt > 0 {
+            shared.metrics.route_retries.inc();
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ApiError::timeout(
+                "The request did not reach a worker before its deadline.",
+            )
+            .into());
+        }
+        let decision = route(
+            shared,
+            id,
+            &plan.model,
+            &tokens,
+            exclude,
+            plan.routing,
+            left,
+        )
+        .await?;
+        if let Some(want) = plan.card_digest {
+            if decision.card_digest != want {
+                release(shared, id);
+                return Err(DispatchError::CardChanged(decision.card_digest));
+            }
+        }
+        let rx = shared.inbox.register(id);
+        let req = GenerateRequest {
+            request_id: id,
+            model: plan.model.clone(),
+            token_ids: (*tokens).clone(),
+            sampling: sampling.clone(),
+            reply_to: shared.frames_subject.clone(),
+            deadline_unix_ms: unix_ms()
+                + deadline
+                    .saturating_duration_since(Instant::now())
+                    .as_millis() as u64,
+        };
+        let subject = shared.bus.subjects.worker_generate(decision.worker_id);
+        let wait = shared.config.ack_timeout.min(left);
+        let res: Result<GenerateAck, BusError> = match decision.prefill_worker {
+            Some(prefill_worker) => {
+                let req = GenerateDisagg {
+                    request: req,
+                    prefill_worker,
+                    cached_blocks: decision.overlap_blocks,
+                };
+                shared.bus.request(subject, &req, wait).await
+            }
+            None => shared.bus.request(subject, &req, wait).await,
+        };
+        let failure = match res {
+            Ok(ack) => match ack.rejected {
+                None => {
+                    let bs = plan.block_size as u64;
+                    shared
+                        .metrics
+                        .predicted_cached_tokens
+                        .inc_by((decision.overlap_blocks as u64 * bs).min(tokens.len() as u64));
+                    return Ok((decision, rx));
+                }
+                Some(e) if e.kind.is_retryable() => {
+                    if e.kind == ErrorKind::Overloaded {
+                        if let Ok(r) = shared.router() {
+                            let _ = r.cast(RouterMsg::WorkerOverloaded(decision.worker_id));
+                        }
+                    }
+                    Some(map_wire(&e))
+                }
+                Some(e) => {
+                    release(shared, id);
+                    return Err(map_wire(&e).into());
+                }
+            },
+            Err(BusError::NoResponders { .. }) => {
+                Some(ApiError::unavailable("The chosen worker is gone."))
+            }
+            Err(BusError::Timeout { .. }) => {
+                // It may have accepted after all: make sure it stops.
+                send_cancel(
+                    shared,
+                    decision.worker_id,
+                    id,
+                    CancelReason::DeadlineExceeded,
+                );
+                Some(ApiError::unavailable(
+                    "The chosen worker did not acknowledge in time.",
+                ))
+            }
+            Err(BusError::Remote { error, .. }) => Some(map_wire(&error)),
+            Err(e) => {
+                tracing::warn!(request = %id, error = %e, "cannot send request");
+                Some(ApiError::unavailable(
+                    "The bus is unavailable; retry shortly.",
+                ))
+            }
+        };
+        tracing::debug!(request = %id, worker = %decision.worker_id, ?failure, "worker did not take request");
+        exclude.push(decision.worker_id);
+        release(shared, id);
+        last_error = failure;
+    }
+    Err(last_error
+        .unwrap_or_else(|| ApiError::unavailable("No worker accepted the request."))
+        .into())
+}
+
+async fn route(
+    shared: &Shared,
+    request_id: RequestId,
+    model: &ModelName,
+    tokens: &Arc<Vec<u32>>,
+    exclude: &[WorkerId],
+    weights: Option<dynamo_router::policy::KvCostWeights>,
+    within: Duration,
+) -> Result<RouteDecision, ApiError> {
+    let router = shared.router()?;
+    let t0 = Instant::now();
+    loop {
+        let call = router
+            .call(
+                |reply| RouterMsg::Route {
+                    request_id,
+                    model: model.clone(),
+                    token_ids: tokens.clone(),
+                    exclude: exclude.to_vec(),
+                    weights,
+                    reply,
+                },
+                Some(Duration::from_secs(2).min(within)),
+            )
+            .await;
+        let Ok(CallResult::Success(answer)) = call else {
+            return Err(ApiError::unavailable(
+                "The router did not answer; retry shortly.",
+            ));
+        };
+        match answer {
+            // A replica that just started loads its view first; wait for it
+            // (bounded by the router's own cap and this request's deadline).
+            Err(RouteError::CatchingUp) if t0.elapsed() < within => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(RouteError::CatchingUp) => {
+                return Err(ApiError::unavailable(
+                    "The router is still starting; retry shortly.",
+                ))
+            }
+            Err(RouteError::UnknownModel { model }) => {
+                return Err(ApiError::model_not_found(&model))
+            }
+            Err(e @ RouteError::NoWorkers { .. }) => {
+                return Err(ApiError::unavailable(format!("{e}. Retry shortly.")))
+            }
+            Err(e @ RouteError::Overloaded { .. }) => {
+                shared
+                    .metrics
+                    .rejected
+                    .with_label_values(&["workers_overloaded"])
+                    .inc();
+                return Err(ApiError::overloaded(
+                    format!("{e}. Retry shortly."),
+                    "workers_overloaded",
+                ));
+            }
+            Ok(d) => return Ok(d),
+        }
+    }
+}
+
+/// Gives a route back: the router's load accounting and the inbox entry.
+pub fn release(shared: &Shared, id: RequestId) {
+    shared.inbox.unregister(id);
+    if let Ok(r) = shared.router() {
+        let _ = r.cast(RouterMsg::Release(id));
+    }
+}
+
+/// Tells a worker to stop a request (from a task of the gateway's own).
+pub fn send_cancel(shared: &Arc<Shared>, worker: WorkerId, id: RequestId, reason: CancelReason) {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return; // the runtime is going away: so is every worker's stream
+    }
+    let s = shared.clone();
+    shared.spawner.spawn_transient("cancel", async move {
+        let subject = s.bus.subjects.worker_cancel(worker);
+        if let Err(e) = s
+            .bus
+            .publish(
+                subject,
+                &CancelRequest {
+                    request_id: id,
+                    reason,
+                },
+            )
+            .await
+        {
+            tracing::warn!(request = %id, error = %e, "cannot send cancel");
+        }
+    });
+}

@@ -1,0 +1,206 @@
+//! Background tasks with an owner.
+//!
+//! An actor's tasks (bus subscriptions that feed its mailbox, tickers,
+//! servers) are spawned through its [`Tasks`]. Invariants:
+//! - every task stops when the `Tasks` is dropped (the actor's state goes
+//!   with it, also when the actor panics) or [`Tasks::shutdown`] is called;
+//! - a long-lived task ([`Tasks::spawn`]) that ends or panics while its
+//!   owner still runs tells the owner, which fails (its supervisor then
+//!   restarts it with fresh inputs): an input never disappears unnoticed;
+//! - a short-lived task ([`Tasks::spawn_transient`]) may end whenever it
+//!   likes, but its panic fails the owner too.
+
+use futures::FutureExt;
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use tokio_util::sync::CancellationToken;
+
+/// How a task's unexpected end reaches its owner: typically a cast of the
+/// owner's "task ended" message, whose handler returns an error.
+pub type OnTaskEnd = Arc<dyn Fn(String) + Send + Sync>;
+
+/// The background tasks of one actor.
+pub struct Tasks {
+    cancel: CancellationToken,
+    on_end: OnTaskEnd,
+    /// Long-lived tasks by name, each with a token that ends it on purpose
+    /// (fault injection: "this input went away").
+    named: Mutex<HashMap<&'static str, CancellationToken>>,
+}
+
+impl Tasks {
+    pub fn new(on_end: OnTaskEnd) -> Self {
+        Tasks {
+            cancel: CancellationToken::new(),
+            on_end,
+            named: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// A token cancelled when the tasks stop (for a task's own select).
+    pub fn token(&self) -> CancellationToken {
+        self.cancel.child_token()
+    }
+
+    /// Whether [`Self::shutdown`] was called (or the set was dropped).
+    pub fn is_shut_down(&self) -> bool {
+        self.cancel.is_cancelled()
+    }
+
+    /// Spawns a task that must run as long as its owner: if it ends (or
+    /// panics) before the tasks are shut down, the owner is told.
+    pub fn spawn<F>(&self, name: &'static str, fut: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let exit = CancellationToken::new();
+        if let Ok(mut n) = self.named.lock() {
+            n.insert(name, exit.clone());
+        }
+        let (cancel, on_end) = (self.cancel.clone(), self.on_end.clone());
+        tokio::spawn(async move {
+            let why = tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = exit.cancelled() => "was ended (fault injection)".to_string(),
+                r = AssertUnwindSafe(fut).catch_unwind() => match r {
+                    Ok(()) => "ended".to_string(),
+                    Err(p) => format!("panicked: {}", panic_message(&*p)),
+                },
+            };
+            if cancel.is_cancelled() {
+                return;
+            }
+            tracing::error!(task = name, %why, "background task stopped; failing its actor");
+            on_end(format!("background task `{name}` {why}"));
+        });
+    }
+
+    /// Spawns a task that may end at any time (one request's work); only a
+    /// panic is reported to the owner. It stops with the other tasks.
+    pub fn spawn_transient<F>(&self, name: &'static str, fut: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        self.spawner().spawn_transient(name, fut)
+    }
+
+    /// A handle that spawns transient tasks of this set from inside one of
+    /// its tasks (it does not keep the set alive).
+    pub fn spawner(&self) -> Spawner {
+        Spawner {
+            cancel: self.cancel.clone(),
+            on_end: self.on_end.clone(),
+        }
+    }
+
+    /// Names of the long-lived tasks (for fault injection and errors).
+    pub fn names(&self) -> Vec<&'static str> {
+        let mut v: Vec<_> = self
+            .named
+            .lock()
+            .map(|n| n.keys().copied().collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+
+    /// Ends the named long-lived task as if its input had gone away
+    /// (fault injection); false if there is none by that name.
+    pub fn end(&self, name: &str) -> bool {
+        match self.named.lock().ok().and_then(|n| n.get(name).cloned()) {
+            Some(t) => {
+                t.cancel();
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Stops every task; none reports its end.
+    pub fn shutdown(&self) {
+        self.cancel.cancel();
+    }
+}
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+/// Spawns transient tasks into a [`Tasks`] set (see [`Tasks::spawner`]).
+#[derive(Clone)]
+pub struct Spawner {
+    cancel: CancellationToken,
+    on_end: OnTaskEnd,
+}
+
+impl Spawner {
+    /// See [`Tasks::spawn_transient`].
+    pub fn spawn_transient<F>(&self, name: &'static str, fut: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let (cancel, on_end) = (self.cancel.clone(), self.on_end.clone());
+        tokio::spawn(async move {
+            let r = tokio::select! {
+                _ = cancel.cancelled() => return,
+                r = AssertUnwindSafe(fut).catch_unwind() => r,
+            };
+            if let Err(p) = r {
+                let why = panic_message(&*p);
+                tracing::error!(task = name, %why, "task panicked; failing its actor");
+                on_end(format!("task `{name}` panicked: {why}"));
+            }
+        });
+    }
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn recorder() -> (OnTaskEnd, tokio::sync::mpsc::Receiver<String>) {
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        (Arc::new(move |why| drop(tx.try_send(why))), rx)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_task_that_ends_or_panics_tells_its_owner_but_shutdown_does_not() {
+        let (on_end, mut rx) = recorder();
+        let t = Tasks::new(on_end);
+        t.spawn("returns", async {});
+        assert!(rx.recv().await.unwrap().contains("`returns` ended"));
+        t.spawn("panics", async { panic!("boom") });
+        assert!(rx.recv().await.unwrap().contains("panicked: boom"));
+        t.spawn_transient("finishes", async {});
+        t.spawn_transient("explodes", async { panic!("bang") });
+        assert!(rx
+            .recv()
+            .await
+            .unwrap()
+            .contains("`explodes` panicked: bang"));
+        t.spawn("forever", std::future::pending());
+        assert_eq!(t.names(), vec!["forever", "panics", "returns"]);
+        assert!(t.end("forever"));
+        assert!(rx.recv().await.unwrap().contains("fault injection"));
+        assert!(!t.end("nope"));
+        t.spawn("quiet", std::future::pending());
+        t.shutdown();
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(rx.try_recv().is_err(), "shutdown is not an unexpected end");
+    }
+}

@@ -1,0 +1,247 @@
+//! A worker's presence on the bus: its record in the workers KV bucket,
+//! rewritten every heartbeat and at once when its state changes, and its
+//! load reports on `load.<id>` in between.
+//!
+//! Invariants: all of this runs in a task of its own ([`Registrar::run`]),
+//! never on the worker actor, so a slow or absent bus never blocks the
+//! actor; every bus call is bounded by [`WRITE_TIMEOUT`]; the newest state
+//! wins (writes are coalesced through a watch channel); a deregistration
+//! is the last write and nothing is written after it.
+
+use dynamo_bus_schema::{
+    encode, unix_ms, LoadMetrics, LoadReport, WorkerRegistration, WorkerState,
+};
+use dynamo_engine::Engine;
+use dynamo_runtime::bus::REGISTRY_MAX_AGE;
+use dynamo_runtime::Bus;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// Longest one registration write or delete may take.
+pub const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What the worker wants the bucket to say.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Desired {
+    State(WorkerState),
+    Deregistered,
+}
+
+/// The actor's side: set the state, count requests, deregister.
+pub struct Registration {
+    desired: watch::Sender<Desired>,
+    /// Bumped by the registrar after each write, so a caller can wait for one.
+    written: watch::Receiver<u64>,
+    inflight: Arc<AtomicUsize>,
+}
+
+/// The task's side.
+pub struct Registrar {
+    bus: Bus,
+    kv: async_nats::jetstream::kv::Store,
+    reg: WorkerRegistration,
+    engine: Arc<dyn Engine>,
+    desired: watch::Receiver<Desired>,
+    written: watch::Sender<u64>,
+    inflight: Arc<AtomicUsize>,
+    heartbeat: Duration,
+    load_interval: Duration,
+}
+
+impl Registration {
+    /// Sets the state the registration shows (written at once).
+    pub fn set_state(&self, state: WorkerState) {
+        self.desired.send_replace(Desired::State(state));
+    }
+
+    /// The state the registration shows (or will, after the next write).
+    pub fn state(&self) -> WorkerState {
+        match *self.desired.borrow() {
+            Desired::State(s) => s,
+            Desired::Deregistered => WorkerState::Draining,
+        }
+    }
+
+    /// Requests in flight, as load reports and the registration count them.
+    pub fn set_inflight(&self, n: usize) {
+        self.inflight.store(n, Ordering::Relaxed);
+    }
+
+    /// Sets a state and waits (at most [`WRITE_TIMEOUT`]) until it is written.
+    pub async fn write_state(&mut self, state: WorkerState) -> bool {
+        self.set_state(state);
+        self.wait_written().await
+    }
+
+    /// Removes the registration; waits (bounded) for the delete.
+    pub async fn deregister(&mut self) -> bool {
+        self.desired.send_replace(Desired::Deregistered);
+        self.wait_written().await
+    }
+
+    async fn wait_written(&mut self) -> bool {
+        let seen = *self.written.borrow_and_update();
+        let wait = async {
+            while *self.written.borrow_and_update() <= seen {
+                if self.written.changed().await.is_err() {
+                    return false;
+                }
+            }
+            true
+        };
+        tokio::time::timeout(WRITE_TIMEOUT + Duration::from_millis(500), wait)
+            .await
+            .unwrap_or(false)
+    }
+}
+
+/// Writes the first registration (the worker is serving once it is there)
+/// and returns both halves; [`Registrar::run`] keeps it fresh afterwards.
+pub async fn register(
+    bus: Bus,
+    reg: WorkerRegistration,
+    engine: Arc<dyn Engine>,
+    heartbeat: Duration,
+    load_interval: Duration,
+) -> Result<(Registration, Registrar), String> {
+    let kv = tokio::time::timeout(
+        WRITE_TIMEOUT,
+        bus.kv_bucket(&bus.subjects.workers_bucket(), REGISTRY_MAX_AGE),
+    )
+    .await
+    .map_err(|_| "the workers bucket did not answer in time".to_string())?
+    .map_err(|e| e.to_string())?;
+    let (desired_tx, desired) = watch::channel(Desired::State(reg.state));
+    let (written_tx, written) = watch::channel(0);
+    let inflight = Arc::new(AtomicUsize::new(0));
+    let mut r = Registrar {
+        bus,
+        kv,
+        reg,
+        engine,
+        desired,
+        written: written_tx,
+        inflight: inflight.clone(),
+        heartbeat,
+        load_interval,
+    };
+    r.write().await?;
+    Ok((
+        Registration {
+            desired: desired_tx,
+            written,
+            inflight,
+        },
+        r,
+    ))
+}
+
+impl Registrar {
+    fn load(&self) -> LoadMetrics {
+        let mut l = self.engine.load();
+        l.inflight_requests = self.inflight.load(Ordering::Relaxed) as u32;
+        l
+    }
+
+    /// Keeps the registration fresh and the load published until the
+    /// worker deregisters (or the actor drops its half).
+    pub async fn run(mut self) {
+        let mut beat = tokio::time::interval(self.heartbeat);
+        beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        beat.tick().await;
+        let mut load_tick = tokio::time::interval(self.load_interval);
+        load_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut last_load = None;
+        loop {
+            tokio::select! {
+                changed = self.desired.changed() => {
+                    if changed.is_err() {
+                        return; // the actor is gone
+                    }
+                    let d = *self.desired.borrow_and_update();
+                    match d {
+                        Desired::State(s) => {
+                            self.reg.state = s;
+                            if let Err(e) = self.write().await {
+                                tracing::warn!(error = %e, "registration write failed");
+                            }
+                        }
+                        Desired::Deregistered => {
+                            self.delete().await;
+                            return;
+                        }
+                    }
+                }
+                _ = beat.tick() => {
+                    if let Err(e) = self.write().await {
+                        tracing::warn!(error = %e, "heartbeat failed");
+                    }
+                }
+                _ = load_tick.tick() => {
+                    let load = self.load();
+                    if last_load.as_ref() != Some(&load) {
+                        let report = LoadReport {
+                            worker_id: self.reg.worker_id,
+                            generation: self.reg.generation,
+                            load: load.clone(),
+                        };
+                        let subject = self.bus.subjects.load(self.reg.worker_id);
+                        if let Ok(Ok(())) = tokio::time::timeout(WRITE_TIMEOUT, self.bus.publish(subject, &report)).await {
+                            last_load = Some(load);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes the record once (bounded); a bus restarted without its
+    /// JetStream state has lost the bucket, so it is created again and the
+    /// write retried once.
+    async fn write(&mut self) -> Result<(), String> {
+        self.reg.heartbeat_unix_ms = unix_ms();
+        self.reg.load = self.load();
+        let bytes: bytes::Bytes = encode(&self.reg).map_err(|e| e.to_string())?.into();
+        let key = self.reg.worker_id.to_string();
+        let first = tokio::time::timeout(WRITE_TIMEOUT, self.kv.put(key.clone(), bytes.clone()))
+            .await
+            .map_err(|_| "timed out".to_string())
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        if let Err(e) = first {
+            if !self.bus.is_connected() {
+                return Err(format!("{e} (the bus is away)"));
+            }
+            tracing::warn!(error = %e, "registration write failed; re-creating the bucket");
+            let again = async {
+                self.kv = self
+                    .bus
+                    .kv_bucket(&self.bus.subjects.workers_bucket(), REGISTRY_MAX_AGE)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if let Err(e) = self.bus.ensure_kv_events_stream().await {
+                    tracing::warn!(error = %e, "cannot re-create the KV event stream");
+                }
+                self.kv.put(key, bytes).await.map_err(|e| e.to_string())
+            };
+            tokio::time::timeout(WRITE_TIMEOUT, again)
+                .await
+                .map_err(|_| "timed out".to_string())??;
+        }
+        self.written.send_modify(|n| *n += 1);
+        Ok(())
+    }
+
+    async fn delete(&mut self) {
+        if self.bus.is_connected() {
+            let key = self.reg.worker_id.to_string();
+            match tokio::time::timeout(WRITE_TIMEOUT, self.kv.delete(key)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "cannot delete the registration"),
+                Err(_) => tracing::warn!("deleting the registration timed out"),
+            }
+        }
+        self.written.send_modify(|n| *n += 1);
+    }
+}
