@@ -1,7 +1,7 @@
 # One-command setup, run, test and bench. See README.md.
 SHELL := /bin/bash
 CARGO ?= cargo
-APT_PACKAGES := nats-server libfabric-dev clang libclang-dev pkg-config
+APT_PACKAGES := nats-server libfabric-dev clang libclang-dev pkg-config curl
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CONFIG ?= cluster-config/examples/single-node.toml
 

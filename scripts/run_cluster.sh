@@ -1,47 +1,92 @@
 #!/usr/bin/env bash
-# Starts a multi-node example on one machine: one NATS (JetStream) on
-# 127.0.0.1:4222 and one dynamo-node process per config in
-# cluster-config/examples/EXAMPLE/ (worker nodes first, then gateways),
-# then waits until every gateway port reports WORKERS workers. Ctrl-C stops all.
+# Starts a multi-node example on one machine: one NATS (JetStream) and one
+# dynamo-node process per config in cluster-config/examples/EXAMPLE/
+# (worker nodes first, then gateways), then waits until every gateway port
+# reports WORKERS workers, and keeps the cluster up: a node (or NATS) that
+# exits is reported and started again, while the others keep serving.
+# Ctrl-C stops everything (nodes drain and deregister first, NATS last).
 #   make run-ha:     scripts/run_cluster.sh ha "8000 8001" 3
 #   make run-disagg: scripts/run_cluster.sh disagg 8000 2
+# Environment:
+#   BIN=DIR             binaries (default ./target/release)
+#   NATS_PORT=N         NATS port (default 4222, what the example configs name)
+#   RESTART=0           report exited nodes but do not restart them
+#   DYNAMO_STATE_DIR=D  where the NATS URL is written for `dynamoctl`
+#                       (default: the directory dynamoctl looks in)
+# PORTS replace the gateways' listen ports, in file-name order.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXAMPLE=${1:?usage: run_cluster.sh EXAMPLE "PORTS" WORKERS}
 PORTS=${2:?gateway ports}
 WORKERS=${3:?worker count}
 BIN=${BIN:-./target/release}
-PORT=4222   # the configs in cluster-config/examples/$EXAMPLE/ name it
-state=$(mktemp -d -t "dynamo-$EXAMPLE.XXXXXX")
-pids=()
+NATS_PORT=${NATS_PORT:-4222}
+RESTART=${RESTART:-1}
+STATE_DIR=${DYNAMO_STATE_DIR:-${TMPDIR:-/tmp}/dynamo-state}
+dir="cluster-config/examples/$EXAMPLE"
+[ -d "$dir" ] || { echo "no example $dir" >&2; exit 2; }
+run=$(mktemp -d -t "dynamo-$EXAMPLE.XXXXXX")
+mkdir -p "$run/configs" "$STATE_DIR"
+namespace=$(sed -n 's/^namespace *= *"\(.*\)".*/\1/p' "$dir"/*.toml | head -n1)
+url_file="$STATE_DIR/${namespace:-default}.nats-url"
+
+# The configs, with this run's NATS port and gateway ports.
+read -r -a ports <<<"$PORTS"
+configs=()
+i=0
+for path in $(ls "$dir"/*.toml | grep -v /gateway) $(ls "$dir"/gateway*.toml); do
+    name=$(basename "$path" .toml)
+    out="$run/configs/$name.toml"
+    sed "s#nats://127.0.0.1:4222#nats://127.0.0.1:$NATS_PORT#" "$path" >"$out"
+    if [[ $name == gateway* ]]; then
+        p=${ports[$i]:?"fewer ports than gateway configs"}
+        sed -i "s#^listen = \"127.0.0.1:[0-9]*\"#listen = \"127.0.0.1:$p\"#" "$out"
+        i=$((i + 1))
+    fi
+    configs+=("$name")
+done
+
+declare -A pid
+stopping=0
+
+# Each process runs in a session of its own: the terminal's Ctrl-C reaches
+# this script only, which stops the nodes first and NATS last.
+start_nats() {
+    setsid nats-server -js -a 127.0.0.1 -p "$NATS_PORT" -sd "$run/jetstream" \
+        >>"$run/nats.log" 2>&1 &
+    pid[nats]=$!
+    for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$NATS_PORT") 2>/dev/null && return; sleep 0.1; done
+    echo "NATS did not start; see $run/nats.log" >&2
+}
+
+start_node() {
+    setsid "$BIN/dynamo-node" --config "$run/configs/$1.toml" >>"$run/$1.log" 2>&1 &
+    pid[$1]=$!
+    echo "$1: pid ${pid[$1]} (log $run/$1.log)"
+}
+
 stop() {
     trap - INT TERM EXIT
+    stopping=1
     echo "stopping (nodes drain and deregister, then NATS stops)..."
-    # Nodes first, while the bus is up; NATS (the first pid) last.
-    for p in "${pids[@]:1}"; do kill -TERM "$p" 2>/dev/null || true; done
-    for p in "${pids[@]:1}"; do wait "$p" 2>/dev/null || true; done
-    kill -TERM "${pids[0]}" 2>/dev/null || true
-    wait 2>/dev/null || true
-    echo "logs kept in $state"
+    for c in "${configs[@]}"; do kill -TERM "${pid[$c]}" 2>/dev/null || true; done
+    for c in "${configs[@]}"; do wait "${pid[$c]}" 2>/dev/null || true; done
+    kill -TERM "${pid[nats]}" 2>/dev/null || true
+    wait "${pid[nats]}" 2>/dev/null || true
+    [ "$(cat "$url_file" 2>/dev/null)" = "nats://127.0.0.1:$NATS_PORT" ] && rm -f "$url_file"
+    echo "stopped; logs kept in $run"
     exit 0
 }
 trap stop INT TERM EXIT
 
-if (exec 3<>/dev/tcp/127.0.0.1/"$PORT") 2>/dev/null; then
-    echo "port $PORT is taken (another NATS?): stop it first" >&2
+if (exec 3<>"/dev/tcp/127.0.0.1/$NATS_PORT") 2>/dev/null; then
+    echo "port $NATS_PORT is taken (another NATS?): stop it first, or set NATS_PORT" >&2
     exit 1
 fi
-nats-server -js -a 127.0.0.1 -p "$PORT" -sd "$state/jetstream" >"$state/nats.log" 2>&1 &
-pids+=($!)
-for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/"$PORT") 2>/dev/null && break; sleep 0.1; done
-export DYNAMO_NATS_URL="nats://127.0.0.1:$PORT" DYNAMO_STATE_DIR="$state"
-dir="cluster-config/examples/$EXAMPLE"
-for path in $(ls "$dir"/*.toml | grep -v /gateway) $(ls "$dir"/gateway*.toml); do
-    cfg=$(basename "$path" .toml)
-    "$BIN/dynamo-node" --config "$path" >"$state/$cfg.log" 2>&1 &
-    pids+=($!)
-    echo "$cfg: pid $! (log $state/$cfg.log)"
-done
+start_nats
+export DYNAMO_NATS_URL="nats://127.0.0.1:$NATS_PORT"
+echo "$DYNAMO_NATS_URL" >"$url_file"
+for c in "${configs[@]}"; do start_node "$c"; done
 for port in $PORTS; do
     for _ in $(seq 600); do
         curl -sf "127.0.0.1:$port/health" 2>/dev/null | grep -q "\"workers\":$WORKERS" && break
@@ -50,5 +95,23 @@ for port in $PORTS; do
 done
 echo "serving on 127.0.0.1 port(s) $PORTS (nats $DYNAMO_NATS_URL)"
 echo "try: $BIN/dynamoctl status; kill -9 a worker or a gateway mid-stream; dynamoctl drain WORKER"
-wait -n "${pids[@]}" || true
-echo "a process exited; see the logs in $state"
+
+# Keep the cluster up: report whatever exits, and start it again.
+while [ "$stopping" = 0 ]; do
+    for c in nats "${configs[@]}"; do
+        p=${pid[$c]}
+        kill -0 "$p" 2>/dev/null && continue
+        status=0
+        wait "$p" 2>/dev/null || status=$?
+        [ "$stopping" = 1 ] && break
+        echo "$c (pid $p) exited with status $status; see its log in $run"
+        if [ "$RESTART" = 1 ]; then
+            echo "$c: restarting"
+            if [ "$c" = nats ]; then start_nats; else start_node "$c"; fi
+        else
+            pid[$c]=0
+        fi
+    done
+    sleep 0.5 &
+    wait $! 2>/dev/null || true
+done

@@ -382,12 +382,20 @@ pub fn sse_data(raw: &str) -> Vec<String> {
 
 /// Every worker registration in the test namespace's bucket.
 pub async fn registrations(nats_url: &str) -> Vec<dynamo_bus_schema::WorkerRegistration> {
+    registrations_in(nats_url, "it").await
+}
+
+/// Every worker registration in `namespace`'s bucket.
+pub async fn registrations_in(
+    nats_url: &str,
+    namespace: &str,
+) -> Vec<dynamo_bus_schema::WorkerRegistration> {
     use futures::StreamExt;
     let client = async_nats::connect(nats_url)
         .await
         .expect("connect to NATS");
     let kv = async_nats::jetstream::new(client)
-        .get_key_value("dynamo_it_workers")
+        .get_key_value(format!("dynamo_{namespace}_workers"))
         .await
         .expect("workers bucket");
     let mut keys = kv.keys().await.expect("keys");
@@ -434,4 +442,74 @@ pub fn assert_error(r: &Reply, status: u16, kind: &str) {
     for k in ["param", "code"] {
         assert!(e.get(k).is_some(), "error object lacks {k}: {}", r.json);
     }
+}
+
+/// One streamed completion: the text, the finish reason, whether `[DONE]`
+/// arrived, and the first error object if any.
+#[derive(Debug)]
+pub struct Streamed {
+    pub text: String,
+    pub finish: Option<String>,
+    pub done: bool,
+    pub error: Option<Value>,
+    /// The `x-dynamo-worker` header: the worker that started serving it.
+    pub worker: Option<String>,
+}
+
+/// Streams a completion; bumps `flowing` once its first token arrives.
+pub async fn stream_completion(
+    port: u16,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+    flowing: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) -> Streamed {
+    let http = Http::new(port);
+    let body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                      "stream": true, "ignore_eos": true});
+    let mut r = http.open("/v1/completions", &body).await;
+    let status = r.status().as_u16();
+    let worker = r
+        .headers()
+        .get("x-dynamo-worker")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let mut raw = String::new();
+    let mut counted = false;
+    while let Ok(Some(chunk)) = r.chunk().await {
+        raw.push_str(&String::from_utf8_lossy(&chunk));
+        if !counted && raw.contains("\"text\"") {
+            counted = true;
+            flowing.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    let events = sse_data(&raw);
+    let mut out = Streamed {
+        text: String::new(),
+        finish: None,
+        done: false,
+        error: None,
+        worker,
+    };
+    if status != 200 {
+        out.error = Some(serde_json::json!({"status": status, "events": events}));
+        return out;
+    }
+    for e in events {
+        if e == "[DONE]" {
+            out.done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(&e).unwrap_or(Value::String(e));
+        if !v["error"].is_null() {
+            out.error.get_or_insert(v["error"].clone());
+            continue;
+        }
+        if let Some(t) = v["choices"][0]["text"].as_str() {
+            out.text.push_str(t);
+        }
+        if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+            out.finish = Some(f.to_string());
+        }
+    }
+    out
 }

@@ -41,68 +41,6 @@ async fn cluster(n: usize) -> Cluster {
     }
 }
 
-/// One streamed completion: the text, the finish reason, whether `[DONE]`
-/// arrived, and the first error object if any.
-#[derive(Debug)]
-struct Streamed {
-    text: String,
-    finish: Option<String>,
-    done: bool,
-    error: Option<Value>,
-}
-
-/// Streams a completion; bumps `flowing` once its first token arrives.
-async fn stream_completion(
-    port: u16,
-    prompt: Vec<u32>,
-    max_tokens: u32,
-    flowing: Arc<AtomicUsize>,
-) -> Streamed {
-    let http = Http::new(port);
-    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-                      "stream": true, "ignore_eos": true});
-    let mut r = http.open("/v1/completions", &body).await;
-    let status = r.status().as_u16();
-    let mut raw = String::new();
-    let mut counted = false;
-    while let Ok(Some(chunk)) = r.chunk().await {
-        raw.push_str(&String::from_utf8_lossy(&chunk));
-        if !counted && raw.contains("\"text\"") {
-            counted = true;
-            flowing.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-    let events = sse_data(&raw);
-    let mut out = Streamed {
-        text: String::new(),
-        finish: None,
-        done: false,
-        error: None,
-    };
-    if status != 200 {
-        out.error = Some(json!({"status": status, "events": events}));
-        return out;
-    }
-    for e in events {
-        if e == "[DONE]" {
-            out.done = true;
-            continue;
-        }
-        let v: Value = serde_json::from_str(&e).unwrap_or(Value::String(e));
-        if !v["error"].is_null() {
-            out.error.get_or_insert(v["error"].clone());
-            continue;
-        }
-        if let Some(t) = v["choices"][0]["text"].as_str() {
-            out.text.push_str(t);
-        }
-        if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
-            out.finish = Some(f.to_string());
-        }
-    }
-    out
-}
-
 fn prompt(i: usize) -> Vec<u32> {
     (0..40).map(|k| 1000 + (i * 131 + k * 7) as u32).collect()
 }

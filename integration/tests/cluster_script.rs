@@ -1,0 +1,219 @@
+//! The example clusters behave like clusters: `scripts/run_cluster.sh`
+//! (what `make run-ha` runs) keeps serving when a node dies, restarts it,
+//! lets `dynamoctl` find the bus without flags, and stops everything on
+//! Ctrl-C (SIGINT to its process group).
+
+use dynamo_integration::*;
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The script as a child in a process group of its own, its output
+/// collected line by line.
+struct Script {
+    child: std::process::Child,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl Script {
+    fn start(nats_port: u16, ports: [u16; 2], state_dir: &Path) -> Script {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let bin_dir = bin("dynamo-node").parent().unwrap().to_path_buf();
+        let mut child = Command::new("bash")
+            .arg(root.join("scripts/run_cluster.sh"))
+            .args(["ha", &format!("{} {}", ports[0], ports[1]), "3"])
+            .env("BIN", &bin_dir)
+            .env("NATS_PORT", nats_port.to_string())
+            .env("DYNAMO_STATE_DIR", state_dir)
+            .env_remove("DYNAMO_NATS_URL")
+            .current_dir(&root)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .expect("bash runs the script");
+        let lines: Arc<Mutex<Vec<String>>> = Arc::default();
+        for out in [
+            Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+            Box::new(child.stderr.take().unwrap()),
+        ] {
+            let lines = lines.clone();
+            std::thread::spawn(move || {
+                for l in BufReader::new(out).lines().map_while(Result::ok) {
+                    lines.lock().unwrap().push(l);
+                }
+            });
+        }
+        Script { child, lines }
+    }
+
+    fn output(&self) -> String {
+        self.lines.lock().unwrap().join("\n")
+    }
+
+    /// Waits (bounded) until a line contains `what`.
+    async fn wait_for(&mut self, what: &str, within: Duration) {
+        let t0 = Instant::now();
+        while !self.output().contains(what) {
+            assert!(
+                matches!(self.child.try_wait(), Ok(None)),
+                "the script exited:\n{}",
+                self.output()
+            );
+            assert!(
+                t0.elapsed() < within,
+                "no {what:?} within {within:?}:\n{}",
+                self.output()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Script {
+    fn drop(&mut self) {
+        // Whatever happened, nothing is left running.
+        let pg = self.child.id() as i32;
+        unsafe { libc::kill(-pg, libc::SIGTERM) };
+        let t0 = Instant::now();
+        while matches!(self.child.try_wait(), Ok(None)) && t0.elapsed() < Duration::from_secs(20) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        unsafe { libc::kill(-pg, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+}
+
+fn prompt(i: usize) -> Vec<u32> {
+    (0..40).map(|k| 3000 + (i * 97 + k * 11) as u32).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_ha_survives_a_killed_worker_and_stops_on_ctrl_c() {
+    let state = tempfile::tempdir().unwrap();
+    let (nats_port, ports) = (free_port(), [free_port(), free_port()]);
+    let mut script = Script::start(nats_port, ports, state.path());
+    script
+        .wait_for("serving on 127.0.0.1", Duration::from_secs(60))
+        .await;
+    let nats_url = format!("nats://127.0.0.1:{nats_port}");
+
+    // Twelve concurrent greedy streams through the first gateway.
+    const N: usize = 12;
+    const MAX: u32 = 200;
+    let flowing = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..N)
+        .map(|i| tokio::spawn(stream_completion(ports[0], prompt(i), MAX, flowing.clone())))
+        .collect();
+    let t0 = Instant::now();
+    while flowing.load(Ordering::SeqCst) < N {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "streams never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The worker node serving the most of them dies mid-stream (the
+    // router's live count says which).
+    let metrics = Http::new(ports[0]).metrics_text().await;
+    let (served, busiest) = metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("dynamo_router_worker_inflight{worker=\""))
+        .filter_map(|l| l.split_once("\"} "))
+        .filter_map(|(w, n)| Some((n.parse::<u64>().ok()?, w.to_string())))
+        .max()
+        .expect("the router counts in-flight requests");
+    assert!(served > 0, "{metrics}");
+    let regs = registrations_in(&nats_url, "default").await;
+    let victim = regs
+        .iter()
+        .find(|r| r.worker_id.to_string() == busiest)
+        .map(|r| r.pid)
+        .expect("the busiest worker is registered");
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+
+    for (i, t) in tasks.into_iter().enumerate() {
+        let s = t.await.expect("stream task");
+        let (_, want) = expected_text(&prompt(i), MAX as usize);
+        assert!(s.error.is_none(), "stream {i} failed: {:?}", s.error);
+        assert!(s.done, "stream {i} did not end with [DONE]");
+        assert_eq!(s.text, want, "stream {i} differs from an undisturbed run");
+    }
+    // The script saw it and started the node again; the cluster is whole.
+    script
+        .wait_for(
+            &format!("(pid {victim}) exited with status 137"),
+            Duration::from_secs(10),
+        )
+        .await;
+    script
+        .wait_for(": restarting", Duration::from_secs(10))
+        .await;
+    let http = Http::new(ports[1]);
+    let t0 = Instant::now();
+    loop {
+        let live = registrations_in(&nats_url, "default")
+            .await
+            .into_iter()
+            .filter(|r| r.pid != victim)
+            .count();
+        if live == 3 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the node did not come back:\n{}",
+            script.output()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let r = http
+        .post(
+            "/v1/completions",
+            &serde_json::json!({"model": MODEL, "prompt": prompt(99), "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.json);
+
+    // `dynamoctl status` finds the bus with no flags.
+    let out = Command::new(bin("dynamoctl"))
+        .args(["status", "--json"])
+        .env("DYNAMO_STATE_DIR", state.path())
+        .env_remove("DYNAMO_NATS_URL")
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let status: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(status["nats_url"], nats_url.as_str(), "{status}");
+    let workers = status["workers"].as_array().expect("workers");
+    assert_eq!(workers.len(), 3, "{status}");
+    assert!(workers.iter().all(|w| w["state"] == "serving"), "{status}");
+
+    // Ctrl-C: SIGINT to the script's whole process group stops everything.
+    unsafe { libc::kill(-(script.child.id() as i32), libc::SIGINT) };
+    let t0 = Instant::now();
+    let code = loop {
+        if let Ok(Some(st)) = script.child.try_wait() {
+            break st.code();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "Ctrl-C did not stop the cluster:\n{}",
+            script.output()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(code, Some(0), "{}", script.output());
+    assert!(script.output().contains("stopped; logs kept in"));
+    for p in [nats_port, ports[0], ports[1]] {
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", p)).is_err(),
+            "port {p} still served after Ctrl-C"
+        );
+    }
+    assert!(!state.path().join("default.nats-url").exists());
+}
