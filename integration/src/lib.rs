@@ -121,20 +121,33 @@ impl Node {
 
     /// Starts a node whose log keeps what `filter` (`DYNAMO_LOG` syntax) lets through.
     pub fn start_with_log(config: &str, filter: &str) -> Self {
+        Self::spawn(config, filter, false)
+    }
+
+    /// Starts a node as the leader of a process group of its own (as a
+    /// shell starts a foreground job), to signal the whole group.
+    pub fn start_in_own_group(config: &str) -> Self {
+        Self::spawn(config, "info,async_nats=warn", true)
+    }
+
+    fn spawn(config: &str, filter: &str, own_group: bool) -> Self {
+        use std::os::unix::process::CommandExt;
         let dir = tempfile::tempdir().expect("tempdir");
         let cfg = dir.path().join("node.toml");
         std::fs::write(&cfg, config).expect("write config");
         let log = dir.path().join("node.log");
         let logf = std::fs::File::create(&log).expect("log file");
-        let child = Command::new(bin("dynamo-node"))
-            .arg("--config")
+        let mut cmd = Command::new(bin("dynamo-node"));
+        cmd.arg("--config")
             .arg(&cfg)
             .env("DYNAMO_LOG", filter)
             .env("DYNAMO_STATE_DIR", dir.path())
             .stdout(Stdio::null())
-            .stderr(logf)
-            .spawn()
-            .expect("spawn dynamo-node");
+            .stderr(logf);
+        if own_group {
+            cmd.process_group(0);
+        }
+        let child = cmd.spawn().expect("spawn dynamo-node");
         Node {
             child: Some(child),
             log,
@@ -144,6 +157,11 @@ impl Node {
 
     pub fn pid(&self) -> u32 {
         self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// The node's own directory (its config, log and `DYNAMO_STATE_DIR`).
+    pub fn dir(&self) -> &std::path::Path {
+        self._dir.path()
     }
 
     pub fn log_text(&self) -> String {
@@ -430,6 +448,39 @@ pub async fn worker_blocks(nats_url: &str, worker: &str) -> usize {
         .filter(|t| t.tier == dynamo_bus_schema::StorageTier::Device)
         .map(|t| t.blocks.len())
         .sum()
+}
+
+/// Injects a fault through a node's fault subject (the node must enable
+/// fault injection); returns whether it was applied.
+pub async fn inject(
+    nats_url: &str,
+    node: &str,
+    msg: &impl dynamo_bus_schema::WireMessage,
+) -> dynamo_bus_schema::FaultAck {
+    let client = async_nats::connect(nats_url)
+        .await
+        .expect("connect to NATS");
+    let reply = client
+        .request(
+            format!("dynamo.it.node.{node}.fault"),
+            dynamo_bus_schema::encode(msg).expect("encode").into(),
+        )
+        .await
+        .expect("the node answers fault injections");
+    dynamo_bus_schema::decode(&reply.payload).expect("a FaultAck")
+}
+
+/// Waits (bounded) until `cond` holds for the node's log.
+pub async fn wait_log(node: &mut Node, within: Duration, what: &str, cond: impl Fn(&str) -> bool) {
+    let t0 = Instant::now();
+    while !cond(&node.log_text()) {
+        assert!(
+            t0.elapsed() < within,
+            "{what} not seen within {within:?}:\n{}",
+            node.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Asserts an OpenAI error object with the given status and type.

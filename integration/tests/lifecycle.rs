@@ -156,6 +156,56 @@ async fn sigterm_finishes_in_flight_streams_then_exits() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_to_the_process_group_stops_a_node_with_embedded_nats_at_once() {
+    let port = free_port();
+    // As a terminal runs `make run`: the node leads a foreground group.
+    let mut node = Node::start_in_own_group(&node_config("n1", "embedded", Some(port), 2, ""));
+    let http = Http::new(port);
+    http.wait_ready(2, &mut node).await;
+    let url = std::fs::read_to_string(node.dir().join("it.nats-url")).expect("state file");
+    let nats_port: u16 = url.trim().rsplit(':').next().unwrap().parse().unwrap();
+    // Some load first (the replay that once left a node hanging), then idle.
+    let load: Vec<_> = (0..200u32)
+        .map(|i| {
+            let http = Http::new(port);
+            tokio::spawn(async move {
+                let body = json!({"model": MODEL, "prompt": [100 + i, 7, 8], "max_tokens": 4});
+                http.post("/v1/completions", &body).await.status
+            })
+        })
+        .collect();
+    for t in load {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    let t0 = Instant::now();
+    // SAFETY: signals the node's own process group.
+    unsafe { libc::kill(-(node.pid() as i32), libc::SIGINT) };
+    let code = node.wait(Duration::from_secs(20));
+    let took = t0.elapsed();
+    let log = node.log_text();
+    assert_eq!(code, Some(0), "{log}");
+    assert!(
+        took < Duration::from_secs(2),
+        "Ctrl-C took {took:?}:\n{log}"
+    );
+    assert!(log.contains("node stopped"), "{log}");
+    // The bus was up until the end: nothing waited on it.
+    for bad in [
+        "heartbeat failed",
+        "timed out",
+        "cannot delete",
+        "the bus is gone",
+    ] {
+        assert!(!log.contains(bad), "{bad:?} in:\n{log}");
+    }
+    assert!(
+        std::net::TcpStream::connect(("127.0.0.1", nats_port)).is_err(),
+        "NATS left running"
+    );
+    assert!(!node.dir().join("it.nats-url").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dynamoctl_status_and_bench() {
     let nats = Nats::start();
     let port = free_port();

@@ -89,11 +89,20 @@ impl Actor for GatewayActor {
 
         let server_stop = CancellationToken::new();
         let (stop, asked) = (server_stop.clone(), server_stop.clone());
+        // Connections are served by tasks of axum's own: they close (after
+        // their in-flight requests) when the server is stopped or when this
+        // actor's tasks stop, so a restarted gateway leaves none behind.
+        let gone = tasks.token();
         let router = app(shared.clone());
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         tasks.spawn("server", async move {
             let res = axum::serve(listener, router)
-                .with_graceful_shutdown(async move { stop.cancelled().await })
+                .with_graceful_shutdown(async move {
+                    tokio::select! {
+                        _ = stop.cancelled() => {}
+                        _ = gone.cancelled() => {}
+                    }
+                })
                 .await;
             if let Err(e) = &res {
                 tracing::error!(error = %e, "HTTP server failed");

@@ -32,6 +32,11 @@ pub fn router_metrics(info: &dynamo_router::KvInfo) -> String {
             "KV events of a kind or tier this build does not know",
             st.unknown,
         ),
+        (
+            "kv_batches_ignored_total",
+            "KV event batches and dumps dropped: not of a registered worker's generation",
+            st.ignored,
+        ),
     ] {
         let _ = writeln!(out, "# HELP dynamo_router_{name} {help}");
         let _ = writeln!(out, "# TYPE dynamo_router_{name} counter");

@@ -69,9 +69,10 @@ impl ActiveLoad {
             return;
         }
         let l = self.per_worker.entry(e.worker).or_default();
-        l.inflight += 1;
-        l.prefill_tokens += e.prefill_tokens;
-        l.active_blocks += e.blocks;
+        // Saturating: a peer's event is input, and may claim anything.
+        l.inflight = l.inflight.saturating_add(1);
+        l.prefill_tokens = l.prefill_tokens.saturating_add(e.prefill_tokens);
+        l.active_blocks = l.active_blocks.saturating_add(e.blocks);
         self.entries.insert(key, e);
     }
 

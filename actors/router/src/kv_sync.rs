@@ -52,6 +52,8 @@ pub struct KvStats {
     pub gaps: u64,
     pub dumps: u64,
     pub unknown: u64,
+    /// Batches and dumps dropped: not of a registered worker's generation.
+    pub ignored: u64,
 }
 
 #[derive(Default)]

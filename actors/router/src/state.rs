@@ -177,14 +177,26 @@ impl RouterState {
         self.active.prefill_done_own(id)
     }
 
-    /// A batch of KV events arrived.
+    /// A batch of KV events arrived. Only a registered worker's batches of
+    /// its registered generation are applied: anything else (a worker not
+    /// registered yet, a stale or bogus generation) is dropped and counted,
+    /// and the gap it may leave is repaired from a dump once the worker's
+    /// registration says which generation is real.
     pub fn kv_batch(&mut self, b: KvEventBatch) {
-        self.kv.batch(b);
+        match self.registry.get(b.worker_id) {
+            Some(e) if e.reg.generation == b.generation && e.reg.kv_events => {
+                self.kv.batch(b);
+            }
+            _ => self.kv.stats.ignored += 1,
+        }
     }
 
-    /// A worker's block table arrived.
+    /// A worker's block table arrived (applied only for its registered generation).
     pub fn kv_dump(&mut self, d: KvDumpTiered) {
-        self.kv.dump(d);
+        match self.registry.get(d.worker_id) {
+            Some(e) if e.reg.generation == d.generation => self.kv.dump(d),
+            _ => self.kv.stats.ignored += 1,
+        }
     }
 
     /// Workers whose block table must be (re)requested now.
@@ -753,6 +765,47 @@ mod tests {
             .unwrap()
             .0;
         assert_eq!((d.worker_id, d.overlap_blocks), (WorkerId(1), 2));
+    }
+
+    #[test]
+    fn a_bogus_batch_does_not_blind_the_index() {
+        let t0 = Instant::now();
+        let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+        s.upsert(reg(1, 5, "a"), t0);
+        store_gen(&mut s, 1, 5, &[10]);
+        let batch = |generation, id, block| KvEventBatch {
+            worker_id: WorkerId(1),
+            generation,
+            events: vec![KvEvent {
+                event_id: EventId(id),
+                kind: KvEventKind::Stored,
+                tier: StorageTier::Device,
+                parent: None,
+                blocks: vec![SequenceHash(block)],
+            }],
+            published_unix_ms: unix_ms(),
+        };
+        // A far-future generation and an unknown worker's batch are dropped…
+        s.kv_batch(batch(u64::MAX, 1, 66));
+        let mut stranger = batch(5, 1, 77);
+        stranger.worker_id = WorkerId(9);
+        s.kv_batch(stranger);
+        assert_eq!(s.kv_stats().ignored, 2);
+        // …and the real events still apply.
+        s.kv_batch(batch(5, 1, 11));
+        assert_eq!(s.kv_blocks_of(WorkerId(1)), [2, 0, 0]);
+    }
+
+    fn store_gen(s: &mut RouterState, w: u64, generation: u64, blocks: &[u64]) {
+        s.kv_dump(KvDumpTiered {
+            worker_id: WorkerId(w),
+            generation,
+            last_event_id: EventId(0),
+            tiers: vec![KvTierBlocks {
+                tier: StorageTier::Device,
+                blocks: blocks.iter().map(|b| SequenceHash(*b)).collect(),
+            }],
+        });
     }
 
     #[test]

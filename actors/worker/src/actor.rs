@@ -303,12 +303,11 @@ impl Actor for WorkerActor {
                 rt.registration.set_inflight(rt.inflight.len());
             }
             WorkerMsg::InjectFault(fault, task) => rt.inject(fault, &task)?,
-            WorkerMsg::EngineDied => {
-                tracing::error!(worker = %rt.cfg.worker_id, "the engine stopped; reporting failed and restarting");
-                if !rt.registration.write_state(WorkerState::Failed).await {
-                    tracing::warn!("could not publish the failed state");
-                }
-                return Err(format!("worker {}: its engine stopped", rt.cfg.worker_id).into());
+            WorkerMsg::EngineDied => return Err(rt.engine_died().await),
+            // A task fed by the engine (its KV events) ends with it: the
+            // engine's death is what to report.
+            WorkerMsg::TaskEnded(_) if rt.engine.liveness().is_stopped() => {
+                return Err(rt.engine_died().await)
             }
             WorkerMsg::TaskEnded(why) => {
                 return Err(format!("worker {}: {why}", rt.cfg.worker_id).into());
@@ -348,6 +347,17 @@ impl Actor for WorkerActor {
 }
 
 impl WorkerRuntime {
+    /// The engine is dead: the registration says `Failed` at once (no
+    /// router sends it more work) and the actor fails, so its supervisor
+    /// restarts it with a fresh engine.
+    async fn engine_died(&mut self) -> ActorProcessingErr {
+        tracing::error!(worker = %self.cfg.worker_id, "the engine stopped; reporting failed and restarting");
+        if !self.registration.write_state(WorkerState::Failed).await {
+            tracing::warn!("could not publish the failed state");
+        }
+        format!("worker {}: its engine stopped", self.cfg.worker_id).into()
+    }
+
     fn cancel(&mut self, c: CancelRequest) {
         if let Some(server) = &self.prefill {
             // Prefills run under their decode worker's request id.

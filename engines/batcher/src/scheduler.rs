@@ -49,8 +49,9 @@ pub struct SchedulerConfig {
     pub max_num_seqs: u32,
     /// Most tokens (prefill chunks + decodes) in one step.
     pub max_num_batched_tokens: u32,
-    /// Most sequences waiting to be admitted: past it [`Scheduler::add`]
-    /// refuses with `Overloaded` (the router then sends work elsewhere).
+    /// Most sequences waiting beyond the `max_num_seqs` running: past
+    /// `max_num_seqs + max_waiting` held, [`Scheduler::add`] refuses with
+    /// `Overloaded` (the router then sends work elsewhere).
     pub max_waiting: u32,
     /// Reuse cached blocks across requests by block hash.
     pub enable_prefix_caching: bool,
@@ -242,10 +243,12 @@ impl Scheduler {
         if self.seqs.contains_key(&req.id()) {
             return Err(EngineError::Duplicate(req.id()));
         }
-        if self.waiting.len() >= self.cfg.max_waiting as usize {
+        // Running plus waiting: what the engine's admission also counts
+        // (a request just added waits until the next step admits it).
+        if self.seqs.len() >= self.cfg.capacity() {
             return Err(EngineError::Overloaded(format!(
-                "{} requests are waiting, the engine's limit",
-                self.waiting.len()
+                "{} requests are running or waiting, the engine's limit",
+                self.seqs.len()
             )));
         }
         let bs = self.cfg.block_size as usize;
@@ -581,16 +584,18 @@ mod tests {
     #[test]
     fn a_full_waiting_queue_refuses_with_overloaded() {
         let mut s = Scheduler::new(cfg(), 7, vec![2]);
-        for i in 0..8 {
+        // Four may run and eight wait: twelve are held at once.
+        for i in 0..12 {
             s.add(req(i, vec![10, 11], 1)).unwrap();
         }
         assert!(matches!(
             s.add(req(99, vec![10], 1)),
             Err(EngineError::Overloaded(_))
         ));
-        // Admitting some makes room again.
+        // Finishing some makes room again.
         let plan = s.schedule();
-        assert!(!plan.items.is_empty());
+        let sampled = vec![Some(2); plan.items.len()];
+        s.commit(plan, &sampled);
         s.add(req(99, vec![10], 1)).unwrap();
     }
 

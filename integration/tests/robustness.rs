@@ -1,0 +1,570 @@
+//! No request, overload or fault takes the service down, with real
+//! processes: out-of-range input is refused and routing stays up; a dead
+//! engine or an input task that ends is recovered with no request left
+//! hanging; overload is refused at once with `Retry-After` and counted; a
+//! changed model card is picked up; a worker far larger than one bus
+//! message is dumped and indexed exactly.
+
+use dynamo_bus_schema::{ActorFault, FaultInjection, FaultKind};
+use dynamo_integration::*;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn kv_aware(cfg: String) -> String {
+    cfg.replace("policy = \"least_loaded\"", "policy = \"kv_aware\"")
+}
+
+fn real_time(cfg: String) -> String {
+    cfg.replace("speedup = 0.0", "speedup = 1.0")
+}
+
+const FAULTS: &str = "[supervision]\nrestart_base_ms = 50\nfault_injection = true\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overflowing_routing_weight_is_refused_and_routing_stays_up() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut node = Node::start(&kv_aware(node_config("n1", &nats.url, Some(port), 2, "")));
+    let http = Http::new(port);
+    http.wait_ready(2, &mut node).await;
+    let prompt: Vec<u32> = (300..400).collect();
+    // The reproduction: every cost would overflow to inf, and inf - inf is NaN.
+    let r = http
+        .post(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": prompt, "routing": {"overlap_weight": 1e308}}),
+        )
+        .await;
+    assert_error(&r, 400, "invalid_request_error");
+    assert_eq!(r.json["error"]["param"], "routing.overlap_weight");
+    // Weights at the edges of their ranges route normally, every time.
+    for routing in [
+        json!({"overlap_weight": 1000.0}),
+        json!({"overlap_weight": 1000.0, "temperature": 100.0}),
+        json!({"overlap_weight": 0.0, "temperature": 0.0}),
+        json!({"host_hit_cost": 1.0, "disk_hit_cost": 1.0, "temperature": 1e-300}),
+    ] {
+        for i in 0..5u32 {
+            let p: Vec<u32> = (0..1500).map(|k| 500 + (k * 7 + i) % 40000).collect();
+            let r = http
+                .post(
+                    "/v1/completions",
+                    &json!({"model": MODEL, "prompt": p, "max_tokens": 2, "routing": routing}),
+                )
+                .await;
+            assert_eq!(r.status, 200, "{routing}: {}", r.json);
+        }
+    }
+    let log = node.log_text();
+    assert!(!log.contains("panicked"), "{log}");
+    assert!(
+        !log.contains("actor exited"),
+        "the router restarted:\n{log}"
+    );
+}
+
+/// A gateway node and `n` single-worker nodes (fault injection on), whose
+/// mockers run in real time.
+async fn cluster(nats: &Nats, n: usize) -> (Node, Vec<Node>, u16) {
+    let port = free_port();
+    let mut gw = Node::start(&node_config("gw", &nats.url, Some(port), 0, FAULTS));
+    let workers = (0..n)
+        .map(|i| {
+            Node::start(&real_time(node_config(
+                &format!("w{i}"),
+                &nats.url,
+                None,
+                1,
+                FAULTS,
+            )))
+        })
+        .collect();
+    Http::new(port).wait_ready(n as u64, &mut gw).await;
+    (gw, workers, port)
+}
+
+fn prompt(i: usize) -> Vec<u32> {
+    (0..40).map(|k| 1500 + (i * 131 + k * 7) as u32).collect()
+}
+
+/// The worker the router counts most requests on, and its node.
+async fn busiest(http: &Http, nats_url: &str) -> (dynamo_bus_schema::WorkerRegistration, u64) {
+    let metrics = http.metrics_text().await;
+    let (n, w) = metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("dynamo_router_worker_inflight{worker=\""))
+        .filter_map(|l| l.split_once("\"} "))
+        .filter_map(|(w, n)| Some((n.parse::<u64>().ok()?, w.to_string())))
+        .max()
+        .expect("the router counts in-flight requests");
+    let reg = registrations(nats_url)
+        .await
+        .into_iter()
+        .find(|r| r.worker_id.to_string() == w)
+        .expect("registered");
+    (reg, n)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_engine_fails_its_worker_at_once_and_loses_no_request() {
+    let nats = Nats::start();
+    let (_gw, mut workers, port) = cluster(&nats, 2).await;
+    let http = Http::new(port);
+    const N: usize = 8;
+    const MAX: u32 = 200;
+    let flowing = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..N)
+        .map(|i| tokio::spawn(stream_completion(port, prompt(i), MAX, flowing.clone())))
+        .collect();
+    let t0 = Instant::now();
+    while flowing.load(Ordering::SeqCst) < N {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "streams never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (victim, serving) = busiest(&http, &nats.url).await;
+    assert!(serving > 0);
+    let ack = inject(
+        &nats.url,
+        &victim.node_id.0,
+        &FaultInjection {
+            worker_id: victim.worker_id,
+            fault: FaultKind::PanicEngine,
+        },
+    )
+    .await;
+    assert!(ack.applied, "{}", ack.message);
+    // Every stream completes, token-identical to an undisturbed run.
+    for (i, t) in tasks.into_iter().enumerate() {
+        let s = t.await.expect("stream task");
+        let (_, want) = expected_text(&prompt(i), MAX as usize);
+        assert!(s.error.is_none(), "stream {i} failed: {:?}", s.error);
+        assert!(s.done, "stream {i} hung or was cut");
+        assert_eq!(s.text, want, "stream {i}");
+    }
+    let idx: usize = victim.node_id.0[1..].parse().unwrap();
+    let w = &mut workers[idx];
+    wait_log(w, Duration::from_secs(10), "the worker's restart", |l| {
+        l.contains("the engine stopped; reporting failed and restarting")
+            && l.contains("actor exited; restarting")
+    })
+    .await;
+    // It comes back with a fresh engine (a newer generation) and serves.
+    let t0 = Instant::now();
+    loop {
+        let regs = registrations(&nats.url).await;
+        let now = regs
+            .iter()
+            .find(|r| r.worker_id == victim.worker_id)
+            .unwrap();
+        if now.generation > victim.generation
+            && now.state == dynamo_bus_schema::WorkerState::Serving
+        {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "no new generation");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(w.alive(), "the node must survive its engine");
+    let s = stream_completion(port, prompt(50), 8, Arc::default()).await;
+    assert!(s.error.is_none() && s.done, "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_task_that_ends_restarts_its_actor() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut node = Node::start(&node_config("n1", &nats.url, Some(port), 1, FAULTS));
+    let http = Http::new(port);
+    http.wait_ready(1, &mut node).await;
+    let body = json!({"model": MODEL, "prompt": [700, 701, 702], "max_tokens": 3});
+    let ok = http.post("/v1/completions", &body).await;
+    assert_eq!(ok.status, 200, "{}", ok.json);
+    let worker = registrations(&nats.url).await[0].clone();
+    for (actor, task, child) in [
+        ("router".to_string(), "kv-events", "router"),
+        (worker.worker_id.to_string(), "generate", "worker-0-0"),
+        ("gateway".to_string(), "inbox", "gateway"),
+    ] {
+        let before = node.log_text().matches("actor exited; restarting").count();
+        let ack = inject(
+            &nats.url,
+            "n1",
+            &ActorFault {
+                actor: actor.clone(),
+                fault: FaultKind::EndTask,
+                task: task.into(),
+            },
+        )
+        .await;
+        assert!(ack.applied, "{actor}: {}", ack.message);
+        wait_log(&mut node, Duration::from_secs(10), "the restart", |l| {
+            l.matches("actor exited; restarting").count() > before
+                && l.contains(&format!("background task `{task}` was ended"))
+        })
+        .await;
+        assert!(
+            node.log_text()
+                .lines()
+                .any(|l| l.contains("actor exited; restarting") && l.contains(child)),
+            "{actor}: {}",
+            node.log_text()
+        );
+        // Serving again, whatever restarted.
+        let t0 = Instant::now();
+        loop {
+            match http
+                .client
+                .post(format!("{}/v1/completions", http.base))
+                .json(&body)
+                .send()
+                .await
+            {
+                Ok(r) if r.status() == 200 => {
+                    let v: Value = r.json().await.unwrap();
+                    assert_eq!(v["choices"], ok.json["choices"]);
+                    break;
+                }
+                _ => {}
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(15),
+                "{actor} never served again:\n{}",
+                node.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    // An unknown actor is refused, not fatal.
+    let ack = inject(
+        &nats.url,
+        "n1",
+        &ActorFault {
+            actor: "nobody".into(),
+            fault: FaultKind::EndTask,
+            task: "x".into(),
+        },
+    )
+    .await;
+    assert!(!ack.applied);
+    assert!(node.alive());
+}
+
+/// One non-streaming completion: status, `Retry-After`, body, and when it came back.
+async fn timed_post(port: u16, body: Value) -> (u16, Option<String>, Value, Instant) {
+    let r = reqwest::Client::new()
+        .post(format!("http://127.0.0.1:{port}/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("HTTP");
+    let status = r.status().as_u16();
+    let retry = r
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let json = r.json::<Value>().await.unwrap_or(Value::Null);
+    (status, retry, json, Instant::now())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_is_refused_at_once_with_retry_after_and_counted() {
+    let nats = Nats::start();
+    let port = free_port();
+    let cfg = real_time(node_config("n1", &nats.url, Some(port), 1, "")).replace(
+        "shutdown_grace_ms = 10000\n",
+        "shutdown_grace_ms = 10000\nmax_inflight_requests = 2\nmax_queued_requests = 2\nmax_queue_wait_ms = 300\n",
+    );
+    let mut node = Node::start(&cfg);
+    let http = Http::new(port);
+    http.wait_ready(1, &mut node).await;
+    let long = |i: usize| json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 300, "ignore_eos": true});
+    // Two long requests take both places.
+    let admitted: Vec<_> = (0..2)
+        .map(|i| tokio::spawn(timed_post(port, long(i))))
+        .collect();
+    let t0 = Instant::now();
+    while routed(&http).await < 2 {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let refused: Vec<_> = (2..12)
+        .map(|i| tokio::spawn(timed_post(port, long(i))))
+        .collect();
+    let mut refused_at = Vec::new();
+    let (mut full, mut timed_out) = (0, 0);
+    for t in refused {
+        let (status, retry, json, at) = t.await.unwrap();
+        assert_eq!(retry.as_deref(), Some("1"), "{status} {json}");
+        assert!(json["error"]["message"].is_string(), "{json}");
+        match (status, json["error"]["code"].as_str()) {
+            (429, Some("queue_full")) => full += 1,
+            (503, Some("queue_timeout")) => timed_out += 1,
+            other => panic!("unexpected answer {other:?}: {json}"),
+        }
+        refused_at.push(at);
+    }
+    assert_eq!(
+        (full, timed_out),
+        (8, 2),
+        "two wait in the queue, the rest are refused"
+    );
+    let mut done_at = Vec::new();
+    for t in admitted {
+        let (status, _, json, at) = t.await.unwrap();
+        assert_eq!(status, 200, "{json}");
+        done_at.push(at);
+    }
+    // Refused while the admitted ones were still running: at once, not after them.
+    let first_done = done_at.iter().min().unwrap();
+    assert!(refused_at.iter().all(|t| t < first_done));
+    for (reason, n) in [("queue_full", 8), ("queue_timeout", 2)] {
+        let m = format!("dynamo_gateway_rejected_requests_total{{reason=\"{reason}\"}}");
+        assert_eq!(http.metric(&m).await, n, "{reason}");
+    }
+    // The places are free again.
+    let (status, _, json, _) = timed_post(
+        port,
+        json!({"model": MODEL, "prompt": [5, 6], "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200, "{json}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_engine_answers_overloaded_and_the_router_avoids_it() {
+    let nats = Nats::start();
+    let port = free_port();
+    // Each engine holds two requests (one running, one waiting); the
+    // router avoids a worker that said so for a minute.
+    let cfg = real_time(node_config("n1", &nats.url, Some(port), 2, ""))
+        .replace(
+            "speedup = 1.0\n",
+            "speedup = 1.0\nmax_num_seqs = 1\nmax_waiting_seqs = 1\n",
+        )
+        .replace(
+            "worker_ttl_ms = 3000\n",
+            "worker_ttl_ms = 3000\noverload_backoff_ms = 60000\n",
+        );
+    let mut node = Node::start(&cfg);
+    let http = Http::new(port);
+    http.wait_ready(2, &mut node).await;
+    let long = |i: usize| json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 300, "ignore_eos": true});
+    let tasks: Vec<_> = (0..8)
+        .map(|i| tokio::spawn(timed_post(port, long(i))))
+        .collect();
+    let (mut ok, mut refused) = (0, 0);
+    for t in tasks {
+        let (status, retry, json, _) = t.await.unwrap();
+        match status {
+            200 => ok += 1,
+            503 => {
+                assert_eq!(retry.as_deref(), Some("1"), "{json}");
+                refused += 1;
+            }
+            other => panic!("{other}: {json}"),
+        }
+    }
+    assert_eq!((ok, refused), (4, 4), "two workers hold two requests each");
+    assert!(http.metric("dynamo_gateway_route_retries_total").await > 0);
+    // Both said so: the next request is refused by the router itself.
+    let (status, retry, json, _) = timed_post(port, long(9)).await;
+    assert_eq!(status, 503, "{json}");
+    assert_eq!(retry.as_deref(), Some("1"));
+    assert_eq!(json["error"]["code"], "workers_overloaded", "{json}");
+    assert!(
+        http.metric("dynamo_gateway_rejected_requests_total{reason=\"workers_overloaded\"}")
+            .await
+            > 0
+    );
+    assert!(!node.log_text().contains("panicked"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_model_card_is_picked_up() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut gw = Node::start(&node_config("gw", &nats.url, Some(port), 0, ""));
+    let mut w1 = Node::start(&node_config("w1", &nats.url, None, 1, ""));
+    let http = Http::new(port);
+    http.wait_ready(1, &mut gw).await;
+    let long: Vec<u32> = (0..1000).map(|k| 300 + k).collect();
+    let body = json!({"model": MODEL, "prompt": long, "max_tokens": 4});
+    let r = http.post("/v1/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    // A rolling upgrade: the worker is replaced by one with a shorter context.
+    w1.signal(libc::SIGTERM);
+    assert_eq!(w1.wait(Duration::from_secs(20)), Some(0));
+    let cfg = node_config("w2", &nats.url, None, 1, "").replace(
+        "heartbeat_ms = 500\n",
+        "heartbeat_ms = 500\ncontext_length = 600\n",
+    );
+    let _w2 = Node::start(&cfg);
+    let t0 = Instant::now();
+    loop {
+        let m = http
+            .client
+            .get(format!("{}/v1/models", http.base))
+            .send()
+            .await
+            .unwrap();
+        let m: Value = m.json().await.unwrap();
+        if m["data"][0]["context_length"] == 600 && m["data"][0]["workers"] == 1 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the new worker never registered: {m}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The very next request is checked against the new card.
+    let r = http.post("/v1/completions", &body).await;
+    assert_error(&r, 400, "invalid_request_error");
+    assert_eq!(
+        r.json["error"]["code"], "context_length_exceeded",
+        "{}",
+        r.json
+    );
+    assert!(r.json["error"]["message"].as_str().unwrap().contains("600"));
+    let short = json!({"model": MODEL, "prompt": long[..100].to_vec(), "max_tokens": 4});
+    let r = http.post("/v1/completions", &short).await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    assert!(gw.log_text().contains("a worker has another model card"));
+}
+
+/// Blocks a gateway's router indexes for `worker`: device, host, disk.
+async fn indexed(h: &Http, worker: &str) -> [u64; 3] {
+    let mut got = [0u64; 3];
+    for (i, tier) in ["device", "host", "disk"].iter().enumerate() {
+        got[i] = h
+            .metric(&format!(
+                "dynamo_router_kv_index_blocks{{worker=\"{worker}\",tier=\"{tier}\"}}"
+            ))
+            .await;
+    }
+    got
+}
+
+/// Requests the router counts in flight, all workers.
+async fn routed(h: &Http) -> u64 {
+    h.metrics_text()
+        .await
+        .lines()
+        .filter(|l| l.starts_with("dynamo_router_worker_inflight{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_holding_300k_blocks_is_dumped_and_indexed_exactly() {
+    let nats = Nats::start();
+    // A mocker with a small device pool and a large host tier of tiny
+    // simulated blocks: 80 prompts of 4096 blocks leave 327,680 behind.
+    let worker_cfg = node_config("w", &nats.url, None, 1, "")
+        .replace("heartbeat_ms = 500\n", "heartbeat_ms = 500\ncontext_length = 16384\n")
+        .replace(
+            "speedup = 0.0\n",
+            "speedup = 0.0\nblock_size = 2\nnum_blocks = 20000\nkv_bytes_per_block = 8\noffload_host_blocks = 400000\n",
+        );
+    let mut w = Node::start(&worker_cfg);
+    let p1 = free_port();
+    let mut g1 = Node::start(&kv_aware(node_config("g1", &nats.url, Some(p1), 0, "")));
+    let h1 = Http::new(p1);
+    h1.wait_ready(1, &mut g1).await;
+    const PROMPTS: usize = 80;
+    let prompt = |i: usize| -> Vec<u32> {
+        std::iter::once(100 + i as u32)
+            .chain((1..8192u32).map(|k| 200 + (k * 13 + i as u32) % 40000))
+            .collect()
+    };
+    for i in 0..PROMPTS {
+        let r = h1
+            .post(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 1}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.json);
+    }
+    assert!(w.alive());
+    let worker = registrations(&nats.url).await[0].worker_id.to_string();
+    // What the worker itself holds, by tier (its dump comes in pieces).
+    let bus = dynamo_runtime::Bus::connect(
+        &nats.url,
+        "test",
+        dynamo_bus_schema::Subjects::new(dynamo_bus_schema::Namespace::new("it").unwrap()),
+    )
+    .await
+    .unwrap();
+    let held = || async {
+        let bytes = bus
+            .request_large(
+                format!("dynamo.it.worker.{worker}.kv_dump"),
+                &dynamo_bus_schema::KvDumpRequest {
+                    reason: "test".into(),
+                },
+                Duration::from_secs(20),
+            )
+            .await
+            .expect("the dump arrives whole");
+        assert!(
+            bytes.len() > dynamo_bus_schema::MAX_MESSAGE,
+            "{} bytes fit one message",
+            bytes.len()
+        );
+        let d: dynamo_bus_schema::KvDumpTiered =
+            dynamo_bus_schema::decode_assembled(&bytes).expect("a tiered dump");
+        let mut by_tier = [0u64; 3];
+        for t in d.tiers {
+            let i = match t.tier {
+                dynamo_bus_schema::StorageTier::Device => 0,
+                dynamo_bus_schema::StorageTier::Host => 1,
+                _ => 2,
+            };
+            by_tier[i] += t.blocks.len() as u64;
+        }
+        by_tier
+    };
+    let want = held().await;
+    assert!(want.iter().sum::<u64>() >= 300_000, "{want:?}");
+    // The router that watched it happen, from the (byte-bounded) events.
+    let t0 = Instant::now();
+    while indexed(&h1, &worker).await != want {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "events: {:?} vs {want:?}",
+            indexed(&h1, &worker).await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A router that starts now learns all of it from one dump, in pieces.
+    let p2 = free_port();
+    let mut g2 = Node::start(&kv_aware(node_config("g2", &nats.url, Some(p2), 0, "")));
+    let h2 = Http::new(p2);
+    h2.wait_ready(1, &mut g2).await;
+    let t0 = Instant::now();
+    while indexed(&h2, &worker).await != want {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "dump: {:?} vs {want:?}\n{}",
+            indexed(&h2, &worker).await,
+            g2.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        h2.metric("dynamo_router_kv_dumps_total").await,
+        1,
+        "one dump, no retries"
+    );
+    // And it routes from it: the first prompt's blocks are all found.
+    let o = h2.overlap(&prompt(0)).await;
+    let found = o[&worker]["blocks"].as_u64().unwrap_or(0);
+    assert_eq!(found, 4096, "{o}");
+}
