@@ -52,9 +52,10 @@ fuzz: deps
 	DYNAMO_FUZZ_CASES=$${DYNAMO_FUZZ_CASES:-200000} $(CARGO) test -p dynamo-bus-schema --test wire_snapshot
 	DYNAMO_FUZZ_CASES=$${DYNAMO_FUZZ_CASES:-50000} $(CARGO) test -p dynamo-integration --test fuzz -- --nocapture
 
-## bench: the benchmarks in BENCHMARKS.md (serving path, KV index, KV routing replay, CPU engine, failover)
+## bench: the benchmarks in BENCHMARKS.md (serving path, overload, KV index, KV routing replay, CPU engine, failover)
 bench: build
 	./scripts/bench.sh
+	./scripts/overload_bench.sh
 	$(CARGO) run --release -q -p dynamo-kv-index --example index_report
 	./scripts/replay_bench.sh
 	$(CARGO) run --release -q -p dynamo-cpu-engine --example cpu_bench

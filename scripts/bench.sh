@@ -12,19 +12,8 @@ URL=${URL:-http://127.0.0.1:8000}
 REQUESTS=${REQUESTS:-2000}
 CONCURRENCY=${CONCURRENCY:-64}
 LOG=$(mktemp /tmp/dynamo-bench-node.XXXXXX.log)
-
-if curl -s -o /dev/null "$URL/health"; then
-  echo "bench: something already listens on $URL; stop it first" >&2
-  exit 1
-fi
-"$BIN/dynamo-node" --config "$CONFIG" >"$LOG" 2>&1 &
-NODE=$!
-trap 'kill -TERM $NODE 2>/dev/null || true; wait $NODE 2>/dev/null || true' EXIT
-for _ in $(seq 1 300); do
-  if curl -s "$URL/health" | grep -q '"workers":2'; then break; fi
-  if ! kill -0 $NODE 2>/dev/null; then echo "bench: node died; see $LOG" >&2; exit 1; fi
-  sleep 0.1
-done
+. scripts/lib_node.sh
+start_node "$CONFIG" "$URL" 2 "$LOG"
 NATS=$(pgrep -P $NODE nats-server || true)
 TCK=$(getconf CLK_TCK)
 ticks() { # utime + stime of the given pids
@@ -35,13 +24,11 @@ ticks() { # utime + stime of the given pids
   done
   echo $t
 }
-rss_kb() { awk '/VmRSS/ {print $2}' /proc/$1/status; }
-hwm_kb() { awk '/VmHWM/ {print $2}' /proc/$1/status; }
 
 # Warm up (tokenizer load, connections).
 "$BIN/dynamoctl" bench --url "$URL" --concurrency 8 --requests 200 --max-tokens 16 --prompt-tokens 60 --json >/dev/null
 
-echo "machine: $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
+machine
 for mode in "" "--stream"; do
   c0=$(ticks $NODE $NATS)
   out=$("$BIN/dynamoctl" bench --url "$URL" --concurrency "$CONCURRENCY" --requests "$REQUESTS" \
@@ -49,5 +36,5 @@ for mode in "" "--stream"; do
   c1=$(ticks $NODE $NATS)
   node_ms=$(awk -v a="$c0" -v b="$c1" -v t="$TCK" -v n="$REQUESTS" 'BEGIN {printf "%.3f", (b - a) * 1000 / t / n}')
   echo "${mode:-non-stream} $out"
-  echo "${mode:-non-stream} server_cpu_ms_per_request=$node_ms node_rss_mb=$(( $(rss_kb $NODE) / 1024 )) node_peak_rss_mb=$(( $(hwm_kb $NODE) / 1024 ))${NATS:+ nats_rss_mb=$(( $(rss_kb $NATS) / 1024 ))}"
+  echo "${mode:-non-stream} server_cpu_ms_per_request=$node_ms node_rss_mb=$(rss_mb $NODE) node_peak_rss_mb=$(hwm_mb $NODE)${NATS:+ nats_rss_mb=$(rss_mb $NATS)}"
 done

@@ -126,6 +126,11 @@ pub fn peek_kind(bytes: &[u8]) -> Result<(MessageKind, &[u8]), DecodeError> {
 /// Decodes an envelope that must hold a `T` (one bus message: at most
 /// [`MAX_PAYLOAD`] bytes of payload).
 pub fn decode<T: WireMessage>(bytes: &[u8]) -> Result<T, DecodeError> {
+    decode_payload(payload_of::<T>(bytes)?)
+}
+
+/// The payload of an envelope that must hold a `T`.
+fn payload_of<T: WireMessage>(bytes: &[u8]) -> Result<&[u8], DecodeError> {
     let (kind, payload) = peek_kind(bytes)?;
     if kind != T::KIND {
         return Err(DecodeError::UnexpectedKind {
@@ -134,7 +139,7 @@ pub fn decode<T: WireMessage>(bytes: &[u8]) -> Result<T, DecodeError> {
             name: T::NAME,
         });
     }
-    decode_payload(payload)
+    Ok(payload)
 }
 
 /// Decodes a payload whose kind the caller already checked with [`peek_kind`].
@@ -151,14 +156,7 @@ pub fn decode_payload<T: WireMessage>(payload: &[u8]) -> Result<T, DecodeError> 
 /// Decodes an envelope reassembled from [`crate::ChunkedReply`] pieces
 /// (up to [`MAX_ASSEMBLED`] bytes).
 pub fn decode_assembled<T: WireMessage>(bytes: &[u8]) -> Result<T, DecodeError> {
-    let (kind, payload) = peek_kind(bytes)?;
-    if kind != T::KIND {
-        return Err(DecodeError::UnexpectedKind {
-            expected: T::KIND.0,
-            found: kind.0,
-            name: T::NAME,
-        });
-    }
+    let payload = payload_of::<T>(bytes)?;
     decode_with(
         payload,
         bincode::config::standard().with_limit::<MAX_ASSEMBLED>(),

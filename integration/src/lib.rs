@@ -266,6 +266,16 @@ pub struct Reply {
     pub status: u16,
     pub json: Value,
     pub worker: Option<String>,
+    /// The `Retry-After` header, if any.
+    pub retry_after: Option<String>,
+}
+
+/// A response header as text.
+fn header(r: &reqwest::Response, name: &str) -> Option<String> {
+    r.headers()
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
 }
 
 impl Http {
@@ -316,17 +326,15 @@ impl Http {
             .await
             .expect("HTTP request");
         let status = r.status().as_u16();
-        let worker = r
-            .headers()
-            .get("x-dynamo-worker")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+        let worker = header(&r, "x-dynamo-worker");
+        let retry_after = header(&r, "retry-after");
         let text = r.text().await.unwrap_or_default();
         let json = serde_json::from_str(&text).unwrap_or(Value::String(text));
         Reply {
             status,
             json,
             worker,
+            retry_after,
         }
     }
 
@@ -519,11 +527,7 @@ pub async fn stream_completion(
                       "stream": true, "ignore_eos": true});
     let mut r = http.open("/v1/completions", &body).await;
     let status = r.status().as_u16();
-    let worker = r
-        .headers()
-        .get("x-dynamo-worker")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
+    let worker = header(&r, "x-dynamo-worker");
     let mut raw = String::new();
     let mut counted = false;
     while let Ok(Some(chunk)) = r.chunk().await {
@@ -563,4 +567,73 @@ pub async fn stream_completion(
         }
     }
     out
+}
+
+/// Concurrent greedy streams (`ignore_eos`, `max_tokens` each), started
+/// and under way: every one has its first token when this returns.
+pub struct Streams {
+    prompts: Vec<Vec<u32>>,
+    max_tokens: u32,
+    tasks: Vec<tokio::task::JoinHandle<Streamed>>,
+}
+
+impl Streams {
+    pub async fn start(port: u16, prompts: Vec<Vec<u32>>, max_tokens: u32) -> Streams {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let flowing = std::sync::Arc::new(AtomicUsize::new(0));
+        let tasks = prompts
+            .iter()
+            .map(|p| {
+                tokio::spawn(stream_completion(
+                    port,
+                    p.clone(),
+                    max_tokens,
+                    flowing.clone(),
+                ))
+            })
+            .collect();
+        let t0 = Instant::now();
+        while flowing.load(Ordering::SeqCst) < prompts.len() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "streams never started"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Streams {
+            prompts,
+            max_tokens,
+            tasks,
+        }
+    }
+
+    /// Waits for every stream: each must end with `[DONE]`, finish by
+    /// length, and carry exactly the mocker's text for its prompt (what an
+    /// undisturbed run produces).
+    pub async fn expect_undisturbed(self) {
+        for (i, (t, p)) in self.tasks.into_iter().zip(&self.prompts).enumerate() {
+            let s = t.await.expect("stream task");
+            let (_, want) = expected_text(p, self.max_tokens as usize);
+            assert!(s.error.is_none(), "stream {i} failed: {:?}", s.error);
+            assert!(s.done, "stream {i} did not end with [DONE]");
+            assert_eq!(s.finish.as_deref(), Some("length"), "stream {i}");
+            assert_eq!(
+                s.text, want,
+                "stream {i}: text differs from an undisturbed run"
+            );
+        }
+    }
+}
+
+/// The worker a gateway's router counts most requests on, and how many.
+pub async fn busiest_worker(http: &Http) -> (String, u64) {
+    let metrics = http.metrics_text().await;
+    metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("dynamo_router_worker_inflight{worker=\""))
+        .filter_map(|l| l.split_once("\"} "))
+        .filter_map(|(w, n)| Some((n.parse::<u64>().ok()?, w.to_string())))
+        .max()
+        .map(|(n, w)| (w, n))
+        .unwrap_or_else(|| panic!("the router counts no request:\n{metrics}"))
 }

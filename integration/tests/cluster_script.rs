@@ -8,7 +8,6 @@ use std::io::{BufRead, BufReader};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -103,31 +102,11 @@ async fn run_ha_survives_a_killed_worker_and_stops_on_ctrl_c() {
     let nats_url = format!("nats://127.0.0.1:{nats_port}");
 
     // Twelve concurrent greedy streams through the first gateway.
-    const N: usize = 12;
-    const MAX: u32 = 200;
-    let flowing = Arc::new(AtomicUsize::new(0));
-    let tasks: Vec<_> = (0..N)
-        .map(|i| tokio::spawn(stream_completion(ports[0], prompt(i), MAX, flowing.clone())))
-        .collect();
-    let t0 = Instant::now();
-    while flowing.load(Ordering::SeqCst) < N {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "streams never started"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let streams = Streams::start(ports[0], (0..12).map(prompt).collect(), 200).await;
     // The worker node serving the most of them dies mid-stream (the
     // router's live count says which).
-    let metrics = Http::new(ports[0]).metrics_text().await;
-    let (served, busiest) = metrics
-        .lines()
-        .filter_map(|l| l.strip_prefix("dynamo_router_worker_inflight{worker=\""))
-        .filter_map(|l| l.split_once("\"} "))
-        .filter_map(|(w, n)| Some((n.parse::<u64>().ok()?, w.to_string())))
-        .max()
-        .expect("the router counts in-flight requests");
-    assert!(served > 0, "{metrics}");
+    let (busiest, served) = busiest_worker(&Http::new(ports[0])).await;
+    assert!(served > 0);
     let regs = registrations_in(&nats_url, "default").await;
     let victim = regs
         .iter()
@@ -135,14 +114,7 @@ async fn run_ha_survives_a_killed_worker_and_stops_on_ctrl_c() {
         .map(|r| r.pid)
         .expect("the busiest worker is registered");
     unsafe { libc::kill(victim as i32, libc::SIGKILL) };
-
-    for (i, t) in tasks.into_iter().enumerate() {
-        let s = t.await.expect("stream task");
-        let (_, want) = expected_text(&prompt(i), MAX as usize);
-        assert!(s.error.is_none(), "stream {i} failed: {:?}", s.error);
-        assert!(s.done, "stream {i} did not end with [DONE]");
-        assert_eq!(s.text, want, "stream {i} differs from an undisturbed run");
-    }
+    streams.expect_undisturbed().await;
     // The script saw it and started the node again; the cluster is whole.
     script
         .wait_for(

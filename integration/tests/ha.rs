@@ -45,6 +45,7 @@ async fn try_post(http: &Http, body: &Value) -> Option<Reply> {
         status,
         json,
         worker: None,
+        retry_after: None,
     })
 }
 

@@ -4,7 +4,6 @@
 
 use dynamo_integration::*;
 use serde_json::{json, Value};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -48,34 +47,11 @@ fn prompt(i: usize) -> Vec<u32> {
 /// Runs `n` concurrent streams, strikes one worker `after` their start, and
 /// checks every stream against the mocker's prediction.
 async fn strike_mid_stream(c: &Cluster, n: usize, after: Duration, strike: impl FnOnce()) {
-    const MAX: u32 = 200;
-    let flowing = Arc::new(AtomicUsize::new(0));
-    let tasks: Vec<_> = (0..n)
-        .map(|i| tokio::spawn(stream_completion(c.port, prompt(i), MAX, flowing.clone())))
-        .collect();
-    // Strike mid-stream: once every stream has its first token.
-    let t0 = Instant::now();
-    while flowing.load(Ordering::SeqCst) < n {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "streams never started"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let streams = Streams::start(c.port, (0..n).map(prompt).collect(), 200).await;
     tokio::time::sleep(after).await;
     strike();
     let t0 = Instant::now();
-    for (i, t) in tasks.into_iter().enumerate() {
-        let s = t.await.expect("stream task");
-        let (_, want) = expected_text(&prompt(i), MAX as usize);
-        assert!(s.error.is_none(), "request {i} failed: {:?}", s.error);
-        assert!(s.done, "request {i} did not end with [DONE]");
-        assert_eq!(s.finish.as_deref(), Some("length"), "request {i}");
-        assert_eq!(
-            s.text, want,
-            "request {i}: text differs from the failure-free run"
-        );
-    }
+    streams.expect_undisturbed().await;
     assert!(
         t0.elapsed() < Duration::from_secs(30),
         "streams took too long"

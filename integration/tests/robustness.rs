@@ -8,7 +8,6 @@
 use dynamo_bus_schema::{ActorFault, FaultInjection, FaultKind};
 use dynamo_integration::*;
 use serde_json::{json, Value};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -89,45 +88,19 @@ fn prompt(i: usize) -> Vec<u32> {
     (0..40).map(|k| 1500 + (i * 131 + k * 7) as u32).collect()
 }
 
-/// The worker the router counts most requests on, and its node.
-async fn busiest(http: &Http, nats_url: &str) -> (dynamo_bus_schema::WorkerRegistration, u64) {
-    let metrics = http.metrics_text().await;
-    let (n, w) = metrics
-        .lines()
-        .filter_map(|l| l.strip_prefix("dynamo_router_worker_inflight{worker=\""))
-        .filter_map(|l| l.split_once("\"} "))
-        .filter_map(|(w, n)| Some((n.parse::<u64>().ok()?, w.to_string())))
-        .max()
-        .expect("the router counts in-flight requests");
-    let reg = registrations(nats_url)
-        .await
-        .into_iter()
-        .find(|r| r.worker_id.to_string() == w)
-        .expect("registered");
-    (reg, n)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_engine_fails_its_worker_at_once_and_loses_no_request() {
     let nats = Nats::start();
     let (_gw, mut workers, port) = cluster(&nats, 2).await;
     let http = Http::new(port);
-    const N: usize = 8;
-    const MAX: u32 = 200;
-    let flowing = Arc::new(AtomicUsize::new(0));
-    let tasks: Vec<_> = (0..N)
-        .map(|i| tokio::spawn(stream_completion(port, prompt(i), MAX, flowing.clone())))
-        .collect();
-    let t0 = Instant::now();
-    while flowing.load(Ordering::SeqCst) < N {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "streams never started"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let (victim, serving) = busiest(&http, &nats.url).await;
+    let streams = Streams::start(port, (0..8).map(prompt).collect(), 200).await;
+    let (busiest, serving) = busiest_worker(&http).await;
     assert!(serving > 0);
+    let victim = registrations(&nats.url)
+        .await
+        .into_iter()
+        .find(|r| r.worker_id.to_string() == busiest)
+        .expect("registered");
     let ack = inject(
         &nats.url,
         &victim.node_id.0,
@@ -139,13 +112,7 @@ async fn a_dead_engine_fails_its_worker_at_once_and_loses_no_request() {
     .await;
     assert!(ack.applied, "{}", ack.message);
     // Every stream completes, token-identical to an undisturbed run.
-    for (i, t) in tasks.into_iter().enumerate() {
-        let s = t.await.expect("stream task");
-        let (_, want) = expected_text(&prompt(i), MAX as usize);
-        assert!(s.error.is_none(), "stream {i} failed: {:?}", s.error);
-        assert!(s.done, "stream {i} hung or was cut");
-        assert_eq!(s.text, want, "stream {i}");
-    }
+    streams.expect_undisturbed().await;
     let idx: usize = victim.node_id.0[1..].parse().unwrap();
     let w = &mut workers[idx];
     wait_log(w, Duration::from_secs(10), "the worker's restart", |l| {
@@ -256,20 +223,8 @@ async fn a_background_task_that_ends_restarts_its_actor() {
 
 /// One non-streaming completion: status, `Retry-After`, body, and when it came back.
 async fn timed_post(port: u16, body: Value) -> (u16, Option<String>, Value, Instant) {
-    let r = reqwest::Client::new()
-        .post(format!("http://127.0.0.1:{port}/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("HTTP");
-    let status = r.status().as_u16();
-    let retry = r
-        .headers()
-        .get("retry-after")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
-    let json = r.json::<Value>().await.unwrap_or(Value::Null);
-    (status, retry, json, Instant::now())
+    let r = Http::new(port).post("/v1/completions", &body).await;
+    (r.status, r.retry_after, r.json, Instant::now())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

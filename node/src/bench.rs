@@ -1,9 +1,12 @@
 //! `dynamoctl bench`: a load generator for any OpenAI-compatible endpoint.
 //!
-//! `concurrency` clients send `requests` requests in total (closed loop).
-//! Latency is per request; TTFT is the time to the first content chunk
-//! (streaming only); ITL is a request's mean gap between content tokens
-//! ((last chunk − first chunk) / (completion tokens − 1)).
+//! `concurrency` clients send `requests` requests in total, or keep
+//! sending for `duration` (closed loop). Latency is per admitted request;
+//! TTFT is the time to the first content chunk (streaming only); ITL is a
+//! request's mean gap between content tokens ((last chunk − first chunk) /
+//! (completion tokens − 1)). A request refused under load (429 or 503) is
+//! counted apart, with the time the refusal took; the client then waits
+//! what `Retry-After` says (or `retry_wait`) before its next request.
 
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -22,6 +25,10 @@ pub struct BenchSpec {
     pub stream: bool,
     /// `chat` or `completions`.
     pub endpoint: String,
+    /// Keep sending for this long instead of stopping after `requests`.
+    pub duration: Option<Duration>,
+    /// Wait after a refusal when the answer names no `Retry-After`.
+    pub retry_wait: Duration,
 }
 
 #[derive(Debug, Serialize)]
@@ -37,6 +44,11 @@ pub struct BenchReport {
     pub itl_p50_ms: Option<f64>,
     pub output_tokens_per_s: f64,
     pub duration_s: f64,
+    /// Requests refused under load (429 or 503, with `Retry-After`).
+    pub rejected: usize,
+    /// Time to the refusal.
+    pub reject_p50_ms: Option<f64>,
+    pub reject_p99_ms: Option<f64>,
     pub first_error: Option<String>,
 }
 
@@ -47,6 +59,8 @@ struct Sample {
     itl: Option<Duration>,
     tokens: u64,
     error: Option<String>,
+    /// Refused under load after this long; wait this long before the next.
+    rejected: Option<(Duration, Duration)>,
 }
 
 /// A prompt of about `n` tokens (one short word per token), unique per request.
@@ -88,6 +102,17 @@ async fn one(client: &reqwest::Client, url: &str, spec: &BenchSpec, i: usize) ->
         }
     };
     let status = resp.status();
+    if status.as_u16() == 429 || status.as_u16() == 503 {
+        let wait = resp
+            .headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok())
+            .map(Duration::from_secs)
+            .unwrap_or(spec.retry_wait);
+        s.rejected = Some((t0.elapsed(), wait));
+        return s;
+    }
     if !status.is_success() {
         s.error = Some(format!(
             "HTTP {status}: {}",
@@ -171,6 +196,10 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
     anyhow::ensure!(spec.concurrency >= 1, "--concurrency must be at least 1");
     anyhow::ensure!(spec.requests >= 1, "--requests must be at least 1");
     anyhow::ensure!(
+        spec.duration.is_none_or(|d| !d.is_zero()),
+        "--duration-s must be positive"
+    );
+    anyhow::ensure!(
         spec.endpoint == "chat" || spec.endpoint == "completions",
         "--endpoint must be chat or completions"
     );
@@ -182,11 +211,13 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
     let url = format!("{}{path}", spec.url.trim_end_matches('/'));
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(spec.concurrency)
+        .connect_timeout(Duration::from_secs(10))
         .timeout(Duration::from_secs(600))
         .build()?;
     let next = Arc::new(AtomicUsize::new(0));
     let spec = Arc::new(spec);
     let t0 = Instant::now();
+    let until = spec.duration.map(|d| t0 + d);
     let mut tasks = Vec::new();
     for _ in 0..spec.concurrency {
         let (client, url, spec, next) = (client.clone(), url.clone(), spec.clone(), next.clone());
@@ -194,10 +225,19 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
             let mut out = Vec::new();
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= spec.requests {
+                let more = match until {
+                    Some(u) => Instant::now() < u,
+                    None => i < spec.requests,
+                };
+                if !more {
                     break;
                 }
-                out.push(one(&client, &url, &spec, i).await);
+                let sample = one(&client, &url, &spec, i).await;
+                let wait = sample.rejected.map(|(_, w)| w);
+                out.push(sample);
+                if let Some(w) = wait {
+                    tokio::time::sleep(w).await;
+                }
             }
             out
         }));
@@ -208,7 +248,15 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
     }
     let dur = t0.elapsed().as_secs_f64();
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    let ok: Vec<&Sample> = samples.iter().filter(|s| s.error.is_none()).collect();
+    let ok: Vec<&Sample> = samples
+        .iter()
+        .filter(|s| s.error.is_none() && s.rejected.is_none())
+        .collect();
+    let mut refused: Vec<f64> = samples
+        .iter()
+        .filter_map(|s| s.rejected.map(|(t, _)| ms(t)))
+        .collect();
+    let rejected = refused.len();
     let mut lat: Vec<f64> = ok.iter().filter_map(|s| s.latency.map(ms)).collect();
     let mut ttft: Vec<f64> = ok.iter().filter_map(|s| s.ttft.map(ms)).collect();
     let mut itl: Vec<f64> = ok.iter().filter_map(|s| s.itl.map(ms)).collect();
@@ -216,7 +264,7 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
     Ok(BenchReport {
         requests: samples.len(),
         ok: ok.len(),
-        errors: samples.len() - ok.len(),
+        errors: samples.len() - ok.len() - rejected,
         req_per_s: (ok.len() as f64 / dur * 10.0).round() / 10.0,
         latency_p50_ms: pct(&mut lat, 0.5).unwrap_or(0.0),
         latency_p99_ms: pct(&mut lat, 0.99).unwrap_or(0.0),
@@ -225,6 +273,9 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
         itl_p50_ms: pct(&mut itl, 0.5),
         output_tokens_per_s: (tokens as f64 / dur * 10.0).round() / 10.0,
         duration_s: (dur * 1000.0).round() / 1000.0,
+        rejected,
+        reject_p50_ms: pct(&mut refused, 0.5),
+        reject_p99_ms: pct(&mut refused, 0.99),
         first_error: samples.iter().find_map(|s| s.error.clone()),
     })
 }

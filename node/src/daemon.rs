@@ -139,20 +139,28 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
 
     // The node's record is refreshed by a task of its own, so a slow or
     // absent bus never delays the reaction to a signal.
-    let heartbeat = tokio::spawn(registrar.clone().run(reg, sup.clone()));
+    // Owned here: if it ever ends (a panic), it is started again.
+    let mut heartbeat = tokio::spawn(registrar.clone().run(reg.clone(), sup.clone()));
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut sup_handle = sup_handle;
-    let died = tokio::select! {
-        _ = term.recv() => false,
-        _ = int.recv() => false,
-        _ = &mut sup_handle => true,
+    let died = loop {
+        tokio::select! {
+            _ = term.recv() => break false,
+            _ = int.recv() => break false,
+            _ = &mut sup_handle => break true,
+            r = &mut heartbeat => {
+                tracing::error!(error = ?r.err(), "the node's registration task ended; starting it again");
+                heartbeat = tokio::spawn(registrar.clone().run(reg.clone(), sup.clone()));
+            }
+        }
     };
     heartbeat.abort();
     if died {
         anyhow::bail!("node supervisor stopped unexpectedly");
     }
-    // A second signal stops the node at once.
+    // A second signal stops the node at once (this watcher lives until
+    // the process exits).
     tokio::spawn(async move {
         tokio::select! {
             _ = term.recv() => {},

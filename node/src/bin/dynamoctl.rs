@@ -65,6 +65,12 @@ enum Cmd {
         /// `chat` or `completions`.
         #[arg(long, default_value = "chat")]
         endpoint: String,
+        /// Keep sending for this many seconds instead of `--requests`.
+        #[arg(long)]
+        duration_s: Option<f64>,
+        /// Milliseconds a refused client waits when the answer has no Retry-After.
+        #[arg(long, default_value_t = 1000)]
+        retry_wait_ms: u64,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -181,8 +187,19 @@ fn main() {
                 prompt_tokens,
                 stream,
                 endpoint,
+                duration_s,
+                retry_wait_ms,
                 json,
             } => {
+                let duration = match duration_s {
+                    Some(d) if d.is_finite() && d > 0.0 && d < 1e6 => {
+                        Some(std::time::Duration::from_secs_f64(d))
+                    }
+                    Some(d) => {
+                        anyhow::bail!("--duration-s must be a positive number of seconds (got {d})")
+                    }
+                    None => None,
+                };
                 let spec = bench::BenchSpec {
                     url,
                     model,
@@ -192,6 +209,8 @@ fn main() {
                     prompt_tokens,
                     stream,
                     endpoint,
+                    duration,
+                    retry_wait: std::time::Duration::from_millis(retry_wait_ms),
                 };
                 let r = bench::run(spec).await?;
                 report(&r, json, r.ok, r.first_error.as_deref())

@@ -1,0 +1,350 @@
+//! Unit tests of [`super::RouterState`] (routing, registry, KV scoring).
+use super::*;
+use crate::policy::{LeastLoaded, RoundRobin};
+use dynamo_bus_schema::*;
+
+fn route(
+    s: &mut RouterState,
+    m: &ModelName,
+    exclude: &[WorkerId],
+    now: Instant,
+) -> Result<RouteDecision, RouteError> {
+    s.route(RequestId::random(), m, &[], exclude, now)
+        .map(|(d, _)| d)
+}
+
+fn reg(id: u64, gen: u64, model: &str) -> WorkerRegistration {
+    WorkerRegistration {
+        worker_id: WorkerId(id),
+        generation: gen,
+        node_id: NodeId("n".into()),
+        pid: 1,
+        role: WorkerRole::Aggregated,
+        state: WorkerState::Serving,
+        engine: "mocker".into(),
+        model: ModelCard {
+            name: ModelName(model.into()),
+            context_length: 100,
+            block_size: 16,
+            chat_template: String::new(),
+            bos_token: None,
+            eos_token: None,
+            eos_token_ids: vec![],
+            vocab_size: 10,
+            tokenizer: ArtifactRef {
+                name: "t".into(),
+                len: 0,
+                sha256: String::new(),
+            },
+            source: String::new(),
+            hash_salt: 0,
+        },
+        started_unix_ms: 0,
+        heartbeat_unix_ms: unix_ms(),
+        load: LoadMetrics::default(),
+        kv_events: true,
+    }
+}
+
+#[test]
+fn prefill_workers_only_prefill_and_are_named_for_long_uncached_prompts() {
+    let t0 = Instant::now();
+    let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+    s.set_disagg(DisaggPolicy {
+        min_remote_prefill_tokens: 64,
+        max_prefill_queue: 2,
+    });
+    let m = ModelName("a".into());
+    let mut p = reg(1, 1, "a");
+    p.role = WorkerRole::Prefill;
+    s.upsert(p.clone(), t0);
+    // A prefill worker alone cannot serve.
+    assert!(matches!(
+        route(&mut s, &m, &[], t0),
+        Err(RouteError::UnknownModel { .. })
+    ));
+    let mut d = reg(2, 1, "a");
+    d.role = WorkerRole::Decode;
+    s.upsert(d, t0);
+    let long: Vec<u32> = (0..80).collect();
+    let pick = |s: &mut RouterState, tokens: &[u32]| {
+        s.route(RequestId::random(), &m, tokens, &[], t0)
+            .map(|(d, _)| d)
+            .unwrap()
+    };
+    let d1 = pick(&mut s, &long);
+    assert_eq!(d1.worker_id, WorkerId(2));
+    assert_eq!(d1.prefill_worker, Some(WorkerId(1)));
+    // Short prompts stay on the decode worker.
+    assert_eq!(pick(&mut s, &long[..40]).prefill_worker, None);
+    // A saturated prefill worker is skipped.
+    p.load.waiting_seqs = 2;
+    s.upsert(p, t0);
+    assert_eq!(pick(&mut s, &long).prefill_worker, None);
+}
+
+#[test]
+fn routes_only_to_fresh_serving_workers_of_the_model() {
+    let t0 = Instant::now();
+    let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+    let m = ModelName("a".into());
+    assert_eq!(
+        route(&mut s, &m, &[], t0),
+        Err(RouteError::UnknownModel { model: "a".into() })
+    );
+    s.upsert(reg(1, 1, "a"), t0);
+    s.upsert(reg(2, 1, "b"), t0);
+    let mut draining = reg(3, 1, "a");
+    draining.state = WorkerState::Draining;
+    s.upsert(draining, t0);
+    for _ in 0..3 {
+        assert_eq!(route(&mut s, &m, &[], t0).unwrap().worker_id, WorkerId(1));
+    }
+    assert!(matches!(
+        route(&mut s, &m, &[WorkerId(1)], t0),
+        Err(RouteError::NoWorkers { registered: 2, .. })
+    ));
+    // Stale → not routable, then expired.
+    let late = t0 + Duration::from_secs(4);
+    assert!(route(&mut s, &m, &[], late).is_err());
+    assert_eq!(s.expire(late).len(), 3);
+    assert!(s.models().is_empty());
+}
+
+#[test]
+fn a_replayed_record_of_a_dead_worker_is_not_routable() {
+    let t0 = Instant::now() + Duration::from_secs(10);
+    let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+    let mut old = reg(1, 1, "a");
+    old.heartbeat_unix_ms = unix_ms() - 60_000;
+    s.upsert(old, t0);
+    assert!(route(&mut s, &ModelName("a".into()), &[], t0).is_err());
+}
+
+#[test]
+fn workers_without_kv_events_are_tracked_approximately() {
+    let t0 = Instant::now();
+    let policy = crate::policy::build(crate::policy::PolicyKind::KvAware(KvCostWeights::default()));
+    let mut s = RouterState::new(Duration::from_secs(3), policy);
+    let m = ModelName("a".into());
+    for id in [1, 2] {
+        let mut r = reg(id, 1, "a");
+        r.kv_events = false;
+        s.upsert(r, t0);
+    }
+    let prompt: Vec<u32> = (0..64).collect();
+    let first = s.route(RequestId(1), &m, &prompt, &[], t0).unwrap().0;
+    s.release(RequestId(1));
+    assert_eq!(
+        s.overlap(&m, &prompt),
+        vec![(
+            first.worker_id,
+            dynamo_kv_index::Overlap {
+                blocks: 4,
+                device: 4,
+                host: 0,
+                disk: 0
+            }
+        )]
+    );
+    // The same prompt follows its recorded blocks.
+    let again = s.route(RequestId(2), &m, &prompt, &[], t0).unwrap().0;
+    assert_eq!(again.worker_id, first.worker_id);
+    assert_eq!(again.overlap_blocks, 4);
+    s.release(RequestId(2));
+    // Records expire with their TTL (checked on the expiry tick).
+    let later = t0 + crate::approx::DEFAULT_TTL + Duration::from_secs(1);
+    for id in [1, 2] {
+        let mut r = reg(id, 1, "a");
+        r.kv_events = false;
+        s.upsert(r, later);
+    }
+    s.expire(later);
+    assert!(s.overlap(&m, &prompt).is_empty());
+}
+
+/// Stores `prompt`'s blocks for worker `w` in the index, as its KV
+/// events would (hashed with its own block size and salt).
+fn store(s: &mut RouterState, w: u64, prompt: &[u32], block_size: usize, salt: u64) {
+    let blocks = sequence_hashes(prompt, block_size, salt);
+    s.kv.dump(KvDumpTiered {
+        worker_id: WorkerId(w),
+        generation: 1,
+        last_event_id: EventId(0),
+        tiers: vec![KvTierBlocks {
+            tier: StorageTier::Device,
+            blocks,
+        }],
+    });
+}
+
+#[test]
+fn a_misconfigured_lowest_id_worker_does_not_spoil_overlap_for_the_others() {
+    let t0 = Instant::now();
+    let policy = crate::policy::build(crate::policy::PolicyKind::KvAware(KvCostWeights::default()));
+    let mut s = RouterState::new(Duration::from_secs(3), policy);
+    let m = ModelName("a".into());
+    // Worker 1 (lowest id, first candidate) uses 32-token blocks and
+    // another salt; workers 2 and 3 use the model's 16 and salt 0.
+    let mut odd = reg(1, 1, "a");
+    odd.model.block_size = 32;
+    odd.model.hash_salt = 99;
+    odd.started_unix_ms = 5;
+    s.upsert(reg(2, 1, "a"), t0);
+    s.upsert(reg(3, 1, "a"), t0);
+    s.upsert(odd, t0);
+    assert_eq!(s.kv_mismatches(), vec![WorkerId(1)]);
+    let prompt: Vec<u32> = (0..96).collect();
+    store(&mut s, 3, &prompt, 16, 0);
+    store(&mut s, 1, &prompt[..64], 32, 99);
+    let d = s.route(RequestId(1), &m, &prompt, &[], t0).unwrap().0;
+    assert_eq!(
+        d.worker_id,
+        WorkerId(3),
+        "the worker holding the prompt wins"
+    );
+    assert_eq!(d.overlap_blocks, 6);
+    // The odd worker's own overlap is exact too, in its own blocks.
+    let o: HashMap<WorkerId, Overlap> = s.overlap(&m, &prompt).into_iter().collect();
+    assert_eq!(o[&WorkerId(3)].device, 6);
+    assert_eq!(o[&WorkerId(1)].device, 2);
+    assert!(!o.contains_key(&WorkerId(2)));
+    let d = s
+        .route(RequestId(2), &m, &prompt, &[WorkerId(3)], t0)
+        .unwrap()
+        .0;
+    assert_eq!((d.worker_id, d.overlap_blocks), (WorkerId(1), 2));
+}
+
+#[test]
+fn a_bogus_batch_does_not_blind_the_index() {
+    let t0 = Instant::now();
+    let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+    s.upsert(reg(1, 5, "a"), t0);
+    store_gen(&mut s, 1, 5, &[10]);
+    let batch = |generation, id, block| KvEventBatch {
+        worker_id: WorkerId(1),
+        generation,
+        events: vec![KvEvent {
+            event_id: EventId(id),
+            kind: KvEventKind::Stored,
+            tier: StorageTier::Device,
+            parent: None,
+            blocks: vec![SequenceHash(block)],
+        }],
+        published_unix_ms: unix_ms(),
+    };
+    // A far-future generation and an unknown worker's batch are dropped…
+    s.kv_batch(batch(u64::MAX, 1, 66));
+    let mut stranger = batch(5, 1, 77);
+    stranger.worker_id = WorkerId(9);
+    s.kv_batch(stranger);
+    assert_eq!(s.kv_stats().ignored, 2);
+    // …and the real events still apply.
+    s.kv_batch(batch(5, 1, 11));
+    assert_eq!(s.kv_blocks_of(WorkerId(1)), [2, 0, 0]);
+}
+
+fn store_gen(s: &mut RouterState, w: u64, generation: u64, blocks: &[u64]) {
+    s.kv_dump(KvDumpTiered {
+        worker_id: WorkerId(w),
+        generation,
+        last_event_id: EventId(0),
+        tiers: vec![KvTierBlocks {
+            tier: StorageTier::Device,
+            blocks: blocks.iter().map(|b| SequenceHash(*b)).collect(),
+        }],
+    });
+}
+
+#[test]
+fn an_overloaded_worker_is_avoided_while_another_can_take_it() {
+    let t0 = Instant::now();
+    let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+    let m = ModelName("a".into());
+    s.upsert(reg(1, 1, "a"), t0);
+    s.upsert(reg(2, 1, "a"), t0);
+    s.overloaded(WorkerId(1), t0);
+    for _ in 0..4 {
+        assert_eq!(route(&mut s, &m, &[], t0).unwrap().worker_id, WorkerId(2));
+    }
+    s.overloaded(WorkerId(2), t0);
+    assert!(matches!(
+        route(&mut s, &m, &[], t0),
+        Err(RouteError::Overloaded { .. })
+    ));
+    // The marks expire.
+    let later = t0 + DEFAULT_OVERLOAD_BACKOFF + Duration::from_millis(1);
+    s.upsert(reg(1, 1, "a"), later);
+    s.upsert(reg(2, 1, "a"), later);
+    s.expire(later);
+    assert!(route(&mut s, &m, &[], later).is_ok());
+}
+
+#[test]
+fn a_models_card_is_its_newest_workers_with_the_routed_digest() {
+    let t0 = Instant::now();
+    let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+    let m = ModelName("a".into());
+    let old = reg(1, 1, "a");
+    let mut new = reg(2, 1, "a");
+    new.started_unix_ms = 10;
+    new.model.context_length = 200;
+    s.upsert(old.clone(), t0);
+    s.upsert(new.clone(), t0);
+    let models = s.models();
+    assert_eq!(models.len(), 1);
+    assert_eq!(models[0].card.context_length, 200);
+    assert_eq!(models[0].card_digest, new.model.digest());
+    assert_ne!(old.model.digest(), new.model.digest());
+    let d = route(&mut s, &m, &[], t0).unwrap();
+    let want = if d.worker_id == WorkerId(1) {
+        &old
+    } else {
+        &new
+    };
+    assert_eq!(d.card_digest, want.model.digest());
+}
+
+#[test]
+fn a_worker_with_another_block_config_is_flagged() {
+    let t0 = Instant::now();
+    let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+    s.upsert(reg(1, 1, "a"), t0);
+    let mut odd = reg(2, 1, "a");
+    odd.started_unix_ms = 5;
+    odd.model.block_size = 32;
+    s.upsert(odd, t0);
+    s.upsert(reg(3, 1, "b"), t0); // another model: no comparison
+    assert_eq!(s.kv_mismatches(), vec![WorkerId(2)]);
+}
+
+#[test]
+fn inflight_tracks_routes_and_resets_on_restart() {
+    let t0 = Instant::now();
+    let mut s = RouterState::new(Duration::from_secs(3), Box::new(LeastLoaded::default()));
+    let m = ModelName("a".into());
+    s.upsert(reg(1, 1, "a"), t0);
+    s.upsert(reg(2, 1, "a"), t0);
+    let ids: Vec<RequestId> = (0..4).map(RequestId).collect();
+    let d: Vec<RouteDecision> = ids
+        .iter()
+        .map(|id| s.route(*id, &m, &[], &[], t0).unwrap().0)
+        .collect();
+    let on1 = d.iter().filter(|x| x.worker_id == WorkerId(1)).count();
+    assert_eq!(on1, 2, "least-loaded shares evenly");
+    assert_eq!(s.worker_load(WorkerId(1)).inflight, 2);
+    s.upsert(reg(1, 2, "a"), t0); // worker 1 restarted: its requests are gone
+    assert_eq!(s.worker_load(WorkerId(1)).inflight, 0);
+    for id in &ids {
+        s.release(*id); // no underflow for the voided ones
+    }
+    assert_eq!(s.worker_load(WorkerId(2)).inflight, 0);
+    s.upsert(reg(1, 1, "a"), t0); // stale record ignored
+    let w1 = s
+        .workers()
+        .into_iter()
+        .find(|w| w.reg.worker_id == WorkerId(1))
+        .unwrap();
+    assert_eq!(w1.reg.generation, 2);
+}
