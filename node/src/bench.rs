@@ -6,7 +6,8 @@
 //! request's mean gap between content tokens ((last chunk − first chunk) /
 //! (completion tokens − 1)). A request refused under load (429 or 503) is
 //! counted apart, with the time the refusal took; the client then waits
-//! what `Retry-After` says (or `retry_wait`) before its next request.
+//! what `Retry-After` says (or `retry_wait`), jittered between half and one
+//! and a half times that, before its next request.
 
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -21,6 +22,9 @@ pub struct BenchSpec {
     pub concurrency: usize,
     pub requests: usize,
     pub max_tokens: u32,
+    /// Draw each request's `max_tokens` from `[max_tokens / 4, max_tokens × 7 / 4]`
+    /// (mean `max_tokens`) instead of always `max_tokens`, as real outputs vary.
+    pub vary_output: bool,
     pub prompt_tokens: usize,
     pub stream: bool,
     /// `chat` or `completions`.
@@ -29,6 +33,8 @@ pub struct BenchSpec {
     pub duration: Option<Duration>,
     /// Wait after a refusal when the answer names no `Retry-After`.
     pub retry_wait: Duration,
+    /// Clients start spread over this long (0: all at once).
+    pub ramp: Duration,
 }
 
 #[derive(Debug, Serialize)]
@@ -48,7 +54,9 @@ pub struct BenchReport {
     pub rejected: usize,
     /// Time to the refusal.
     pub reject_p50_ms: Option<f64>,
+    pub reject_p90_ms: Option<f64>,
     pub reject_p99_ms: Option<f64>,
+    pub reject_p999_ms: Option<f64>,
     pub first_error: Option<String>,
 }
 
@@ -83,7 +91,19 @@ fn body(spec: &BenchSpec, i: usize) -> Value {
     } else {
         json!({"model": spec.model, "messages": [{"role": "user", "content": p}]})
     };
-    b["max_tokens"] = json!(spec.max_tokens);
+    let max_tokens = if spec.vary_output {
+        // A fixed spread per request index (reproducible runs).
+        let lo = (spec.max_tokens / 4).max(1) as u64;
+        let span = (spec.max_tokens as u64 * 3 / 2).max(1);
+        let h = (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32;
+        (lo + h % (span + 1)) as u32
+    } else {
+        spec.max_tokens
+    };
+    b["max_tokens"] = json!(max_tokens);
+    if spec.vary_output {
+        b["ignore_eos"] = json!(true);
+    }
     b["stream"] = json!(spec.stream);
     if spec.stream {
         b["stream_options"] = json!({"include_usage": true});
@@ -110,6 +130,8 @@ async fn one(client: &reqwest::Client, url: &str, spec: &BenchSpec, i: usize) ->
             .and_then(|v| v.parse::<u64>().ok())
             .map(Duration::from_secs)
             .unwrap_or(spec.retry_wait);
+        // Read to the end, so the connection is kept for the next request.
+        let _ = resp.bytes().await;
         s.rejected = Some((t0.elapsed(), wait));
         return s;
     }
@@ -219,10 +241,12 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
     let t0 = Instant::now();
     let until = spec.duration.map(|d| t0 + d);
     let mut tasks = Vec::new();
-    for _ in 0..spec.concurrency {
+    for c in 0..spec.concurrency {
         let (client, url, spec, next) = (client.clone(), url.clone(), spec.clone(), next.clone());
+        let start = spec.ramp.mul_f64(c as f64 / spec.concurrency as f64);
         tasks.push(tokio::spawn(async move {
             let mut out = Vec::new();
+            tokio::time::sleep(start).await;
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let more = match until {
@@ -236,7 +260,11 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
                 let wait = sample.rejected.map(|(_, w)| w);
                 out.push(sample);
                 if let Some(w) = wait {
-                    tokio::time::sleep(w).await;
+                    // Jittered (½× to 1½×), as well-behaved clients retry, so
+                    // refused clients do not all come back at once.
+                    let h = (i as u64).wrapping_mul(0xd1b5_4a32_d192_ed03) >> 11;
+                    let f = 0.5 + (h as f64 / (1u64 << 53) as f64);
+                    tokio::time::sleep(w.mul_f64(f)).await;
                 }
             }
             out
@@ -275,7 +303,9 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
         duration_s: (dur * 1000.0).round() / 1000.0,
         rejected,
         reject_p50_ms: pct(&mut refused, 0.5),
+        reject_p90_ms: pct(&mut refused, 0.9),
         reject_p99_ms: pct(&mut refused, 0.99),
+        reject_p999_ms: pct(&mut refused, 0.999),
         first_error: samples.iter().find_map(|s| s.error.clone()),
     })
 }

@@ -64,8 +64,7 @@ impl Actor for GatewayActor {
         }));
         let gateway_id = GatewayId::random();
         let frames_subject = args.bus.subjects.gateway_frames(gateway_id);
-        let listener = tokio::net::TcpListener::bind(args.config.listen)
-            .await
+        let listener = listen(args.config.listen)
             .map_err(|e| format!("cannot listen on {}: {e}", args.config.listen))?;
         let sub = args.bus.client.subscribe(frames_subject.clone()).await?;
         let c = &args.config;
@@ -95,6 +94,14 @@ impl Actor for GatewayActor {
         let gone = tasks.token();
         let router = app(shared.clone());
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        // Small writes (an SSE chunk per token, a 429) go out at once: with
+        // Nagle's algorithm a write waits for the client's delayed ACK.
+        use axum::serve::ListenerExt;
+        let listener = listener.tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+            }
+        });
         tasks.spawn("server", async move {
             let res = axum::serve(listener, router)
                 .with_graceful_shutdown(async move {
@@ -167,4 +174,22 @@ impl Actor for GatewayActor {
         }
         Ok(())
     }
+}
+
+/// Connections the kernel queues for the accept loop. A burst of clients
+/// (thousands connecting at once under overload) past the default (1,024)
+/// would be dropped and retried by their TCP stacks a second later; the
+/// kernel caps it at `net.core.somaxconn`.
+const ACCEPT_BACKLOG: u32 = 8192;
+
+/// The HTTP listener, with a deep accept queue.
+fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(ACCEPT_BACKLOG)
 }

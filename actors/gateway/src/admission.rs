@@ -3,11 +3,15 @@
 //!
 //! Invariants: per model, at most `max_inflight` [`Permit`]s exist and at
 //! most `max_queued` requests wait for one, in arrival order; a request
-//! past the queue is refused at once ([`Refusal::QueueFull`]), one that
-//! waits longer than `max_queue_wait` (or its own deadline) is refused
-//! then ([`Refusal::QueueTimeout`]); a permit is given back when dropped,
-//! however the request ends. Gates exist only for models the router
-//! serves, so their number is bounded by the fleet's.
+//! past the queue, or whose expected wait for a place (from how long
+//! requests hold their places, by Little's law) is more than half of
+//! `max_queue_wait` (the other half absorbs the estimate's error), is
+//! refused at once
+//! ([`Refusal::QueueFull`]); one that waits longer than `max_queue_wait`
+//! (or its own deadline) anyway is refused then ([`Refusal::QueueTimeout`]);
+//! a permit is given back when dropped, however the request ends. Gates
+//! exist only for models the router serves, so their number is bounded by
+//! the fleet's.
 
 use crate::config::AdmissionConfig;
 use std::collections::HashMap;
@@ -19,12 +23,23 @@ use tokio::time::Instant;
 
 /// A request's place among its model's served requests.
 #[derive(Debug)]
-pub struct Permit(#[allow(dead_code)] OwnedSemaphorePermit);
+pub struct Permit {
+    _place: OwnedSemaphorePermit,
+    gate: Arc<ModelGate>,
+    since: Instant,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.gate
+            .served(Instant::now().saturating_duration_since(self.since));
+    }
+}
 
 /// Why a request was not admitted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Refusal {
-    /// `max_queued` requests already wait.
+    /// `max_queued` requests already wait, or the wait would likely be too long.
     QueueFull,
     /// It waited the queue-wait limit (or until its deadline).
     QueueTimeout(Duration),
@@ -40,9 +55,30 @@ impl Refusal {
     }
 }
 
+#[derive(Debug)]
 struct ModelGate {
     serving: Arc<Semaphore>,
+    places: u32,
     waiting: AtomicU32,
+    /// How long a request holds its place: the mean (an EWMA, seconds; 0
+    /// until one has finished).
+    mean_hold_s: Mutex<f64>,
+}
+
+impl ModelGate {
+    fn served(&self, held: Duration) {
+        let mut m = self.mean_hold_s.lock().unwrap_or_else(|p| p.into_inner());
+        let h = held.as_secs_f64();
+        *m = if *m == 0.0 { h } else { 0.95 * *m + 0.05 * h };
+    }
+
+    /// How long the request at `position` in the queue should wait: with
+    /// every place taken, places free up `places / mean hold` times a
+    /// second (Little's law). `None` until a request has finished.
+    fn expected_wait(&self, position: u32) -> Option<Duration> {
+        let m = *self.mean_hold_s.lock().unwrap_or_else(|p| p.into_inner());
+        (m > 0.0).then(|| Duration::from_secs_f64(m * position as f64 / self.places as f64))
+    }
 }
 
 pub struct Admission {
@@ -69,11 +105,16 @@ impl Admission {
 
     fn gate(&self, model: &str) -> Arc<ModelGate> {
         let mut m = self.models.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(g) = m.get(model) {
+            return g.clone();
+        }
         m.entry(model.to_string())
             .or_insert_with(|| {
                 Arc::new(ModelGate {
                     serving: Arc::new(Semaphore::new(self.cfg.max_inflight.max(1) as usize)),
+                    places: self.cfg.max_inflight.max(1),
                     waiting: AtomicU32::new(0),
+                    mean_hold_s: Mutex::new(0.0),
                 })
             })
             .clone()
@@ -89,17 +130,37 @@ impl Admission {
     ) -> Result<(Permit, Duration), Refusal> {
         let gate = self.gate(model);
         if let Ok(p) = gate.serving.clone().try_acquire_owned() {
-            return Ok((Permit(p), Duration::ZERO));
+            let since = Instant::now();
+            return Ok((
+                Permit {
+                    _place: p,
+                    gate,
+                    since,
+                },
+                Duration::ZERO,
+            ));
         }
-        if gate.waiting.fetch_add(1, Ordering::AcqRel) >= self.cfg.max_queued {
-            gate.waiting.fetch_sub(1, Ordering::AcqRel);
+        let position = gate.waiting.fetch_add(1, Ordering::AcqRel);
+        let _waiting = Waiting(&gate.waiting);
+        if position >= self.cfg.max_queued {
             return Err(Refusal::QueueFull);
         }
-        let _waiting = Waiting(&gate.waiting);
+        // A wait likely to run past the limit is refused now, not after it.
         let t0 = Instant::now();
         let until = (t0 + self.cfg.max_queue_wait).min(deadline);
+        let budget = until.saturating_duration_since(t0) / 2;
+        if gate.expected_wait(position + 1).is_some_and(|w| w > budget) {
+            return Err(Refusal::QueueFull);
+        }
         match tokio::time::timeout_at(until, gate.serving.clone().acquire_owned()).await {
-            Ok(Ok(p)) => Ok((Permit(p), t0.elapsed())),
+            Ok(Ok(p)) => Ok((
+                Permit {
+                    _place: p,
+                    gate: gate.clone(),
+                    since: Instant::now(),
+                },
+                t0.elapsed(),
+            )),
             // The semaphore is never closed; a timeout is the refusal.
             _ => Err(Refusal::QueueTimeout(t0.elapsed())),
         }
@@ -132,6 +193,30 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_wait_that_would_exceed_the_limit_is_refused_at_once() {
+        let a = Arc::new(Admission::new(cfg(1, 100, 100)));
+        let far = Instant::now() + Duration::from_secs(60);
+        // A request holds its (only) place for 40 ms.
+        for _ in 0..5 {
+            let (p, _) = a.admit("m", far).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(40)).await;
+            drop(p);
+        }
+        let _busy = a.admit("m", far).await.unwrap();
+        let a1 = a.clone();
+        // First in line can expect a place within half the limit (50 ms)…
+        let w1 = tokio::spawn(async move { a1.admit("m", far).await.map(|_| ()) });
+        tokio::task::yield_now().await;
+        assert_eq!(a.waiting("m"), 1);
+        // …the second cannot (2 × 40 ms > 50 ms): refused without waiting.
+        let t0 = Instant::now();
+        assert_eq!(a.admit("m", far).await.unwrap_err(), Refusal::QueueFull);
+        assert_eq!(t0.elapsed(), Duration::ZERO);
+        drop(_busy);
+        w1.await.unwrap().unwrap();
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn past_the_limit_requests_wait_then_are_refused() {
         let a = Arc::new(Admission::new(cfg(2, 1, 100)));
         let far = Instant::now() + Duration::from_secs(60);
@@ -156,12 +241,16 @@ mod tests {
         let err = a.admit("m", far).await.unwrap_err();
         assert_eq!(err, Refusal::QueueTimeout(Duration::from_millis(100)));
         assert_eq!(err.reason(), "queue_timeout");
-        // …or its own deadline, if sooner.
+        // …or its own deadline, if sooner (a gate with no history yet).
+        let fresh = Admission::new(cfg(1, 1, 100));
+        let _only = fresh.admit("m", far).await.unwrap();
         let soon = Instant::now() + Duration::from_millis(10);
         assert_eq!(
-            a.admit("m", soon).await.unwrap_err(),
+            fresh.admit("m", soon).await.unwrap_err(),
             Refusal::QueueTimeout(Duration::from_millis(10))
         );
+        // With history, a wait that cannot fit the deadline is refused at once.
+        assert_eq!(a.admit("m", soon).await.unwrap_err(), Refusal::QueueFull);
         assert_eq!(a.waiting_total(), 0);
     }
 }

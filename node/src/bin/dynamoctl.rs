@@ -57,6 +57,10 @@ enum Cmd {
         requests: usize,
         #[arg(long, default_value_t = 16)]
         max_tokens: u32,
+        /// Vary each request's max_tokens around --max-tokens (¼× to 1¾×),
+        /// generating all of them (ignore_eos).
+        #[arg(long)]
+        vary_output: bool,
         /// Approximate prompt length in tokens (user content).
         #[arg(long, default_value_t = 60)]
         prompt_tokens: usize,
@@ -71,6 +75,9 @@ enum Cmd {
         /// Milliseconds a refused client waits when the answer has no Retry-After.
         #[arg(long, default_value_t = 1000)]
         retry_wait_ms: u64,
+        /// Seconds over which the clients start (0: all at once).
+        #[arg(long, default_value_t = 0.0)]
+        ramp_s: f64,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -184,13 +191,18 @@ fn main() {
                 concurrency,
                 requests,
                 max_tokens,
+                vary_output,
                 prompt_tokens,
                 stream,
                 endpoint,
                 duration_s,
                 retry_wait_ms,
+                ramp_s,
                 json,
             } => {
+                if !(ramp_s.is_finite() && (0.0..=3600.0).contains(&ramp_s)) {
+                    anyhow::bail!("--ramp-s must be between 0 and 3600 (got {ramp_s})");
+                }
                 let duration = match duration_s {
                     Some(d) if d.is_finite() && d > 0.0 && d < 1e6 => {
                         Some(std::time::Duration::from_secs_f64(d))
@@ -206,11 +218,13 @@ fn main() {
                     concurrency,
                     requests,
                     max_tokens,
+                    vary_output,
                     prompt_tokens,
                     stream,
                     endpoint,
                     duration,
                     retry_wait: std::time::Duration::from_millis(retry_wait_ms),
+                    ramp: std::time::Duration::from_secs_f64(ramp_s),
                 };
                 let r = bench::run(spec).await?;
                 report(&r, json, r.ok, r.first_error.as_deref())
