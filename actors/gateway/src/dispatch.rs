@@ -68,6 +68,8 @@ pub async fn dispatch(
 ) -> Result<(RouteDecision, mpsc::Receiver<Frame>), DispatchError> {
     let attempts = shared.config.max_route_attempts.max(1);
     let mut last_error = None;
+    // Workers that refused this request for room (they said `Overloaded`).
+    let mut overloaded = 0usize;
     for attempt in 0..attempts {
         if attempt > 0 {
             shared.metrics.route_retries.inc();
@@ -79,7 +81,7 @@ pub async fn dispatch(
             )
             .into());
         }
-        let decision = route(
+        let decision = match route(
             shared,
             id,
             &plan.model,
@@ -88,7 +90,16 @@ pub async fn dispatch(
             plan.routing,
             left,
         )
-        .await?;
+        .await
+        {
+            Ok(d) => d,
+            // The workers left all refused it for room: that is overload,
+            // not a missing fleet.
+            Err(e) if overloaded > 0 && e.code == Some("no_workers_available") => {
+                return Err(refused_overloaded(shared, last_error.unwrap_or(e)))
+            }
+            Err(e) => return Err(e.into()),
+        };
         if let Some(want) = plan.card_digest {
             if decision.card_digest != want {
                 release(shared, id);
@@ -132,6 +143,7 @@ pub async fn dispatch(
                 }
                 Some(e) if e.kind.is_retryable() => {
                     if e.kind == ErrorKind::Overloaded {
+                        overloaded += 1;
                         if let Ok(r) = shared.router() {
                             let _ = r.cast(RouterMsg::WorkerOverloaded(decision.worker_id));
                         }
@@ -159,6 +171,18 @@ pub async fn dispatch(
                 ))
             }
             Err(BusError::Remote { error, .. }) => Some(map_wire(&error)),
+            Err(BusError::TooLarge { len, .. }) => {
+                // No worker could take it: the client's to shorten.
+                release(shared, id);
+                return Err(ApiError::invalid(
+                    Some("prompt".to_string()),
+                    format!(
+                        "The request is {len} bytes on the bus, over its limit of {} KiB: shorten the prompt.",
+                        dynamo_bus_schema::codec::MAX_MESSAGE / 1024
+                    ),
+                )
+                .into());
+            }
             Err(e) => {
                 tracing::warn!(request = %id, error = %e, "cannot send request");
                 Some(ApiError::unavailable(
@@ -171,9 +195,29 @@ pub async fn dispatch(
         release(shared, id);
         last_error = failure;
     }
-    Err(last_error
-        .unwrap_or_else(|| ApiError::unavailable("No worker accepted the request."))
-        .into())
+    let e = last_error.unwrap_or_else(|| ApiError::unavailable("No worker accepted the request."));
+    if e.code == Some("workers_overloaded") {
+        return Err(refused_overloaded(shared, e));
+    }
+    Err(e.into())
+}
+
+/// A request every worker tried refused for room: counted as a rejection.
+fn refused_overloaded(shared: &Shared, e: ApiError) -> DispatchError {
+    shared
+        .metrics
+        .rejected
+        .with_label_values(&["workers_overloaded"])
+        .inc();
+    let e = if e.code == Some("workers_overloaded") {
+        e
+    } else {
+        ApiError::overloaded(
+            "Every worker for this model is at capacity. Retry shortly.",
+            "workers_overloaded",
+        )
+    };
+    e.into()
 }
 
 async fn route(

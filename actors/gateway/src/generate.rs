@@ -70,7 +70,8 @@ pub fn map_wire(e: &WireError) -> ApiError {
         ErrorKind::DeadlineExceeded => {
             ApiError::timeout(format!("Request deadline exceeded: {}", e.message))
         }
-        ErrorKind::Overloaded | ErrorKind::Unavailable => ApiError::unavailable(e.message.clone()),
+        ErrorKind::Overloaded => ApiError::overloaded(e.message.clone(), "workers_overloaded"),
+        ErrorKind::Unavailable => ApiError::unavailable(e.message.clone()),
         ErrorKind::EngineFailed => {
             ApiError::bad_gateway(format!("The worker failed: {}", e.message))
         }

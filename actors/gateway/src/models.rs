@@ -15,7 +15,7 @@ use dynamo_model::Preprocessor;
 use dynamo_router::{ModelEntry, RouterMsg};
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Cards (digests) of one model kept loaded at once (a mixed fleet in a
 /// rolling upgrade has two).
@@ -34,10 +34,17 @@ struct Cards {
     loaded: Vec<Loaded>,
 }
 
+/// How long a (non-empty) listing of the served models answers for a name
+/// it lacks: a flood of unknown names is refused from it, without a router
+/// call each. A model that registers meanwhile is seen after at most this.
+pub const LISTING_TTL: Duration = Duration::from_millis(500);
+
 #[derive(Default)]
 pub struct ModelCache {
     ready: RwLock<HashMap<String, Cards>>,
     loading: tokio::sync::Mutex<()>,
+    /// The names in the last listing, and when it was taken.
+    listed: RwLock<Option<(Instant, Vec<String>)>>,
 }
 
 /// Every model the router knows, with its workers.
@@ -62,6 +69,17 @@ impl ModelCache {
         cards.loaded.iter().find(|l| l.digest == want).cloned()
     }
 
+    /// Whether a listing younger than [`LISTING_TTL`] lacks `model`.
+    fn listed_without(&self, model: &str) -> bool {
+        let Ok(l) = self.listed.read() else {
+            return false;
+        };
+        match &*l {
+            Some((at, names)) => at.elapsed() < LISTING_TTL && !names.iter().any(|n| n == model),
+            None => false,
+        }
+    }
+
     fn keep(&self, model: &str, l: Loaded) {
         let Ok(mut r) = self.ready.write() else {
             return;
@@ -83,15 +101,25 @@ impl ModelCache {
         if let Some(l) = self.lookup(model, None) {
             return Ok(l);
         }
+        if self.listed_without(model) {
+            return Err(ApiError::model_not_found(model));
+        }
         let _one_at_a_time = self.loading.lock().await;
         if let Some(l) = self.lookup(model, None) {
             return Ok(l);
+        }
+        if self.listed_without(model) {
+            return Err(ApiError::model_not_found(model));
         }
         let all = list(shared).await?;
         if all.is_empty() {
             return Err(ApiError::unavailable(
                 "No workers are registered: no model can be served right now. Retry shortly.",
             ));
+        }
+        if let Ok(mut l) = self.listed.write() {
+            let names = all.iter().map(|m| m.card.name.0.clone()).collect();
+            *l = Some((Instant::now(), names));
         }
         let entry = all
             .into_iter()
@@ -221,4 +249,21 @@ async fn fetch_tokenizer(
         return Err("the tokenizer's digest does not match the card".into());
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fresh_listing_refuses_the_names_it_lacks_and_an_old_one_does_not() {
+        let c = ModelCache::default();
+        assert!(!c.listed_without("b"), "no listing yet: ask the router");
+        *c.listed.write().unwrap() = Some((Instant::now(), vec!["a".into()]));
+        assert!(c.listed_without("b"));
+        assert!(!c.listed_without("a"));
+        let old = Instant::now().checked_sub(LISTING_TTL * 2).unwrap();
+        *c.listed.write().unwrap() = Some((old, vec!["a".into()]));
+        assert!(!c.listed_without("b"), "stale: ask the router again");
+    }
 }

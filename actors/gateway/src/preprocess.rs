@@ -36,7 +36,8 @@ impl PreprocessPool {
         f: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, ApiError> {
         if !self.offloads(len) {
-            return Ok(f());
+            return std::panic::catch_unwind(std::panic::AssertUnwindSafe(f))
+                .map_err(|_| ApiError::internal("Preprocessing the request failed."));
         }
         let _slot = self
             .slots
@@ -66,9 +67,9 @@ mod tests {
                 .await,
             Ok(false)
         );
-        let e = p
-            .run(1000, || -> u32 { panic!("tokenizer exploded") })
-            .await;
-        assert_eq!(e.unwrap_err().status.as_u16(), 500);
+        for len in [10, 1000] {
+            let e = p.run(len, || -> u32 { panic!("tokenizer exploded") }).await;
+            assert_eq!(e.unwrap_err().status.as_u16(), 500, "inline and pooled");
+        }
     }
 }

@@ -8,7 +8,9 @@
 //!   owner still runs tells the owner, which fails (its supervisor then
 //!   restarts it with fresh inputs): an input never disappears unnoticed;
 //! - a short-lived task ([`Tasks::spawn_transient`]) may end whenever it
-//!   likes, but its panic fails the owner too.
+//!   likes, but its panic fails the owner too; when the set stops, it gets
+//!   [`TRANSIENT_GRACE`] to finish (so a request always gets its final
+//!   frame, a peer its cancel), then is dropped.
 
 use futures::FutureExt;
 use std::collections::HashMap;
@@ -78,7 +80,8 @@ impl Tasks {
     }
 
     /// Spawns a task that may end at any time (one request's work); only a
-    /// panic is reported to the owner. It stops with the other tasks.
+    /// panic is reported to the owner. It stops with the other tasks, after
+    /// at most [`TRANSIENT_GRACE`].
     pub fn spawn_transient<F>(&self, name: &'static str, fut: F)
     where
         F: Future<Output = ()> + Send + 'static,
@@ -130,6 +133,12 @@ impl Drop for Tasks {
     }
 }
 
+/// How long a transient task may still run once its set stops: one that
+/// watches [`Tasks::token`] ends itself in that time with its last word
+/// sent (a request's final frame, a cancel to a peer); one that does not
+/// is dropped after it.
+pub const TRANSIENT_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Spawns transient tasks into a [`Tasks`] set (see [`Tasks::spawner`]).
 #[derive(Clone)]
 pub struct Spawner {
@@ -145,9 +154,16 @@ impl Spawner {
     {
         let (cancel, on_end) = (self.cancel.clone(), self.on_end.clone());
         tokio::spawn(async move {
+            let fut = AssertUnwindSafe(fut).catch_unwind();
+            tokio::pin!(fut);
             let r = tokio::select! {
-                _ = cancel.cancelled() => return,
-                r = AssertUnwindSafe(fut).catch_unwind() => r,
+                r = &mut fut => r,
+                _ = cancel.cancelled() => {
+                    // Its last word (a request's final frame, a cancel to a
+                    // peer) still goes out; then it is dropped.
+                    let _ = tokio::time::timeout(TRANSIENT_GRACE, &mut fut).await;
+                    return;
+                }
             };
             if let Err(p) = r {
                 let why = panic_message(&*p);
@@ -202,5 +218,33 @@ mod tests {
         t.shutdown();
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert!(rx.try_recv().is_err(), "shutdown is not an unexpected end");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_transient_task_sends_its_last_word_after_shutdown_within_the_grace() {
+        let (on_end, _rx) = recorder();
+        let t = Tasks::new(on_end);
+        let (tx, mut last) = tokio::sync::mpsc::channel(4);
+        // One that watches the token and answers on the way out.
+        let token = t.token();
+        let tx1 = tx.clone();
+        t.spawn_transient("watcher", async move {
+            token.cancelled().await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let _ = tx1.send("final frame").await;
+        });
+        // One that never ends: dropped once the grace is over.
+        let tx2 = tx.clone();
+        t.spawn_transient("stuck", async move {
+            let _keep = tx2;
+            std::future::pending::<()>().await
+        });
+        drop(tx);
+        tokio::task::yield_now().await;
+        t.shutdown();
+        assert_eq!(last.recv().await, Some("final frame"));
+        let t0 = tokio::time::Instant::now();
+        assert_eq!(last.recv().await, None, "the stuck one was dropped");
+        assert!(t0.elapsed() <= TRANSIENT_GRACE);
     }
 }

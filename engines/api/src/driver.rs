@@ -66,6 +66,8 @@ impl From<QueueError> for EngineError {
 
 /// A command queue: the handle and the driver's receiving end.
 pub fn commands<C>(cap: usize) -> (Commands<C>, mpsc::UnboundedReceiver<Queued<C>>) {
+    // Unbounded by type only: work commands are counted against `cap`,
+    // control commands by what the engine holds (see the module doc).
     let (tx, rx) = mpsc::unbounded_channel();
     (
         Commands {
@@ -113,6 +115,27 @@ impl<C> Commands<C> {
     /// Work commands queued now.
     pub fn queued(&self) -> usize {
         self.work.load(Ordering::Relaxed)
+    }
+
+    /// Queues a reservation of `n` blocks (a work command built by
+    /// `reserve`); the answer, dropped unread, is given back with the
+    /// control command `release` builds.
+    pub fn reserve(
+        &self,
+        n: usize,
+        reserve: fn(usize, oneshot::Sender<Result<Reservation, EngineError>>) -> C,
+        release: fn(ReservationId) -> C,
+    ) -> Result<ReservationReceiver, EngineError>
+    where
+        C: Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        self.work(reserve(n, tx))?;
+        let cmds = self.clone();
+        Ok(ReservationReceiver::new(
+            rx,
+            Box::new(move |id| drop(cmds.control(release(id)))),
+        ))
     }
 }
 

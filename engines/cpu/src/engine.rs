@@ -338,13 +338,7 @@ impl Engine for CpuEngine {
         self.arena.clone()
     }
     fn reserve_blocks(&self, n: usize) -> Result<ReservationReceiver, EngineError> {
-        let (tx, rx) = oneshot::channel();
-        self.cmds.work(Cmd::Reserve(n, tx))?;
-        let cmds = self.cmds.clone();
-        Ok(ReservationReceiver::new(
-            rx,
-            Box::new(move |id| drop(cmds.control(Cmd::Release(id)))),
-        ))
+        self.cmds.reserve(n, Cmd::Reserve, Cmd::Release)
     }
     fn commit_blocks(
         &self,
