@@ -574,3 +574,39 @@ async fn a_worker_holding_300k_blocks_is_dumped_and_indexed_exactly() {
     let found = o[&worker]["blocks"].as_u64().unwrap_or(0);
     assert_eq!(found, 4096, "{o}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_lost_its_bus_stops_within_its_grace_without_waiting_on_it() {
+    let nats = Nats::start();
+    let port = free_port();
+    // Shutdown grace 10 s; one stream that would take longer than that.
+    let mut node = Node::start(&real_time(node_config("n1", &nats.url, Some(port), 1, "")));
+    Http::new(port).wait_ready(1, &mut node).await;
+    let flowing = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let stream = tokio::spawn(stream_completion(port, prompt(1), 4000, flowing.clone()));
+    let t0 = Instant::now();
+    while flowing.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the stream never started"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    drop(nats); // the bus goes away mid-stream
+    let t0 = Instant::now();
+    // SAFETY: signals the node's own process.
+    unsafe { libc::kill(node.pid() as i32, libc::SIGTERM) };
+    let code = node.wait(Duration::from_secs(30));
+    let took = t0.elapsed();
+    let log = node.log_text();
+    assert_eq!(code, Some(0), "{log}");
+    assert!(log.contains("not waiting for in-flight requests"), "{log}");
+    assert!(log.contains("node stopped"), "{log}");
+    assert!(
+        took < Duration::from_secs(10),
+        "took {took:?}, past the 10 s grace:\n{log}"
+    );
+    // The client is told, not left hanging.
+    let s = stream.await.unwrap();
+    assert!(!s.done || s.error.is_some(), "{s:?}");
+}
