@@ -31,8 +31,8 @@ impl Script {
     ) -> Script {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         let bin_dir = bin("dynamo-node").parent().unwrap().to_path_buf();
-        let mut child = Command::new("bash")
-            .arg(root.join("scripts/run_cluster.sh"))
+        let mut cmd = Command::new("bash");
+        cmd.arg(root.join("scripts/run_cluster.sh"))
             .args(["ha", &format!("{} {}", ports[0], ports[1]), "3"])
             .env("BIN", &bin_dir)
             .env("NATS_PORT", nats_port.to_string())
@@ -42,9 +42,19 @@ impl Script {
             .current_dir(&root)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
-            .process_group(0)
-            .spawn()
-            .expect("bash runs the script");
+            .process_group(0);
+        // As from a terminal: a shell started in the background (CI runs
+        // `make test` so) ignores SIGINT, and bash cannot trap a signal
+        // ignored on entry.
+        // SAFETY: only async-signal-safe calls between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::signal(libc::SIGINT, libc::SIG_DFL);
+                libc::signal(libc::SIGQUIT, libc::SIG_DFL);
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().expect("bash runs the script");
         let lines: Arc<Mutex<Vec<String>>> = Arc::default();
         for out in [
             Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
