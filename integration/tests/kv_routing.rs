@@ -211,7 +211,11 @@ async fn engines_without_kv_events_are_routed_approximately() {
     let port = free_port();
     let cfg = node_config("n1", &nats.url, Some(port), 2, "")
         .replace("policy = \"least_loaded\"", "policy = \"kv_aware\"")
-        .replace("speedup = 0.0", "speedup = 0.0\nemit_kv_events = false");
+        .replace("speedup = 0.0", "speedup = 0.0\nemit_kv_events = false")
+        // A worker starved of CPU for the 3 s TTL (2 loaded cores) would be
+        // dropped with its approximate blocks, which is not under test here.
+        .replace("worker_ttl_ms = 3000\n", "worker_ttl_ms = 60000\n");
+    assert!(cfg.contains("worker_ttl_ms = 60000"));
     let mut node = Node::start(&cfg);
     let http = Http::new(port);
     http.wait_ready(2, &mut node).await;
