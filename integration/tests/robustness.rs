@@ -88,19 +88,24 @@ fn prompt(i: usize) -> Vec<u32> {
     (0..40).map(|k| 1500 + (i * 131 + k * 7) as u32).collect()
 }
 
+/// The registration of the worker the router counts most requests on.
+async fn busiest_registration(nats: &Nats, http: &Http) -> dynamo_bus_schema::WorkerRegistration {
+    let (busiest, serving) = busiest_worker(http).await;
+    assert!(serving > 0);
+    registrations(&nats.url)
+        .await
+        .into_iter()
+        .find(|r| r.worker_id.to_string() == busiest)
+        .expect("registered")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_engine_fails_its_worker_at_once_and_loses_no_request() {
     let nats = Nats::start();
     let (_gw, mut workers, port) = cluster(&nats, 2).await;
     let http = Http::new(port);
     let streams = Streams::start(port, (0..8).map(prompt).collect(), 200).await;
-    let (busiest, serving) = busiest_worker(&http).await;
-    assert!(serving > 0);
-    let victim = registrations(&nats.url)
-        .await
-        .into_iter()
-        .find(|r| r.worker_id.to_string() == busiest)
-        .expect("registered");
+    let victim = busiest_registration(&nats, &http).await;
     let ack = inject(
         &nats.url,
         &victim.node_id.0,
@@ -147,18 +152,12 @@ async fn an_ended_worker_input_under_streams_restarts_it_and_loses_no_request() 
     let (_gw, mut workers, port) = cluster(&nats, 2).await;
     let http = Http::new(port);
     let streams = Streams::start(port, (0..8).map(prompt).collect(), 200).await;
-    let (busiest, serving) = busiest_worker(&http).await;
-    assert!(serving > 0);
-    let victim = registrations(&nats.url)
-        .await
-        .into_iter()
-        .find(|r| r.worker_id.to_string() == busiest)
-        .expect("registered");
+    let victim = busiest_registration(&nats, &http).await;
     let ack = inject(
         &nats.url,
         &victim.node_id.0,
         &ActorFault {
-            actor: busiest.clone(),
+            actor: victim.worker_id.to_string(),
             fault: FaultKind::EndTask,
             task: "generate".into(),
         },
