@@ -19,11 +19,13 @@
 
 pub mod blocks;
 pub mod chunk;
+pub mod cluster;
 pub mod codec;
 pub mod ids;
 pub mod messages;
 pub mod subjects;
 
+pub use cluster::*;
 pub use codec::{
     decode, decode_assembled, decode_payload, encode, peek_kind, DecodeError, MessageKind,
     WireMessage, MAX_MESSAGE,

@@ -138,6 +138,22 @@ impl Subjects {
     pub fn nodes_bucket(&self) -> String {
         format!("dynamo_{}_nodes", self.ns.0)
     }
+    /// JetStream KV bucket holding [`crate::DeploymentRecord`]s (desired state) keyed by name.
+    pub fn deployments_bucket(&self) -> String {
+        format!("dynamo_{}_deployments", self.ns.0)
+    }
+    /// JetStream KV bucket holding [`crate::NodeAssignment`]s keyed by node id.
+    pub fn assignments_bucket(&self) -> String {
+        format!("dynamo_{}_assignments", self.ns.0)
+    }
+    /// JetStream KV bucket holding the [`crate::ControllerLease`] (key `lease`).
+    pub fn controller_bucket(&self) -> String {
+        format!("dynamo_{}_controller", self.ns.0)
+    }
+    /// JetStream KV bucket holding [`crate::DeploymentStatus`]es keyed by deployment.
+    pub fn deploy_status_bucket(&self) -> String {
+        format!("dynamo_{}_deploy_status", self.ns.0)
+    }
 }
 
 #[cfg(test)]

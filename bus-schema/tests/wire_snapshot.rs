@@ -397,6 +397,89 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                 data: vec![0xD7, 1, 63, 0],
             })),
         ),
+        (
+            "DeploymentRecord",
+            enc(encode(&DeploymentRecord {
+                name: "disagg".into(),
+                spec_yaml: "version: 1\n".into(),
+                generation: 2,
+                updated_unix_ms: 3,
+            })),
+        ),
+        (
+            "NodeInventory",
+            enc(encode(&NodeInventory {
+                registration: NodeRegistration {
+                    node_id: NodeId("n1".into()),
+                    pid: 1,
+                    hostname: "h".into(),
+                    actors: vec!["worker-0-0".into()],
+                    http_addr: None,
+                    started_unix_ms: 1,
+                    heartbeat_unix_ms: 2,
+                },
+                labels: vec![("rack".into(), "r1".into())],
+                slots: 4,
+                free_slots: 3,
+                memory_mib: 1024,
+                free_memory_mib: 512,
+                controller: true,
+                health: "healthy".into(),
+                replicas: vec![RunningReplica {
+                    key: "d/decode-0".into(),
+                    ready: true,
+                    stopping: false,
+                    generation: 9,
+                }],
+            })),
+        ),
+        (
+            "NodeAssignment",
+            enc(encode(&NodeAssignment {
+                node_id: NodeId("n1".into()),
+                epoch: 3,
+                replicas: vec![AssignedReplica {
+                    key: "d/decode-0".into(),
+                    deployment: "d".into(),
+                    service: "decode".into(),
+                    role: "decode".into(),
+                    settings: "{}".into(),
+                    slots: 1,
+                    memory_mib: 0,
+                }],
+            })),
+        ),
+        (
+            "ControllerLease",
+            enc(encode(&ControllerLease {
+                holder: NodeId("n1".into()),
+                epoch: 4,
+                renewed_unix_ms: 5,
+                ttl_ms: 3000,
+            })),
+        ),
+        (
+            "DeploymentStatus",
+            enc(encode(&DeploymentStatus {
+                name: "d".into(),
+                generation: 2,
+                services: vec![ServiceStatus {
+                    name: "decode".into(),
+                    role: "decode".into(),
+                    desired: 2,
+                    placed: 1,
+                    ready: 1,
+                    pending: vec!["needs 1 slot".into()],
+                    placements: vec![("d/decode-0".into(), "n1".into())],
+                }],
+                events: vec![ClusterEvent {
+                    unix_ms: 6,
+                    message: "placed".into(),
+                }],
+                controller: NodeId("n1".into()),
+                updated_unix_ms: 7,
+            })),
+        ),
     ]
 }
 
@@ -542,6 +625,11 @@ fn decode_all(bytes: &[u8]) {
         RouterInfoRequest,
         RouterInfo,
         ChunkedReply,
+        DeploymentRecord,
+        NodeInventory,
+        NodeAssignment,
+        ControllerLease,
+        DeploymentStatus,
     );
     if let Ok(piece) = decode::<ChunkedReply>(bytes) {
         let mut a = dynamo_bus_schema::chunk::Assembler::default();
@@ -552,7 +640,7 @@ fn decode_all(bytes: &[u8]) {
 proptest! {
     #![proptest_config(ProptestConfig { cases: fuzz_cases(2000), rng_seed: proptest::test_runner::RngSeed::Fixed(7), ..ProptestConfig::default() })]
     #[test]
-    fn random_bytes_never_panic(mut bytes in proptest::collection::vec(any::<u8>(), 0..256), kind in 0u16..100) {
+    fn random_bytes_never_panic(mut bytes in proptest::collection::vec(any::<u8>(), 0..256), kind in 0u16..110) {
         if bytes.len() >= 4 { bytes[0] = 0xD7; bytes[1] = 1; bytes[2..4].copy_from_slice(&kind.to_le_bytes()); }
         decode_all(&bytes);
     }

@@ -241,6 +241,23 @@ impl Bus {
     /// `KV_<bucket>` ourselves with the settings a KV bucket has, then open it
     /// with `get_key_value`.
     pub async fn kv_bucket(&self, bucket: &str, max_age: Duration) -> Result<kv::Store, BusError> {
+        self.kv_bucket_stored(bucket, max_age, stream::StorageType::Memory)
+            .await
+    }
+
+    /// A KV bucket kept on the server's disk (desired state: deployments,
+    /// assignments), which survives a restart of the NATS server.
+    pub async fn kv_bucket_durable(&self, bucket: &str) -> Result<kv::Store, BusError> {
+        self.kv_bucket_stored(bucket, Duration::ZERO, stream::StorageType::File)
+            .await
+    }
+
+    async fn kv_bucket_stored(
+        &self,
+        bucket: &str,
+        max_age: Duration,
+        storage: stream::StorageType,
+    ) -> Result<kv::Store, BusError> {
         let err = |reason: String| BusError::Bucket {
             bucket: bucket.into(),
             reason,
@@ -256,7 +273,7 @@ impl Bus {
                 deny_delete: true,
                 allow_direct: true,
                 discard: stream::DiscardPolicy::New,
-                storage: stream::StorageType::Memory,
+                storage,
                 duplicate_window: Duration::from_secs(2).min(if max_age.is_zero() {
                     Duration::from_secs(120)
                 } else {
