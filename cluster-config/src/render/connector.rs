@@ -1,0 +1,279 @@
+//! The Kubernetes scaling connector: how the planner changes a rendered
+//! deployment's replicas on Kubernetes.
+//!
+//! A standalone service scales through its PodClique
+//! (`<pcs>-0-<service>`), a scaling group through its PodCliqueScalingGroup
+//! (`<pcs>-0-<group>`); a group member is scaled with its group. The
+//! objects are patched directly because Grove does not propagate replica
+//! changes of the PodCliqueSet template to existing children (what
+//! Dynamo's operator does too).
+//!
+//! Invariants:
+//! - [`scale_request`] builds, with `kube::core::Request`, a `PATCH` of
+//!   `/apis/grove.io/v1alpha1/namespaces/{ns}/{podcliques|podcliquescalinggroups}/{name}`
+//!   whose body is the JSON merge patch `{"spec":{"replicas":N}}`
+//!   (`Content-Type: application/merge-patch+json`), with
+//!   `fieldManager=`[`FIELD_MANAGER`]; nothing else in the object changes;
+//! - targets and namespaces are checked before a request exists, and each
+//!   error names the target or field;
+//! - sending needs the non-default `k8s-client` feature (`KubeScaler`);
+//!   the default build only constructs requests.
+
+use super::names;
+use crate::spec::{DeploymentSpec, MAX_REPLICAS};
+use kube::core::params::{Patch, PatchParams};
+use kube::core::{ApiResource, DynamicObject, Request, Resource};
+use serde_json::json;
+use thiserror::Error;
+
+/// Grove's API group and version.
+pub const GROUP: &str = "grove.io";
+pub const VERSION: &str = "v1alpha1";
+/// `fieldManager` of the connector's patches.
+pub const FIELD_MANAGER: &str = "dynamo-planner";
+
+#[derive(Debug, Error)]
+pub enum ConnectorError {
+    #[error("scale target {target:?}: {message}")]
+    Target { target: String, message: String },
+    #[error("scale request field `{field}`: {message}")]
+    Invalid {
+        field: &'static str,
+        message: String,
+    },
+    #[error("building the scale request for {kind} {name}: {message}")]
+    Request {
+        kind: &'static str,
+        name: String,
+        message: String,
+    },
+    #[cfg(feature = "k8s-client")]
+    #[error("Kubernetes API: {0}")]
+    Api(#[from] kube::Error),
+}
+
+/// The Grove kinds that scale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ScaleKind {
+    PodClique,
+    PodCliqueScalingGroup,
+}
+
+impl ScaleKind {
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ScaleKind::PodClique => "PodClique",
+            ScaleKind::PodCliqueScalingGroup => "PodCliqueScalingGroup",
+        }
+    }
+    /// The resource's plural (its URL segment), as in the CRD.
+    pub fn plural(&self) -> &'static str {
+        match self {
+            ScaleKind::PodClique => "podcliques",
+            ScaleKind::PodCliqueScalingGroup => "podcliquescalinggroups",
+        }
+    }
+    pub fn api_resource(&self) -> ApiResource {
+        ApiResource {
+            group: GROUP.into(),
+            version: VERSION.into(),
+            api_version: format!("{GROUP}/{VERSION}"),
+            kind: self.kind().into(),
+            plural: self.plural().into(),
+        }
+    }
+}
+
+/// One Grove object whose `spec.replicas` the connector sets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScaleTarget {
+    pub kind: ScaleKind,
+    /// The object's name (Grove's composed name).
+    pub name: String,
+}
+
+impl ScaleTarget {
+    /// The object that scales `target` — a standalone service or a scaling
+    /// group of `spec` — in the PodCliqueSet [`super::render_k8s`] renders
+    /// (PCS replica 0).
+    pub fn for_spec(spec: &DeploymentSpec, target: &str) -> Result<Self, ConnectorError> {
+        let err = |message: String| ConnectorError::Target {
+            target: target.to_string(),
+            message,
+        };
+        if let Some(g) = spec.group(target) {
+            return Ok(ScaleTarget {
+                kind: ScaleKind::PodCliqueScalingGroup,
+                name: names::scaling_group_name(&spec.name, 0, &g.name),
+            });
+        }
+        match spec.service(target) {
+            Some(s) => match &s.group {
+                Some(g) => Err(err(format!(
+                    "service {target} is in scaling group {g}: scale the group"
+                ))),
+                None => Ok(ScaleTarget {
+                    kind: ScaleKind::PodClique,
+                    name: names::podclique_name(&spec.name, 0, &s.name),
+                }),
+            },
+            None => Err(err(format!(
+                "no service or group {target:?} in deployment {}",
+                spec.name
+            ))),
+        }
+    }
+}
+
+/// The request setting `target`'s `spec.replicas` to `replicas` in
+/// `namespace`. Grove may refuse 0 (scale to zero); the API server's answer
+/// says so.
+pub fn scale_request(
+    namespace: &str,
+    target: &ScaleTarget,
+    replicas: u32,
+) -> Result<http::Request<Vec<u8>>, ConnectorError> {
+    if !names::is_dns1123_label(namespace) {
+        return Err(ConnectorError::Invalid {
+            field: "namespace",
+            message: format!("{namespace:?} is not a DNS-1123 label"),
+        });
+    }
+    if !names::is_dns1123_subdomain(&target.name) {
+        return Err(ConnectorError::Invalid {
+            field: "name",
+            message: format!("{:?} is not a DNS-1123 subdomain", target.name),
+        });
+    }
+    if replicas > MAX_REPLICAS {
+        return Err(ConnectorError::Invalid {
+            field: "replicas",
+            message: format!("{replicas} is more than {MAX_REPLICAS}"),
+        });
+    }
+    let url = DynamicObject::url_path(&target.kind.api_resource(), Some(namespace));
+    let pp = PatchParams {
+        field_manager: Some(FIELD_MANAGER.into()),
+        ..Default::default()
+    };
+    let patch = Patch::Merge(json!({"spec": {"replicas": replicas}}));
+    Request::new(url)
+        .patch(&target.name, &pp, &patch)
+        .map_err(|e| ConnectorError::Request {
+            kind: target.kind.kind(),
+            name: target.name.clone(),
+            message: e.to_string(),
+        })
+}
+
+/// Sends scale requests to a Kubernetes API server (feature `k8s-client`).
+#[cfg(feature = "k8s-client")]
+#[derive(Clone)]
+pub struct KubeScaler {
+    client: kube::Client,
+    namespace: String,
+}
+
+#[cfg(feature = "k8s-client")]
+impl KubeScaler {
+    pub fn new(client: kube::Client, namespace: impl Into<String>) -> Self {
+        KubeScaler {
+            client,
+            namespace: namespace.into(),
+        }
+    }
+
+    /// A scaler with the in-cluster or kubeconfig credentials.
+    pub async fn try_default(namespace: impl Into<String>) -> Result<Self, ConnectorError> {
+        Ok(Self::new(kube::Client::try_default().await?, namespace))
+    }
+
+    /// Sets `target`'s replicas; returns the patched object.
+    pub async fn scale(
+        &self,
+        target: &ScaleTarget,
+        replicas: u32,
+    ) -> Result<serde_json::Value, ConnectorError> {
+        let req = scale_request(&self.namespace, target, replicas)?;
+        Ok(self.client.request::<serde_json::Value>(req).await?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target(kind: ScaleKind, name: &str) -> ScaleTarget {
+        ScaleTarget {
+            kind,
+            name: name.into(),
+        }
+    }
+
+    #[test]
+    fn a_podclique_patch_sets_only_replicas() {
+        let req =
+            scale_request("serving", &target(ScaleKind::PodClique, "d-0-prefill"), 3).unwrap();
+        assert_eq!(req.method(), http::Method::PATCH);
+        assert_eq!(
+            req.uri().path(),
+            "/apis/grove.io/v1alpha1/namespaces/serving/podcliques/d-0-prefill"
+        );
+        assert!(req
+            .uri()
+            .query()
+            .unwrap_or("")
+            .contains("fieldManager=dynamo-planner"));
+        assert_eq!(
+            req.headers()[http::header::CONTENT_TYPE],
+            "application/merge-patch+json"
+        );
+        let body: serde_json::Value = serde_json::from_slice(req.body()).unwrap();
+        assert_eq!(body, json!({"spec": {"replicas": 3}}));
+    }
+
+    #[test]
+    fn bad_requests_name_the_field() {
+        let t = target(ScaleKind::PodCliqueScalingGroup, "d-0-pd");
+        let e = scale_request("Not_A_Namespace", &t, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`namespace`"), "{e}");
+        let e = scale_request("ns", &t, MAX_REPLICAS + 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`replicas`"), "{e}");
+        let e = scale_request("ns", &target(ScaleKind::PodClique, ""), 1)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`name`"), "{e}");
+    }
+
+    #[test]
+    fn kinds_and_plurals_are_the_crds_own() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("k8s/grove-crds");
+        for (kind, file) in [
+            (ScaleKind::PodClique, "grove.io_podcliques.yaml"),
+            (
+                ScaleKind::PodCliqueScalingGroup,
+                "grove.io_podcliquescalinggroups.yaml",
+            ),
+        ] {
+            let text = std::fs::read_to_string(dir.join(file)).unwrap();
+            let crd: serde_json::Value = serde_yaml_ng::from_str(&text).unwrap();
+            assert_eq!(crd["spec"]["group"], GROUP);
+            assert_eq!(crd["spec"]["names"]["plural"], kind.plural());
+            assert_eq!(crd["spec"]["names"]["kind"], kind.kind());
+            assert!(crd["spec"]["versions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|v| v["name"] == VERSION && v["served"] == true));
+            // Both scale through `spec.replicas` (their scale subresource says so).
+            assert_eq!(
+                crd["spec"]["versions"][0]["subresources"]["scale"]["specReplicasPath"],
+                ".spec.replicas"
+            );
+        }
+    }
+}

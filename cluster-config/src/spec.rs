@@ -1,0 +1,953 @@
+//! The deployment spec: one YAML file describing a serving graph, parsed
+//! into checked types ([`DeploymentSpec`]).
+//!
+//! ```yaml
+//! version: 1
+//! name: disagg
+//! topology: {preferred: zone}            # the whole deployment
+//! services:
+//!   frontend: {role: frontend, replicas: 1, gateway: {listen: "127.0.0.1:8000"}, router: {policy: kv_aware}}
+//!   prefill:  {role: prefill, replicas: 2, resources: {slots: 1}, topology: {required: rack},
+//!              starts_after: [frontend], worker: {engine: mocker}}
+//!   decode:   {role: decode, replicas: 2, resources: {slots: 1}, worker: {engine: mocker}}
+//! groups:                                 # services scaled and placed together
+//!   pd: {services: [prefill, decode], replicas: 1, min_available: 1, topology: {required: rack}}
+//! ```
+//!
+//! Invariants of a [`DeploymentSpec`]:
+//! - names are DNS labels (`[a-z0-9-]`, starting with a letter), unique
+//!   across services and groups;
+//! - every numeric field is bounded (replicas ≤ [`MAX_REPLICAS`], slots ≤
+//!   [`MAX_SLOTS`]); `min_available` ≤ replicas;
+//! - a child's topology constraint only narrows its parent's (deployment →
+//!   group → service), and in one constraint `preferred` is narrower than
+//!   `required`;
+//! - `starts_after` names existing services, and the order has no cycle;
+//! - a service is in at most one group; a frontend has no `worker` section
+//!   and a worker has no `gateway`/`router` section.
+//!
+//! Engine, gateway and router settings stay JSON values here: their types
+//! live above this crate, and the node validates them (`dynamoctl apply`
+//! does so before anything is stored), with errors naming
+//! `services.<name>.worker.<field>`.
+
+use crate::placement::{Gang, Level, Member, Pack, Scope};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use thiserror::Error;
+
+/// Most replicas of one service or group.
+pub const MAX_REPLICAS: u32 = 4096;
+/// Most slots (GPUs) one replica may ask for.
+pub const MAX_SLOTS: u32 = 64;
+/// Longest service, group or deployment name. Grove pod names are
+/// `<pcs>-<i>-<pcsg>-<j>-<pclq>-<suffix>` in at most 63 characters; the
+/// renderer checks the composed names.
+pub const MAX_NAME: usize = 40;
+/// Most services and groups in one deployment.
+pub const MAX_SERVICES: usize = 64;
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum SpecError {
+    #[error("deployment spec: {0}")]
+    Parse(String),
+    #[error("deployment spec field `{field}`: {message}")]
+    Invalid { field: String, message: String },
+}
+
+fn invalid(field: impl Into<String>, message: impl Into<String>) -> SpecError {
+    SpecError::Invalid {
+        field: field.into(),
+        message: message.into(),
+    }
+}
+
+/// What a service runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// A gateway and a router.
+    Frontend,
+    Aggregated,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Role::Frontend => "frontend",
+            Role::Aggregated => "aggregated",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+    pub fn is_worker(&self) -> bool {
+        !matches!(self, Role::Frontend)
+    }
+}
+
+/// Resources of one replica.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Resources {
+    /// Accelerator slots (GPUs) the replica takes on its node.
+    #[serde(default)]
+    pub slots: u32,
+    /// Memory the replica takes on its node, MiB.
+    #[serde(default)]
+    pub memory_mib: u64,
+}
+
+/// A checked service.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ServiceSpec {
+    pub name: String,
+    pub role: Role,
+    /// Replicas; for a member of a group, replicas per group replica.
+    pub replicas: u32,
+    /// Ready replicas below which the service is not available (the
+    /// gang floor, and what `starts_after` waits for).
+    pub min_available: u32,
+    pub resources: Resources,
+    /// Packing of all of this service's replicas (within one group replica
+    /// for a group member).
+    pub pack: Pack,
+    /// Services that must be available before this one is started.
+    pub starts_after: Vec<String>,
+    /// Node labels a replica's node must have (`key: value`, sorted).
+    pub node_selector: Vec<(String, String)>,
+    /// The scaling group this service belongs to.
+    pub group: Option<String>,
+    /// Worker settings (engine, model, …) for worker roles, in the node's
+    /// `[[workers]]` shape without `count` and `role`.
+    pub worker: Option<serde_json::Value>,
+    /// Gateway settings (frontend).
+    pub gateway: Option<serde_json::Value>,
+    /// Router settings (frontend).
+    pub router: Option<serde_json::Value>,
+}
+
+/// A checked scaling group.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupSpec {
+    pub name: String,
+    pub services: Vec<String>,
+    pub replicas: u32,
+    pub min_available: u32,
+    /// Packing of each group replica.
+    pub pack: Pack,
+}
+
+/// A checked deployment spec.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeploymentSpec {
+    pub name: String,
+    /// Packing of the whole deployment.
+    pub pack: Pack,
+    /// Sorted by name.
+    pub services: Vec<ServiceSpec>,
+    /// Sorted by name.
+    pub groups: Vec<GroupSpec>,
+}
+
+// ---- the file's shape ----
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTopology {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub required: Option<Level>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preferred: Option<Level>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawService {
+    pub role: Role,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_available: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<Resources>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topology: Option<RawTopology>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub starts_after: Vec<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router: Option<serde_json::Value>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawGroup {
+    pub services: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_available: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topology: Option<RawTopology>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSpec {
+    /// Spec format version (1).
+    pub version: u32,
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub topology: Option<RawTopology>,
+    pub services: BTreeMap<String, RawService>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub groups: BTreeMap<String, RawGroup>,
+}
+
+/// Checks a name is a DNS label of at most [`MAX_NAME`] characters.
+pub fn check_name(field: &str, name: &str) -> Result<(), SpecError> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_NAME
+        && name.as_bytes()[0].is_ascii_lowercase()
+        && !name.ends_with('-')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(
+            field,
+            format!(
+                "{name:?} must be 1-{MAX_NAME} characters of [a-z0-9-], start with a letter and not end with '-'"
+            ),
+        ))
+    }
+}
+
+fn pack(field: &str, t: Option<RawTopology>) -> Result<Pack, SpecError> {
+    let t = t.unwrap_or_default();
+    let p = Pack {
+        required: t.required,
+        preferred: t.preferred,
+    };
+    if let (Some(r), Some(pr)) = (p.required, p.preferred) {
+        if !pr.narrower_or_equal(r) || pr == r {
+            return Err(invalid(
+                format!("{field}.preferred"),
+                format!("{pr} is not narrower than the required {r}: preferring it adds nothing"),
+            ));
+        }
+    }
+    Ok(p)
+}
+
+/// A child's constraint may only narrow its parent's.
+fn narrows(field: &str, parent_name: &str, parent: Pack, child: Pack) -> Result<(), SpecError> {
+    if let (Some(p), Some(c)) = (parent.required, child.required) {
+        if !c.narrower_or_equal(p) {
+            return Err(invalid(
+                format!("{field}.required"),
+                format!("{c} is wider than {parent_name}'s required {p}: a child may only narrow its parent's constraint"),
+            ));
+        }
+    }
+    if let (Some(p), Some(c)) = (parent.required, child.preferred) {
+        if !c.narrower_or_equal(p) {
+            return Err(invalid(
+                format!("{field}.preferred"),
+                format!("{c} is wider than {parent_name}'s required {p}: a child may only narrow its parent's constraint"),
+            ));
+        }
+    }
+    if let (Some(p), Some(c)) = (parent.preferred, child.preferred) {
+        if !c.narrower_or_equal(p) {
+            return Err(invalid(
+                format!("{field}.preferred"),
+                format!("{c} is wider than {parent_name}'s preferred {p}: a child may only narrow its parent's constraint"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl DeploymentSpec {
+    /// Parses and checks a YAML spec.
+    pub fn parse(text: &str) -> Result<Self, SpecError> {
+        let raw: RawSpec =
+            serde_yaml_ng::from_str(text).map_err(|e| SpecError::Parse(e.to_string()))?;
+        Self::validate(raw)
+    }
+
+    pub fn validate(raw: RawSpec) -> Result<Self, SpecError> {
+        if raw.version != 1 {
+            return Err(invalid("version", "must be 1"));
+        }
+        check_name("name", &raw.name)?;
+        let dep_pack = pack("topology", raw.topology)?;
+        if raw.services.is_empty() {
+            return Err(invalid(
+                "services",
+                "a deployment needs at least one service",
+            ));
+        }
+        if raw.services.len() + raw.groups.len() > MAX_SERVICES {
+            return Err(invalid(
+                "services",
+                format!("at most {MAX_SERVICES} services and groups"),
+            ));
+        }
+        // Groups first: a member's parent constraint is its group's.
+        let mut member_of: BTreeMap<String, String> = BTreeMap::new();
+        let mut groups = Vec::new();
+        for (name, g) in raw.groups {
+            let f = format!("groups.{name}");
+            check_name(&f, &name)?;
+            if raw.services.contains_key(&name) {
+                return Err(invalid(&f, "a group and a service share this name"));
+            }
+            if g.services.is_empty() {
+                return Err(invalid(format!("{f}.services"), "a group needs services"));
+            }
+            let replicas = g.replicas.unwrap_or(1);
+            if replicas > MAX_REPLICAS {
+                return Err(invalid(
+                    format!("{f}.replicas"),
+                    format!("must be 0-{MAX_REPLICAS}"),
+                ));
+            }
+            let min_available = g.min_available.unwrap_or(replicas.min(1));
+            if min_available > replicas {
+                return Err(invalid(
+                    format!("{f}.min_available"),
+                    format!("{min_available} is more than the group's {replicas} replicas"),
+                ));
+            }
+            let p = pack(&format!("{f}.topology"), g.topology)?;
+            narrows(&format!("{f}.topology"), "the deployment", dep_pack, p)?;
+            let mut seen = BTreeSet::new();
+            for s in &g.services {
+                if !raw.services.contains_key(s) {
+                    return Err(invalid(
+                        format!("{f}.services"),
+                        format!("no service {s:?} in this deployment"),
+                    ));
+                }
+                if !seen.insert(s.clone()) {
+                    return Err(invalid(
+                        format!("{f}.services"),
+                        format!("{s:?} is listed twice"),
+                    ));
+                }
+                if let Some(other) = member_of.insert(s.clone(), name.clone()) {
+                    return Err(invalid(
+                        format!("{f}.services"),
+                        format!("{s:?} is already in group {other:?}; a service is in at most one group"),
+                    ));
+                }
+            }
+            groups.push(GroupSpec {
+                name,
+                services: g.services,
+                replicas,
+                min_available,
+                pack: p,
+            });
+        }
+        let names: BTreeSet<String> = raw.services.keys().cloned().collect();
+        let mut services = Vec::new();
+        for (name, s) in raw.services {
+            let f = format!("services.{name}");
+            check_name(&f, &name)?;
+            let group = member_of.get(&name).cloned();
+            let replicas = s.replicas.unwrap_or(1);
+            if replicas > MAX_REPLICAS {
+                return Err(invalid(
+                    format!("{f}.replicas"),
+                    format!("must be 0-{MAX_REPLICAS}"),
+                ));
+            }
+            if group.is_some() && replicas == 0 {
+                return Err(invalid(
+                    format!("{f}.replicas"),
+                    "a group member needs at least 1 replica per group replica (scale the group instead)",
+                ));
+            }
+            let min_available = s.min_available.unwrap_or(replicas.min(1));
+            if min_available > replicas {
+                return Err(invalid(
+                    format!("{f}.min_available"),
+                    format!("{min_available} is more than the service's {replicas} replicas"),
+                ));
+            }
+            let resources = s.resources.unwrap_or(Resources {
+                slots: u32::from(s.role.is_worker()),
+                memory_mib: 0,
+            });
+            if resources.slots > MAX_SLOTS {
+                return Err(invalid(
+                    format!("{f}.resources.slots"),
+                    format!("must be 0-{MAX_SLOTS}"),
+                ));
+            }
+            if resources.memory_mib > (1 << 30) {
+                return Err(invalid(
+                    format!("{f}.resources.memory_mib"),
+                    "must be at most 1073741824 (1 PiB)",
+                ));
+            }
+            let p = pack(&format!("{f}.topology"), s.topology)?;
+            match &group {
+                Some(g) => {
+                    let gp = groups
+                        .iter()
+                        .find(|x| &x.name == g)
+                        .map(|x| x.pack)
+                        .unwrap_or_default();
+                    narrows(&format!("{f}.topology"), &format!("group {g}"), gp, p)?;
+                    narrows(&format!("{f}.topology"), "the deployment", dep_pack, p)?;
+                }
+                None => narrows(&format!("{f}.topology"), "the deployment", dep_pack, p)?,
+            }
+            let label_ok = |v: &str| {
+                !v.is_empty()
+                    && v.len() <= 63
+                    && v.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+            };
+            for (k, v) in &s.node_selector {
+                if !label_ok(k) || !label_ok(v) {
+                    return Err(invalid(
+                        format!("{f}.node_selector.{k}"),
+                        "label keys and values are 1-63 characters of [A-Za-z0-9._-]",
+                    ));
+                }
+            }
+            let node_selector: Vec<(String, String)> =
+                s.node_selector.clone().into_iter().collect();
+            for a in &s.starts_after {
+                if a == &name {
+                    return Err(invalid(
+                        format!("{f}.starts_after"),
+                        "a service cannot start after itself",
+                    ));
+                }
+                if !names.contains(a) {
+                    return Err(invalid(
+                        format!("{f}.starts_after"),
+                        format!("no service {a:?} in this deployment"),
+                    ));
+                }
+            }
+            let (worker, gateway, router) = if s.role.is_worker() {
+                if s.gateway.is_some() || s.router.is_some() {
+                    return Err(invalid(
+                        format!(
+                            "{f}.{}",
+                            if s.gateway.is_some() {
+                                "gateway"
+                            } else {
+                                "router"
+                            }
+                        ),
+                        "only a frontend service has gateway or router settings",
+                    ));
+                }
+                let w = s.worker.ok_or_else(|| {
+                    invalid(
+                        format!("{f}.worker"),
+                        "a worker service needs a worker section (engine, model, …)",
+                    )
+                })?;
+                let obj = w
+                    .as_object()
+                    .ok_or_else(|| invalid(format!("{f}.worker"), "must be a mapping"))?;
+                for k in ["count", "role"] {
+                    if obj.contains_key(k) {
+                        return Err(invalid(
+                            format!("{f}.worker.{k}"),
+                            "set by the service (`replicas`, `role`), not in worker".to_string(),
+                        ));
+                    }
+                }
+                if !obj.get("engine").is_some_and(|e| e.is_string()) {
+                    return Err(invalid(
+                        format!("{f}.worker.engine"),
+                        "missing: name an engine (cpu or mocker)",
+                    ));
+                }
+                (Some(w), None, None)
+            } else {
+                if s.worker.is_some() {
+                    return Err(invalid(
+                        format!("{f}.worker"),
+                        "a frontend runs a gateway and a router, not workers",
+                    ));
+                }
+                for (k, v) in [("gateway", &s.gateway), ("router", &s.router)] {
+                    if v.as_ref().is_some_and(|v| !v.is_object()) {
+                        return Err(invalid(format!("{f}.{k}"), "must be a mapping"));
+                    }
+                }
+                (None, s.gateway, s.router)
+            };
+            services.push(ServiceSpec {
+                name,
+                role: s.role,
+                replicas,
+                min_available,
+                resources,
+                pack: p,
+                starts_after: s.starts_after,
+                node_selector,
+                group,
+                worker,
+                gateway,
+                router,
+            });
+        }
+        let spec = DeploymentSpec {
+            name: raw.name,
+            pack: dep_pack,
+            services,
+            groups,
+        };
+        spec.check_start_order()?;
+        Ok(spec)
+    }
+
+    /// Rejects a cycle in `starts_after`, naming a service on it.
+    fn check_start_order(&self) -> Result<(), SpecError> {
+        // Kahn's algorithm over the (small) service graph.
+        let mut pending: BTreeMap<&str, BTreeSet<&str>> = self
+            .services
+            .iter()
+            .map(|s| {
+                (
+                    s.name.as_str(),
+                    s.starts_after.iter().map(|x| x.as_str()).collect(),
+                )
+            })
+            .collect();
+        loop {
+            let ready: Vec<&str> = pending
+                .iter()
+                .filter(|(_, d)| d.is_empty())
+                .map(|(n, _)| *n)
+                .collect();
+            if ready.is_empty() {
+                break;
+            }
+            for r in ready {
+                pending.remove(r);
+                for d in pending.values_mut() {
+                    d.remove(r);
+                }
+            }
+        }
+        match pending.keys().next() {
+            None => Ok(()),
+            Some(n) => Err(invalid(
+                format!("services.{n}.starts_after"),
+                "the start-up order has a cycle",
+            )),
+        }
+    }
+
+    pub fn service(&self, name: &str) -> Option<&ServiceSpec> {
+        self.services.iter().find(|s| s.name == name)
+    }
+
+    pub fn group(&self, name: &str) -> Option<&GroupSpec> {
+        self.groups.iter().find(|g| g.name == name)
+    }
+
+    /// Sets the replicas of a standalone service or of a group (what
+    /// `dynamoctl scale deployment/TARGET N` changes). A group member is
+    /// scaled through its group, so that its members stay together.
+    pub fn scale(&mut self, target: &str, replicas: u32) -> Result<(), SpecError> {
+        let field = format!("scale {target}");
+        if replicas > MAX_REPLICAS {
+            return Err(invalid(field, format!("must be 0-{MAX_REPLICAS}")));
+        }
+        if let Some(g) = self.groups.iter_mut().find(|g| g.name == target) {
+            g.replicas = replicas;
+            g.min_available = g.min_available.min(replicas);
+            return Ok(());
+        }
+        match self.services.iter_mut().find(|s| s.name == target) {
+            Some(s) => match &s.group {
+                Some(g) => Err(invalid(
+                    field,
+                    format!("service {target} is in scaling group {g}: scale deployment/{g}"),
+                )),
+                None => {
+                    s.replicas = replicas;
+                    s.min_available = s.min_available.min(replicas);
+                    Ok(())
+                }
+            },
+            None => Err(invalid(
+                field,
+                format!("no service or group {target:?} in deployment {}", self.name),
+            )),
+        }
+    }
+
+    /// Every replica the spec asks for, with its stable key: `svc-i` for a
+    /// standalone service, `group-j.svc-i` for a group member.
+    pub fn replicas(&self) -> Vec<Replica> {
+        let mut out = Vec::new();
+        for s in &self.services {
+            match &s.group {
+                None => {
+                    for i in 0..s.replicas {
+                        out.push(Replica {
+                            key: format!("{}-{i}", s.name),
+                            service: s.name.clone(),
+                            gang: format!("{}-{i}", s.name),
+                        });
+                    }
+                }
+                Some(g) => {
+                    let n = self.group(g).map(|g| g.replicas).unwrap_or(0);
+                    for j in 0..n {
+                        for i in 0..s.replicas {
+                            out.push(Replica {
+                                key: format!("{g}-{j}.{}-{i}", s.name),
+                                service: s.name.clone(),
+                                gang: format!("{g}-{j}"),
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The placement problem for this spec: one gang per standalone
+    /// replica or group replica, scopes for the deployment's packing and
+    /// each service's. Member keys are `<deployment>/<replica key>`.
+    /// `startable` filters the services whose replicas are placed now
+    /// (those whose `starts_after` are available).
+    pub fn gangs(&self, startable: &dyn Fn(&str) -> bool) -> (Vec<Scope>, Vec<Gang>) {
+        let mut scopes = Vec::new();
+        let dep_scope = (self.pack != Pack::default()).then(|| {
+            scopes.push(Scope {
+                key: self.name.clone(),
+                pack: self.pack,
+            });
+            scopes.len() - 1
+        });
+        let mut svc_scope: BTreeMap<&str, usize> = BTreeMap::new();
+        for s in &self.services {
+            if s.group.is_none() && s.pack != Pack::default() {
+                scopes.push(Scope {
+                    key: format!("{}/{}", self.name, s.name),
+                    pack: s.pack,
+                });
+                svc_scope.insert(&s.name, scopes.len() - 1);
+            }
+        }
+        let mut gangs: Vec<Gang> = Vec::new();
+        let mut by_gang: BTreeMap<String, usize> = BTreeMap::new();
+        for r in self.replicas() {
+            let Some(s) = self.service(&r.service) else {
+                continue;
+            };
+            if !startable(&s.name) {
+                continue;
+            }
+            let member = Member {
+                key: format!("{}/{}", self.name, r.key),
+                service: format!("{}/{}", self.name, s.name),
+                slots: s.resources.slots,
+                memory_mib: s.resources.memory_mib,
+                selector: s.node_selector.clone(),
+                // A frontend owns its node's HTTP port and router name.
+                exclusive: (s.role == Role::Frontend).then(|| "frontend".to_string()),
+            };
+            let gi = *by_gang.entry(r.gang.clone()).or_insert_with(|| {
+                let mut sc: Vec<usize> = dep_scope.into_iter().collect();
+                if let Some(i) = svc_scope.get(s.name.as_str()) {
+                    sc.push(*i);
+                }
+                let pack = match &s.group {
+                    Some(g) => self.group(g).map(|g| g.pack).unwrap_or_default(),
+                    None => Pack::default(),
+                };
+                gangs.push(Gang {
+                    key: format!("{}/{}", self.name, r.gang),
+                    members: Vec::new(),
+                    pack,
+                    scopes: sc,
+                });
+                gangs.len() - 1
+            });
+            gangs[gi].members.push(member);
+        }
+        // A group member's own packing narrows its group's: the gang takes
+        // the narrowest required level of its members (validated to narrow).
+        for g in &mut gangs {
+            for m in &g.members {
+                let svc = m.service.rsplit('/').next().unwrap_or_default();
+                if let Some(s) = self.service(svc) {
+                    if s.group.is_some() {
+                        g.pack.required = narrowest(g.pack.required, s.pack.required);
+                        g.pack.preferred = narrowest(g.pack.preferred, s.pack.preferred);
+                    }
+                }
+            }
+        }
+        (scopes, gangs)
+    }
+
+    /// The spec back in its file's shape (for `configure --emit-config`
+    /// and for storing a scaled spec).
+    pub fn to_raw(&self) -> RawSpec {
+        let topo = |p: Pack| {
+            (p != Pack::default()).then_some(RawTopology {
+                required: p.required,
+                preferred: p.preferred,
+            })
+        };
+        RawSpec {
+            version: 1,
+            name: self.name.clone(),
+            topology: topo(self.pack),
+            services: self
+                .services
+                .iter()
+                .map(|s| {
+                    (
+                        s.name.clone(),
+                        RawService {
+                            role: s.role,
+                            replicas: Some(s.replicas),
+                            min_available: Some(s.min_available),
+                            resources: Some(s.resources),
+                            topology: topo(s.pack),
+                            starts_after: s.starts_after.clone(),
+                            node_selector: s.node_selector.iter().cloned().collect(),
+                            worker: s.worker.clone(),
+                            gateway: s.gateway.clone(),
+                            router: s.router.clone(),
+                        },
+                    )
+                })
+                .collect(),
+            groups: self
+                .groups
+                .iter()
+                .map(|g| {
+                    (
+                        g.name.clone(),
+                        RawGroup {
+                            services: g.services.clone(),
+                            replicas: Some(g.replicas),
+                            min_available: Some(g.min_available),
+                            topology: topo(g.pack),
+                        },
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    /// The spec as YAML.
+    pub fn to_yaml(&self) -> Result<String, SpecError> {
+        serde_yaml_ng::to_string(&self.to_raw()).map_err(|e| SpecError::Parse(e.to_string()))
+    }
+}
+
+fn narrowest(a: Option<Level>, b: Option<Level>) -> Option<Level> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(if y.narrower_or_equal(x) { y } else { x }),
+        (x, None) => x,
+        (None, y) => y,
+    }
+}
+
+/// One replica a spec asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Replica {
+    /// Stable within the deployment: `svc-i` or `group-j.svc-i`.
+    pub key: String,
+    pub service: String,
+    /// The gang it is placed with (itself, or its group replica).
+    pub gang: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DISAGG: &str = r#"
+version: 1
+name: disagg
+services:
+  frontend:
+    role: frontend
+    gateway: {listen: "127.0.0.1:8000"}
+    router: {policy: kv_aware}
+  prefill:
+    role: prefill
+    replicas: 2
+    topology: {required: rack}
+    starts_after: [frontend]
+    worker: {engine: mocker}
+  decode:
+    role: decode
+    replicas: 2
+    worker: {engine: mocker}
+"#;
+
+    fn err(text: &str) -> String {
+        DeploymentSpec::parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_disaggregated_spec_parses() {
+        let s = DeploymentSpec::parse(DISAGG).unwrap();
+        assert_eq!(s.services.len(), 3);
+        let p = s.service("prefill").unwrap();
+        assert_eq!((p.replicas, p.resources.slots), (2, 1));
+        assert_eq!(p.pack.required, Some(Level::Rack));
+        assert_eq!(s.service("frontend").unwrap().resources.slots, 0);
+        let (scopes, gangs) = s.gangs(&|_| true);
+        assert_eq!(scopes.len(), 1);
+        assert_eq!(scopes[0].key, "disagg/prefill");
+        assert_eq!(gangs.len(), 5);
+        assert!(gangs
+            .iter()
+            .any(|g| g.key == "disagg/prefill-1" && g.scopes == vec![0]));
+        // The round trip keeps the meaning.
+        let again = DeploymentSpec::parse(&s.to_yaml().unwrap()).unwrap();
+        assert_eq!(again, s);
+    }
+
+    #[test]
+    fn groups_make_gangs_of_their_members() {
+        let text = DISAGG.replace(
+            "  decode:\n",
+            "  pd2:\n    role: aggregated\n    worker: {engine: mocker}\n  decode:\n",
+        ) + "groups:\n  pd:\n    services: [decode, pd2]\n    replicas: 3\n    topology: {required: host}\n";
+        let s = DeploymentSpec::parse(&text).unwrap();
+        let (_, gangs) = s.gangs(&|_| true);
+        let pd: Vec<&Gang> = gangs
+            .iter()
+            .filter(|g| g.key.starts_with("disagg/pd-"))
+            .collect();
+        assert_eq!(pd.len(), 3);
+        assert_eq!(pd[0].members.len(), 3);
+        assert_eq!(pd[0].pack.required, Some(Level::Host));
+        assert!(pd[0]
+            .members
+            .iter()
+            .any(|m| m.key == "disagg/pd-0.decode-1"));
+        let mut s2 = s.clone();
+        assert!(s2
+            .scale("decode", 4)
+            .unwrap_err()
+            .to_string()
+            .contains("scale deployment/pd"));
+        s2.scale("pd", 1).unwrap();
+        // frontend, two prefill replicas and one group replica.
+        assert_eq!(s2.gangs(&|_| true).1.len(), 4);
+        assert!(s2
+            .scale("nope", 1)
+            .unwrap_err()
+            .to_string()
+            .contains("no service or group"));
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        assert!(
+            err(&DISAGG.replace("replicas: 2\n    topology", "replcas: 2\n    topology"))
+                .contains("replcas")
+        );
+        assert!(err(&DISAGG.replace("version: 1", "version: 2")).contains("`version`"));
+        assert!(err(&DISAGG.replace("name: disagg", "name: Dis_agg")).contains("`name`"));
+        assert!(
+            err(&DISAGG.replace("starts_after: [frontend]", "starts_after: [nobody]"))
+                .contains("services.prefill.starts_after")
+        );
+        assert!(err(&DISAGG.replace(
+            "worker: {engine: mocker}\n  decode",
+            "worker: {role: x, engine: mocker}\n  decode"
+        ))
+        .contains("services.prefill.worker.role"));
+        assert!(err(&DISAGG.replace(
+            "    replicas: 2\n    worker",
+            "    replicas: 2\n    resources: {slots: 65}\n    worker"
+        ))
+        .contains("services.decode.resources.slots"));
+        assert!(err(&DISAGG.replace(
+            "router: {policy: kv_aware}",
+            "router: {policy: kv_aware}\n    worker: {engine: cpu}"
+        ))
+        .contains("services.frontend.worker"));
+        assert!(
+            err(&DISAGG.replace("    worker: {engine: mocker}\n  decode", "  decode"))
+                .contains("services.prefill.worker")
+        );
+        assert!(err(&DISAGG.replace("role: decode", "role: decoder")).contains("decoder"));
+    }
+
+    #[test]
+    fn a_child_only_narrows_its_parent() {
+        let text = DISAGG.replace(
+            "name: disagg\n",
+            "name: disagg\ntopology: {required: rack}\n",
+        );
+        assert!(DeploymentSpec::parse(&text).is_ok());
+        let wider = text.replace(
+            "topology: {required: rack}\n    starts",
+            "topology: {required: zone}\n    starts",
+        );
+        let e = err(&wider);
+        assert!(
+            e.contains("services.prefill.topology.required") && e.contains("narrow"),
+            "{e}"
+        );
+        let e = err(&DISAGG.replace("{required: rack}", "{required: rack, preferred: zone}"));
+        assert!(e.contains("services.prefill.topology.preferred"), "{e}");
+        let grouped = DISAGG.to_string()
+            + "groups:\n  pd:\n    services: [prefill, decode]\n    topology: {required: host}\n";
+        let e = err(&grouped);
+        assert!(
+            e.contains("services.prefill.topology.required") && e.contains("group pd"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn start_order_cycles_are_refused() {
+        let text = DISAGG.replace(
+            "role: frontend\n",
+            "role: frontend\n    starts_after: [prefill]\n",
+        );
+        assert!(err(&text).contains("cycle"));
+    }
+
+    #[test]
+    fn group_membership_is_checked() {
+        let twice = DISAGG.to_string()
+            + "groups:\n  a:\n    services: [decode]\n  b:\n    services: [decode]\n";
+        assert!(err(&twice).contains("groups.b.services"));
+        let missing = DISAGG.to_string() + "groups:\n  a:\n    services: [nope]\n";
+        assert!(err(&missing).contains("groups.a.services"));
+        let floor = DISAGG.to_string()
+            + "groups:\n  a:\n    services: [decode]\n    replicas: 1\n    min_available: 2\n";
+        assert!(err(&floor).contains("groups.a.min_available"));
+    }
+}
