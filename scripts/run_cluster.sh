@@ -1,52 +1,65 @@
 #!/usr/bin/env bash
-# Starts a multi-node example on one machine: one NATS (JetStream) and one
-# dynamo-node process per config in cluster-config/examples/EXAMPLE/
-# (worker nodes first, then gateways), then waits until every gateway port
-# reports WORKERS workers, and keeps the cluster up: a node (or NATS) that
-# exits is reported and started again, while the others keep serving.
+# Starts a labelled cluster on one machine from a deployment spec: one NATS
+# (JetStream), four dynamo-node processes that join it with labels and no
+# workers of their own (racks r1 and r2, two hosts each, SLOTS slots per
+# node; n1 and n2 also run a placement controller), then `dynamoctl apply`
+# of the spec. It waits until every gateway port reports WORKERS workers,
+# and keeps the cluster up: a node (or NATS) that exits is reported and
+# started again, while the others keep serving.
 # Ctrl-C stops everything (nodes drain and deregister first, NATS last).
-#   make run-ha:     scripts/run_cluster.sh ha "8000 8001" 3
-#   make run-disagg: scripts/run_cluster.sh disagg 8000 2
+#   make run-cluster: scripts/run_cluster.sh cluster 8000 2
+#   make run-ha:      scripts/run_cluster.sh ha "8000 8001" 3
+#   make run-disagg:  scripts/run_cluster.sh disagg 8000 2
+# SPEC is cluster-config/examples/SPEC.yaml, or a path to a spec.
+# Node labels: n1 zone=z1,rack=r1,host=h1,edge=yes,gateway=0 (listens on
+# the first port), n2 ...,host=h2,edge=yes,gateway=1 (the second port),
+# n3 and n4 rack=r2,edge=no: specs pin frontends with `node_selector`.
 # Environment:
 #   BIN=DIR             binaries (default ./target/release)
-#   NATS_PORT=N         NATS port (default 4222, what the example configs name)
+#   NATS_PORT=N         NATS port (default 4222)
+#   SLOTS=N             slots per node (default 4)
 #   RESTART=0           report exited nodes but do not restart them
 #   DRAIN_S=N           on Ctrl-C, kill a node still draining after N s (60)
 #   DYNAMO_STATE_DIR=D  where the NATS URL is written for `dynamoctl`
 #                       (default: the directory dynamoctl looks in)
-# PORTS replace the gateways' listen ports, in file-name order.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXAMPLE=${1:?usage: run_cluster.sh EXAMPLE "PORTS" WORKERS}
+SPEC=${1:?usage: run_cluster.sh SPEC "PORTS" WORKERS}
 PORTS=${2:?gateway ports}
 WORKERS=${3:?worker count}
 BIN=${BIN:-./target/release}
 NATS_PORT=${NATS_PORT:-4222}
+SLOTS=${SLOTS:-4}
 RESTART=${RESTART:-1}
 DRAIN_S=${DRAIN_S:-60}
 STATE_DIR=${DYNAMO_STATE_DIR:-${TMPDIR:-/tmp}/dynamo-state}
-dir="cluster-config/examples/$EXAMPLE"
-[ -d "$dir" ] || { echo "no example $dir" >&2; exit 2; }
-run=$(mktemp -d -t "dynamo-$EXAMPLE.XXXXXX")
-mkdir -p "$run/configs" "$STATE_DIR"
-namespace=$(sed -n 's/^namespace *= *"\(.*\)".*/\1/p' "$dir"/*.toml | head -n1)
-url_file="$STATE_DIR/${namespace:-default}.nats-url"
+spec="cluster-config/examples/$SPEC.yaml"
+[ -f "$spec" ] || spec="$SPEC"
+[ -f "$spec" ] || { echo "no spec cluster-config/examples/$SPEC.yaml or $SPEC" >&2; exit 2; }
+# The spec is checked before anything starts.
+"$BIN/dynamoctl" apply -f "$spec" --dry-run
+name=$(basename "$spec" .yaml)
+run=$(mktemp -d -t "dynamo-$name.XXXXXX")
+mkdir -p "$STATE_DIR"
+namespace=default
+url_file="$STATE_DIR/$namespace.nats-url"
 
-# The configs, with this run's NATS port and gateway ports.
 read -r -a ports <<<"$PORTS"
-configs=()
-i=0
-for path in $(ls "$dir"/*.toml | grep -v /gateway) $(ls "$dir"/gateway*.toml); do
-    name=$(basename "$path" .toml)
-    out="$run/configs/$name.toml"
-    sed "s#nats://127.0.0.1:4222#nats://127.0.0.1:$NATS_PORT#" "$path" >"$out"
-    if [[ $name == gateway* ]]; then
-        p=${ports[$i]:?"fewer ports than gateway configs"}
-        sed -i "s#^listen = \"127.0.0.1:[0-9]*\"#listen = \"127.0.0.1:$p\"#" "$out"
-        i=$((i + 1))
-    fi
-    configs+=("$name")
-done
+p1=${ports[0]:?"give at least one gateway port"}
+p2=${ports[1]:-$((p1 + 1))}
+configs=(n1 n2 n3 n4)
+declare -A labels=(
+    [n1]="zone=z1,rack=r1,host=h1,edge=yes,gateway=0"
+    [n2]="zone=z1,rack=r1,host=h2,edge=yes,gateway=1"
+    [n3]="zone=z1,rack=r2,host=h3,edge=no"
+    [n4]="zone=z1,rack=r2,host=h4,edge=no"
+)
+declare -A extra=(
+    [n1]="--roles controller --http-listen 127.0.0.1:$p1"
+    [n2]="--roles controller --http-listen 127.0.0.1:$p2"
+    [n3]=""
+    [n4]=""
+)
 
 declare -A pid
 stopping=0
@@ -62,7 +75,9 @@ start_nats() {
 }
 
 start_node() {
-    setsid "$BIN/dynamo-node" --config "$run/configs/$1.toml" >>"$run/$1.log" 2>&1 &
+    # shellcheck disable=SC2086 # extra holds separate flags
+    setsid "$BIN/dynamo-node" --join "nats://127.0.0.1:$NATS_PORT" --namespace "$namespace" \
+        --node-id "$1" --labels "${labels[$1]}" --slots "$SLOTS" ${extra[$1]} >>"$run/$1.log" 2>&1 &
     pid[$1]=$!
     echo "$1: pid ${pid[$1]} (log $run/$1.log)"
 }
@@ -113,6 +128,7 @@ start_nats
 export DYNAMO_NATS_URL="nats://127.0.0.1:$NATS_PORT"
 echo "$DYNAMO_NATS_URL" >"$url_file"
 for c in "${configs[@]}"; do start_node "$c"; done
+"$BIN/dynamoctl" apply -f "$spec" --nats "$DYNAMO_NATS_URL" --namespace "$namespace"
 for port in $PORTS; do
     for _ in $(seq 600); do
         curl -sf "127.0.0.1:$port/health" 2>/dev/null | grep -q "\"workers\":$WORKERS" && break
@@ -120,7 +136,7 @@ for port in $PORTS; do
     done
 done
 echo "serving on 127.0.0.1 port(s) $PORTS (nats $DYNAMO_NATS_URL)"
-echo "try: $BIN/dynamoctl status; kill -9 a worker or a gateway mid-stream; dynamoctl drain WORKER"
+echo "try: $BIN/dynamoctl describe deployment $(sed -n 's/^name: *//p' "$spec" | head -n1); dynamoctl scale NAME/SERVICE N; kill -9 a node mid-stream"
 
 # Keep the cluster up: report whatever exits, and start it again.
 while [ "$stopping" = 0 ]; do

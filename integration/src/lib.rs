@@ -130,6 +130,30 @@ impl Node {
         Self::spawn(config, "info,async_nats=warn", true)
     }
 
+    /// Starts a node that joins a cluster (`dynamo-node --join URL ARGS…`)
+    /// with no actors of its own.
+    pub fn join(nats_url: &str, args: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = dir.path().join("node.log");
+        let logf = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(bin("dynamo-node"))
+            .arg("--join")
+            .arg(nats_url)
+            .args(["--namespace", "it"])
+            .args(args)
+            .env("DYNAMO_LOG", "info,async_nats=warn")
+            .env("DYNAMO_STATE_DIR", dir.path())
+            .stdout(Stdio::null())
+            .stderr(logf)
+            .spawn()
+            .expect("spawn dynamo-node");
+        Node {
+            child: Some(child),
+            log,
+            _dir: dir,
+        }
+    }
+
     fn spawn(config: &str, filter: &str, own_group: bool) -> Self {
         use std::os::unix::process::CommandExt;
         let dir = tempfile::tempdir().expect("tempdir");
@@ -636,4 +660,68 @@ pub async fn busiest_worker(http: &Http) -> (String, u64) {
         .max()
         .map(|(n, w)| (w, n))
         .unwrap_or_else(|| panic!("the router counts no request:\n{metrics}"))
+}
+
+/// Runs `dynamoctl ARGS… --nats URL --namespace it` and returns its output.
+pub fn dynamoctl(nats_url: &str, args: &[&str]) -> std::process::Output {
+    Command::new(bin("dynamoctl"))
+        .args(args)
+        .args(["--nats", nats_url, "--namespace", "it"])
+        .output()
+        .expect("run dynamoctl")
+}
+
+/// `dynamoctl describe deployment NAME --json`, parsed.
+pub fn describe_deployment(nats_url: &str, name: &str) -> Value {
+    let out = dynamoctl(nats_url, &["describe", "deployment", name, "--json"]);
+    assert_success(&out);
+    serde_json::from_slice(&out.stdout).expect("describe prints JSON")
+}
+
+/// Waits until `cond` holds for the deployment's description; panics with
+/// the last description after `within`.
+pub async fn wait_deployment(
+    nats_url: &str,
+    name: &str,
+    within: Duration,
+    what: &str,
+    cond: impl Fn(&Value) -> bool,
+) -> Value {
+    let t0 = Instant::now();
+    loop {
+        let d = describe_deployment(nats_url, name);
+        if cond(&d) {
+            return d;
+        }
+        assert!(
+            t0.elapsed() < within,
+            "{what}: not within {within:?}:\n{}",
+            serde_json::to_string_pretty(&d).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// A service's entry in a description (null until the controller reports it).
+pub fn service<'a>(d: &'a Value, name: &str) -> &'a Value {
+    static NULL: Value = Value::Null;
+    d["services"]
+        .as_array()
+        .and_then(|a| a.iter().find(|s| s["name"] == name))
+        .unwrap_or(&NULL)
+}
+
+/// `replica -> node` for a service in a description.
+pub fn placements(d: &Value, name: &str) -> std::collections::BTreeMap<String, String> {
+    service(d, name)["placements"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| {
+            (
+                p["replica"].as_str().unwrap_or_default().to_string(),
+                p["node"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
 }

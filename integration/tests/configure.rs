@@ -4,7 +4,9 @@
 //! over a real NATS and serves requests. And `dynamoctl calibrate-mocker`
 //! recovers an engine's timing from what it measures over HTTP.
 
-use dynamo_integration::{assert_success, bin, free_port, node_config, Http, Nats, Node, MODEL};
+use dynamo_integration::{
+    assert_success, bin, dynamoctl, free_port, node_config, registrations, Http, Nats, Node, MODEL,
+};
 use serde_json::{json, Value};
 use std::process::Command;
 
@@ -97,29 +99,54 @@ async fn an_emitted_deployment_runs_and_serves() {
         .unwrap()
         .contains("<polyline"));
 
-    // Start every emitted node against this test's NATS and port.
+    // The emitted spec, applied to a cluster of joined nodes with the GPUs
+    // of the budget as slots, is placed and serves.
+    let spec = std::fs::read_to_string(out_dir.join("deployment.yaml")).unwrap();
+    assert!(spec.contains("engine: mocker"), "{spec}");
     let nats = Nats::start();
     let port = free_port();
-    let mut nodes = Vec::new();
-    let mut names: Vec<String> = std::fs::read_dir(&out_dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with(".toml"))
+    let listen = format!("127.0.0.1:{port}");
+    let _nodes: Vec<Node> = (1..=2)
+        .map(|i| {
+            let id = format!("n{i}");
+            let labels = format!("zone=z1,rack=r1,host=h{i}");
+            let mut args = vec![
+                "--node-id",
+                id.as_str(),
+                "--labels",
+                labels.as_str(),
+                "--slots",
+                "2",
+            ];
+            if i == 1 {
+                args.extend(["--roles", "controller", "--http-listen", listen.as_str()]);
+            } else {
+                // Only n1 may take the frontend (it owns the test's port).
+                args.extend(["--memory-mib", "0"]);
+            }
+            Node::join(&nats.url, &args)
+        })
         .collect();
-    names.sort();
-    assert!(names.contains(&"gateway.toml".to_string()), "{names:?}");
-    for name in &names {
-        let text = std::fs::read_to_string(out_dir.join(name)).unwrap();
-        assert!(text.contains("engine = \"mocker\"") || name == "gateway.toml");
-        let text = text
-            .replace("nats://127.0.0.1:4222", &nats.url)
-            .replace("127.0.0.1:8000", &format!("127.0.0.1:{port}"))
-            .replace("namespace = \"default\"", "namespace = \"it\"");
-        nodes.push(Node::start(&text));
-    }
+    let out = dynamoctl(
+        &nats.url,
+        &[
+            "apply",
+            "-f",
+            out_dir.join("deployment.yaml").to_str().unwrap(),
+            "--wait-secs",
+            "60",
+        ],
+    );
+    assert_success(&out);
     let http = Http::new(port);
-    let gateway = names.iter().position(|n| n == "gateway.toml").unwrap();
-    http.wait_ready(workers, &mut nodes[gateway]).await;
+    let t0 = std::time::Instant::now();
+    while registrations(&nats.url).await.len() < workers as usize {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "workers never registered"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
     for i in 0..3 {
         let body = json!({"model": MODEL, "max_tokens": 8,
             "messages": [{"role": "user", "content": format!("plan number {i}")}]});

@@ -256,6 +256,109 @@ pub struct NodeConfig {
     pub fault_injection: bool,
     /// Time given to in-flight work at shutdown.
     pub shutdown_grace: Duration,
+    /// Run a placement controller (the controller role).
+    pub controller: Option<dynamo_controller::ControllerConfig>,
+    /// Joined to a cluster: what the node offers; its actors come from the
+    /// controller's assignment, not from this config.
+    pub join: Option<JoinConfig>,
+}
+
+/// What a node started with `--join` offers the cluster.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JoinConfig {
+    /// `zone`, `rack`, `host` and any other labels, sorted by key.
+    pub labels: Vec<(String, String)>,
+    /// Accelerator slots (GPUs) replicas may take.
+    pub slots: u32,
+    /// Memory replicas may take, MiB.
+    pub memory_mib: u64,
+    /// Where a frontend placed here listens (instead of the spec's address).
+    pub http_listen: Option<SocketAddr>,
+}
+
+/// Parses `--labels zone=z1,rack=r1,host=h1`: keys and values of 1-63
+/// characters from `[A-Za-z0-9._-]`, each key once.
+pub fn parse_labels(text: &str) -> Result<Vec<(String, String)>, ConfigError> {
+    let ok = |v: &str| {
+        !v.is_empty()
+            && v.len() <= 63
+            && v.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+    };
+    let mut out: Vec<(String, String)> = Vec::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (k, v) = part
+            .split_once('=')
+            .ok_or_else(|| invalid("--labels", format!("{part:?} is not key=value")))?;
+        if !ok(k) || !ok(v) {
+            return Err(invalid(
+                "--labels",
+                format!("{part:?}: keys and values are 1-63 characters of [A-Za-z0-9._-]"),
+            ));
+        }
+        if out.iter().any(|(x, _)| x == k) {
+            return Err(invalid("--labels", format!("{k:?} is given twice")));
+        }
+        out.push((k.to_string(), v.to_string()));
+    }
+    out.sort();
+    Ok(out)
+}
+
+impl NodeConfig {
+    /// A node joining a cluster: no gateway or workers of its own.
+    pub fn joined(
+        node_id: &str,
+        namespace: &str,
+        nats_url: &str,
+        join: JoinConfig,
+        controller: bool,
+    ) -> Result<Self, ConfigError> {
+        if node_id.is_empty()
+            || node_id.len() > 64
+            || !node_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+        {
+            return Err(invalid(
+                "--node-id",
+                "must be 1-64 characters of [A-Za-z0-9._-]",
+            ));
+        }
+        let namespace =
+            Namespace::new(namespace).map_err(|e| invalid("--namespace", e.to_string()))?;
+        let nats = if nats_url == "env" {
+            NatsSpec::Url(std::env::var(crate::env::NATS_URL).map_err(|_| {
+                invalid(
+                    "--join",
+                    format!("is `env` but ${} is not set", crate::env::NATS_URL),
+                )
+            })?)
+        } else if nats_url.starts_with("nats://") {
+            NatsSpec::Url(nats_url.to_string())
+        } else {
+            return Err(invalid("--join", "must be a nats:// URL or `env`"));
+        };
+        if join.slots > 1024 {
+            return Err(invalid("--slots", "must be 0-1024"));
+        }
+        let node_id = NodeId(node_id.to_string());
+        Ok(NodeConfig {
+            controller: controller
+                .then(|| dynamo_controller::ControllerConfig::new(node_id.clone())),
+            node_id,
+            namespace,
+            nats,
+            gateway: None,
+            router: RouterConfig::default(),
+            workers: Vec::new(),
+            restart_base: Duration::from_millis(100),
+            restart_max: Duration::from_secs(10),
+            fault_injection: false,
+            shutdown_grace: Duration::from_secs(30),
+            join: Some(join),
+        })
+    }
 }
 
 fn ms(v: Option<u64>, default: Duration) -> Duration {
@@ -580,8 +683,118 @@ impl NodeConfig {
             restart_max: ms(s.restart_max_ms, Duration::from_secs(10)),
             fault_injection: s.fault_injection,
             shutdown_grace: ms(s.shutdown_grace_ms, Duration::from_secs(30)),
+            controller: None,
+            join: None,
         })
     }
+}
+
+/// Rewrites a node-config key into the deployment spec's field name.
+fn respec(e: ConfigError, field: &str) -> ConfigError {
+    match e {
+        ConfigError::Invalid { key, message } => {
+            let key = if let Some(rest) = key.strip_prefix("workers[0].") {
+                format!("{field}.worker.{rest}")
+            } else if key.starts_with("gateway") || key.starts_with("router") {
+                format!("{field}.{key}")
+            } else {
+                format!("{field}: {key}")
+            };
+            ConfigError::Invalid { key, message }
+        }
+        ConfigError::Parse { message, .. } | ConfigError::Read { path: message, .. } => {
+            ConfigError::Invalid {
+                key: field.to_string(),
+                message,
+            }
+        }
+    }
+}
+
+fn raw_from_json(field: &str, v: serde_json::Value) -> Result<RawConfig, ConfigError> {
+    serde_json::from_value(v).map_err(|e| ConfigError::Invalid {
+        key: field.to_string(),
+        message: e.to_string(),
+    })
+}
+
+/// A deployment spec's worker section (`services.<name>.worker`, JSON in
+/// the node's `[[workers]]` shape without `count` and `role`), checked
+/// as a node config would be. Errors name the spec's field.
+pub fn worker_from_spec(
+    field: &str,
+    settings: &serde_json::Value,
+    role: &str,
+) -> Result<WorkerGroup, ConfigError> {
+    let mut w = settings.clone();
+    match w.as_object_mut() {
+        Some(o) => {
+            o.insert("count".into(), 1.into());
+            o.insert("role".into(), role.into());
+        }
+        None => {
+            return Err(ConfigError::Invalid {
+                key: format!("{field}.worker"),
+                message: "must be a mapping".into(),
+            })
+        }
+    }
+    let raw = raw_from_json(
+        &format!("{field}.worker"),
+        serde_json::json!({"node_id": "spec", "nats": {"url": "embedded"}, "workers": [w]}),
+    )?;
+    let cfg = NodeConfig::validate(raw).map_err(|e| respec(e, field))?;
+    cfg.workers
+        .into_iter()
+        .next()
+        .ok_or_else(|| ConfigError::Invalid {
+            key: format!("{field}.worker"),
+            message: "no worker".into(),
+        })
+}
+
+/// A deployment spec's frontend settings (`services.<name>.gateway` and
+/// `.router`), checked as a node config would be. The gateway listens on
+/// `127.0.0.1:8000` unless it says otherwise.
+pub fn frontend_from_spec(
+    field: &str,
+    gateway: Option<&serde_json::Value>,
+    router: Option<&serde_json::Value>,
+) -> Result<(GatewayConfig, RouterConfig), ConfigError> {
+    let mut g = gateway.cloned().unwrap_or_else(|| serde_json::json!({}));
+    if let Some(o) = g.as_object_mut() {
+        o.entry("listen").or_insert_with(|| "127.0.0.1:8000".into());
+    }
+    let r = router.cloned().unwrap_or_else(|| serde_json::json!({}));
+    let raw = raw_from_json(
+        field,
+        serde_json::json!({"node_id": "spec", "nats": {"url": "embedded"}, "gateway": g, "router": r}),
+    )?;
+    let cfg = NodeConfig::validate(raw).map_err(|e| respec(e, field))?;
+    let gw = cfg.gateway.ok_or_else(|| ConfigError::Invalid {
+        key: format!("{field}.gateway"),
+        message: "no gateway".into(),
+    })?;
+    Ok((gw, cfg.router))
+}
+
+/// Checks every service's settings in a deployment spec (what `dynamoctl
+/// apply` does before storing it).
+pub fn check_spec_settings(
+    spec: &dynamo_cluster_config::spec::DeploymentSpec,
+) -> Result<(), ConfigError> {
+    for s in &spec.services {
+        let field = format!("services.{}", s.name);
+        match &s.worker {
+            Some(w) => {
+                worker_from_spec(&field, w, s.role.as_str())?;
+            }
+            None => {
+                frontend_from_spec(&field, s.gateway.as_ref(), s.router.as_ref())?;
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! `dynamoctl configure`: the configurator's search from the command line.
 //! Prints a table (or JSON), and writes a Pareto plot (SVG) and the node
-//! configs of the best deployment when asked.
+//! deployment spec of the best deployment when asked (`deployment.yaml`,
+//! for `dynamoctl apply` or `dynamoctl render k8s`).
 //!
 //! Bad input (unknown model or GPU, an SLA nothing meets, too few GPUs for
 //! the weights, non-positive numbers) is an error naming the problem; the
@@ -58,6 +59,125 @@ pub struct ConfigureSpec {
     /// with the model's timing), its summary and the plot here.
     #[arg(long)]
     pub emit_config: Option<PathBuf>,
+}
+
+/// A DNS-label deployment name from a model name (`Llama-3.1-8B` → `llama-3-1-8b`).
+fn spec_name(model: &str) -> String {
+    let mut n: String = model
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    while n.contains("--") {
+        n = n.replace("--", "-");
+    }
+    let n = n.trim_matches('-');
+    let n: String = n
+        .chars()
+        .take(dynamo_cluster_config::spec::MAX_NAME)
+        .collect();
+    let n = n.trim_end_matches('-').to_string();
+    if n.starts_with(|c: char| c.is_ascii_lowercase()) {
+        n
+    } else {
+        format!("m-{n}")
+            .chars()
+            .take(dynamo_cluster_config::spec::MAX_NAME)
+            .collect::<String>()
+            .trim_end_matches('-')
+            .to_string()
+    }
+}
+
+/// The best deployment as one deployment spec: a frontend, and the
+/// configurator's workers (mocker engines with the model's timing) with
+/// their replica counts and GPUs per replica as slots.
+fn deployment_spec(
+    model: &str,
+    best: &dynamo_configurator::Candidate,
+    files: &[emit::File],
+) -> anyhow::Result<dynamo_cluster_config::spec::DeploymentSpec> {
+    use dynamo_cluster_config::spec::{DeploymentSpec, RawService, RawSpec, Resources, Role};
+    let table = |name: &str| -> anyhow::Result<serde_json::Value> {
+        let f = files
+            .iter()
+            .find(|f| f.name == name)
+            .ok_or_else(|| anyhow::anyhow!("the configurator emitted no {name}"))?;
+        let v: toml::Value = toml::from_str(&f.text)?;
+        Ok(serde_json::to_value(v)?)
+    };
+    let gw = table("gateway.toml")?;
+    let mut services = std::collections::BTreeMap::new();
+    let mut gateway = gw["gateway"].clone();
+    if let Some(o) = gateway.as_object_mut() {
+        o.remove("listen");
+    }
+    services.insert(
+        "frontend".to_string(),
+        RawService {
+            role: Role::Frontend,
+            replicas: Some(1),
+            min_available: None,
+            // What a gateway and router take (their resident memory is ~100 MiB).
+            resources: Some(Resources {
+                slots: 0,
+                memory_mib: 512,
+            }),
+            topology: None,
+            starts_after: Vec::new(),
+            node_selector: Default::default(),
+            worker: None,
+            gateway: Some(gateway),
+            router: Some(gw["router"].clone()),
+        },
+    );
+    let workers: Vec<(&str, &str, Role, u32)> = match &best.mode {
+        dynamo_configurator::Mode::Aggregated { layout, .. } => {
+            vec![("workers.toml", "workers", Role::Aggregated, layout.gpus())]
+        }
+        dynamo_configurator::Mode::Disaggregated {
+            prefill, decode, ..
+        } => vec![
+            ("prefill.toml", "prefill", Role::Prefill, prefill.gpus()),
+            ("decode.toml", "decode", Role::Decode, decode.gpus()),
+        ],
+    };
+    for (file, name, role, gpus) in workers {
+        let t = table(file)?;
+        let mut w = t["workers"][0].clone();
+        let o = w
+            .as_object_mut()
+            .ok_or_else(|| anyhow::anyhow!("{file}: no [[workers]] entry"))?;
+        let replicas = o.remove("count").and_then(|c| c.as_u64()).unwrap_or(1) as u32;
+        o.remove("role");
+        services.insert(
+            name.to_string(),
+            RawService {
+                role,
+                replicas: Some(replicas),
+                min_available: None,
+                resources: Some(Resources {
+                    slots: gpus,
+                    memory_mib: 0,
+                }),
+                topology: None,
+                starts_after: vec!["frontend".into()],
+                node_selector: Default::default(),
+                worker: Some(w),
+                gateway: None,
+                router: None,
+            },
+        );
+    }
+    let spec = DeploymentSpec::validate(RawSpec {
+        version: 1,
+        name: spec_name(model),
+        topology: None,
+        services,
+        groups: Default::default(),
+    })?;
+    crate::config::check_spec_settings(&spec)?;
+    Ok(spec)
 }
 
 /// Runs the search and writes what was asked; returns what to print.
@@ -133,11 +253,16 @@ pub fn run(spec: &ConfigureSpec) -> anyhow::Result<String> {
             };
             emit::mocker_timing(&sm, &q, batch)
         })?;
-        for f in files {
-            let path = dir.join(&f.name);
-            write(&path, &f.text)?;
-            written.push(path);
-        }
+        let spec = deployment_spec(&spec.model, best, &files)?;
+        let path = dir.join("deployment.yaml");
+        write(
+            &path,
+            &format!(
+                "# Emitted by `dynamoctl configure`: {summary}\n{}",
+                spec.to_yaml()?
+            ),
+        )?;
+        written.push(path);
         let path = dir.join("pareto.svg");
         write(&path, &plot)?;
         written.push(path);
@@ -175,7 +300,6 @@ fn write(path: &std::path::Path, text: &str) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::NodeConfig;
 
     fn spec(model: &str, gpu: &str, gpus: u32, ttft: f64, itl: f64) -> ConfigureSpec {
         ConfigureSpec {
@@ -205,15 +329,15 @@ mod tests {
             s.emit_config = Some(out_dir.clone());
             let out = run(&s).unwrap();
             assert!(out.contains("Pareto frontier"), "{out}");
-            let mut nodes = 0;
-            for entry in std::fs::read_dir(&out_dir).unwrap() {
-                let path = entry.unwrap().path();
-                if path.extension().is_some_and(|e| e == "toml") {
-                    NodeConfig::load(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                    nodes += 1;
-                }
-            }
-            assert!(nodes >= 2, "{out}");
+            let spec = crate::cluster::load_spec(&out_dir.join("deployment.yaml")).unwrap();
+            assert!(spec.services.len() >= 2, "{out}");
+            assert_eq!(spec.name, "llama-3-1-70b");
+            let used: u32 = spec
+                .services
+                .iter()
+                .map(|s| s.resources.slots * s.replicas)
+                .sum();
+            assert!(used >= 1 && used <= gpus, "{out}");
             assert!(out_dir.join("pareto.svg").exists());
             let d: serde_json::Value = serde_json::from_str(
                 &std::fs::read_to_string(out_dir.join("deployment.json")).unwrap(),

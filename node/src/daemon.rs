@@ -46,46 +46,7 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
 
     let mut models = Vec::new();
     for group in &cfg.workers {
-        let path = match &group.model_path {
-            Some(p) => p.clone(),
-            None => locate_default_gguf()?,
-        };
-        let (name, bs) = (group.model.clone(), group.engine.block_size());
-        let p = path.clone();
-        let mut m =
-            tokio::task::spawn_blocking(move || LoadedModel::from_gguf(&p, &name, bs)).await??;
-        if let Some(ctx) = group.context_length {
-            m.card.context_length = ctx;
-        }
-        let weights = match &group.engine {
-            EngineSpec::Mocker(mocker) => {
-                mocker
-                    .validate(m.card.vocab_size)
-                    .map_err(|e| anyhow::anyhow!("mocker config: {e}"))?;
-                None
-            }
-            EngineSpec::Cpu { .. } => {
-                let started = std::time::Instant::now();
-                let w = tokio::task::spawn_blocking(move || Weights::load(&path)).await??;
-                tracing::info!(
-                    bytes = w.bytes(),
-                    ms = started.elapsed().as_millis() as u64,
-                    "cpu engine weights loaded"
-                );
-                let model = dynamo_cpu_engine::Model::new(w);
-                if model.w.cfg.vocab as u32 != m.card.vocab_size {
-                    anyhow::bail!(
-                        "{}: embedding has {} rows but the tokenizer {} tokens",
-                        m.path.display(),
-                        model.w.cfg.vocab,
-                        m.card.vocab_size
-                    );
-                }
-                Some(Arc::new(model))
-            }
-        };
-        tracing::info!(model = %m.card.name, file = %m.path.display(), "model card loaded");
-        models.push(Arc::new(GroupModel { loaded: m, weights }));
+        models.push(Arc::new(load_group_model(group).await?));
     }
 
     let args = SupervisorArgs {
@@ -127,7 +88,11 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
         nodes: nodes.clone(),
         key: node_key.clone(),
     };
-    registrar.put(&reg).await;
+    let joined = cfg.join.is_some();
+    // A joined node's agent writes its record (with labels and capacity).
+    if !joined {
+        registrar.put(&reg).await;
+    }
     println!(
         "dynamo-node {} ready: nats {url}{}",
         cfg.node_id,
@@ -140,7 +105,17 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
     // The node's record is refreshed by a task of its own, so a slow or
     // absent bus never delays the reaction to a signal.
     // Owned here: if it ever ends (a panic), it is started again.
-    let mut heartbeat = tokio::spawn(registrar.clone().run(reg.clone(), sup.clone()));
+    let beat = |r: &NodeRegistrar| {
+        let (r, reg, sup) = (r.clone(), reg.clone(), sup.clone());
+        tokio::spawn(async move {
+            if joined {
+                futures::future::pending::<()>().await
+            } else {
+                r.run(reg, sup).await
+            }
+        })
+    };
+    let mut heartbeat = beat(&registrar);
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut sup_handle = sup_handle;
@@ -151,7 +126,7 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
             _ = &mut sup_handle => break true,
             r = &mut heartbeat => {
                 tracing::error!(error = ?r.err(), "the node's registration task ended; starting it again");
-                heartbeat = tokio::spawn(registrar.clone().run(reg.clone(), sup.clone()));
+                heartbeat = beat(&registrar);
             }
         }
     };
@@ -170,6 +145,12 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
         std::process::exit(130);
     });
     tracing::info!("shutting down: draining in-flight requests");
+    if let Some(agent) = ractor::registry::where_is(crate::agent::AGENT_NAME) {
+        let agent = ractor::ActorRef::<crate::agent::AgentMsg>::from(agent);
+        let _ = agent
+            .call(crate::agent::AgentMsg::Leave, Some(Duration::from_secs(1)))
+            .await;
+    }
     let grace = cfg.shutdown_grace + Duration::from_secs(5);
     let _ = sup.call(SupervisorMsg::Shutdown, Some(grace)).await;
     sup.stop(None);
@@ -247,8 +228,53 @@ impl NodeRegistrar {
     }
 }
 
-fn hostname() -> String {
+pub fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| "unknown".into())
+}
+
+/// Loads what a worker group's engines share: the model card and
+/// tokenizer, and for the CPU engine the weights.
+pub async fn load_group_model(group: &crate::config::WorkerGroup) -> anyhow::Result<GroupModel> {
+    let path = match &group.model_path {
+        Some(p) => p.clone(),
+        None => locate_default_gguf()?,
+    };
+    let (name, bs) = (group.model.clone(), group.engine.block_size());
+    let p = path.clone();
+    let mut m =
+        tokio::task::spawn_blocking(move || LoadedModel::from_gguf(&p, &name, bs)).await??;
+    if let Some(ctx) = group.context_length {
+        m.card.context_length = ctx;
+    }
+    let weights = match &group.engine {
+        EngineSpec::Mocker(mocker) => {
+            mocker
+                .validate(m.card.vocab_size)
+                .map_err(|e| anyhow::anyhow!("mocker config: {e}"))?;
+            None
+        }
+        EngineSpec::Cpu { .. } => {
+            let started = std::time::Instant::now();
+            let w = tokio::task::spawn_blocking(move || Weights::load(&path)).await??;
+            tracing::info!(
+                bytes = w.bytes(),
+                ms = started.elapsed().as_millis() as u64,
+                "cpu engine weights loaded"
+            );
+            let model = dynamo_cpu_engine::Model::new(w);
+            if model.w.cfg.vocab as u32 != m.card.vocab_size {
+                anyhow::bail!(
+                    "{}: embedding has {} rows but the tokenizer {} tokens",
+                    m.path.display(),
+                    model.w.cfg.vocab,
+                    m.card.vocab_size
+                );
+            }
+            Some(Arc::new(model))
+        }
+    };
+    tracing::info!(model = %m.card.name, file = %m.path.display(), "model card loaded");
+    Ok(GroupModel { loaded: m, weights })
 }

@@ -6,9 +6,16 @@
 //! a [`supervisor::NodeSupervisor`] that restarts any that fails. SIGINT or
 //! SIGTERM stop the gateway taking requests, let in-flight ones finish within
 //! the grace period, deregister the workers and exit.
+//!
+//! A node started with `--join` has no actors of its own: it reports its
+//! labels and capacity, and its [`agent`] runs what the placement
+//! controller assigns it; `dynamoctl apply|get|describe|scale|delete`
+//! ([`cluster`]) manage deployments.
 
+pub mod agent;
 pub mod bench;
 pub mod calibrate;
+pub mod cluster;
 pub mod config;
 pub mod configure;
 pub mod daemon;

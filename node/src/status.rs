@@ -2,8 +2,8 @@
 //! registry buckets on the bus.
 
 use dynamo_bus_schema::{
-    decode, unix_ms, Namespace, NodeRegistration, RouterInfo, RouterInfoRequest, Subjects,
-    WorkerRegistration,
+    decode, unix_ms, Namespace, NodeInventory, NodeRegistration, RouterInfo, RouterInfoRequest,
+    Subjects, WireMessage, WorkerRegistration,
 };
 use dynamo_runtime::bus::REGISTRY_MAX_AGE;
 use dynamo_runtime::Bus;
@@ -32,9 +32,12 @@ pub fn resolve_nats_url(flag: Option<String>, ns: &Namespace) -> anyhow::Result<
         })
 }
 
-async fn read_bucket<T: dynamo_bus_schema::WireMessage>(
+/// The entries of a bucket holding several kinds: those of `kind`, decoded
+/// (undecodable ones are reported and skipped; other kinds are ignored).
+async fn read_entries<T: dynamo_bus_schema::WireMessage>(
     bus: &Bus,
     bucket: &str,
+    kind: dynamo_bus_schema::MessageKind,
 ) -> anyhow::Result<Vec<T>> {
     let kv = bus.kv_bucket(bucket, REGISTRY_MAX_AGE).await?;
     let mut keys = kv.keys().await?;
@@ -42,6 +45,9 @@ async fn read_bucket<T: dynamo_bus_schema::WireMessage>(
     while let Some(k) = keys.next().await {
         let k = k?;
         if let Some(v) = kv.get(&k).await? {
+            if dynamo_bus_schema::peek_kind(&v).is_ok_and(|(found, _)| found != kind) {
+                continue;
+            }
             match decode::<T>(&v) {
                 Ok(t) => out.push(t),
                 Err(e) => eprintln!("warning: skipping undecodable entry {k:?} in {bucket}: {e}"),
@@ -51,10 +57,23 @@ async fn read_bucket<T: dynamo_bus_schema::WireMessage>(
     Ok(out)
 }
 
+async fn read_bucket<T: dynamo_bus_schema::WireMessage>(
+    bus: &Bus,
+    bucket: &str,
+) -> anyhow::Result<Vec<T>> {
+    read_entries(bus, bucket, T::KIND).await
+}
+
 /// Collects the cluster's status as JSON.
 pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
     let bus = Bus::connect(url, "dynamoctl", Subjects::new(ns.clone())).await?;
-    let nodes: Vec<NodeRegistration> = read_bucket(&bus, &bus.subjects.nodes_bucket()).await?;
+    // A node of a cluster (`--join`) writes its inventory; others their registration.
+    let inventories: Vec<NodeInventory> =
+        read_entries(&bus, &bus.subjects.nodes_bucket(), NodeInventory::KIND).await?;
+    let mut nodes: Vec<NodeRegistration> =
+        read_entries(&bus, &bus.subjects.nodes_bucket(), NodeRegistration::KIND).await?;
+    nodes.extend(inventories.iter().map(|i| i.registration.clone()));
+    nodes.sort_by(|a, b| a.node_id.0.cmp(&b.node_id.0));
     let workers: Vec<WorkerRegistration> =
         read_bucket(&bus, &bus.subjects.workers_bucket()).await?;
     // Any router's view of its KV index (optional: none may be running).
@@ -123,11 +142,35 @@ pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
         .iter()
         .map(|n| {
             let age = now.saturating_sub(n.heartbeat_unix_ms);
-            json!({
+            let mut v = json!({
                 "node_id": n.node_id.0, "pid": n.pid, "hostname": n.hostname, "actors": n.actors,
                 "http_addr": n.http_addr, "heartbeat_age_ms": age,
                 "state": if age > stale_after { "stale" } else { "up" },
-            })
+            });
+            if let Some(i) = inventories
+                .iter()
+                .find(|i| i.registration.node_id == n.node_id)
+            {
+                v["labels"] = i
+                    .labels
+                    .iter()
+                    .map(|(k, l)| (k.clone(), Value::from(l.clone())))
+                    .collect::<serde_json::Map<_, _>>()
+                    .into();
+                v["slots"] = i.slots.into();
+                v["free_slots"] = i.free_slots.into();
+                v["memory_mib"] = i.memory_mib.into();
+                v["free_memory_mib"] = i.free_memory_mib.into();
+                v["health"] = i.health.clone().into();
+                v["controller"] = i.controller.into();
+                v["replicas"] = i
+                    .replicas
+                    .iter()
+                    .map(|r| json!({"key": r.key, "ready": r.ready, "stopping": r.stopping}))
+                    .collect::<Vec<_>>()
+                    .into();
+            }
+            v
         })
         .collect();
     Ok(json!({
@@ -152,16 +195,25 @@ pub fn render(v: &Value) -> String {
         v["nats_url"].as_str().unwrap_or("")
     );
     s.push_str(&format!(
-        "{:<16} {:>8} {:<6} {:<22} {}\n",
-        "NODE", "PID", "STATE", "HTTP", "ACTORS"
+        "{:<16} {:>8} {:<8} {:<22} {:<7} {}\n",
+        "NODE", "PID", "STATE", "HTTP", "SLOTS", "ACTORS"
     ));
     for n in v["nodes"].as_array().into_iter().flatten() {
+        let state = match (n["state"].as_str().unwrap_or(""), n["health"].as_str()) {
+            ("up", Some(h)) if h != "healthy" => h.to_string(),
+            (s, _) => s.to_string(),
+        };
+        let slots = match (n["free_slots"].as_u64(), n["slots"].as_u64()) {
+            (Some(f), Some(t)) => format!("{f}/{t}"),
+            _ => "-".into(),
+        };
         s.push_str(&format!(
-            "{:<16} {:>8} {:<6} {:<22} {}\n",
+            "{:<16} {:>8} {:<8} {:<22} {:<7} {}\n",
             n["node_id"].as_str().unwrap_or(""),
             n["pid"].to_string(),
-            n["state"].as_str().unwrap_or(""),
+            state,
             n["http_addr"].as_str().unwrap_or("-"),
+            slots,
             n["actors"]
                 .as_array()
                 .map(|a| a

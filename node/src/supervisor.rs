@@ -15,10 +15,10 @@ use dynamo_bus_schema::{
 };
 use dynamo_cpu_engine::{CpuEngine, CpuModelInfo};
 use dynamo_engine::Engine;
-use dynamo_gateway::{GatewayActor, GatewayArgs, GatewayMsg};
+use dynamo_gateway::{GatewayActor, GatewayArgs, GatewayConfig, GatewayMsg};
 use dynamo_mocker::{MockerEngine, MockerModel};
 use dynamo_model::LoadedModel;
-use dynamo_router::{RouterActor, RouterArgs, ROUTER_ACTOR_NAME};
+use dynamo_router::{RouterActor, RouterArgs, RouterConfig, ROUTER_ACTOR_NAME};
 use dynamo_runtime::{Backoff, Bus};
 use dynamo_worker::{EngineFactory, WorkerActor, WorkerArgs, WorkerConfig, WorkerMsg};
 use ractor::{
@@ -32,6 +32,10 @@ use std::time::{Duration, Instant};
 pub enum ChildKind {
     Router,
     Gateway,
+    /// The placement controller (nodes with the controller role).
+    Controller,
+    /// A joined node's agent (assignment → actors, inventory).
+    Agent,
     Worker {
         group: usize,
         slot: u32,
@@ -44,6 +48,8 @@ impl ChildKind {
         match self {
             ChildKind::Router => "router".into(),
             ChildKind::Gateway => "gateway".into(),
+            ChildKind::Controller => "controller".into(),
+            ChildKind::Agent => "agent".into(),
             ChildKind::Worker { group, slot, .. } => format!("worker-{group}-{slot}"),
         }
     }
@@ -83,6 +89,26 @@ pub enum SupervisorMsg {
     Shutdown(RpcReplyPort<()>),
     /// Names of the running children.
     Children(RpcReplyPort<Vec<String>>),
+    /// Starts a worker of an assigned replica (cluster mode); replies with
+    /// its generation.
+    StartWorker {
+        group: Box<WorkerGroup>,
+        model: Arc<GroupModel>,
+        worker_id: WorkerId,
+        reply: RpcReplyPort<Result<u64, String>>,
+    },
+    /// Takes a worker out of supervision (it is not restarted when it
+    /// stops) and hands it over to be drained and stopped.
+    RetireWorker(WorkerId, RpcReplyPort<Option<ActorRef<WorkerMsg>>>),
+    /// Starts a frontend (router, then gateway) of an assigned replica.
+    StartFrontend {
+        gateway: Box<GatewayConfig>,
+        router: Box<RouterConfig>,
+        reply: RpcReplyPort<Result<(), String>>,
+    },
+    /// Takes the frontend out of supervision; hands over the gateway (to
+    /// shut down gracefully) and the router.
+    RetireFrontend(RpcReplyPort<Option<(ActorRef<GatewayMsg>, ActorCell)>>),
 }
 
 pub struct NodeSupervisor;
@@ -98,6 +124,9 @@ pub struct SupervisorState {
     generations: HashMap<WorkerId, u64>,
     shutting_down: bool,
     tasks: dynamo_runtime::Tasks,
+    /// Children taken out of supervision (being drained and stopped).
+    retired: std::collections::HashSet<ActorId>,
+    router: Option<ActorCell>,
 }
 
 impl Actor for NodeSupervisor {
@@ -125,6 +154,8 @@ impl Actor for NodeSupervisor {
             generations: HashMap::new(),
             shutting_down: false,
             tasks,
+            retired: Default::default(),
+            router: None,
         };
         if st.cfg.fault_injection {
             st.serve_faults(&myself).await?;
@@ -146,6 +177,12 @@ impl Actor for NodeSupervisor {
         }
         if st.cfg.gateway.is_some() {
             kinds.push(ChildKind::Gateway);
+        }
+        if st.cfg.controller.is_some() {
+            kinds.push(ChildKind::Controller);
+        }
+        if st.cfg.join.is_some() {
+            kinds.push(ChildKind::Agent);
         }
         for k in kinds {
             st.spawn_child(k, myself.get_cell()).await?;
@@ -208,6 +245,79 @@ impl Actor for NodeSupervisor {
                 names.sort();
                 let _ = reply.send(names);
             }
+            SupervisorMsg::StartWorker {
+                group,
+                model,
+                worker_id,
+                reply,
+            } => {
+                if st.shutting_down {
+                    let _ = reply.send(Err("the node is shutting down".into()));
+                    return Ok(());
+                }
+                st.cfg.workers.push(*group);
+                st.models.push(model);
+                let kind = ChildKind::Worker {
+                    group: st.cfg.workers.len() - 1,
+                    slot: 0,
+                    worker_id,
+                };
+                let res = match st.spawn_child(kind, myself.get_cell()).await {
+                    Ok(()) => Ok(st.generations.get(&worker_id).copied().unwrap_or(0)),
+                    Err(e) => Err(e.to_string()),
+                };
+                let _ = reply.send(res);
+            }
+            SupervisorMsg::RetireWorker(worker_id, reply) => {
+                let w = st.workers.remove(&worker_id);
+                if let Some(w) = &w {
+                    st.retired.insert(w.get_id());
+                }
+                let _ = reply.send(w);
+            }
+            SupervisorMsg::StartFrontend {
+                gateway,
+                router,
+                reply,
+            } => {
+                if st.shutting_down || st.gateway.is_some() {
+                    let _ = reply.send(Err("the node already runs a frontend".into()));
+                    return Ok(());
+                }
+                st.cfg.gateway = Some(*gateway);
+                st.cfg.router = *router;
+                let mut res = Ok(());
+                for k in [ChildKind::Router, ChildKind::Gateway] {
+                    if let Err(e) = st.spawn_child(k, myself.get_cell()).await {
+                        res = Err(e.to_string());
+                        break;
+                    }
+                }
+                if res.is_err() {
+                    // Half a frontend is none: stop what started.
+                    st.cfg.gateway = None;
+                    for cell in [st.gateway.take().map(|g| g.get_cell()), st.router.take()]
+                        .into_iter()
+                        .flatten()
+                    {
+                        st.retired.insert(cell.get_id());
+                        cell.stop(Some("frontend failed to start".into()));
+                    }
+                }
+                let _ = reply.send(res);
+            }
+            SupervisorMsg::RetireFrontend(reply) => {
+                st.cfg.gateway = None;
+                let g = st.gateway.take();
+                let r = st.router.take();
+                for c in [g.as_ref().map(|g| g.get_cell()), r.clone()]
+                    .into_iter()
+                    .flatten()
+                {
+                    st.retired.insert(c.get_id());
+                }
+                let _ = reply.send(g.zip(r));
+            }
         }
         Ok(())
     }
@@ -228,12 +338,17 @@ impl Actor for NodeSupervisor {
         let Some((kind, _)) = st.children.remove(&id) else {
             return Ok(());
         };
+        if st.retired.remove(&id) {
+            tracing::info!(child = kind.name(), "retired actor stopped");
+            return Ok(());
+        }
         match &kind {
             ChildKind::Gateway => st.gateway = None,
             ChildKind::Worker { worker_id, .. } => {
                 st.workers.remove(worker_id);
             }
-            ChildKind::Router => {}
+            ChildKind::Router => st.router = None,
+            ChildKind::Controller | ChildKind::Agent => {}
         }
         if st.shutting_down {
             return Ok(());
@@ -315,7 +430,38 @@ impl SupervisorState {
                     sup,
                 )
                 .await?;
+                self.router = Some(r.get_cell());
                 r.get_cell()
+            }
+            ChildKind::Agent => {
+                let args = crate::agent::AgentArgs {
+                    bus: self.bus.clone(),
+                    config: self.cfg.clone(),
+                    supervisor: ActorRef::<SupervisorMsg>::from(sup.clone()),
+                };
+                let (a, _) = Actor::spawn_linked(
+                    Some(crate::agent::AGENT_NAME.to_string()),
+                    crate::agent::NodeAgentActor,
+                    args,
+                    sup,
+                )
+                .await?;
+                a.get_cell()
+            }
+            ChildKind::Controller => {
+                let config = self
+                    .cfg
+                    .controller
+                    .clone()
+                    .ok_or("no controller configured")?;
+                let args = dynamo_controller::ControllerArgs {
+                    bus: self.bus.clone(),
+                    config,
+                };
+                let (c, _) =
+                    Actor::spawn_linked(None, dynamo_controller::ControllerActor, args, sup)
+                        .await?;
+                c.get_cell()
             }
             ChildKind::Gateway => {
                 let config = self.cfg.gateway.clone().ok_or("no gateway configured")?;

@@ -1,19 +1,57 @@
-//! The node daemon. Usage: `dynamo-node --config cluster-config/examples/single-node.toml`.
+//! The node daemon.
+//!
+//! - `dynamo-node --config cluster-config/examples/single-node.toml`: the
+//!   actors the TOML names;
+//! - `dynamo-node --join nats://… --labels zone=z1,rack=r1,host=h1 --slots 4
+//!   [--roles controller]`: a node of a cluster, running what the placement
+//!   controller assigns it.
 
 use clap::Parser;
-use dynamo_node::{config::NodeConfig, daemon, env};
+use dynamo_node::config::{parse_labels, JoinConfig, NodeConfig};
+use dynamo_node::{daemon, env};
 use std::path::PathBuf;
 
 #[derive(Parser)]
 #[command(
     name = "dynamo-node",
     version,
-    about = "Runs a node's actors (gateway, router, workers) from a TOML config"
+    about = "Runs a node's actors (gateway, router, workers) from a TOML config, or joins a cluster and runs what its controller assigns"
 )]
 struct Args {
     /// The node's TOML config.
-    #[arg(long, short)]
-    config: PathBuf,
+    #[arg(long, short, conflicts_with = "join", required_unless_present = "join")]
+    config: Option<PathBuf>,
+    /// Join a cluster over this NATS URL (`env`: $DYNAMO_NATS_URL) with no
+    /// actors of its own.
+    #[arg(long)]
+    join: Option<String>,
+    /// This node's name (default: the config's `node_id`, or the hostname).
+    #[arg(long)]
+    node_id: Option<String>,
+    /// Bus namespace (with --join).
+    #[arg(long, env = env::NAMESPACE, default_value = "default")]
+    namespace: String,
+    /// Topology and other labels, e.g. `zone=z1,rack=r1,host=h1` (with --join).
+    #[arg(long, default_value = "")]
+    labels: String,
+    /// Accelerator slots (GPUs) replicas may take here (with --join).
+    #[arg(long, default_value_t = 0)]
+    slots: u32,
+    /// Memory replicas may take here, MiB (with --join; default 1 TiB).
+    #[arg(long, default_value_t = 1 << 20)]
+    memory_mib: u64,
+    /// Roles besides running assigned replicas: `controller` (with --join).
+    #[arg(long, value_delimiter = ',')]
+    roles: Vec<String>,
+    /// Address a frontend placed on this node listens on (with --join;
+    /// default: the spec's `gateway.listen`).
+    #[arg(long)]
+    http_listen: Option<std::net::SocketAddr>,
+}
+
+fn fail(e: impl std::fmt::Display) -> ! {
+    eprintln!("dynamo-node: {e}");
+    std::process::exit(2);
 }
 
 fn main() {
@@ -28,12 +66,46 @@ fn main() {
         .with_writer(std::io::stderr)
         .with_ansi(ansi)
         .init();
-    let cfg = match NodeConfig::load(&args.config) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("dynamo-node: {e}");
-            std::process::exit(2);
+    let cfg = match (&args.config, &args.join) {
+        (Some(path), _) => {
+            let mut c = NodeConfig::load(path).unwrap_or_else(|e| fail(e));
+            if let Some(id) = &args.node_id {
+                if id.is_empty() || id.len() > 64 {
+                    fail("--node-id must be 1-64 characters");
+                }
+                c.node_id = dynamo_bus_schema::NodeId(id.clone());
+            }
+            c
         }
+        (None, Some(url)) => {
+            let labels = parse_labels(&args.labels).unwrap_or_else(|e| fail(e));
+            for r in &args.roles {
+                if r != "controller" {
+                    fail(format!(
+                        "--roles: unknown role {r:?} (available: controller)"
+                    ));
+                }
+            }
+            let node_id = args
+                .node_id
+                .clone()
+                .unwrap_or_else(dynamo_node::daemon::hostname);
+            let join = JoinConfig {
+                labels,
+                slots: args.slots,
+                memory_mib: args.memory_mib,
+                http_listen: args.http_listen,
+            };
+            NodeConfig::joined(
+                &node_id,
+                &args.namespace,
+                url,
+                join,
+                args.roles.iter().any(|r| r == "controller"),
+            )
+            .unwrap_or_else(|e| fail(e))
+        }
+        (None, None) => fail("give --config FILE or --join NATS_URL"),
     };
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -1,8 +1,9 @@
-//! The admin CLI: `dynamoctl status`, `drain`, `bench`, `replay`.
+//! The admin CLI: `dynamoctl status`, `drain`, `bench`, `replay`, and the
+//! cluster layer's `apply`, `get`, `describe`, `scale`, `delete`, `render`.
 
 use clap::{Parser, Subcommand};
 use dynamo_bus_schema::Namespace;
-use dynamo_node::{bench, calibrate, configure, drain, env, replay, status};
+use dynamo_node::{bench, calibrate, cluster, configure, drain, env, replay, status};
 
 #[derive(Parser)]
 #[command(
@@ -15,8 +16,121 @@ struct Cli {
     cmd: Cmd,
 }
 
+/// Where the cluster is (NATS URL and bus namespace).
+#[derive(clap::Args)]
+struct Bus {
+    /// NATS URL (default: $DYNAMO_NATS_URL, or the local embedded server).
+    #[arg(long)]
+    nats: Option<String>,
+    #[arg(long, env = env::NAMESPACE, default_value = "default")]
+    namespace: String,
+}
+
+impl Bus {
+    fn resolve(&self) -> anyhow::Result<(String, Namespace)> {
+        let ns = Namespace::new(&self.namespace)?;
+        let url = status::resolve_nats_url(self.nats.clone(), &ns)?;
+        Ok((url, ns))
+    }
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum Kind {
+    Deployment,
+    Deployments,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum RenderTarget {
+    K8s,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
+    /// Store a deployment spec (YAML) as the cluster's desired state; the
+    /// placement controller places it on the joined nodes.
+    Apply {
+        #[arg(short = 'f', long = "file")]
+        file: std::path::PathBuf,
+        /// Wait (up to this many seconds) until every replica is ready.
+        #[arg(long)]
+        wait_secs: Option<u64>,
+        /// Only check the spec (and every service's settings); store nothing.
+        #[arg(long)]
+        dry_run: bool,
+        #[command(flatten)]
+        bus: Bus,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List deployments (`get deployments`).
+    Get {
+        #[arg(value_enum)]
+        kind: Kind,
+        #[command(flatten)]
+        bus: Bus,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Desired, placed and ready replicas per service, why anything is
+    /// pending, and recent events (`describe deployment NAME`).
+    Describe {
+        #[arg(value_enum)]
+        kind: Kind,
+        name: String,
+        #[command(flatten)]
+        bus: Bus,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Set the replicas of a service or scaling group:
+    /// `scale DEPLOYMENT/SERVICE N`. Only that service's replicas change;
+    /// removed ones drain first.
+    Scale {
+        target: String,
+        replicas: u32,
+        #[command(flatten)]
+        bus: Bus,
+    },
+    /// Write the Kubernetes manifests of a spec (`render k8s -f SPEC`):
+    /// a Grove PodCliqueSet (one clique per service, a scaling group per
+    /// group, topology, start-up order and minAvailable from the spec), and
+    /// the ConfigMaps and Services its pods need.
+    Render {
+        #[arg(value_enum)]
+        target: RenderTarget,
+        #[arg(short = 'f', long = "file")]
+        file: std::path::PathBuf,
+        /// Container image with dynamo-node (see the Dockerfile).
+        #[arg(long, default_value = "dynamo:latest")]
+        image: String,
+        /// Kubernetes namespace of the objects.
+        #[arg(long, default_value = "default")]
+        k8s_namespace: String,
+        /// NATS the pods join (default: the official Helm chart's Service).
+        #[arg(long, default_value = "nats://nats:4222")]
+        nats_url: String,
+        /// Bus namespace the pods join.
+        #[arg(long, env = env::NAMESPACE, default_value = "default")]
+        namespace: String,
+        /// Grove ClusterTopology named by topology constraints.
+        #[arg(long, default_value = "grove-topology")]
+        topology_name: String,
+        /// schedulerName of every pod (default: Grove's).
+        #[arg(long)]
+        scheduler_name: Option<String>,
+        /// Write here instead of standard output.
+        #[arg(short = 'o', long)]
+        output: Option<std::path::PathBuf>,
+    },
+    /// Remove a deployment (`delete deployment NAME`); its replicas drain and stop.
+    Delete {
+        #[arg(value_enum)]
+        kind: Kind,
+        name: String,
+        #[command(flatten)]
+        bus: Bus,
+    },
     /// Nodes, workers, models and load.
     Status {
         /// NATS URL (default: $DYNAMO_NATS_URL, or the local embedded server).
@@ -146,7 +260,138 @@ fn main() {
         }
     };
     let res: anyhow::Result<()> = rt.block_on(async {
+        let limit = std::time::Duration::from_secs(15);
+        let timed = |url: String| move |_| anyhow::anyhow!("timed out talking to NATS at {url}");
         match cli.cmd {
+            Cmd::Apply {
+                file,
+                wait_secs,
+                dry_run,
+                bus,
+                json,
+            } => {
+                // The spec is checked before anything is contacted.
+                let spec = cluster::load_spec(&file)?;
+                if dry_run {
+                    let replicas = spec.replicas().len();
+                    println!(
+                        "deployment {} is valid: {} services, {replicas} replicas",
+                        spec.name,
+                        spec.services.len()
+                    );
+                    return Ok(());
+                }
+                let (url, ns) = bus.resolve()?;
+                let v = tokio::time::timeout(limit, cluster::apply(&url, ns.clone(), &file))
+                    .await
+                    .map_err(timed(url.clone()))??;
+                if json {
+                    println!("{v}");
+                } else {
+                    println!(
+                        "deployment {} {} (generation {})",
+                        spec.name,
+                        if v["changed"].as_bool() == Some(true) {
+                            "applied"
+                        } else {
+                            "unchanged"
+                        },
+                        v["generation"]
+                    );
+                }
+                if let Some(w) = wait_secs {
+                    let d = cluster::wait_ready(
+                        &url,
+                        ns,
+                        &spec.name,
+                        std::time::Duration::from_secs(w),
+                    )
+                    .await?;
+                    if !json {
+                        print!("{}", cluster::render_describe(&d));
+                    }
+                }
+                Ok(())
+            }
+            Cmd::Get { kind: _, bus, json } => {
+                let (url, ns) = bus.resolve()?;
+                let v = tokio::time::timeout(limit, cluster::get(&url, ns))
+                    .await
+                    .map_err(timed(url.clone()))??;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&v)?);
+                } else {
+                    print!("{}", cluster::render_list(&v));
+                }
+                Ok(())
+            }
+            Cmd::Describe {
+                kind: _,
+                name,
+                bus,
+                json,
+            } => {
+                let (url, ns) = bus.resolve()?;
+                let v = tokio::time::timeout(limit, cluster::describe(&url, ns, &name))
+                    .await
+                    .map_err(timed(url.clone()))??;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&v)?);
+                } else {
+                    print!("{}", cluster::render_describe(&v));
+                }
+                Ok(())
+            }
+            Cmd::Scale {
+                target,
+                replicas,
+                bus,
+            } => {
+                let (url, ns) = bus.resolve()?;
+                let v = tokio::time::timeout(limit, cluster::scale(&url, ns, &target, replicas))
+                    .await
+                    .map_err(timed(url.clone()))??;
+                println!("{v}");
+                Ok(())
+            }
+            Cmd::Render {
+                target: RenderTarget::K8s,
+                file,
+                image,
+                k8s_namespace,
+                nats_url,
+                namespace,
+                topology_name,
+                scheduler_name,
+                output,
+            } => {
+                use dynamo_cluster_config::render;
+                let spec = cluster::load_spec(&file)?;
+                let opts = render::RenderOptions {
+                    image,
+                    namespace: k8s_namespace,
+                    nats_url,
+                    dynamo_namespace: namespace,
+                    topology_name,
+                    scheduler_name,
+                };
+                let objs = render::render_k8s(&spec, &opts)?;
+                let text = render::to_yaml_documents(&objs)?;
+                match output {
+                    Some(p) => std::fs::write(&p, text)
+                        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", p.display()))?,
+                    None => print!("{text}"),
+                }
+                Ok(())
+            }
+            Cmd::Delete { kind: _, name, bus } => {
+                let (url, ns) = bus.resolve()?;
+                let v = tokio::time::timeout(limit, cluster::delete(&url, ns, &name))
+                    .await
+                    .map_err(timed(url.clone()))??;
+                println!("{v}");
+                Ok(())
+            }
             Cmd::Status {
                 nats,
                 namespace,

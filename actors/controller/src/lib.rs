@@ -1,0 +1,15 @@
+//! `dynamo-controller`: the placement controller.
+//!
+//! - [`state`]: the synchronous decision (assignments and statuses from the
+//!   desired state, the inventory and the current assignments), driven
+//!   directly by tests;
+//! - [`actor`]: the supervised actor that holds the lease and wires the
+//!   decision to JetStream KV.
+
+pub mod actor;
+pub mod state;
+
+pub use actor::{
+    read_all, ControllerActor, ControllerArgs, ControllerConfig, ControllerMsg, LEASE_KEY,
+};
+pub use state::{ControllerState, Decision, Deployment, World};

@@ -1,0 +1,579 @@
+//! `ControllerState`: the controller's synchronous logic. Given the desired
+//! state (deployments), the inventory (nodes) and the current assignments,
+//! it decides every node's assignment and every deployment's status.
+//!
+//! Invariants:
+//! - a member keeps its node while that node is schedulable and its
+//!   constraints hold (placement is stable), so a change to one service
+//!   never moves another's replicas;
+//! - a node whose heartbeat is older than the node TTL, or that is not
+//!   healthy, is not schedulable: its members are placed again, gangs whole;
+//! - a service whose `starts_after` services are not yet available (ready
+//!   below their `min_available`) is not placed, unless it already runs;
+//! - at most one frontend replica per node (it owns the node's HTTP port
+//!   and the router's name);
+//! - statuses keep the newest [`MAX_EVENTS`] events.
+
+use dynamo_bus_schema::{
+    AssignedReplica, ClusterEvent, DeploymentStatus, NodeAssignment, NodeId, NodeInventory,
+    ServiceStatus, MAX_EVENTS,
+};
+use dynamo_cluster_config::placement::{place, Gang, NodeInfo, PlacementRequest, Scope};
+use dynamo_cluster_config::spec::DeploymentSpec;
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::time::Duration;
+
+/// A deployment as the controller reads it.
+#[derive(Clone, Debug)]
+pub struct Deployment {
+    pub spec: DeploymentSpec,
+    pub generation: u64,
+}
+
+/// Everything one reconciliation looks at.
+#[derive(Clone, Debug, Default)]
+pub struct World {
+    pub deployments: Vec<Deployment>,
+    pub nodes: Vec<NodeInventory>,
+    /// Node id → what it was last assigned.
+    pub assignments: BTreeMap<String, NodeAssignment>,
+    pub now_ms: u64,
+}
+
+/// What one reconciliation decided.
+#[derive(Clone, Debug, Default)]
+pub struct Decision {
+    /// Node id → its new assignment, for every node whose assignment changed.
+    pub changed: BTreeMap<String, NodeAssignment>,
+    pub statuses: Vec<DeploymentStatus>,
+}
+
+pub struct ControllerState {
+    pub node_id: NodeId,
+    pub node_ttl: Duration,
+    pub epoch: u64,
+    /// Nodes seen schedulable at the last reconciliation.
+    alive: BTreeSet<String>,
+    /// Gang → reason, as last reported (events only on change).
+    pending: BTreeMap<String, String>,
+    events: BTreeMap<String, VecDeque<ClusterEvent>>,
+}
+
+impl ControllerState {
+    pub fn new(node_id: NodeId, node_ttl: Duration) -> Self {
+        ControllerState {
+            node_id,
+            node_ttl,
+            epoch: 0,
+            alive: BTreeSet::new(),
+            pending: BTreeMap::new(),
+            events: BTreeMap::new(),
+        }
+    }
+
+    /// Takes over the events a previous controller recorded (its statuses),
+    /// so a failover keeps the history.
+    pub fn adopt(&mut self, statuses: &[DeploymentStatus]) {
+        for s in statuses {
+            self.events
+                .entry(s.name.clone())
+                .or_insert_with(|| s.events.iter().cloned().collect());
+        }
+    }
+
+    pub fn event(&mut self, deployment: &str, now_ms: u64, message: String) {
+        tracing::info!(deployment, "{message}");
+        let q = self.events.entry(deployment.to_string()).or_default();
+        q.push_back(ClusterEvent {
+            unix_ms: now_ms,
+            message,
+        });
+        while q.len() > MAX_EVENTS {
+            q.pop_front();
+        }
+    }
+
+    fn schedulable(&self, n: &NodeInventory, now_ms: u64) -> bool {
+        let age = now_ms.saturating_sub(n.registration.heartbeat_unix_ms);
+        age <= self.node_ttl.as_millis() as u64 && n.health == "healthy"
+    }
+
+    pub fn reconcile(&mut self, w: &World) -> Decision {
+        let now = w.now_ms;
+        let label = |n: &NodeInventory, k: &str| {
+            n.labels
+                .iter()
+                .find(|(a, _)| a == k)
+                .map(|(_, v)| v.clone())
+                .unwrap_or_default()
+        };
+        let nodes: Vec<NodeInfo> = w
+            .nodes
+            .iter()
+            .map(|n| NodeInfo {
+                id: n.registration.node_id.0.clone(),
+                zone: label(n, "zone"),
+                rack: label(n, "rack"),
+                host: label(n, "host"),
+                slots: n.slots,
+                memory_mib: n.memory_mib,
+                schedulable: self.schedulable(n, now),
+                labels: n.labels.clone(),
+            })
+            .collect();
+        let alive: BTreeSet<String> = nodes
+            .iter()
+            .filter(|n| n.schedulable)
+            .map(|n| n.id.clone())
+            .collect();
+        // Members where they run now.
+        let mut current: HashMap<String, String> = HashMap::new();
+        for (node, a) in &w.assignments {
+            for r in &a.replicas {
+                current.insert(r.key.clone(), node.clone());
+            }
+        }
+        // Nodes lost since the last look, and who had members there.
+        let lost: Vec<String> = self.alive.difference(&alive).cloned().collect();
+        for node in &lost {
+            let why = match w.nodes.iter().find(|n| &n.registration.node_id.0 == node) {
+                Some(n) if n.health != "healthy" => n.health.clone(),
+                Some(n) => format!(
+                    "no heartbeat for {} s",
+                    now.saturating_sub(n.registration.heartbeat_unix_ms) / 1000
+                ),
+                None => "gone from the nodes bucket".into(),
+            };
+            let deps: BTreeSet<String> = w
+                .assignments
+                .get(node)
+                .map(|a| a.replicas.iter().map(|r| r.deployment.clone()).collect())
+                .unwrap_or_default();
+            for d in deps {
+                self.event(
+                    &d,
+                    now,
+                    format!("node {node} lost ({why}): its replicas are placed again"),
+                );
+            }
+        }
+        self.alive = alive.clone();
+        // Ready replicas: reported ready by the node they are assigned to.
+        let mut ready: BTreeSet<String> = BTreeSet::new();
+        for n in &w.nodes {
+            let id = &n.registration.node_id.0;
+            if !alive.contains(id) {
+                continue;
+            }
+            for r in &n.replicas {
+                if r.ready && !r.stopping && current.get(&r.key) == Some(id) {
+                    ready.insert(r.key.clone());
+                }
+            }
+        }
+        // The placement problem over every deployment at once (capacity is shared).
+        let mut scopes: Vec<Scope> = Vec::new();
+        let mut gangs: Vec<Gang> = Vec::new();
+        let mut waiting: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for d in &w.deployments {
+            let spec = &d.spec;
+            let ready_of = |svc: &str| {
+                let prefix = format!("{}/", spec.name);
+                spec.replicas()
+                    .iter()
+                    .filter(|r| r.service == svc)
+                    .filter(|r| ready.contains(&format!("{prefix}{}", r.key)))
+                    .count() as u32
+            };
+            let running = |svc: &str| {
+                spec.replicas()
+                    .iter()
+                    .filter(|r| r.service == svc)
+                    .any(|r| current.contains_key(&format!("{}/{}", spec.name, r.key)))
+            };
+            let mut blocked: BTreeMap<String, String> = BTreeMap::new();
+            for s in &spec.services {
+                if running(&s.name) {
+                    continue;
+                }
+                for a in &s.starts_after {
+                    let need = spec.service(a).map(|x| x.min_available).unwrap_or(0);
+                    let have = ready_of(a);
+                    if have < need.max(1) {
+                        blocked.insert(
+                            s.name.clone(),
+                            format!(
+                                "waits for {a} to be available ({have}/{} ready)",
+                                need.max(1)
+                            ),
+                        );
+                    }
+                }
+            }
+            for (svc, why) in &blocked {
+                waiting
+                    .entry(spec.name.clone())
+                    .or_default()
+                    .push(format!("{svc}: {why}"));
+            }
+            let (sc, mut gs) = spec.gangs(&|svc| !blocked.contains_key(svc));
+            let offset = scopes.len();
+            for g in &mut gs {
+                for i in &mut g.scopes {
+                    *i += offset;
+                }
+            }
+            scopes.extend(sc);
+            gangs.extend(gs);
+        }
+        let reserved = HashMap::new();
+        let placed = place(&PlacementRequest {
+            nodes: &nodes,
+            scopes: &scopes,
+            gangs: &gangs,
+            current: &current,
+            reserved: &reserved,
+        });
+        // Assignments per node.
+        let mut per_node: BTreeMap<String, Vec<AssignedReplica>> = BTreeMap::new();
+        for d in &w.deployments {
+            let spec = &d.spec;
+            for r in spec.replicas() {
+                let key = format!("{}/{}", spec.name, r.key);
+                let (Some(node), Some(s)) =
+                    (placed.assignments.get(&key), spec.service(&r.service))
+                else {
+                    continue;
+                };
+                let settings = match &s.worker {
+                    Some(wk) => wk.to_string(),
+                    None => {
+                        serde_json::json!({"gateway": s.gateway, "router": s.router}).to_string()
+                    }
+                };
+                per_node
+                    .entry(node.clone())
+                    .or_default()
+                    .push(AssignedReplica {
+                        key: key.clone(),
+                        deployment: spec.name.clone(),
+                        service: s.name.clone(),
+                        role: s.role.as_str().into(),
+                        settings,
+                        slots: s.resources.slots,
+                        memory_mib: s.resources.memory_mib,
+                    });
+                match current.get(&key) {
+                    None => self.event(
+                        &spec.name,
+                        now,
+                        format!("replica {} placed on node {node}", r.key),
+                    ),
+                    Some(old) if old != node => self.event(
+                        &spec.name,
+                        now,
+                        format!("replica {} moved from node {old} to node {node}", r.key),
+                    ),
+                    _ => {}
+                }
+            }
+        }
+        let mut changed = BTreeMap::new();
+        let known: BTreeSet<&String> = w.assignments.keys().chain(per_node.keys()).collect();
+        for node in known {
+            let mut want = per_node.get(node).cloned().unwrap_or_default();
+            want.sort_by(|a, b| a.key.cmp(&b.key));
+            let have = w.assignments.get(node).map(|a| a.replicas.clone());
+            if have.as_ref() != Some(&want) && !(have.is_none() && want.is_empty()) {
+                changed.insert(
+                    node.clone(),
+                    NodeAssignment {
+                        node_id: NodeId(node.clone()),
+                        epoch: self.epoch,
+                        replicas: want,
+                    },
+                );
+            }
+        }
+        // Pending reasons, with events when they change.
+        let mut pending_now: BTreeMap<String, String> = BTreeMap::new();
+        for p in &placed.pending {
+            pending_now.insert(p.gang.clone(), p.reason.clone());
+        }
+        for (gang, reason) in &pending_now {
+            if self.pending.get(gang) != Some(reason) {
+                let dep = gang.split('/').next().unwrap_or_default().to_string();
+                let short = gang.split_once('/').map(|x| x.1).unwrap_or(gang);
+                self.event(&dep, now, format!("replica {short} pending: {reason}"));
+            }
+        }
+        self.pending = pending_now.clone();
+        // Statuses.
+        let mut statuses = Vec::new();
+        for d in &w.deployments {
+            let spec = &d.spec;
+            let mut services = Vec::new();
+            for s in &spec.services {
+                let reps: Vec<_> = spec
+                    .replicas()
+                    .into_iter()
+                    .filter(|r| r.service == s.name)
+                    .collect();
+                let mut st = ServiceStatus {
+                    name: s.name.clone(),
+                    role: s.role.as_str().into(),
+                    desired: reps.len() as u32,
+                    placed: 0,
+                    ready: 0,
+                    pending: Vec::new(),
+                    placements: Vec::new(),
+                };
+                let mut reasons = BTreeSet::new();
+                for r in &reps {
+                    let key = format!("{}/{}", spec.name, r.key);
+                    match placed.assignments.get(&key) {
+                        Some(node) => {
+                            st.placed += 1;
+                            st.placements.push((r.key.clone(), node.clone()));
+                            if ready.contains(&key) {
+                                st.ready += 1;
+                            }
+                        }
+                        None => {
+                            if let Some(why) = pending_now.get(&format!("{}/{}", spec.name, r.gang))
+                            {
+                                reasons.insert(format!("{}: {why}", r.gang));
+                            }
+                        }
+                    }
+                }
+                if let Some(ws) = waiting.get(&spec.name) {
+                    for x in ws {
+                        if x.starts_with(&format!("{}: ", s.name)) {
+                            reasons.insert(x.clone());
+                        }
+                    }
+                }
+                if st.placed > st.ready {
+                    reasons.insert(format!(
+                        "{} placed replica(s) starting",
+                        st.placed - st.ready
+                    ));
+                }
+                st.pending = reasons.into_iter().collect();
+                services.push(st);
+            }
+            statuses.push(DeploymentStatus {
+                name: spec.name.clone(),
+                generation: d.generation,
+                services,
+                events: self
+                    .events
+                    .get(&spec.name)
+                    .map(|q| q.iter().cloned().collect())
+                    .unwrap_or_default(),
+                controller: self.node_id.clone(),
+                updated_unix_ms: now,
+            });
+        }
+        // Deployments gone: forget their events.
+        let names: BTreeSet<&str> = w.deployments.iter().map(|d| d.spec.name.as_str()).collect();
+        self.events.retain(|k, _| names.contains(k.as_str()));
+        Decision { changed, statuses }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dynamo_bus_schema::{NodeRegistration, RunningReplica};
+
+    const SPEC: &str = r#"
+version: 1
+name: d
+services:
+  frontend: {role: frontend, router: {policy: kv_aware}}
+  prefill: {role: prefill, replicas: 2, topology: {required: rack}, starts_after: [frontend], worker: {engine: mocker}}
+  decode: {role: decode, replicas: 2, worker: {engine: mocker}}
+"#;
+
+    fn node(id: &str, rack: &str, host: &str, hb: u64) -> NodeInventory {
+        NodeInventory {
+            registration: NodeRegistration {
+                node_id: NodeId(id.into()),
+                pid: 1,
+                hostname: "h".into(),
+                actors: vec![],
+                http_addr: None,
+                started_unix_ms: 0,
+                heartbeat_unix_ms: hb,
+            },
+            labels: vec![
+                ("host".into(), host.into()),
+                ("rack".into(), rack.into()),
+                ("zone".into(), "z1".into()),
+            ],
+            slots: 4,
+            free_slots: 4,
+            memory_mib: 1024,
+            free_memory_mib: 1024,
+            controller: true,
+            health: "healthy".into(),
+            replicas: vec![],
+        }
+    }
+
+    fn world(now: u64) -> World {
+        World {
+            deployments: vec![Deployment {
+                spec: DeploymentSpec::parse(SPEC).unwrap(),
+                generation: 1,
+            }],
+            nodes: vec![
+                node("n1", "r1", "h1", now),
+                node("n2", "r1", "h2", now),
+                node("n3", "r2", "h3", now),
+                node("n4", "r2", "h4", now),
+            ],
+            assignments: BTreeMap::new(),
+            now_ms: now,
+        }
+    }
+
+    /// Applies a decision and marks every assigned replica ready.
+    fn settle(w: &mut World, d: &Decision) {
+        for (n, a) in &d.changed {
+            w.assignments.insert(n.clone(), a.clone());
+        }
+        for n in &mut w.nodes {
+            n.replicas = w
+                .assignments
+                .get(&n.registration.node_id.0)
+                .map(|a| {
+                    a.replicas
+                        .iter()
+                        .map(|r| RunningReplica {
+                            key: r.key.clone(),
+                            ready: true,
+                            stopping: false,
+                            generation: 1,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+        }
+    }
+
+    fn placed(w: &World) -> BTreeMap<String, String> {
+        w.assignments
+            .iter()
+            .flat_map(|(n, a)| a.replicas.iter().map(move |r| (r.key.clone(), n.clone())))
+            .collect()
+    }
+
+    #[test]
+    fn start_order_then_placement_then_readiness() {
+        let mut st = ControllerState::new(NodeId("n1".into()), Duration::from_secs(10));
+        let mut w = world(1_000);
+        let d = st.reconcile(&w);
+        settle(&mut w, &d);
+        let p = placed(&w);
+        // Prefill waits for the frontend.
+        assert!(p.contains_key("d/frontend-0") && p.contains_key("d/decode-1"));
+        assert!(!p.contains_key("d/prefill-0"));
+        let pre = d.statuses[0]
+            .services
+            .iter()
+            .find(|s| s.name == "prefill")
+            .unwrap();
+        assert!(
+            pre.pending.iter().any(|r| r.contains("waits for frontend")),
+            "{pre:?}"
+        );
+        let d = st.reconcile(&w);
+        settle(&mut w, &d);
+        let p = placed(&w);
+        let rack = |n: &str| if n == "n1" || n == "n2" { "r1" } else { "r2" };
+        assert_eq!(rack(&p["d/prefill-0"]), rack(&p["d/prefill-1"]));
+        let d = st.reconcile(&w);
+        assert!(d.changed.is_empty(), "a settled cluster changes nothing");
+        assert!(d.statuses[0].services.iter().all(|s| s.ready == s.desired));
+    }
+
+    #[test]
+    fn scaling_one_service_moves_nothing_else() {
+        let mut st = ControllerState::new(NodeId("n1".into()), Duration::from_secs(10));
+        let mut w = world(1_000);
+        for _ in 0..3 {
+            let d = st.reconcile(&w);
+            settle(&mut w, &d);
+        }
+        let before = placed(&w);
+        w.deployments[0].spec.scale("decode", 3).unwrap();
+        let d = st.reconcile(&w);
+        settle(&mut w, &d);
+        let after = placed(&w);
+        for (k, n) in &before {
+            assert_eq!(after.get(k), Some(n), "{k} moved");
+        }
+        assert!(after.contains_key("d/decode-2"));
+        w.deployments[0].spec.scale("decode", 1).unwrap();
+        let d = st.reconcile(&w);
+        settle(&mut w, &d);
+        let after = placed(&w);
+        assert!(!after.contains_key("d/decode-1") && after.contains_key("d/decode-0"));
+        for (k, n) in &before {
+            if !k.starts_with("d/decode") {
+                assert_eq!(after.get(k), Some(n), "{k} moved");
+            }
+        }
+    }
+
+    #[test]
+    fn a_lost_node_has_its_replicas_placed_again_with_an_event() {
+        let mut st = ControllerState::new(NodeId("n1".into()), Duration::from_secs(10));
+        let mut w = world(1_000);
+        for _ in 0..3 {
+            let d = st.reconcile(&w);
+            settle(&mut w, &d);
+        }
+        let before = placed(&w);
+        let victim = before["d/decode-0"].clone();
+        w.now_ms = 20_000;
+        for n in &mut w.nodes {
+            if n.registration.node_id.0 != victim {
+                n.registration.heartbeat_unix_ms = 20_000;
+            }
+        }
+        let d = st.reconcile(&w);
+        settle(&mut w, &d);
+        let after = placed(&w);
+        assert!(after.values().all(|n| n != &victim));
+        assert_eq!(after.len(), before.len());
+        let ev = &d.statuses[0].events;
+        assert!(
+            ev.iter()
+                .any(|e| e.message.contains(&format!("node {victim} lost"))),
+            "{ev:?}"
+        );
+    }
+
+    #[test]
+    fn unsatisfiable_specs_say_why() {
+        let mut st = ControllerState::new(NodeId("n1".into()), Duration::from_secs(10));
+        let mut w = world(1_000);
+        w.deployments[0].spec.scale("prefill", 9).unwrap();
+        for _ in 0..2 {
+            let d = st.reconcile(&w);
+            settle(&mut w, &d);
+        }
+        let d = st.reconcile(&w);
+        let pre = d.statuses[0]
+            .services
+            .iter()
+            .find(|s| s.name == "prefill")
+            .unwrap();
+        assert!(pre.placed < 9);
+        assert!(pre.pending.iter().any(|r| r.contains("rack")), "{pre:?}");
+    }
+}

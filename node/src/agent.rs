@@ -1,0 +1,666 @@
+//! `NodeAgentActor`: a joined node's side of the cluster layer. It watches
+//! the node's assignment (written by the active controller), reconciles it
+//! with what runs (starting and stopping worker and frontend actors through
+//! the node supervisor), and reports the node's inventory (labels,
+//! capacity, health, replicas and whether each is ready) every second.
+//!
+//! Invariants:
+//! - only replicas whose key or settings changed are touched: the others'
+//!   actors (and generations) are left alone;
+//! - a replica leaves by draining: its worker stops taking requests, its
+//!   in-flight ones finish (within the node's shutdown grace), it
+//!   deregisters, then stops, the path `dynamoctl drain` uses;
+//! - a replica whose start failed is retried with backoff, and the failure
+//!   is reported, never dropped;
+//! - the inventory is written by a task of its own, so a slow start (a
+//!   model load) never delays the heartbeat the controller judges the node by.
+
+use crate::config::{frontend_from_spec, worker_from_spec, JoinConfig, NodeConfig};
+use crate::supervisor::{GroupModel, SupervisorMsg};
+use dynamo_bus_schema::blocks::hash_salt;
+use dynamo_bus_schema::{
+    decode, encode, unix_ms, AssignedReplica, NodeAssignment, NodeInventory, NodeRegistration,
+    RunningReplica, WorkerId,
+};
+use dynamo_gateway::GatewayMsg;
+use dynamo_runtime::bus::REGISTRY_MAX_AGE;
+use dynamo_runtime::{Backoff, Bus, Tasks};
+use dynamo_worker::WorkerMsg;
+use futures::StreamExt;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Registered name of a node's agent.
+pub const AGENT_NAME: &str = "node-agent";
+
+/// What runs for one assigned replica.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Runs {
+    Frontend,
+    Worker(WorkerId),
+}
+
+#[derive(Clone, Debug)]
+pub struct Running {
+    pub replica: AssignedReplica,
+    pub runs: Runs,
+    pub generation: u64,
+    pub stopping: bool,
+}
+
+/// What to do to make what runs match the assignment.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Plan {
+    pub start: Vec<AssignedReplica>,
+    pub stop: Vec<String>,
+}
+
+/// The synchronous part: the difference between an assignment and what
+/// runs. A replica whose settings changed is stopped first and started
+/// again once it has stopped; one still stopping is left alone.
+pub fn plan(desired: &[AssignedReplica], running: &BTreeMap<String, Running>) -> Plan {
+    let mut p = Plan::default();
+    let want: BTreeMap<&str, &AssignedReplica> =
+        desired.iter().map(|r| (r.key.as_str(), r)).collect();
+    for (key, r) in running {
+        if r.stopping {
+            continue;
+        }
+        match want.get(key.as_str()) {
+            Some(d) if **d == r.replica => {}
+            _ => p.stop.push(key.clone()),
+        }
+    }
+    for d in desired {
+        if !running.contains_key(&d.key) {
+            p.start.push(d.clone());
+        }
+    }
+    // A frontend leaves before another starts (one per node).
+    p
+}
+
+pub struct AgentArgs {
+    pub bus: Bus,
+    pub config: NodeConfig,
+    pub supervisor: ActorRef<SupervisorMsg>,
+}
+
+pub enum AgentMsg {
+    /// The node's assignment as last read (None: none yet).
+    Assignment(Option<NodeAssignment>),
+    /// Periodic: read the assignment again, retry failed starts.
+    Tick,
+    /// A replica finished stopping.
+    Stopped(String),
+    /// The node is leaving: report it as draining so nothing new comes.
+    Leave(RpcReplyPort<()>),
+}
+
+pub struct NodeAgentActor;
+
+pub struct AgentState {
+    bus: Bus,
+    cfg: NodeConfig,
+    join: JoinConfig,
+    sup: ActorRef<SupervisorMsg>,
+    desired: Vec<AssignedReplica>,
+    running: BTreeMap<String, Running>,
+    /// Replica → (why its start failed, when to try again, backoff).
+    failed: BTreeMap<String, (String, Instant, Backoff)>,
+    models: HashMap<String, Arc<GroupModel>>,
+    record: Arc<Mutex<NodeInventory>>,
+    assignments: Option<async_nats::jetstream::kv::Store>,
+    tasks: Tasks,
+}
+
+impl Actor for NodeAgentActor {
+    type Msg = AgentMsg;
+    type State = AgentState;
+    type Arguments = AgentArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<AgentMsg>,
+        args: AgentArgs,
+    ) -> Result<AgentState, ActorProcessingErr> {
+        let join = args
+            .config
+            .join
+            .clone()
+            .ok_or("the node has not joined a cluster")?;
+        let me = myself.clone();
+        let tasks = Tasks::new(Arc::new(move |why| {
+            tracing::error!(%why, "node agent task ended");
+            me.stop(Some(why));
+        }));
+        let record = Arc::new(Mutex::new(NodeInventory {
+            registration: NodeRegistration {
+                node_id: args.config.node_id.clone(),
+                pid: std::process::id(),
+                hostname: crate::daemon::hostname(),
+                actors: Vec::new(),
+                http_addr: None,
+                started_unix_ms: unix_ms(),
+                heartbeat_unix_ms: unix_ms(),
+            },
+            labels: join.labels.clone(),
+            slots: join.slots,
+            free_slots: join.slots,
+            memory_mib: join.memory_mib,
+            free_memory_mib: join.memory_mib,
+            controller: args.config.controller.is_some(),
+            health: "healthy".into(),
+            replicas: Vec::new(),
+        }));
+        tasks.spawn(
+            "inventory",
+            report_inventory(args.bus.clone(), record.clone(), args.supervisor.clone()),
+        );
+        tasks.spawn(
+            "assignment watch",
+            watch_assignment(
+                args.bus.clone(),
+                args.config.node_id.0.clone(),
+                myself.clone(),
+            ),
+        );
+        myself.send_interval(Duration::from_secs(1), || AgentMsg::Tick);
+        Ok(AgentState {
+            bus: args.bus,
+            cfg: args.config,
+            join,
+            sup: args.supervisor,
+            desired: Vec::new(),
+            running: BTreeMap::new(),
+            failed: BTreeMap::new(),
+            models: HashMap::new(),
+            record,
+            assignments: None,
+            tasks,
+        })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<AgentMsg>,
+        st: &mut AgentState,
+    ) -> Result<(), ActorProcessingErr> {
+        st.tasks.shutdown();
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<AgentMsg>,
+        msg: AgentMsg,
+        st: &mut AgentState,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            AgentMsg::Assignment(a) => {
+                let desired = a.map(|a| a.replicas).unwrap_or_default();
+                if desired != st.desired {
+                    st.desired = desired;
+                    st.failed
+                        .retain(|k, _| st.desired.iter().any(|d| &d.key == k));
+                }
+                st.reconcile(&myself).await;
+            }
+            AgentMsg::Tick => {
+                if let Some(a) = st.read_assignment().await {
+                    st.desired = a;
+                }
+                st.reconcile(&myself).await;
+            }
+            AgentMsg::Stopped(key) => {
+                st.running.remove(&key);
+                st.publish();
+                st.reconcile(&myself).await;
+            }
+            AgentMsg::Leave(reply) => {
+                if let Ok(mut r) = st.record.lock() {
+                    r.health = "draining".into();
+                }
+                let _ = reply.send(());
+            }
+        }
+        Ok(())
+    }
+}
+
+impl AgentState {
+    async fn read_assignment(&mut self) -> Option<Vec<AssignedReplica>> {
+        if self.assignments.is_none() {
+            let name = self.bus.subjects.assignments_bucket();
+            let kv =
+                tokio::time::timeout(Duration::from_secs(2), self.bus.kv_bucket_durable(&name))
+                    .await
+                    .ok()?
+                    .ok()?;
+            self.assignments = Some(kv);
+        }
+        let kv = self.assignments.as_ref()?;
+        match tokio::time::timeout(Duration::from_secs(2), kv.get(self.cfg.node_id.0.clone())).await
+        {
+            Ok(Ok(Some(v))) => match decode::<NodeAssignment>(&v) {
+                Ok(a) => Some(a.replicas),
+                Err(e) => {
+                    dynamo_runtime::counters::reject("NodeAssignment", &self.cfg.node_id.0, &e);
+                    None
+                }
+            },
+            Ok(Ok(None)) => Some(Vec::new()),
+            _ => {
+                self.assignments = None;
+                None
+            }
+        }
+    }
+
+    async fn reconcile(&mut self, myself: &ActorRef<AgentMsg>) {
+        let p = plan(&self.desired, &self.running);
+        for key in p.stop {
+            self.stop(&key, myself).await;
+        }
+        // One frontend per node: wait for a leaving one before another starts.
+        let frontend_busy = self.running.values().any(|r| r.runs == Runs::Frontend);
+        for r in p.start {
+            if r.role == "frontend" && frontend_busy {
+                continue;
+            }
+            if let Some((_, at, _)) = self.failed.get(&r.key) {
+                if Instant::now() < *at {
+                    continue;
+                }
+            }
+            match self.start(&r).await {
+                Ok((runs, generation)) => {
+                    tracing::info!(replica = r.key, "replica started");
+                    self.failed.remove(&r.key);
+                    self.running.insert(
+                        r.key.clone(),
+                        Running {
+                            replica: r,
+                            runs,
+                            generation,
+                            stopping: false,
+                        },
+                    );
+                }
+                Err(e) => {
+                    tracing::error!(replica = r.key, error = %e, "replica failed to start");
+                    let now = Instant::now();
+                    let entry = self.failed.entry(r.key.clone()).or_insert_with(|| {
+                        (
+                            String::new(),
+                            now,
+                            Backoff::new(
+                                Duration::from_millis(500),
+                                Duration::from_secs(30),
+                                Duration::from_secs(300),
+                            ),
+                        )
+                    });
+                    let delay = entry.2.next_delay(now);
+                    entry.0 = e;
+                    entry.1 = now + delay;
+                }
+            }
+        }
+        self.publish();
+    }
+
+    /// Writes what runs into the shared inventory record.
+    fn publish(&self) {
+        let used_slots: u32 = self.running.values().map(|r| r.replica.slots).sum();
+        let used_mem: u64 = self.running.values().map(|r| r.replica.memory_mib).sum();
+        let http = self
+            .running
+            .values()
+            .find(|r| r.runs == Runs::Frontend && !r.stopping)
+            .and_then(|r| self.frontend_listen(&r.replica).ok())
+            .map(|a| a.to_string());
+        if let Ok(mut rec) = self.record.lock() {
+            rec.free_slots = self.join.slots.saturating_sub(used_slots);
+            rec.free_memory_mib = self.join.memory_mib.saturating_sub(used_mem);
+            rec.registration.http_addr = http;
+            rec.replicas = self
+                .running
+                .values()
+                .map(|r| RunningReplica {
+                    key: r.replica.key.clone(),
+                    ready: !r.stopping,
+                    stopping: r.stopping,
+                    generation: r.generation,
+                })
+                .chain(self.failed.keys().map(|k| RunningReplica {
+                    key: k.clone(),
+                    ready: false,
+                    stopping: false,
+                    generation: 0,
+                }))
+                .collect();
+        }
+    }
+
+    fn frontend_listen(&self, r: &AssignedReplica) -> Result<std::net::SocketAddr, String> {
+        let (g, _) = self.frontend_config(r)?;
+        Ok(g.listen)
+    }
+
+    fn frontend_config(
+        &self,
+        r: &AssignedReplica,
+    ) -> Result<(dynamo_gateway::GatewayConfig, dynamo_router::RouterConfig), String> {
+        let v: serde_json::Value =
+            serde_json::from_str(&r.settings).map_err(|e| format!("settings: {e}"))?;
+        let field = format!("services.{}", r.service);
+        let (mut g, rt) = frontend_from_spec(
+            &field,
+            v.get("gateway").filter(|x| !x.is_null()),
+            v.get("router").filter(|x| !x.is_null()),
+        )
+        .map_err(|e| e.to_string())?;
+        if let Some(l) = self.join.http_listen {
+            g.listen = l;
+        }
+        Ok((g, rt))
+    }
+
+    async fn start(&mut self, r: &AssignedReplica) -> Result<(Runs, u64), String> {
+        let limit = Some(Duration::from_secs(30));
+        if r.role == "frontend" {
+            let (g, rt) = self.frontend_config(r)?;
+            let res = self
+                .sup
+                .call(
+                    |reply| SupervisorMsg::StartFrontend {
+                        gateway: Box::new(g),
+                        router: Box::new(rt),
+                        reply,
+                    },
+                    limit,
+                )
+                .await;
+            return match res {
+                Ok(ractor::rpc::CallResult::Success(Ok(()))) => Ok((Runs::Frontend, 0)),
+                Ok(ractor::rpc::CallResult::Success(Err(e))) => Err(e),
+                _ => Err("the node supervisor did not answer".into()),
+            };
+        }
+        let v: serde_json::Value =
+            serde_json::from_str(&r.settings).map_err(|e| format!("settings: {e}"))?;
+        let group = worker_from_spec(&format!("services.{}", r.service), &v, &r.role)
+            .map_err(|e| e.to_string())?;
+        let model_key = format!(
+            "{:?}|{}|{}|{}|{:?}",
+            group.model_path,
+            group.model,
+            group.engine.block_size(),
+            matches!(group.engine, crate::config::EngineSpec::Cpu { .. }),
+            group.context_length
+        );
+        let model = match self.models.get(&model_key) {
+            Some(m) => m.clone(),
+            None => {
+                let m = Arc::new(
+                    crate::daemon::load_group_model(&group)
+                        .await
+                        .map_err(|e| format!("{e:#}"))?,
+                );
+                self.models.insert(model_key, m.clone());
+                m
+            }
+        };
+        let worker_id = WorkerId(hash_salt(
+            &format!(
+                "{}/{}/{}",
+                self.cfg.namespace.as_str(),
+                r.key,
+                self.cfg.node_id
+            ),
+            None,
+        ));
+        let res = self
+            .sup
+            .call(
+                |reply| SupervisorMsg::StartWorker {
+                    group: Box::new(group),
+                    model,
+                    worker_id,
+                    reply,
+                },
+                limit,
+            )
+            .await;
+        match res {
+            Ok(ractor::rpc::CallResult::Success(Ok(generation))) => {
+                Ok((Runs::Worker(worker_id), generation))
+            }
+            Ok(ractor::rpc::CallResult::Success(Err(e))) => Err(e),
+            _ => Err("the node supervisor did not answer".into()),
+        }
+    }
+
+    /// Starts draining a replica; [`AgentMsg::Stopped`] comes when it is gone.
+    async fn stop(&mut self, key: &str, myself: &ActorRef<AgentMsg>) {
+        let Some(r) = self.running.get_mut(key) else {
+            return;
+        };
+        r.stopping = true;
+        tracing::info!(replica = key, "replica leaving: draining");
+        let grace = self.cfg.shutdown_grace;
+        let (sup, me, key) = (self.sup.clone(), myself.clone(), key.to_string());
+        let runs = r.runs.clone();
+        self.tasks.spawn_transient("replica drain", async move {
+            match runs {
+                Runs::Worker(id) => drain_worker(&sup, id, grace).await,
+                Runs::Frontend => stop_frontend(&sup, grace).await,
+            }
+            let _ = me.cast(AgentMsg::Stopped(key));
+        });
+    }
+}
+
+/// Drains a worker (no new requests, in-flight ones finish within `grace`),
+/// deregisters it and stops it.
+async fn drain_worker(sup: &ActorRef<SupervisorMsg>, id: WorkerId, grace: Duration) {
+    let w = match sup
+        .call(
+            |r| SupervisorMsg::RetireWorker(id, r),
+            Some(Duration::from_secs(5)),
+        )
+        .await
+    {
+        Ok(ractor::rpc::CallResult::Success(Some(w))) => w,
+        _ => return,
+    };
+    let _ = w.call(WorkerMsg::Drain, Some(Duration::from_secs(2))).await;
+    let t0 = Instant::now();
+    loop {
+        let n = match w
+            .call(WorkerMsg::Inflight, Some(Duration::from_secs(1)))
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(n)) => n,
+            _ => 0,
+        };
+        if n == 0 || t0.elapsed() > grace {
+            if n > 0 {
+                tracing::warn!(worker = %id, n, "drain grace over with requests in flight");
+            }
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = w
+        .call(WorkerMsg::Deregister, Some(Duration::from_secs(3)))
+        .await;
+    w.stop(Some("replica removed".into()));
+}
+
+/// Stops the node's frontend: the gateway finishes its requests (within
+/// its grace), then gateway and router stop.
+async fn stop_frontend(sup: &ActorRef<SupervisorMsg>, grace: Duration) {
+    let Ok(ractor::rpc::CallResult::Success(Some((g, router)))) = sup
+        .call(SupervisorMsg::RetireFrontend, Some(Duration::from_secs(5)))
+        .await
+    else {
+        return;
+    };
+    let _ = g
+        .call(GatewayMsg::Shutdown, Some(grace + Duration::from_secs(1)))
+        .await;
+    g.stop(Some("replica removed".into()));
+    router.stop(Some("replica removed".into()));
+}
+
+/// Writes the node's inventory every second (and whenever it can after a
+/// bus restart), with the actor names the supervisor reports.
+async fn report_inventory(
+    bus: Bus,
+    record: Arc<Mutex<NodeInventory>>,
+    sup: ActorRef<SupervisorMsg>,
+) {
+    let mut beat = tokio::time::interval(Duration::from_secs(1));
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut kv = None;
+    loop {
+        beat.tick().await;
+        if let Ok(ractor::rpc::CallResult::Success(mut c)) = sup
+            .call(SupervisorMsg::Children, Some(Duration::from_secs(1)))
+            .await
+        {
+            c.sort();
+            if let Ok(mut r) = record.lock() {
+                r.registration.actors = c;
+            }
+        }
+        let rec = match record.lock() {
+            Ok(mut r) => {
+                r.registration.heartbeat_unix_ms = unix_ms();
+                r.clone()
+            }
+            Err(_) => return,
+        };
+        if kv.is_none() {
+            let name = bus.subjects.nodes_bucket();
+            kv = tokio::time::timeout(
+                Duration::from_secs(2),
+                bus.kv_bucket(&name, REGISTRY_MAX_AGE),
+            )
+            .await
+            .ok()
+            .and_then(|r| r.ok());
+        }
+        let Some(store) = &kv else { continue };
+        let bytes = match encode(&rec) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot encode the node inventory");
+                continue;
+            }
+        };
+        let put = store.put(rec.registration.node_id.0.clone(), bytes.into());
+        if !matches!(
+            tokio::time::timeout(Duration::from_secs(2), put).await,
+            Ok(Ok(_))
+        ) {
+            kv = None;
+        }
+    }
+}
+
+/// Watches the node's assignment key and hands every change to the agent.
+/// Returns (failing the agent, which is restarted) if the watch ends.
+async fn watch_assignment(bus: Bus, node: String, agent: ActorRef<AgentMsg>) {
+    let mut backoff = Backoff::new(
+        Duration::from_millis(200),
+        Duration::from_secs(5),
+        Duration::from_secs(60),
+    );
+    loop {
+        let watched = async {
+            let kv = bus
+                .kv_bucket_durable(&bus.subjects.assignments_bucket())
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut w = kv.watch(&node).await.map_err(|e| e.to_string())?;
+            while let Some(e) = w.next().await {
+                let e = e.map_err(|e| e.to_string())?;
+                let a = match e.operation {
+                    async_nats::jetstream::kv::Operation::Put => {
+                        match decode::<NodeAssignment>(&e.value) {
+                            Ok(a) => Some(a),
+                            Err(err) => {
+                                dynamo_runtime::counters::reject("NodeAssignment", &node, &err);
+                                continue;
+                            }
+                        }
+                    }
+                    _ => None,
+                };
+                if agent.cast(AgentMsg::Assignment(a)).is_err() {
+                    return Ok(());
+                }
+            }
+            Err::<(), String>("the watch ended".into())
+        };
+        if let Err(e) = watched.await {
+            tracing::warn!(error = %e, "assignment watch interrupted; watching again");
+        } else {
+            return;
+        }
+        tokio::time::sleep(backoff.next_delay(Instant::now())).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rep(key: &str, settings: &str) -> AssignedReplica {
+        AssignedReplica {
+            key: key.into(),
+            deployment: "d".into(),
+            service: "decode".into(),
+            role: "decode".into(),
+            settings: settings.into(),
+            slots: 1,
+            memory_mib: 0,
+        }
+    }
+
+    fn running(r: AssignedReplica, stopping: bool) -> Running {
+        Running {
+            runs: Runs::Worker(WorkerId(1)),
+            replica: r,
+            generation: 1,
+            stopping,
+        }
+    }
+
+    #[test]
+    fn only_what_changed_is_touched() {
+        let mut run = BTreeMap::new();
+        run.insert("d/a".to_string(), running(rep("d/a", "{}"), false));
+        run.insert("d/b".to_string(), running(rep("d/b", "{}"), false));
+        run.insert("d/c".to_string(), running(rep("d/c", "{}"), false));
+        let want = vec![rep("d/a", "{}"), rep("d/b", "{\"x\":1}"), rep("d/e", "{}")];
+        let p = plan(&want, &run);
+        assert_eq!(p.stop, vec!["d/b".to_string(), "d/c".to_string()]);
+        assert_eq!(
+            p.start.iter().map(|r| r.key.as_str()).collect::<Vec<_>>(),
+            vec!["d/e"]
+        );
+        // Once b has stopped it is started with its new settings.
+        run.remove("d/b");
+        run.get_mut("d/c").unwrap().stopping = true;
+        let p = plan(&want, &run);
+        assert!(p.stop.is_empty(), "a stopping replica is left to finish");
+        assert_eq!(p.start.len(), 2);
+        assert!(plan(&[], &BTreeMap::new()) == Plan::default());
+    }
+}

@@ -1,0 +1,354 @@
+//! `dynamoctl apply|get|describe|scale|delete`: the desired state of
+//! deployments in JetStream KV, and what the placement controller reports.
+//!
+//! Invariants: a spec is stored only once it parses into checked types and
+//! every service's settings pass the node's own validation (errors name the
+//! spec's field); every change bumps the deployment's generation and is
+//! written by compare-and-set on the entry's revision, so two concurrent
+//! changes never lose one another (the loser retries on the new state).
+
+use crate::config::check_spec_settings;
+use dynamo_bus_schema::{
+    decode, encode, unix_ms, DeploymentRecord, DeploymentStatus, Namespace, Subjects,
+};
+use dynamo_cluster_config::spec::DeploymentSpec;
+use dynamo_runtime::Bus;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+/// Reads and checks a spec file (no bus needed).
+pub fn load_spec(path: &Path) -> anyhow::Result<DeploymentSpec> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+    let spec =
+        DeploymentSpec::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    check_spec_settings(&spec).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    Ok(spec)
+}
+
+struct Store {
+    deployments: async_nats::jetstream::kv::Store,
+    status: async_nats::jetstream::kv::Store,
+}
+
+async fn open(url: &str, ns: Namespace) -> anyhow::Result<Store> {
+    let bus = Bus::connect(url, "dynamoctl", Subjects::new(ns)).await?;
+    let s = &bus.subjects;
+    Ok(Store {
+        deployments: bus.kv_bucket_durable(&s.deployments_bucket()).await?,
+        status: bus.kv_bucket_durable(&s.deploy_status_bucket()).await?,
+    })
+}
+
+async fn record(
+    kv: &async_nats::jetstream::kv::Store,
+    name: &str,
+) -> anyhow::Result<Option<(DeploymentRecord, u64)>> {
+    match kv.entry(name).await? {
+        Some(e) if e.operation == async_nats::jetstream::kv::Operation::Put => {
+            Ok(Some((decode::<DeploymentRecord>(&e.value)?, e.revision)))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Writes `spec` as deployment `name`'s new generation, by compare-and-set.
+async fn write(
+    kv: &async_nats::jetstream::kv::Store,
+    spec: &DeploymentSpec,
+    prev: Option<(DeploymentRecord, u64)>,
+) -> anyhow::Result<u64> {
+    let generation = prev.as_ref().map(|(r, _)| r.generation + 1).unwrap_or(1);
+    let rec = DeploymentRecord {
+        name: spec.name.clone(),
+        spec_yaml: spec.to_yaml()?,
+        generation,
+        updated_unix_ms: unix_ms(),
+    };
+    let bytes: bytes::Bytes = encode(&rec)?.into();
+    match prev {
+        Some((_, rev)) => kv.update(&spec.name, bytes, rev).await.map(|_| ())?,
+        None => kv.create(&spec.name, bytes).await.map(|_| ())?,
+    }
+    Ok(generation)
+}
+
+/// `apply -f SPEC`: stores the checked spec as the deployment's desired state.
+pub async fn apply(url: &str, ns: Namespace, path: &Path) -> anyhow::Result<Value> {
+    let spec = load_spec(path)?;
+    let store = open(url, ns).await?;
+    for _ in 0..5 {
+        let prev = record(&store.deployments, &spec.name).await?;
+        let unchanged = prev
+            .as_ref()
+            .is_some_and(|(r, _)| DeploymentSpec::parse(&r.spec_yaml).ok().as_ref() == Some(&spec));
+        if unchanged {
+            let generation = prev.map(|(r, _)| r.generation).unwrap_or(0);
+            return Ok(
+                json!({"deployment": spec.name, "generation": generation, "changed": false}),
+            );
+        }
+        if let Ok(generation) = write(&store.deployments, &spec, prev).await {
+            return Ok(json!({"deployment": spec.name, "generation": generation, "changed": true}));
+        }
+    }
+    anyhow::bail!("deployment {} kept changing under us; try again", spec.name)
+}
+
+/// Splits `NAME/SERVICE` (or `deployment/NAME/SERVICE`).
+pub fn parse_target(target: &str) -> anyhow::Result<(String, String)> {
+    let t = target.strip_prefix("deployment/").unwrap_or(target);
+    match t.split_once('/') {
+        Some((d, s)) if !d.is_empty() && !s.is_empty() && !s.contains('/') => {
+            Ok((d.to_string(), s.to_string()))
+        }
+        _ => anyhow::bail!(
+            "{target:?}: name what to scale as DEPLOYMENT/SERVICE (or DEPLOYMENT/GROUP)"
+        ),
+    }
+}
+
+/// `scale DEPLOYMENT/SERVICE N`.
+pub async fn scale(url: &str, ns: Namespace, target: &str, replicas: u32) -> anyhow::Result<Value> {
+    let (name, service) = parse_target(target)?;
+    let store = open(url, ns).await?;
+    for _ in 0..5 {
+        let Some((rec, rev)) = record(&store.deployments, &name).await? else {
+            anyhow::bail!("no deployment {name:?} (see dynamoctl get deployments)");
+        };
+        let mut spec = DeploymentSpec::parse(&rec.spec_yaml)?;
+        spec.scale(&service, replicas)?;
+        if let Ok(generation) = write(&store.deployments, &spec, Some((rec, rev))).await {
+            return Ok(
+                json!({"deployment": name, "target": service, "replicas": replicas, "generation": generation}),
+            );
+        }
+    }
+    anyhow::bail!("deployment {name} kept changing under us; try again")
+}
+
+/// `delete deployment NAME`: its replicas drain and stop.
+pub async fn delete(url: &str, ns: Namespace, name: &str) -> anyhow::Result<Value> {
+    let store = open(url, ns).await?;
+    if record(&store.deployments, name).await?.is_none() {
+        anyhow::bail!("no deployment {name:?} (see dynamoctl get deployments)");
+    }
+    store.deployments.delete(name).await?;
+    Ok(json!({"deployment": name, "deleted": true}))
+}
+
+async fn statuses(store: &Store) -> anyhow::Result<BTreeMap<String, DeploymentStatus>> {
+    dynamo_controller::read_all(&store.status)
+        .await
+        .map_err(|e| anyhow::anyhow!(e))
+}
+
+fn status_json(rec: &DeploymentRecord, st: Option<&DeploymentStatus>) -> Value {
+    let services: Vec<Value> = st
+        .map(|s| {
+            s.services
+                .iter()
+                .map(|x| {
+                    json!({
+                        "name": x.name, "role": x.role, "desired": x.desired,
+                        "placed": x.placed, "ready": x.ready, "pending": x.pending,
+                        "placements": x.placements.iter().map(|(k, n)| json!({"replica": k, "node": n})).collect::<Vec<_>>(),
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let ready = st.is_some_and(|s| s.services.iter().all(|x| x.ready == x.desired));
+    json!({
+        "name": rec.name,
+        "generation": rec.generation,
+        "observed_generation": st.map(|s| s.generation),
+        "ready": ready && st.is_some_and(|s| s.generation == rec.generation),
+        "services": services,
+        "events": st.map(|s| s.events.iter().map(|e| json!({"unix_ms": e.unix_ms, "message": e.message})).collect::<Vec<_>>()).unwrap_or_default(),
+        "controller": st.map(|s| s.controller.0.clone()),
+        "status_age_ms": st.map(|s| unix_ms().saturating_sub(s.updated_unix_ms)),
+    })
+}
+
+/// `get deployments`.
+pub async fn get(url: &str, ns: Namespace) -> anyhow::Result<Value> {
+    let store = open(url, ns).await?;
+    let recs: BTreeMap<String, DeploymentRecord> = dynamo_controller::read_all(&store.deployments)
+        .await
+        .map_err(|e| anyhow::anyhow!(e))?;
+    let st = statuses(&store).await?;
+    Ok(Value::Array(
+        recs.values()
+            .map(|r| status_json(r, st.get(&r.name)))
+            .collect(),
+    ))
+}
+
+/// `describe deployment NAME`.
+pub async fn describe(url: &str, ns: Namespace, name: &str) -> anyhow::Result<Value> {
+    let store = open(url, ns).await?;
+    let Some((rec, _)) = record(&store.deployments, name).await? else {
+        anyhow::bail!("no deployment {name:?} (see dynamoctl get deployments)");
+    };
+    let st = statuses(&store).await?;
+    Ok(status_json(&rec, st.get(name)))
+}
+
+/// `get deployments` as a table.
+pub fn render_list(v: &Value) -> String {
+    let mut out = format!(
+        "{:<24} {:>10} {:>8} {:>8}  {}\n",
+        "NAME", "GENERATION", "READY", "DESIRED", "STATUS"
+    );
+    for d in v.as_array().into_iter().flatten() {
+        let sum = |k: &str| -> u64 {
+            d["services"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|s| s[k].as_u64().unwrap_or(0))
+                .sum()
+        };
+        let state = if d["ready"].as_bool() == Some(true) {
+            "ready".to_string()
+        } else if d["observed_generation"].is_null() {
+            "waiting for a controller".to_string()
+        } else {
+            "pending".to_string()
+        };
+        out.push_str(&format!(
+            "{:<24} {:>10} {:>8} {:>8}  {}\n",
+            d["name"].as_str().unwrap_or(""),
+            d["generation"],
+            sum("ready"),
+            sum("desired"),
+            state
+        ));
+    }
+    out
+}
+
+/// `describe deployment NAME` for people.
+pub fn render_describe(d: &Value) -> String {
+    let mut out = format!(
+        "deployment {}  generation {} (controller saw {}), controller {}\n\n",
+        d["name"].as_str().unwrap_or(""),
+        d["generation"],
+        d["observed_generation"],
+        d["controller"].as_str().unwrap_or("none yet"),
+    );
+    out.push_str(&format!(
+        "{:<16} {:<11} {:>7} {:>6} {:>5}\n",
+        "SERVICE", "ROLE", "DESIRED", "PLACED", "READY"
+    ));
+    for s in d["services"].as_array().into_iter().flatten() {
+        out.push_str(&format!(
+            "{:<16} {:<11} {:>7} {:>6} {:>5}\n",
+            s["name"].as_str().unwrap_or(""),
+            s["role"].as_str().unwrap_or(""),
+            s["desired"],
+            s["placed"],
+            s["ready"]
+        ));
+        for p in s["placements"].as_array().into_iter().flatten() {
+            out.push_str(&format!(
+                "    {} on {}\n",
+                p["replica"].as_str().unwrap_or(""),
+                p["node"].as_str().unwrap_or("")
+            ));
+        }
+        for why in s["pending"].as_array().into_iter().flatten() {
+            out.push_str(&format!("    pending: {}\n", why.as_str().unwrap_or("")));
+        }
+    }
+    out.push_str("\nevents:\n");
+    for e in d["events"].as_array().into_iter().flatten() {
+        out.push_str(&format!(
+            "  {}  {}\n",
+            e["unix_ms"],
+            e["message"].as_str().unwrap_or("")
+        ));
+    }
+    out
+}
+
+/// Waits until the deployment is ready (every service's ready = desired,
+/// at the current generation), or fails after `within` with what is pending.
+pub async fn wait_ready(
+    url: &str,
+    ns: Namespace,
+    name: &str,
+    within: Duration,
+) -> anyhow::Result<Value> {
+    let t0 = std::time::Instant::now();
+    loop {
+        let d = describe(url, ns.clone(), name).await?;
+        if d["ready"].as_bool() == Some(true) {
+            return Ok(d);
+        }
+        if t0.elapsed() > within {
+            anyhow::bail!(
+                "deployment {name} not ready after {within:?}:\n{}",
+                render_describe(&d)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn example_specs_are_valid() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../cluster-config/examples");
+        let mut n = 0;
+        for e in std::fs::read_dir(&dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_some_and(|x| x == "yaml") {
+                load_spec(&p).unwrap_or_else(|e| panic!("{e}"));
+                n += 1;
+            }
+        }
+        assert!(n >= 5, "{n} example specs");
+    }
+
+    #[test]
+    fn spec_settings_errors_name_the_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("s.yaml");
+        let spec = "version: 1\nname: d\nservices:\n  w:\n    role: decode\n    worker: {engine: mocker, mocker: {speedup: -1}}\n";
+        std::fs::write(&p, spec).unwrap();
+        let e = load_spec(&p).unwrap_err().to_string();
+        assert!(e.contains("services.w.worker.mocker"), "{e}");
+        std::fs::write(&p, spec.replace("mocker: {speedup: -1}", "bogus: 1")).unwrap();
+        let e = load_spec(&p).unwrap_err().to_string();
+        assert!(
+            e.contains("services.w.worker") && e.contains("bogus"),
+            "{e}"
+        );
+        let f = "version: 1\nname: d\nservices:\n  f:\n    role: frontend\n    gateway: {listen: nope}\n";
+        std::fs::write(&p, f).unwrap();
+        let e = load_spec(&p).unwrap_err().to_string();
+        assert!(e.contains("services.f.gateway.listen"), "{e}");
+    }
+
+    #[test]
+    fn targets_name_a_deployment_and_a_service() {
+        assert_eq!(
+            parse_target("d/decode").unwrap(),
+            ("d".into(), "decode".into())
+        );
+        assert_eq!(
+            parse_target("deployment/d/decode").unwrap(),
+            ("d".into(), "decode".into())
+        );
+        for bad in ["decode", "d/", "/x", "a/b/c"] {
+            assert!(parse_target(bad).is_err(), "{bad}");
+        }
+    }
+}
