@@ -59,7 +59,7 @@ fuzz: deps
 	DYNAMO_FUZZ_CASES=$${DYNAMO_FUZZ_CASES:-200000} $(CARGO) test -p dynamo-bus-schema --test wire_snapshot
 	DYNAMO_FUZZ_CASES=$${DYNAMO_FUZZ_CASES:-50000} $(CARGO) test -p dynamo-integration --test fuzz -- --nocapture
 
-## bench: the benchmarks in BENCHMARKS.md (serving path, overload, KV index, KV routing replay, CPU engine, failover)
+## bench: the benchmarks in BENCHMARKS.md (serving path, overload, KV index, KV routing replay, CPU engine, failover, transfer, placement, cluster timings)
 bench: build
 	./scripts/bench.sh
 	./scripts/overload_bench.sh
@@ -69,6 +69,8 @@ bench: build
 	$(CARGO) test --release -q -p dynamo-integration --test migration -- --ignored --nocapture failover_latency
 	$(CARGO) run --release -q -p dynamo-transfer --example transfer_bench
 	$(CARGO) test --release -q -p dynamo-integration --test disagg -- --ignored --nocapture ttft_breakdown
+	$(CARGO) run --release -q -p dynamo-cluster-config --example placement_bench
+	$(CARGO) test --release -q -p dynamo-integration --test cluster -- --ignored --nocapture cluster_timings
 
 clean:
 	$(CARGO) clean

@@ -50,6 +50,11 @@ pub struct RunningReplica {
     pub stopping: bool,
     /// The worker generation (0 for a frontend).
     pub generation: u64,
+    /// Why its last start failed ("" when it did not).
+    pub error: String,
+    /// Slots and memory it holds on the node (a draining one still does).
+    pub slots: u32,
+    pub memory_mib: u64,
 }
 
 /// A node of the cluster (nodes bucket, key = node id): what
@@ -144,3 +149,11 @@ pub struct DeploymentStatus {
     pub updated_unix_ms: u64,
 }
 wire!(DeploymentStatus = 104);
+
+/// Controller → node (`Subjects::node_presence`): is the node's process
+/// there? Answered with the node's [`NodeInventory`]. A dead process has
+/// no subscription, so the server answers "no responders" at once, long
+/// before the node's heartbeat goes stale.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PresenceProbe {}
+wire!(PresenceProbe = 105);

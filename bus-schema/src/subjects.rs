@@ -117,18 +117,11 @@ impl Subjects {
     }
     /// A node's fault-injection endpoint.
     pub fn node_fault(&self, n: &NodeId) -> String {
-        // Node ids come from configs; keep only subject-safe characters.
-        let safe: String =
-            n.0.chars()
-                .map(|c| {
-                    if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
-                        c
-                    } else {
-                        '_'
-                    }
-                })
-                .collect();
-        format!("{}.node.{safe}.fault", self.base())
+        format!("{}.node.{}.fault", self.base(), subject_safe(n))
+    }
+    /// A joined node answers [`crate::PresenceProbe`]s here.
+    pub fn node_presence(&self, n: &NodeId) -> String {
+        format!("{}.node.{}.presence", self.base(), subject_safe(n))
     }
     /// JetStream KV bucket holding [`crate::WorkerRegistration`]s keyed by worker id.
     pub fn workers_bucket(&self) -> String {
@@ -154,6 +147,19 @@ impl Subjects {
     pub fn deploy_status_bucket(&self) -> String {
         format!("dynamo_{}_deploy_status", self.ns.0)
     }
+}
+
+/// Node ids come from configs and flags; keep only subject-safe characters.
+fn subject_safe(n: &NodeId) -> String {
+    n.0.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -430,6 +430,9 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                     ready: true,
                     stopping: false,
                     generation: 9,
+                    error: String::new(),
+                    slots: 1,
+                    memory_mib: 0,
                 }],
             })),
         ),
@@ -458,6 +461,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                 ttl_ms: 3000,
             })),
         ),
+        ("PresenceProbe", enc(encode(&PresenceProbe {}))),
         (
             "DeploymentStatus",
             enc(encode(&DeploymentStatus {
@@ -630,6 +634,7 @@ fn decode_all(bytes: &[u8]) {
         NodeAssignment,
         ControllerLease,
         DeploymentStatus,
+        PresenceProbe,
     );
     if let Ok(piece) = decode::<ChunkedReply>(bytes) {
         let mut a = dynamo_bus_schema::chunk::Assembler::default();

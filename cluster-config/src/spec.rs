@@ -579,7 +579,7 @@ impl DeploymentSpec {
         }
         if let Some(g) = self.groups.iter_mut().find(|g| g.name == target) {
             g.replicas = replicas;
-            g.min_available = g.min_available.min(replicas);
+            g.min_available = floor(g.min_available, replicas);
             return Ok(());
         }
         match self.services.iter_mut().find(|s| s.name == target) {
@@ -590,7 +590,7 @@ impl DeploymentSpec {
                 )),
                 None => {
                     s.replicas = replicas;
-                    s.min_available = s.min_available.min(replicas);
+                    s.min_available = floor(s.min_available, replicas);
                     Ok(())
                 }
             },
@@ -659,11 +659,18 @@ impl DeploymentSpec {
         }
         let mut gangs: Vec<Gang> = Vec::new();
         let mut by_gang: BTreeMap<String, usize> = BTreeMap::new();
+        // A group's replica starts whole: only when every member may start.
+        let may_start = |s: &ServiceSpec| match &s.group {
+            None => startable(&s.name),
+            Some(g) => self
+                .group(g)
+                .is_some_and(|g| g.services.iter().all(|m| startable(m))),
+        };
         for r in self.replicas() {
             let Some(s) = self.service(&r.service) else {
                 continue;
             };
-            if !startable(&s.name) {
+            if !may_start(s) {
                 continue;
             }
             let member = Member {
@@ -765,6 +772,16 @@ impl DeploymentSpec {
     /// The spec as YAML.
     pub fn to_yaml(&self) -> Result<String, SpecError> {
         serde_yaml_ng::to_string(&self.to_raw()).map_err(|e| SpecError::Parse(e.to_string()))
+    }
+}
+
+/// `min_available` after scaling to `replicas`: at most the replicas, and
+/// back to 1 when a service scaled to zero grows again.
+fn floor(min_available: u32, replicas: u32) -> u32 {
+    match (min_available, replicas) {
+        (_, 0) => 0,
+        (0, _) => 1,
+        (m, r) => m.min(r),
     }
 }
 

@@ -296,7 +296,14 @@ async fn a_spec_is_placed_served_scaled_and_survives_a_lost_node() {
         },
     )
     .await;
-    eprintln!("placed again {:?} after the kill", killed.elapsed());
+    // The issue's bound: placed again within the default node TTL (10 s).
+    // The presence probe finds a killed process gone within about a second.
+    let took = killed.elapsed();
+    eprintln!("placed again {took:?} after the kill");
+    assert!(
+        took < Duration::from_secs(10),
+        "placed again only after {took:?}"
+    );
     let lost = format!("node {victim} lost");
     assert!(
         d["events"]
@@ -393,7 +400,7 @@ async fn bad_specs_are_refused_or_pending_with_the_reason() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("services.prefill") || err.contains("replicas"),
+        err.contains("services.prefill.replicas") && err.contains("-2"),
         "{err}"
     );
     let bad_engine = c.write(
@@ -445,4 +452,119 @@ async fn bad_specs_are_refused_or_pending_with_the_reason() {
     let out = c.ctl(&["describe", "deployment", "disagg"]);
     assert_success(&out);
     assert!(String::from_utf8_lossy(&out.stdout).contains("pending: "));
+}
+
+/// Reads a deployment's status straight from JetStream (no process per poll).
+struct StatusReader {
+    status: async_nats::jetstream::kv::Store,
+    deployments: async_nats::jetstream::kv::Store,
+}
+
+impl StatusReader {
+    async fn new(nats_url: &str) -> StatusReader {
+        let ns = dynamo_bus_schema::Namespace::new("it").unwrap();
+        let bus =
+            dynamo_runtime::Bus::connect(nats_url, "bench", dynamo_bus_schema::Subjects::new(ns))
+                .await
+                .unwrap();
+        StatusReader {
+            status: bus
+                .kv_bucket_durable(&bus.subjects.deploy_status_bucket())
+                .await
+                .unwrap(),
+            deployments: bus
+                .kv_bucket_durable(&bus.subjects.deployments_bucket())
+                .await
+                .unwrap(),
+        }
+    }
+
+    /// Whether every service of `name` is ready at its current generation.
+    async fn ready(&self, name: &str) -> bool {
+        let (Ok(Some(rec)), Ok(Some(st))) = (
+            self.deployments.get(name).await,
+            self.status.get(name).await,
+        ) else {
+            return false;
+        };
+        let rec: dynamo_bus_schema::DeploymentRecord = dynamo_bus_schema::decode(&rec).unwrap();
+        let st: dynamo_bus_schema::DeploymentStatus = dynamo_bus_schema::decode(&st).unwrap();
+        st.generation == rec.generation && st.services.iter().all(|s| s.ready == s.desired)
+    }
+}
+
+fn percentiles(mut v: Vec<f64>) -> (f64, f64) {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    (at(0.5), at(0.99))
+}
+
+/// `make bench`: from `apply` to every replica ready for a 4-replica
+/// mocker service, and from `scale +1` to the new worker serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: make bench"]
+async fn cluster_timings() {
+    let c = Cluster::start(4, 2, 4, 2);
+    let spec = format!(
+        "version: 1\nname: bench\nservices:\n  frontend: {{role: frontend}}\n  w:\n    role: aggregated\n    replicas: 4\n    \
+         worker: {{engine: mocker, model: {MODEL}, heartbeat_ms: 500, mocker: {{speedup: 0.0}}}}\n"
+    );
+    let file = c.write("bench.yaml", &spec);
+    let reader = StatusReader::new(&c.nats.url).await;
+    let serving = |regs: &[dynamo_bus_schema::WorkerRegistration]| {
+        regs.iter()
+            .filter(|r| r.state == dynamo_bus_schema::WorkerState::Serving)
+            .count()
+    };
+    let runs = 10;
+    let mut apply_ms = Vec::new();
+    for _ in 0..runs {
+        let t0 = Instant::now();
+        assert_success(&c.ctl(&["apply", "-f", &file]));
+        while !reader.ready("bench").await {
+            assert!(t0.elapsed() < Duration::from_secs(60), "never ready");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        apply_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        assert_success(&c.ctl(&["delete", "deployment", "bench"]));
+        let t1 = Instant::now();
+        while !registrations(&c.nats.url).await.is_empty() {
+            assert!(t1.elapsed() < Duration::from_secs(60), "workers never left");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    assert_success(&c.ctl(&["apply", "-f", &file]));
+    let t1 = Instant::now();
+    while !reader.ready("bench").await {
+        assert!(t1.elapsed() < Duration::from_secs(60), "never ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut scale_ms = Vec::new();
+    for _ in 0..runs {
+        let before = serving(&registrations(&c.nats.url).await);
+        let t0 = Instant::now();
+        assert_success(&c.ctl(&["scale", "bench/w", &(before + 1).to_string()]));
+        while serving(&registrations(&c.nats.url).await) < before + 1 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "the new worker never served"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        scale_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        assert_success(&c.ctl(&["scale", "bench/w", &before.to_string()]));
+        let t1 = Instant::now();
+        while serving(&registrations(&c.nats.url).await) > before || !reader.ready("bench").await {
+            assert!(t1.elapsed() < Duration::from_secs(60), "never scaled back");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let (a50, a99) = percentiles(apply_ms.clone());
+    let (s50, s99) = percentiles(scale_ms.clone());
+    println!(
+        "cluster: apply -> 4 mocker replicas ready: p50 {a50:.0} ms, p99 {a99:.0} ms ({runs} runs)"
+    );
+    println!(
+        "cluster: scale +1 -> new worker serving: p50 {s50:.0} ms, p99 {s99:.0} ms ({runs} runs)"
+    );
 }

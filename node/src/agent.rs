@@ -112,6 +112,14 @@ pub struct AgentState {
     failed: BTreeMap<String, (String, Instant, Backoff)>,
     models: HashMap<String, Arc<GroupModel>>,
     record: Arc<Mutex<NodeInventory>>,
+    /// Wakes the inventory writer when what runs changed.
+    changed: Arc<tokio::sync::Notify>,
+    /// The highest controller epoch seen, and when: an assignment from an
+    /// older epoch (a deposed controller) is ignored while the newer one is
+    /// recent.
+    epoch: (u64, Instant),
+    /// The supervisor's live workers (id → generation) and frontend.
+    live: (HashMap<WorkerId, u64>, bool),
     assignments: Option<async_nats::jetstream::kv::Store>,
     tasks: Tasks,
 }
@@ -155,10 +163,35 @@ impl Actor for NodeAgentActor {
             health: "healthy".into(),
             replicas: Vec::new(),
         }));
+        let changed = Arc::new(tokio::sync::Notify::new());
         tasks.spawn(
             "inventory",
-            report_inventory(args.bus.clone(), record.clone(), args.supervisor.clone()),
+            report_inventory(
+                args.bus.clone(),
+                record.clone(),
+                args.supervisor.clone(),
+                changed.clone(),
+            ),
         );
+        // Presence: the controller's probes are answered with the record.
+        let sub = args
+            .bus
+            .client
+            .subscribe(args.bus.subjects.node_presence(&args.config.node_id))
+            .await?;
+        let (b, rec, cancel) = (args.bus.clone(), record.clone(), tasks.token());
+        tasks.spawn("presence", async move {
+            b.serve(sub, cancel, |_: dynamo_bus_schema::PresenceProbe| {
+                let r = rec.lock().map(|r| r.clone()).map_err(|_| {
+                    dynamo_bus_schema::WireError::new(
+                        dynamo_bus_schema::ErrorKind::Unavailable,
+                        "node record unavailable",
+                    )
+                });
+                async move { r }
+            })
+            .await
+        });
         tasks.spawn(
             "assignment watch",
             watch_assignment(
@@ -178,6 +211,9 @@ impl Actor for NodeAgentActor {
             failed: BTreeMap::new(),
             models: HashMap::new(),
             record,
+            changed,
+            epoch: (0, Instant::now()),
+            live: (HashMap::new(), false),
             assignments: None,
             tasks,
         })
@@ -200,17 +236,12 @@ impl Actor for NodeAgentActor {
     ) -> Result<(), ActorProcessingErr> {
         match msg {
             AgentMsg::Assignment(a) => {
-                let desired = a.map(|a| a.replicas).unwrap_or_default();
-                if desired != st.desired {
-                    st.desired = desired;
-                    st.failed
-                        .retain(|k, _| st.desired.iter().any(|d| &d.key == k));
-                }
+                st.assign(a);
                 st.reconcile(&myself).await;
             }
             AgentMsg::Tick => {
                 if let Some(a) = st.read_assignment().await {
-                    st.desired = a;
+                    st.assign(a);
                 }
                 st.reconcile(&myself).await;
             }
@@ -223,6 +254,7 @@ impl Actor for NodeAgentActor {
                 if let Ok(mut r) = st.record.lock() {
                     r.health = "draining".into();
                 }
+                st.changed.notify_one();
                 let _ = reply.send(());
             }
         }
@@ -231,7 +263,29 @@ impl Actor for NodeAgentActor {
 }
 
 impl AgentState {
-    async fn read_assignment(&mut self) -> Option<Vec<AssignedReplica>> {
+    /// Takes a new assignment, unless a deposed controller wrote it.
+    fn assign(&mut self, a: Option<NodeAssignment>) {
+        if let Some(a) = &a {
+            let (seen, at) = self.epoch;
+            if a.epoch < seen && at.elapsed() < Duration::from_secs(10) {
+                tracing::warn!(
+                    epoch = a.epoch,
+                    newest = seen,
+                    "ignoring an assignment from a deposed controller"
+                );
+                return;
+            }
+            self.epoch = (a.epoch, Instant::now());
+        }
+        let desired = a.map(|a| a.replicas).unwrap_or_default();
+        if desired != self.desired {
+            self.desired = desired;
+            self.failed
+                .retain(|k, _| self.desired.iter().any(|d| &d.key == k));
+        }
+    }
+
+    async fn read_assignment(&mut self) -> Option<Option<NodeAssignment>> {
         if self.assignments.is_none() {
             let name = self.bus.subjects.assignments_bucket();
             let kv =
@@ -245,13 +299,13 @@ impl AgentState {
         match tokio::time::timeout(Duration::from_secs(2), kv.get(self.cfg.node_id.0.clone())).await
         {
             Ok(Ok(Some(v))) => match decode::<NodeAssignment>(&v) {
-                Ok(a) => Some(a.replicas),
+                Ok(a) => Some(Some(a)),
                 Err(e) => {
                     dynamo_runtime::counters::reject("NodeAssignment", &self.cfg.node_id.0, &e);
                     None
                 }
             },
-            Ok(Ok(None)) => Some(Vec::new()),
+            Ok(Ok(None)) => Some(None),
             _ => {
                 self.assignments = None;
                 None
@@ -259,7 +313,28 @@ impl AgentState {
         }
     }
 
+    /// The worker id of a replica on this node (stable: the same key on
+    /// the same node is the same worker).
+    fn worker_id(&self, key: &str) -> WorkerId {
+        WorkerId(hash_salt(
+            &format!(
+                "{}/{}/{}",
+                self.cfg.namespace.as_str(),
+                key,
+                self.cfg.node_id
+            ),
+            None,
+        ))
+    }
+
     async fn reconcile(&mut self, myself: &ActorRef<AgentMsg>) {
+        if let Ok(ractor::rpc::CallResult::Success(l)) = self
+            .sup
+            .call(SupervisorMsg::Live, Some(Duration::from_secs(2)))
+            .await
+        {
+            self.live = l;
+        }
         let p = plan(&self.desired, &self.running);
         for key in p.stop {
             self.stop(&key, myself).await;
@@ -270,6 +345,28 @@ impl AgentState {
             if r.role == "frontend" && frontend_busy {
                 continue;
             }
+            // Already running (started before this agent, or a start that
+            // timed out and finished later): adopted, not started twice.
+            let adopted = if r.role == "frontend" {
+                self.live.1.then_some((Runs::Frontend, 0))
+            } else {
+                let id = self.worker_id(&r.key);
+                self.live.0.get(&id).map(|g| (Runs::Worker(id), *g))
+            };
+            if let Some((runs, generation)) = adopted {
+                tracing::info!(replica = r.key, "replica already running: adopted");
+                self.failed.remove(&r.key);
+                self.running.insert(
+                    r.key.clone(),
+                    Running {
+                        replica: r,
+                        runs,
+                        generation,
+                        stopping: false,
+                    },
+                );
+                continue;
+            }
             if let Some((_, at, _)) = self.failed.get(&r.key) {
                 if Instant::now() < *at {
                     continue;
@@ -278,6 +375,12 @@ impl AgentState {
             match self.start(&r).await {
                 Ok((runs, generation)) => {
                     tracing::info!(replica = r.key, "replica started");
+                    match &runs {
+                        Runs::Frontend => self.live.1 = true,
+                        Runs::Worker(id) => {
+                            self.live.0.insert(*id, generation);
+                        }
+                    }
                     self.failed.remove(&r.key);
                     self.running.insert(
                         r.key.clone(),
@@ -326,23 +429,36 @@ impl AgentState {
             rec.free_slots = self.join.slots.saturating_sub(used_slots);
             rec.free_memory_mib = self.join.memory_mib.saturating_sub(used_mem);
             rec.registration.http_addr = http;
+            // Ready: its actors run now (a crashed one waiting for its
+            // restart is not).
+            let up = |r: &Running| match r.runs {
+                Runs::Frontend => self.live.1,
+                Runs::Worker(id) => self.live.0.contains_key(&id),
+            };
             rec.replicas = self
                 .running
                 .values()
                 .map(|r| RunningReplica {
                     key: r.replica.key.clone(),
-                    ready: !r.stopping,
+                    ready: !r.stopping && up(r),
                     stopping: r.stopping,
                     generation: r.generation,
+                    error: String::new(),
+                    slots: r.replica.slots,
+                    memory_mib: r.replica.memory_mib,
                 })
-                .chain(self.failed.keys().map(|k| RunningReplica {
+                .chain(self.failed.iter().map(|(k, (e, _, _))| RunningReplica {
                     key: k.clone(),
                     ready: false,
                     stopping: false,
                     generation: 0,
+                    error: e.clone(),
+                    slots: 0,
+                    memory_mib: 0,
                 }))
                 .collect();
         }
+        self.changed.notify_one();
     }
 
     fn frontend_listen(&self, r: &AssignedReplica) -> Result<std::net::SocketAddr, String> {
@@ -414,15 +530,7 @@ impl AgentState {
                 m
             }
         };
-        let worker_id = WorkerId(hash_salt(
-            &format!(
-                "{}/{}/{}",
-                self.cfg.namespace.as_str(),
-                r.key,
-                self.cfg.node_id
-            ),
-            None,
-        ));
+        let worker_id = self.worker_id(&r.key);
         let res = self
             .sup
             .call(
@@ -523,12 +631,16 @@ async fn report_inventory(
     bus: Bus,
     record: Arc<Mutex<NodeInventory>>,
     sup: ActorRef<SupervisorMsg>,
+    changed: Arc<tokio::sync::Notify>,
 ) {
     let mut beat = tokio::time::interval(Duration::from_secs(1));
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut kv = None;
     loop {
-        beat.tick().await;
+        tokio::select! {
+            _ = beat.tick() => {}
+            _ = changed.notified() => {}
+        }
         if let Ok(ractor::rpc::CallResult::Success(mut c)) = sup
             .call(SupervisorMsg::Children, Some(Duration::from_secs(1)))
             .await

@@ -60,7 +60,12 @@ async fn write(
     spec: &DeploymentSpec,
     prev: Option<(DeploymentRecord, u64)>,
 ) -> anyhow::Result<u64> {
-    let generation = prev.as_ref().map(|(r, _)| r.generation + 1).unwrap_or(1);
+    // A new deployment starts at the clock (in ms), so one applied again
+    // after a delete never reuses a generation an old status still names.
+    let generation = prev
+        .as_ref()
+        .map(|(r, _)| r.generation + 1)
+        .unwrap_or_else(unix_ms);
     let rec = DeploymentRecord {
         name: spec.name.clone(),
         spec_yaml: spec.to_yaml()?,

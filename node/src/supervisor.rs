@@ -109,6 +109,8 @@ pub enum SupervisorMsg {
     /// Takes the frontend out of supervision; hands over the gateway (to
     /// shut down gracefully) and the router.
     RetireFrontend(RpcReplyPort<Option<(ActorRef<GatewayMsg>, ActorCell)>>),
+    /// The workers running now (id → generation) and whether a frontend runs.
+    Live(RpcReplyPort<(HashMap<WorkerId, u64>, bool)>),
 }
 
 pub struct NodeSupervisor;
@@ -126,6 +128,8 @@ pub struct SupervisorState {
     tasks: dynamo_runtime::Tasks,
     /// Children taken out of supervision (being drained and stopped).
     retired: std::collections::HashSet<ActorId>,
+    /// Workers retired while a restart of theirs was pending: not restarted.
+    retired_workers: std::collections::HashSet<WorkerId>,
     router: Option<ActorCell>,
 }
 
@@ -155,6 +159,7 @@ impl Actor for NodeSupervisor {
             shutting_down: false,
             tasks,
             retired: Default::default(),
+            retired_workers: Default::default(),
             router: None,
         };
         if st.cfg.fault_injection {
@@ -199,6 +204,16 @@ impl Actor for NodeSupervisor {
         match msg {
             SupervisorMsg::Start(kind) => {
                 if st.shutting_down {
+                    return Ok(());
+                }
+                // A restart that was pending when its actor was retired.
+                let retired = match &kind {
+                    ChildKind::Worker { worker_id, .. } => st.retired_workers.contains(worker_id),
+                    ChildKind::Gateway | ChildKind::Router => st.cfg.gateway.is_none(),
+                    _ => false,
+                };
+                if retired {
+                    tracing::info!(child = kind.name(), "not restarted: retired");
                     return Ok(());
                 }
                 if let Err(e) = st.spawn_child(kind.clone(), myself.get_cell()).await {
@@ -255,10 +270,19 @@ impl Actor for NodeSupervisor {
                     let _ = reply.send(Err("the node is shutting down".into()));
                     return Ok(());
                 }
-                st.cfg.workers.push(*group);
-                st.models.push(model);
+                st.retired_workers.remove(&worker_id);
+                // Groups are kept (restarts index them); an identical one is reused.
+                let same = format!("{group:?}");
+                let g = match st.cfg.workers.iter().position(|w| format!("{w:?}") == same) {
+                    Some(g) if Arc::ptr_eq(&st.models[g], &model) => g,
+                    _ => {
+                        st.cfg.workers.push(*group);
+                        st.models.push(model);
+                        st.cfg.workers.len() - 1
+                    }
+                };
                 let kind = ChildKind::Worker {
-                    group: st.cfg.workers.len() - 1,
+                    group: g,
                     slot: 0,
                     worker_id,
                 };
@@ -268,7 +292,16 @@ impl Actor for NodeSupervisor {
                 };
                 let _ = reply.send(res);
             }
+            SupervisorMsg::Live(reply) => {
+                let live = st
+                    .workers
+                    .keys()
+                    .map(|w| (*w, st.generations.get(w).copied().unwrap_or(0)))
+                    .collect();
+                let _ = reply.send((live, st.gateway.is_some()));
+            }
             SupervisorMsg::RetireWorker(worker_id, reply) => {
+                st.retired_workers.insert(worker_id);
                 let w = st.workers.remove(&worker_id);
                 if let Some(w) = &w {
                     st.retired.insert(w.get_id());

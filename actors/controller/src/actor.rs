@@ -61,7 +61,10 @@ pub struct ControllerArgs {
 }
 
 pub enum ControllerMsg {
+    /// Periodic: renew the lease, reconcile.
     Tick,
+    /// The desired state changed (apply, scale, delete): reconcile now.
+    Changed,
 }
 
 pub struct ControllerActor;
@@ -81,9 +84,15 @@ pub struct Controller {
     state: ControllerState,
     /// Whether this controller holds the lease.
     active: bool,
+    tasks: dynamo_runtime::Tasks,
+    /// Node → (consecutive presence probes that found no responder, when
+    /// the first of them was).
+    absent_streak: BTreeMap<String, (u32, std::time::Instant)>,
 }
 
 const CALL: Duration = Duration::from_secs(2);
+/// How long a presence probe waits (a live node answers in about a millisecond).
+const PROBE: Duration = Duration::from_millis(300);
 
 async fn bounded<T, E: std::fmt::Display>(
     what: &str,
@@ -101,15 +110,23 @@ async fn bounded<T, E: std::fmt::Display>(
 pub async fn read_all<T: WireMessage>(store: &kv::Store) -> Result<BTreeMap<String, T>, String> {
     let mut keys = bounded("keys", store.keys()).await?;
     let mut names = Vec::new();
-    while let Ok(Some(k)) = tokio::time::timeout(CALL, keys.next()).await {
-        match k {
-            Ok(k) => names.push(k),
-            Err(e) => return Err(format!("keys: {e}")),
+    // A partial read is an error, never a smaller world.
+    loop {
+        match tokio::time::timeout(CALL, keys.next()).await {
+            Ok(Some(Ok(k))) => names.push(k),
+            Ok(Some(Err(e))) => return Err(format!("keys: {e}")),
+            Ok(None) => break,
+            Err(_) => return Err("keys: timed out".into()),
         }
     }
     let mut out = BTreeMap::new();
     for k in names {
         if let Some(v) = bounded("get", store.get(k.clone())).await? {
+            // A bucket may hold other kinds (the nodes bucket holds static
+            // nodes' registrations too): only `T`'s entries are read.
+            if dynamo_bus_schema::peek_kind(&v).is_ok_and(|(kind, _)| kind != T::KIND) {
+                continue;
+            }
             match decode::<T>(&v) {
                 Ok(t) => {
                     out.insert(k, t);
@@ -132,12 +149,23 @@ impl Actor for ControllerActor {
         args: ControllerArgs,
     ) -> Result<Controller, ActorProcessingErr> {
         let _ = myself.cast(ControllerMsg::Tick);
+        let me = myself.clone();
+        let tasks = dynamo_runtime::Tasks::new(std::sync::Arc::new(move |why| {
+            tracing::error!(%why, "controller task ended");
+            me.stop(Some(why));
+        }));
+        tasks.spawn(
+            "desired-state watch",
+            watch_desired(args.bus.clone(), myself.clone()),
+        );
         Ok(Controller {
             state: ControllerState::new(args.config.node_id.clone(), args.config.node_ttl),
             bus: args.bus,
             cfg: args.config,
             buckets: None,
             active: false,
+            tasks,
+            absent_streak: BTreeMap::new(),
         })
     }
 
@@ -154,7 +182,28 @@ impl Actor for ControllerActor {
                 }
                 myself.send_after(st.cfg.tick, || ControllerMsg::Tick);
             }
+            ControllerMsg::Changed => {
+                // Only the active controller acts, and only with the lease
+                // renewed just before (a deposed one writes nothing).
+                if st.active {
+                    st.active = matches!(st.lease().await, Ok(true));
+                    if st.active {
+                        if let Err(e) = st.reconcile().await {
+                            tracing::warn!(error = %e, "controller reconcile failed");
+                        }
+                    }
+                }
+            }
         }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<ControllerMsg>,
+        st: &mut Controller,
+    ) -> Result<(), ActorProcessingErr> {
+        st.tasks.shutdown();
         Ok(())
     }
 }
@@ -181,7 +230,7 @@ impl Controller {
                 .await?,
                 lease: bounded(
                     "controller bucket",
-                    self.bus.kv_bucket(&s.controller_bucket(), Duration::ZERO),
+                    self.bus.kv_bucket_durable(&s.controller_bucket()),
                 )
                 .await?,
                 status: bounded(
@@ -206,6 +255,8 @@ impl Controller {
 
     async fn tick_inner(&mut self) -> Result<(), String> {
         let was = self.active;
+        // Not known to hold the lease: not active (a failed renewal included).
+        self.active = false;
         self.active = self.lease().await?;
         if self.active && !was {
             tracing::info!(node = %self.cfg.node_id, epoch = self.state.epoch, "placement controller active");
@@ -308,6 +359,63 @@ impl Controller {
         Ok(ok)
     }
 
+    /// Probes every node with a fresh record: a node whose process is gone
+    /// twice in a row is absent; a node that answers gives its current
+    /// record (fresher than the bucket's, so readiness shows at once).
+    async fn probe(&mut self, nodes: &mut [NodeInventory]) -> std::collections::BTreeSet<String> {
+        let now = unix_ms();
+        let ttl = self.cfg.node_ttl.as_millis() as u64;
+        let bus = &self.bus;
+        let probes = nodes.iter().map(|n| {
+            let fresh = now.saturating_sub(n.registration.heartbeat_unix_ms) <= ttl;
+            let subject = bus.subjects.node_presence(&n.registration.node_id);
+            async move {
+                if !fresh {
+                    return None;
+                }
+                Some(
+                    bus.request::<_, NodeInventory>(
+                        subject,
+                        &dynamo_bus_schema::PresenceProbe {},
+                        PROBE,
+                    )
+                    .await,
+                )
+            }
+        });
+        let answers = futures::future::join_all(probes).await;
+        let mut absent = std::collections::BTreeSet::new();
+        for (n, a) in nodes.iter_mut().zip(answers) {
+            let id = n.registration.node_id.0.clone();
+            match a {
+                Some(Ok(rec)) if rec.registration.node_id == n.registration.node_id => {
+                    self.absent_streak.remove(&id);
+                    *n = rec;
+                }
+                Some(Err(dynamo_runtime::BusError::NoResponders { .. })) => {
+                    // Gone twice, a second apart: not a reconnect or an
+                    // agent restarting.
+                    let s = self
+                        .absent_streak
+                        .entry(id.clone())
+                        .or_insert((0, std::time::Instant::now()));
+                    s.0 += 1;
+                    if s.0 >= 2 && s.1.elapsed() >= Duration::from_secs(1) {
+                        absent.insert(id);
+                    }
+                }
+                // Slow, or an old node without presence: its heartbeat decides.
+                _ => {}
+            }
+        }
+        let known: std::collections::BTreeSet<String> = nodes
+            .iter()
+            .map(|n| n.registration.node_id.0.clone())
+            .collect();
+        self.absent_streak.retain(|k, _| known.contains(k));
+        absent
+    }
+
     async fn reconcile(&mut self) -> Result<(), String> {
         let b = self.buckets().await?;
         let records: BTreeMap<String, DeploymentRecord> = read_all(&b.deployments).await?;
@@ -321,15 +429,39 @@ impl Controller {
                     spec,
                     generation: r.generation,
                 }),
+                // Never a smaller world: placing without it would tear it down.
                 Err(e) => {
-                    tracing::error!(deployment = name, error = %e, "stored spec does not parse; skipped")
+                    dynamo_runtime::counters::reject("DeploymentRecord", &name, &e);
+                    return Err(format!(
+                        "stored spec of deployment {name} does not parse ({e}); nothing changed"
+                    ));
                 }
             }
         }
+        // Records past the bounds of one message are refused, not trusted.
+        let nodes: BTreeMap<String, NodeInventory> = nodes
+            .into_iter()
+            .filter(|(k, n)| {
+                let ok = n.replicas.len() <= dynamo_bus_schema::MAX_CLUSTER_ITEMS
+                    && n.labels.len() <= dynamo_bus_schema::MAX_CLUSTER_ITEMS
+                    && &n.registration.node_id.0 == k;
+                if !ok {
+                    dynamo_runtime::counters::reject(
+                        "NodeInventory",
+                        k,
+                        &"too many replicas or labels, or a key that is not its node id",
+                    );
+                }
+                ok
+            })
+            .collect();
+        let mut nodes: Vec<NodeInventory> = nodes.into_values().collect();
+        let absent = self.probe(&mut nodes).await;
         let world = World {
             deployments,
-            nodes: nodes.into_values().collect(),
+            nodes,
             assignments,
+            absent,
             now_ms: unix_ms(),
         };
         let decision = self.state.reconcile(&world);
@@ -362,5 +494,32 @@ impl Controller {
             }
         }
         Ok(())
+    }
+}
+
+/// Watches the deployments bucket and wakes the controller on every
+/// change, so `apply`, `scale` and `delete` act without waiting for a tick.
+/// A watch that breaks is opened again (ticks reconcile meanwhile).
+async fn watch_desired(bus: Bus, controller: ActorRef<ControllerMsg>) {
+    loop {
+        let watched = async {
+            let kv = bus
+                .kv_bucket_durable(&bus.subjects.deployments_bucket())
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut w = kv.watch_all().await.map_err(|e| e.to_string())?;
+            while let Some(e) = w.next().await {
+                e.map_err(|e| e.to_string())?;
+                if controller.cast(ControllerMsg::Changed).is_err() {
+                    return Ok(());
+                }
+            }
+            Err::<(), String>("the watch ended".into())
+        };
+        match watched.await {
+            Ok(()) => return,
+            Err(e) => tracing::debug!(error = %e, "deployments watch interrupted; watching again"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }

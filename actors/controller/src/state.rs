@@ -37,6 +37,9 @@ pub struct World {
     pub nodes: Vec<NodeInventory>,
     /// Node id → what it was last assigned.
     pub assignments: BTreeMap<String, NodeAssignment>,
+    /// Nodes whose process is gone (presence probes found no responder):
+    /// lost without waiting for their heartbeat to go stale.
+    pub absent: BTreeSet<String>,
     pub now_ms: u64,
 }
 
@@ -74,11 +77,14 @@ impl ControllerState {
     /// Takes over the events a previous controller recorded (its statuses),
     /// so a failover keeps the history.
     pub fn adopt(&mut self, statuses: &[DeploymentStatus]) {
-        for s in statuses {
-            self.events
-                .entry(s.name.clone())
-                .or_insert_with(|| s.events.iter().cloned().collect());
-        }
+        // The stored history is the truth (another controller may have
+        // acted since this one last did).
+        self.events = statuses
+            .iter()
+            .map(|s| (s.name.clone(), s.events.iter().cloned().collect()))
+            .collect();
+        self.alive.clear();
+        self.pending.clear();
     }
 
     pub fn event(&mut self, deployment: &str, now_ms: u64, message: String) {
@@ -93,9 +99,11 @@ impl ControllerState {
         }
     }
 
-    fn schedulable(&self, n: &NodeInventory, now_ms: u64) -> bool {
+    fn schedulable(&self, n: &NodeInventory, now_ms: u64, absent: &BTreeSet<String>) -> bool {
         let age = now_ms.saturating_sub(n.registration.heartbeat_unix_ms);
-        age <= self.node_ttl.as_millis() as u64 && n.health == "healthy"
+        age <= self.node_ttl.as_millis() as u64
+            && n.health == "healthy"
+            && !absent.contains(&n.registration.node_id.0)
     }
 
     pub fn reconcile(&mut self, w: &World) -> Decision {
@@ -117,7 +125,7 @@ impl ControllerState {
                 host: label(n, "host"),
                 slots: n.slots,
                 memory_mib: n.memory_mib,
-                schedulable: self.schedulable(n, now),
+                schedulable: self.schedulable(n, now, &w.absent),
                 labels: n.labels.clone(),
             })
             .collect();
@@ -137,12 +145,13 @@ impl ControllerState {
         let lost: Vec<String> = self.alive.difference(&alive).cloned().collect();
         for node in &lost {
             let why = match w.nodes.iter().find(|n| &n.registration.node_id.0 == node) {
-                Some(n) if n.health != "healthy" => n.health.clone(),
+                Some(n) if n.health != "healthy" => format!("lost ({})", n.health),
+                Some(_) if w.absent.contains(node) => "lost (its process is gone)".to_string(),
                 Some(n) => format!(
-                    "no heartbeat for {} s",
+                    "lost (no heartbeat for {} s)",
                     now.saturating_sub(n.registration.heartbeat_unix_ms) / 1000
                 ),
-                None => "gone from the nodes bucket".into(),
+                None => "left (gone from the nodes bucket)".into(),
             };
             let deps: BTreeSet<String> = w
                 .assignments
@@ -153,7 +162,7 @@ impl ControllerState {
                 self.event(
                     &d,
                     now,
-                    format!("node {node} lost ({why}): its replicas are placed again"),
+                    format!("node {node} {why}: its replicas are placed again"),
                 );
             }
         }
@@ -226,7 +235,31 @@ impl ControllerState {
             scopes.extend(sc);
             gangs.extend(gs);
         }
-        let reserved = HashMap::new();
+        // Replicas still draining hold their slots until they are gone.
+        let mut reserved: HashMap<String, (u32, u64)> = HashMap::new();
+        for n in &w.nodes {
+            let id = &n.registration.node_id.0;
+            for r in n.replicas.iter().filter(|r| r.stopping) {
+                if current.get(&r.key) != Some(id) {
+                    let e = reserved.entry(id.clone()).or_default();
+                    e.0 = e.0.saturating_add(r.slots);
+                    e.1 = e.1.saturating_add(r.memory_mib);
+                }
+            }
+        }
+        // Starts that failed, with the node's reason.
+        let mut failed: BTreeMap<String, String> = BTreeMap::new();
+        for n in &w.nodes {
+            let id = &n.registration.node_id.0;
+            for r in n.replicas.iter().filter(|r| !r.error.is_empty()) {
+                if current.get(&r.key) == Some(id) {
+                    failed.insert(
+                        r.key.clone(),
+                        format!("failed to start on node {id}: {}", r.error),
+                    );
+                }
+            }
+        }
         let placed = place(&PlacementRequest {
             nodes: &nodes,
             scopes: &scopes,
@@ -337,6 +370,8 @@ impl ControllerState {
                             st.placements.push((r.key.clone(), node.clone()));
                             if ready.contains(&key) {
                                 st.ready += 1;
+                            } else if let Some(why) = failed.get(&key) {
+                                reasons.insert(format!("{}: {why}", r.key));
                             }
                         }
                         None => {
@@ -436,6 +471,7 @@ services:
                 node("n4", "r2", "h4", now),
             ],
             assignments: BTreeMap::new(),
+            absent: BTreeSet::new(),
             now_ms: now,
         }
     }
@@ -457,6 +493,9 @@ services:
                             ready: true,
                             stopping: false,
                             generation: 1,
+                            error: String::new(),
+                            slots: r.slots,
+                            memory_mib: r.memory_mib,
                         })
                         .collect()
                 })
@@ -556,6 +595,24 @@ services:
                 .any(|e| e.message.contains(&format!("node {victim} lost"))),
             "{ev:?}"
         );
+    }
+
+    #[test]
+    fn an_absent_node_is_lost_before_its_heartbeat_is_stale() {
+        let mut st = ControllerState::new(NodeId("n1".into()), Duration::from_secs(10));
+        let mut w = world(1_000);
+        for _ in 0..3 {
+            let d = st.reconcile(&w);
+            settle(&mut w, &d);
+        }
+        let victim = placed(&w)["d/decode-1"].clone();
+        w.absent.insert(victim.clone());
+        let d = st.reconcile(&w);
+        settle(&mut w, &d);
+        assert!(placed(&w).values().all(|n| n != &victim));
+        let ev = &d.statuses[0].events;
+        let lost = format!("node {victim} lost (its process is gone)");
+        assert!(ev.iter().any(|e| e.message.contains(&lost)), "{ev:?}");
     }
 
     #[test]
