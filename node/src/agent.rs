@@ -22,10 +22,8 @@ use dynamo_bus_schema::{
     decode, encode, unix_ms, AssignedReplica, NodeAssignment, NodeInventory, NodeRegistration,
     RunningReplica, WorkerId,
 };
-use dynamo_gateway::GatewayMsg;
 use dynamo_runtime::bus::REGISTRY_MAX_AGE;
 use dynamo_runtime::{Backoff, Bus, Tasks};
-use dynamo_worker::WorkerMsg;
 use futures::StreamExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::collections::{BTreeMap, HashMap};
@@ -90,7 +88,8 @@ pub struct AgentArgs {
 
 pub enum AgentMsg {
     /// The node's assignment as last read (None: none yet).
-    Assignment(Option<NodeAssignment>),
+    /// With the entry's revision: an older one than already seen is stale.
+    Assignment(Option<NodeAssignment>, u64),
     /// Periodic: read the assignment again, retry failed starts.
     Tick,
     /// A replica finished stopping.
@@ -118,6 +117,8 @@ pub struct AgentState {
     /// older epoch (a deposed controller) is ignored while the newer one is
     /// recent.
     epoch: (u64, Instant),
+    /// The revision of the assignment entry last taken.
+    revision: u64,
     /// The supervisor's live workers (id → generation) and frontend.
     live: (HashMap<WorkerId, u64>, bool),
     assignments: Option<async_nats::jetstream::kv::Store>,
@@ -213,6 +214,7 @@ impl Actor for NodeAgentActor {
             record,
             changed,
             epoch: (0, Instant::now()),
+            revision: 0,
             live: (HashMap::new(), false),
             assignments: None,
             tasks,
@@ -235,13 +237,18 @@ impl Actor for NodeAgentActor {
         st: &mut AgentState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            AgentMsg::Assignment(a) => {
-                st.assign(a);
+            AgentMsg::Assignment(a, rev) => {
+                // A watch event queued before a fresher read is older: skipped.
+                if rev >= st.revision {
+                    st.assign(a, rev);
+                }
                 st.reconcile(&myself).await;
             }
             AgentMsg::Tick => {
-                if let Some(a) = st.read_assignment().await {
-                    st.assign(a);
+                // A fresh read is the truth (even at a lower revision: the
+                // bucket may have been recreated).
+                if let Some((a, rev)) = st.read_assignment().await {
+                    st.assign(a, rev);
                 }
                 st.reconcile(&myself).await;
             }
@@ -264,7 +271,8 @@ impl Actor for NodeAgentActor {
 
 impl AgentState {
     /// Takes a new assignment, unless a deposed controller wrote it.
-    fn assign(&mut self, a: Option<NodeAssignment>) {
+    fn assign(&mut self, a: Option<NodeAssignment>, revision: u64) {
+        self.revision = revision;
         if let Some(a) = &a {
             let (seen, at) = self.epoch;
             if a.epoch < seen && at.elapsed() < Duration::from_secs(10) {
@@ -285,7 +293,7 @@ impl AgentState {
         }
     }
 
-    async fn read_assignment(&mut self) -> Option<Option<NodeAssignment>> {
+    async fn read_assignment(&mut self) -> Option<(Option<NodeAssignment>, u64)> {
         if self.assignments.is_none() {
             let name = self.bus.subjects.assignments_bucket();
             let kv =
@@ -296,16 +304,20 @@ impl AgentState {
             self.assignments = Some(kv);
         }
         let kv = self.assignments.as_ref()?;
-        match tokio::time::timeout(Duration::from_secs(2), kv.get(self.cfg.node_id.0.clone())).await
+        match tokio::time::timeout(Duration::from_secs(2), kv.entry(self.cfg.node_id.0.clone()))
+            .await
         {
-            Ok(Ok(Some(v))) => match decode::<NodeAssignment>(&v) {
-                Ok(a) => Some(Some(a)),
+            Ok(Ok(Some(e))) if e.operation != async_nats::jetstream::kv::Operation::Put => {
+                Some((None, e.revision))
+            }
+            Ok(Ok(Some(e))) => match decode::<NodeAssignment>(&e.value) {
+                Ok(a) => Some((Some(a), e.revision)),
                 Err(e) => {
                     dynamo_runtime::counters::reject("NodeAssignment", &self.cfg.node_id.0, &e);
                     None
                 }
             },
-            Ok(Ok(None)) => Some(None),
+            Ok(Ok(None)) => Some((None, 0)),
             _ => {
                 self.assignments = None;
                 None
@@ -559,70 +571,21 @@ impl AgentState {
         };
         r.stopping = true;
         tracing::info!(replica = key, "replica leaving: draining");
-        let grace = self.cfg.shutdown_grace;
-        let (sup, me, key) = (self.sup.clone(), myself.clone(), key.to_string());
-        let runs = r.runs.clone();
-        self.tasks.spawn_transient("replica drain", async move {
-            match runs {
-                Runs::Worker(id) => drain_worker(&sup, id, grace).await,
-                Runs::Frontend => stop_frontend(&sup, grace).await,
-            }
-            let _ = me.cast(AgentMsg::Stopped(key));
-        });
-    }
-}
-
-/// Drains a worker (no new requests, in-flight ones finish within `grace`),
-/// deregisters it and stops it.
-async fn drain_worker(sup: &ActorRef<SupervisorMsg>, id: WorkerId, grace: Duration) {
-    let w = match sup
-        .call(
-            |r| SupervisorMsg::RetireWorker(id, r),
-            Some(Duration::from_secs(5)),
-        )
-        .await
-    {
-        Ok(ractor::rpc::CallResult::Success(Some(w))) => w,
-        _ => return,
-    };
-    let _ = w.call(WorkerMsg::Drain, Some(Duration::from_secs(2))).await;
-    let t0 = Instant::now();
-    loop {
-        let n = match w
-            .call(WorkerMsg::Inflight, Some(Duration::from_secs(1)))
-            .await
-        {
-            Ok(ractor::rpc::CallResult::Success(n)) => n,
-            _ => 0,
+        // The supervisor owns the drain: it outlives this agent, so a
+        // replica half drained when the agent restarts is still stopped.
+        let worker = match r.runs {
+            Runs::Worker(id) => Some(id),
+            Runs::Frontend => None,
         };
-        if n == 0 || t0.elapsed() > grace {
-            if n > 0 {
-                tracing::warn!(worker = %id, n, "drain grace over with requests in flight");
-            }
-            break;
+        let msg = SupervisorMsg::Remove {
+            worker,
+            grace: self.cfg.shutdown_grace,
+            key: key.to_string(),
+        };
+        if self.sup.cast(msg).is_err() {
+            let _ = myself.cast(AgentMsg::Stopped(key.to_string()));
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let _ = w
-        .call(WorkerMsg::Deregister, Some(Duration::from_secs(3)))
-        .await;
-    w.stop(Some("replica removed".into()));
-}
-
-/// Stops the node's frontend: the gateway finishes its requests (within
-/// its grace), then gateway and router stop.
-async fn stop_frontend(sup: &ActorRef<SupervisorMsg>, grace: Duration) {
-    let Ok(ractor::rpc::CallResult::Success(Some((g, router)))) = sup
-        .call(SupervisorMsg::RetireFrontend, Some(Duration::from_secs(5)))
-        .await
-    else {
-        return;
-    };
-    let _ = g
-        .call(GatewayMsg::Shutdown, Some(grace + Duration::from_secs(1)))
-        .await;
-    g.stop(Some("replica removed".into()));
-    router.stop(Some("replica removed".into()));
 }
 
 /// Writes the node's inventory every second (and whenever it can after a
@@ -714,7 +677,7 @@ async fn watch_assignment(bus: Bus, node: String, agent: ActorRef<AgentMsg>) {
                     }
                     _ => None,
                 };
-                if agent.cast(AgentMsg::Assignment(a)).is_err() {
+                if agent.cast(AgentMsg::Assignment(a, e.revision)).is_err() {
                     return Ok(());
                 }
             }

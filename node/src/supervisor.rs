@@ -97,18 +97,21 @@ pub enum SupervisorMsg {
         worker_id: WorkerId,
         reply: RpcReplyPort<Result<u64, String>>,
     },
-    /// Takes a worker out of supervision (it is not restarted when it
-    /// stops) and hands it over to be drained and stopped.
-    RetireWorker(WorkerId, RpcReplyPort<Option<ActorRef<WorkerMsg>>>),
+    /// Takes a replica's worker (or, with `None`, the frontend) out of
+    /// supervision and drains it: no new requests, in-flight ones finish
+    /// within `grace`, the worker deregisters, then it stops. The node's
+    /// agent hears [`crate::agent::AgentMsg::Stopped`] with `key` when done.
+    Remove {
+        worker: Option<WorkerId>,
+        grace: Duration,
+        key: String,
+    },
     /// Starts a frontend (router, then gateway) of an assigned replica.
     StartFrontend {
         gateway: Box<GatewayConfig>,
         router: Box<RouterConfig>,
         reply: RpcReplyPort<Result<(), String>>,
     },
-    /// Takes the frontend out of supervision; hands over the gateway (to
-    /// shut down gracefully) and the router.
-    RetireFrontend(RpcReplyPort<Option<(ActorRef<GatewayMsg>, ActorCell)>>),
     /// The workers running now (id → generation) and whether a frontend runs.
     Live(RpcReplyPort<(HashMap<WorkerId, u64>, bool)>),
 }
@@ -300,13 +303,54 @@ impl Actor for NodeSupervisor {
                     .collect();
                 let _ = reply.send((live, st.gateway.is_some()));
             }
-            SupervisorMsg::RetireWorker(worker_id, reply) => {
-                st.retired_workers.insert(worker_id);
-                let w = st.workers.remove(&worker_id);
-                if let Some(w) = &w {
-                    st.retired.insert(w.get_id());
+            SupervisorMsg::Remove { worker, grace, key } => {
+                let done = move || {
+                    if let Some(a) = ractor::registry::where_is(crate::agent::AGENT_NAME) {
+                        let agent = ActorRef::<crate::agent::AgentMsg>::from(a);
+                        let _ = agent.cast(crate::agent::AgentMsg::Stopped(key));
+                    }
+                };
+                match worker {
+                    Some(id) => {
+                        st.retired_workers.insert(id);
+                        let w = st.workers.remove(&id);
+                        if let Some(w) = &w {
+                            st.retired.insert(w.get_id());
+                        }
+                        st.tasks.spawn_transient("replica drain", async move {
+                            if let Some(w) = w {
+                                drain_worker(&w, id, grace).await;
+                            }
+                            done();
+                        });
+                    }
+                    None => {
+                        st.cfg.gateway = None;
+                        let g = st.gateway.take();
+                        let r = st.router.take();
+                        for c in [g.as_ref().map(|g| g.get_cell()), r.clone()]
+                            .into_iter()
+                            .flatten()
+                        {
+                            st.retired.insert(c.get_id());
+                        }
+                        st.tasks.spawn_transient("frontend drain", async move {
+                            if let Some(g) = g {
+                                let _ = g
+                                    .call(
+                                        GatewayMsg::Shutdown,
+                                        Some(grace + Duration::from_secs(1)),
+                                    )
+                                    .await;
+                                g.stop(Some("replica removed".into()));
+                            }
+                            if let Some(r) = r {
+                                r.stop(Some("replica removed".into()));
+                            }
+                            done();
+                        });
+                    }
                 }
-                let _ = reply.send(w);
             }
             SupervisorMsg::StartFrontend {
                 gateway,
@@ -338,18 +382,6 @@ impl Actor for NodeSupervisor {
                     }
                 }
                 let _ = reply.send(res);
-            }
-            SupervisorMsg::RetireFrontend(reply) => {
-                st.cfg.gateway = None;
-                let g = st.gateway.take();
-                let r = st.router.take();
-                for c in [g.as_ref().map(|g| g.get_cell()), r.clone()]
-                    .into_iter()
-                    .flatten()
-                {
-                    st.retired.insert(c.get_id());
-                }
-                let _ = reply.send(g.zip(r));
             }
         }
         Ok(())
@@ -676,4 +708,31 @@ async fn answer_faults(bus: Bus, mut sub: async_nats::Subscriber, sup: ActorRef<
             }
         }
     }
+}
+
+/// Drains a retired worker (no new requests, in-flight ones finish within
+/// `grace`), deregisters it and stops it.
+async fn drain_worker(w: &ActorRef<WorkerMsg>, id: WorkerId, grace: Duration) {
+    let _ = w.call(WorkerMsg::Drain, Some(Duration::from_secs(2))).await;
+    let t0 = Instant::now();
+    loop {
+        let n = match w
+            .call(WorkerMsg::Inflight, Some(Duration::from_secs(1)))
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(n)) => n,
+            _ => 0,
+        };
+        if n == 0 || t0.elapsed() > grace {
+            if n > 0 {
+                tracing::warn!(worker = %id, n, "drain grace over with requests in flight");
+            }
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = w
+        .call(WorkerMsg::Deregister, Some(Duration::from_secs(3)))
+        .await;
+    w.stop(Some("replica removed".into()));
 }
