@@ -259,7 +259,8 @@ async fn a_spec_is_placed_served_scaled_and_survives_a_lost_node() {
     // Node loss: kill -9 a node running a decode replica (not the
     // frontend's): its replicas are placed again, streams migrate, and
     // `describe` shows the event.
-    assert_success(&c.ctl(&["scale", "disagg/decode", "2"]));
+    // `deployment/SERVICE`: the one deployment with that service.
+    assert_success(&c.ctl(&["scale", "deployment/decode", "2"]));
     let d = wait_deployment(
         &c.nats.url,
         "disagg",

@@ -117,8 +117,38 @@ pub fn parse_target(target: &str) -> anyhow::Result<(String, String)> {
 
 /// `scale DEPLOYMENT/SERVICE N`.
 pub async fn scale(url: &str, ns: Namespace, target: &str, replicas: u32) -> anyhow::Result<Value> {
-    let (name, service) = parse_target(target)?;
     let store = open(url, ns).await?;
+    let (name, service) = match parse_target(target) {
+        Ok(t) => t,
+        // `deployment/SERVICE` (or `SERVICE`): the one deployment that has it.
+        Err(e) => {
+            let svc = target.strip_prefix("deployment/").unwrap_or(target);
+            let recs: BTreeMap<String, DeploymentRecord> =
+                dynamo_controller::read_all(&store.deployments)
+                    .await
+                    .map_err(|e| anyhow::anyhow!(e))?;
+            let owners: Vec<&String> = recs
+                .iter()
+                .filter(|(_, r)| {
+                    DeploymentSpec::parse(&r.spec_yaml)
+                        .is_ok_and(|s| s.service(svc).is_some() || s.group(svc).is_some())
+                })
+                .map(|(n, _)| n)
+                .collect();
+            match owners.as_slice() {
+                [one] => ((*one).clone(), svc.to_string()),
+                [] => return Err(e),
+                many => anyhow::bail!(
+                    "{svc:?} is in {} deployments ({}): name one as DEPLOYMENT/{svc}",
+                    many.len(),
+                    many.iter()
+                        .map(|s| s.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            }
+        }
+    };
     for _ in 0..5 {
         let Some((rec, rev)) = record(&store.deployments, &name).await? else {
             anyhow::bail!("no deployment {name:?} (see dynamoctl get deployments)");
@@ -205,7 +235,7 @@ pub async fn describe(url: &str, ns: Namespace, name: &str) -> anyhow::Result<Va
 /// `get deployments` as a table.
 pub fn render_list(v: &Value) -> String {
     let mut out = format!(
-        "{:<24} {:>10} {:>8} {:>8}  {}\n",
+        "{:<24} {:>14} {:>8} {:>8}  {}\n",
         "NAME", "GENERATION", "READY", "DESIRED", "STATUS"
     );
     for d in v.as_array().into_iter().flatten() {
@@ -225,9 +255,9 @@ pub fn render_list(v: &Value) -> String {
             "pending".to_string()
         };
         out.push_str(&format!(
-            "{:<24} {:>10} {:>8} {:>8}  {}\n",
+            "{:<24} {:>14} {:>8} {:>8}  {}\n",
             d["name"].as_str().unwrap_or(""),
-            d["generation"],
+            d["generation"].as_u64().unwrap_or(0).to_string(),
             sum("ready"),
             sum("desired"),
             state
@@ -250,13 +280,14 @@ pub fn render_describe(d: &Value) -> String {
         "SERVICE", "ROLE", "DESIRED", "PLACED", "READY"
     ));
     for s in d["services"].as_array().into_iter().flatten() {
+        let n = |k: &str| s[k].as_u64().unwrap_or(0).to_string();
         out.push_str(&format!(
             "{:<16} {:<11} {:>7} {:>6} {:>5}\n",
             s["name"].as_str().unwrap_or(""),
             s["role"].as_str().unwrap_or(""),
-            s["desired"],
-            s["placed"],
-            s["ready"]
+            n("desired"),
+            n("placed"),
+            n("ready")
         ));
         for p in s["placements"].as_array().into_iter().flatten() {
             out.push_str(&format!(
@@ -270,10 +301,11 @@ pub fn render_describe(d: &Value) -> String {
         }
     }
     out.push_str("\nevents:\n");
+    let now = unix_ms();
     for e in d["events"].as_array().into_iter().flatten() {
+        let ago = now.saturating_sub(e["unix_ms"].as_u64().unwrap_or(now)) as f64 / 1000.0;
         out.push_str(&format!(
-            "  {}  {}\n",
-            e["unix_ms"],
+            "  {ago:>8.1} s ago  {}\n",
             e["message"].as_str().unwrap_or("")
         ));
     }

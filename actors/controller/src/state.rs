@@ -260,13 +260,59 @@ impl ControllerState {
                 }
             }
         }
-        let placed = place(&PlacementRequest {
+        let mut placed = place(&PlacementRequest {
             nodes: &nodes,
             scopes: &scopes,
             gangs: &gangs,
             current: &current,
             reserved: &reserved,
         });
+        // A group starts with at least `min_available` of its replicas
+        // placed together (Grove's gang floor), or none.
+        for d in &w.deployments {
+            for g in d.spec.groups.iter().filter(|g| g.min_available > 1) {
+                let prefix = format!("{}/{}-", d.spec.name, g.name);
+                let in_group = |k: &String| {
+                    k.strip_prefix(&prefix).is_some_and(|rest| {
+                        rest.split('.')
+                            .next()
+                            .is_some_and(|j| j.parse::<u32>().is_ok())
+                    })
+                };
+                if current.keys().any(in_group) {
+                    continue;
+                }
+                let gang_keys: Vec<&Gang> = gangs
+                    .iter()
+                    .filter(|x| in_group(&format!("{}.", x.key)))
+                    .collect();
+                let whole = gang_keys
+                    .iter()
+                    .filter(|x| {
+                        x.members
+                            .iter()
+                            .all(|m| placed.assignments.contains_key(&m.key))
+                    })
+                    .count() as u32;
+                if whole >= g.min_available || gang_keys.is_empty() {
+                    continue;
+                }
+                for x in &gang_keys {
+                    for m in &x.members {
+                        placed.assignments.remove(&m.key);
+                    }
+                    if !placed.pending.iter().any(|p| p.gang == x.key) {
+                        placed.pending.push(dynamo_cluster_config::placement::Pending {
+                            gang: x.key.clone(),
+                            reason: format!(
+                                "group {} starts with {} replicas placed together (min_available); only {whole} fit",
+                                g.name, g.min_available
+                            ),
+                        });
+                    }
+                }
+            }
+        }
         // Assignments per node.
         let mut per_node: BTreeMap<String, Vec<AssignedReplica>> = BTreeMap::new();
         for d in &w.deployments {
@@ -613,6 +659,36 @@ services:
         let ev = &d.statuses[0].events;
         let lost = format!("node {victim} lost (its process is gone)");
         assert!(ev.iter().any(|e| e.message.contains(&lost)), "{ev:?}");
+    }
+
+    #[test]
+    fn a_group_starts_with_its_floor_placed_or_not_at_all() {
+        let spec = "version: 1\nname: g\nservices:\n  w:\n    role: aggregated\n    replicas: 2\n    \
+                    resources: {slots: 4}\n    worker: {engine: mocker}\ngroups:\n  pd:\n    services: [w]\n    \
+                    replicas: 4\n    min_available: 3\n    topology: {required: host}\n";
+        let mut st = ControllerState::new(NodeId("n1".into()), Duration::from_secs(10));
+        let mut w = world(1_000);
+        w.deployments = vec![Deployment {
+            spec: DeploymentSpec::parse(spec).unwrap(),
+            generation: 1,
+        }];
+        // A group replica needs 8 slots on one host: two 8-slot hosts hold
+        // two replicas, below the floor of three.
+        w.nodes[0].slots = 8;
+        w.nodes[1].slots = 8;
+        let d = st.reconcile(&w);
+        settle(&mut w, &d);
+        assert!(placed(&w).is_empty(), "{:?}", placed(&w));
+        let s = &d.statuses[0].services[0];
+        assert!(
+            s.pending.iter().any(|r| r.contains("min_available")),
+            "{s:?}"
+        );
+        // With a third big host the floor fits: three replicas start.
+        w.nodes[2].slots = 8;
+        let d = st.reconcile(&w);
+        settle(&mut w, &d);
+        assert_eq!(placed(&w).len(), 6);
     }
 
     #[test]
