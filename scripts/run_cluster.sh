@@ -128,6 +128,14 @@ start_nats
 export DYNAMO_NATS_URL="nats://127.0.0.1:$NATS_PORT"
 echo "$DYNAMO_NATS_URL" >"$url_file"
 for c in "${configs[@]}"; do start_node "$c"; done
+# Every node in the inventory before the spec is placed (else the first
+# nodes to join take every replica, and nothing moves them later).
+for _ in $(seq 300); do
+    joined=$("$BIN/dynamoctl" status --json --nats "$DYNAMO_NATS_URL" --namespace "$namespace" 2>/dev/null |
+        grep -c '"free_slots"' || true)
+    [ "$joined" -ge "${#configs[@]}" ] && break
+    sleep 0.1
+done
 "$BIN/dynamoctl" apply -f "$spec" --nats "$DYNAMO_NATS_URL" --namespace "$namespace"
 for port in $PORTS; do
     for _ in $(seq 600); do

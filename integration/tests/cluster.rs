@@ -75,6 +75,27 @@ impl Cluster {
             nodes.insert(id.clone(), Node::join(&nats.url, &args));
             ports.insert(id, port);
         }
+        // Every node in the inventory before anything is applied.
+        let t0 = Instant::now();
+        loop {
+            let out = dynamoctl(&nats.url, &["status", "--json"]);
+            let joined = serde_json::from_slice::<Value>(&out.stdout)
+                .ok()
+                .and_then(|v| {
+                    v["nodes"]
+                        .as_array()
+                        .map(|a| a.iter().filter(|n| n["slots"].is_u64()).count())
+                })
+                .unwrap_or(0);
+            if joined == hosts {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "{joined}/{hosts} nodes joined"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
         Cluster {
             nats,
             nodes,

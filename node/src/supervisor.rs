@@ -713,7 +713,14 @@ async fn answer_faults(bus: Bus, mut sub: async_nats::Subscriber, sup: ActorRef<
 /// Drains a retired worker (no new requests, in-flight ones finish within
 /// `grace`), deregisters it and stops it.
 async fn drain_worker(w: &ActorRef<WorkerMsg>, id: WorkerId, grace: Duration) {
-    let _ = w.call(WorkerMsg::Drain, Some(Duration::from_secs(2))).await;
+    // What `dynamoctl drain` asks over the bus: the worker stops taking
+    // requests (routers skip it as soon as its registration says so).
+    let _ = w
+        .call(
+            |r| WorkerMsg::AdminDrain(false, r),
+            Some(Duration::from_secs(2)),
+        )
+        .await;
     let t0 = Instant::now();
     loop {
         let n = match w

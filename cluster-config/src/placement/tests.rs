@@ -1,4 +1,4 @@
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use proptest::prelude::*;
 use proptest::test_runner::{RngAlgorithm, RngSeed};

@@ -1,226 +1,20 @@
-//! Placement: a pure, deterministic function that puts the replicas of
-//! deployments on labelled nodes with gang and topology semantics (after
-//! Grove's PodGang and topology constraints). No I/O, no NATS.
-//!
-//! A [`Gang`] (a scaling-group replica, or one replica of a standalone
-//! service) is placed whole or not at all. Packing ([`Pack`]) applies to a
-//! gang's own members and to [`Scope`]s shared by several gangs ("all of
-//! prefill in one rack", "the whole deployment in one zone"). Topology
-//! domains come from the node labels `zone` > `rack` > `host`; a domain is
-//! named by its label and the labels above it ([`domain_key`]), so `r1` in
-//! `z1` and `r1` in `z2` are two racks; a missing label is a domain of that
-//! node alone.
-//!
-//! Invariants (checked by the property tests):
-//! 1. Gang: every member of a gang is assigned, or none is and the gang is
-//!    pending with a reason.
-//! 2. Capacity: per node, assigned slots + reserved slots ≤ slots, the same
-//!    for memory; members go only to schedulable nodes. A node whose
-//!    reservations already exceed its size takes nothing.
-//! 3. Required packing: the members of a gang with `required = L` share one
-//!    domain at `L`, and so do all placed members of a scope with
-//!    `required = L`. A scope's domain is the one its placed members use
-//!    (including kept ones); when current members disagree, the domain with
-//!    the most of them wins and the others are placed again.
-//! 4. Stability: members that run on a schedulable node with room, within
-//!    their constraints, stay; all such members are kept before anything new
-//!    is placed, so adding a gang never moves one. A gang that lost members
-//!    first gets only those placed beside its survivors, else is placed again
-//!    whole, else is pending (its survivors are not assigned). Placing again
-//!    with `current` = the result gives the same result.
-//! 5. Preferred packing is honoured when a domain can hold the gang (for a
-//!    scope: the domain most of its members use, while it has room).
-//! 6. Spread: a member goes to the node minimising (same-service members on
-//!    its host, rack, zone), then most free slots, then node id.
-//! 7. Reasons name the constraint and the numbers (slots, MiB, zone/rack/host).
-//! 8. Deterministic, never panics; duplicate member keys and bad scope
-//!    indices make a gang pending. Duplicate node ids: the first one counts.
-//!
-//! Cost: about O(members × nodes) for unpacked gangs; packed gangs try the
-//! candidate domains of their level, each over that domain's nodes only.
+//! The planner behind [`super::place`]: per-node and per-domain free
+//! capacity and service counts, kept incrementally, so keeping, fitting and
+//! spreading cost O(members × nodes) and no more.
 
+use super::{domain_key, Gang, Level, NodeInfo, Pending, Placement, PlacementRequest, Scope};
 use std::cmp::{Ordering, Reverse};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
-
-use serde::{Deserialize, Serialize};
-
-/// A topology level, widest first. Node labels `zone`, `rack`, `host`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Level {
-    Zone,
-    Rack,
-    Host,
-}
-
-impl Level {
-    /// Every level, widest first.
-    pub const ALL: [Level; 3] = [Level::Zone, Level::Rack, Level::Host];
-
-    /// The node label for this level.
-    pub fn label(&self) -> &'static str {
-        match self {
-            Level::Zone => "zone",
-            Level::Rack => "rack",
-            Level::Host => "host",
-        }
-    }
-
-    /// Host is narrower than rack, which is narrower than zone.
-    pub fn narrower_or_equal(self, other: Level) -> bool {
-        self >= other
-    }
-
-    fn idx(self) -> usize {
-        self as usize
-    }
-}
-
-impl fmt::Display for Level {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.label())
-    }
-}
-
-/// Packing: every member under it must share one domain at `required`;
-/// `preferred` is honoured when possible.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Pack {
-    pub required: Option<Level>,
-    pub preferred: Option<Level>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct NodeInfo {
-    pub id: String,
-    /// Topology labels; "" is a domain of this node alone at that level.
-    pub zone: String,
-    pub rack: String,
-    pub host: String,
-    /// Total slots (GPUs).
-    pub slots: u32,
-    /// Total memory.
-    pub memory_mib: u64,
-    /// false = lost or cordoned: nothing new goes there and current members
-    /// there are placed again.
-    pub schedulable: bool,
-    /// Every label of the node (what a member's `selector` matches).
-    pub labels: Vec<(String, String)>,
-}
-
-impl NodeInfo {
-    /// The label of this node at `level`.
-    pub fn label(&self, level: Level) -> &str {
-        match level {
-            Level::Zone => &self.zone,
-            Level::Rack => &self.rack,
-            Level::Host => &self.host,
-        }
-    }
-}
-
-/// The opaque identity of `node`'s domain at `level`: its labels from zone
-/// down to `level`, a missing label standing for the node alone. Two nodes
-/// share a domain at `level` exactly when their keys are equal.
-pub fn domain_key(node: &NodeInfo, level: Level) -> String {
-    let mut key = String::new();
-    for l in Level::ALL {
-        if l > level {
-            break;
-        }
-        if l != Level::Zone {
-            key.push('\u{1f}');
-        }
-        let label = node.label(l);
-        if label.is_empty() && l == level {
-            key.push('\u{0}');
-            key.push_str(&node.id);
-        } else {
-            key.push_str(label);
-        }
-    }
-    key
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Member {
-    /// Unique across the request.
-    pub key: String,
-    pub service: String,
-    pub slots: u32,
-    pub memory_mib: u64,
-    /// Labels the member's node must have.
-    pub selector: Vec<(String, String)>,
-    /// At most one member with this tag per node (e.g. a frontend, which
-    /// owns its node's HTTP port).
-    pub exclusive: Option<String>,
-}
-
-/// What is placed whole or not at all: a scaling-group replica (several
-/// members) or one replica of a standalone service (one member).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Gang {
-    pub key: String,
-    pub members: Vec<Member>,
-    /// Packing of all members of this gang.
-    pub pack: Pack,
-    /// Indices into [`PlacementRequest::scopes`].
-    pub scopes: Vec<usize>,
-}
-
-/// A packing shared by several gangs: e.g. "all replicas of service prefill
-/// in one rack" or "the whole deployment in one zone".
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Scope {
-    pub key: String,
-    pub pack: Pack,
-}
-
-pub struct PlacementRequest<'a> {
-    pub nodes: &'a [NodeInfo],
-    pub scopes: &'a [Scope],
-    /// In priority order.
-    pub gangs: &'a [Gang],
-    /// Where members run now (member key -> node id). Members not in any
-    /// gang are ignored (they are being removed).
-    pub current: &'a HashMap<String, String>,
-    /// Capacity already used on nodes by things outside this request:
-    /// node id -> (slots, memory_mib).
-    pub reserved: &'a HashMap<String, (u32, u64)>,
-}
-
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Placement {
-    /// member key -> node id, for every member of every placed gang.
-    pub assignments: BTreeMap<String, String>,
-    /// Gangs that could not be placed, with a reason for people, in
-    /// priority order.
-    pub pending: Vec<Pending>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Pending {
-    pub gang: String,
-    pub reason: String,
-}
-
-/// Places the gangs of `req`; see the module documentation for the rules.
-pub fn place(req: &PlacementRequest) -> Placement {
-    let mut p = Planner::new(req);
-    p.run();
-    p.finish()
-}
 
 // ---------------------------------------------------------------------------
 
 /// FxHash: the hot maps are keyed by small integers.
 #[derive(Default)]
-struct Fx(u64);
+pub(super) struct Fx(u64);
 
 impl Fx {
-    fn add(&mut self, w: u64) {
+    pub(super) fn add(&mut self, w: u64) {
         self.0 = (self.0.rotate_left(5) ^ w).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
     }
 }
@@ -245,104 +39,104 @@ impl Hasher for Fx {
     }
 }
 
-type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<Fx>>;
-type FxSet<K> = HashSet<K, BuildHasherDefault<Fx>>;
+pub(super) type FxMap<K, V> = HashMap<K, V, BuildHasherDefault<Fx>>;
+pub(super) type FxSet<K> = HashSet<K, BuildHasherDefault<Fx>>;
 
 /// A set of nodes: per level, the domain they must be in (None = any).
-type Cell = [Option<u32>; 3];
-const ANY: Cell = [None; 3];
+pub(super) type Cell = [Option<u32>; 3];
+pub(super) const ANY: Cell = [None; 3];
 
-struct NodeState<'a> {
-    id: &'a str,
-    labels: &'a [(String, String)],
+pub(super) struct NodeState<'a> {
+    pub(super) id: &'a str,
+    pub(super) labels: &'a [(String, String)],
     /// Exclusive tags of the members placed here.
-    excl: Vec<u32>,
-    free_slots: u64,
-    free_mem: u64,
+    pub(super) excl: Vec<u32>,
+    pub(super) free_slots: u64,
+    pub(super) free_mem: u64,
     /// Domain per level.
-    doms: [u32; 3],
+    pub(super) doms: [u32; 3],
 }
 
-struct Dom {
-    level: Level,
-    name: String,
+pub(super) struct Dom {
+    pub(super) level: Level,
+    pub(super) name: String,
     /// Usable nodes, by id.
-    nodes: Vec<u32>,
-    free_slots: u64,
-    free_mem: u64,
+    pub(super) nodes: Vec<u32>,
+    pub(super) free_slots: u64,
+    pub(super) free_mem: u64,
 }
 
-struct MemberInfo<'a> {
-    key: &'a str,
-    selector: &'a [(String, String)],
-    excl: Option<u32>,
-    svc: u32,
-    slots: u64,
-    mem: u64,
+pub(super) struct MemberInfo<'a> {
+    pub(super) key: &'a str,
+    pub(super) selector: &'a [(String, String)],
+    pub(super) excl: Option<u32>,
+    pub(super) svc: u32,
+    pub(super) slots: u64,
+    pub(super) mem: u64,
 }
 
-struct GangInfo {
+pub(super) struct GangInfo {
     /// Global member indices, in fitting order (slots desc, memory desc, key).
-    members: Vec<u32>,
+    pub(super) members: Vec<u32>,
     /// Deduplicated scope indices.
-    scopes: Vec<usize>,
-    invalid: Option<String>,
+    pub(super) scopes: Vec<usize>,
+    pub(super) invalid: Option<String>,
 }
 
 /// Where a fixed-domain constraint comes from.
 #[derive(Clone, Copy, Debug)]
-enum Src {
+pub(super) enum Src {
     Gang,
     Scope(usize),
     Running,
 }
 
-struct Filter {
-    level: Level,
-    dom: u32,
-    src: Src,
+pub(super) struct Filter {
+    pub(super) level: Level,
+    pub(super) dom: u32,
+    pub(super) src: Src,
 }
 
-struct Cons {
+pub(super) struct Cons {
     /// Intersection of the fixed required domains.
-    base: Cell,
+    pub(super) base: Cell,
     /// Narrowest first.
-    filters: Vec<Filter>,
+    pub(super) filters: Vec<Filter>,
     /// Levels at which the members must share a domain still to be chosen.
-    split: Vec<Level>,
+    pub(super) split: Vec<Level>,
     /// The narrowest of `split`, and who asks for it.
-    group: Option<(Level, Src)>,
+    pub(super) group: Option<(Level, Src)>,
     /// Preferred domains already chosen (a scope's, the survivors').
-    fixed_prefs: Vec<(Level, u32)>,
+    pub(super) fixed_prefs: Vec<(Level, u32)>,
     /// Preferred levels whose domain is still to be chosen.
-    level_prefs: Vec<Level>,
+    pub(super) level_prefs: Vec<Level>,
 }
 
-struct Planner<'a> {
-    scopes: &'a [Scope],
-    gangs_in: &'a [Gang],
-    current: &'a HashMap<String, String>,
-    nodes: Vec<NodeState<'a>>,
-    all_nodes: Vec<u32>,
-    node_by_id: HashMap<&'a str, u32>,
-    doms: Vec<Dom>,
-    level_doms: [Vec<u32>; 3],
-    members: Vec<MemberInfo<'a>>,
-    member_gang: Vec<u32>,
-    gangs: Vec<GangInfo>,
-    assign: Vec<Option<u32>>,
+pub(super) struct Planner<'a> {
+    pub(super) scopes: &'a [Scope],
+    pub(super) gangs_in: &'a [Gang],
+    pub(super) current: &'a HashMap<String, String>,
+    pub(super) nodes: Vec<NodeState<'a>>,
+    pub(super) all_nodes: Vec<u32>,
+    pub(super) node_by_id: HashMap<&'a str, u32>,
+    pub(super) doms: Vec<Dom>,
+    pub(super) level_doms: [Vec<u32>; 3],
+    pub(super) members: Vec<MemberInfo<'a>>,
+    pub(super) member_gang: Vec<u32>,
+    pub(super) gangs: Vec<GangInfo>,
+    pub(super) assign: Vec<Option<u32>>,
     /// (service << 32 | domain) -> members placed there.
-    counts: FxMap<u64, u32>,
-    svc_total: Vec<u32>,
+    pub(super) counts: FxMap<u64, u32>,
+    pub(super) svc_total: Vec<u32>,
     /// Per scope, members per domain at its [required, preferred] level.
-    scope_counts: Vec<[BTreeMap<u32, u32>; 2]>,
-    scope_phrase: Vec<String>,
-    placed: Vec<bool>,
-    reasons: Vec<Option<String>>,
+    pub(super) scope_counts: Vec<[BTreeMap<u32, u32>; 2]>,
+    pub(super) scope_phrase: Vec<String>,
+    pub(super) placed: Vec<bool>,
+    pub(super) reasons: Vec<Option<String>>,
 }
 
 impl<'a> Planner<'a> {
-    fn new(req: &'a PlacementRequest<'a>) -> Self {
+    pub(super) fn new(req: &'a PlacementRequest<'a>) -> Self {
         // Usable nodes: first of their id, schedulable, not over-reserved.
         let mut seen: HashSet<&str> = HashSet::new();
         let mut usable: Vec<(&NodeInfo, u64, u64)> = Vec::new();
@@ -524,7 +318,7 @@ impl<'a> Planner<'a> {
         }
     }
 
-    fn run(&mut self) {
+    pub(super) fn run(&mut self) {
         // Phase 1: keep what runs, then repair the gangs that lost members.
         let running = self.keep_running();
         let mut was_running = vec![false; self.gangs.len()];
@@ -573,7 +367,7 @@ impl<'a> Planner<'a> {
         }
     }
 
-    fn finish(self) -> Placement {
+    pub(super) fn finish(self) -> Placement {
         let mut out = Placement::default();
         for (g, info) in self.gangs.iter().enumerate() {
             if self.placed[g] {
@@ -596,14 +390,14 @@ impl<'a> Planner<'a> {
         out
     }
 
-    fn current_node(&self, m: u32) -> Option<u32> {
+    pub(super) fn current_node(&self, m: u32) -> Option<u32> {
         let id = self.current.get(self.members[m as usize].key)?;
         self.node_by_id.get(id.as_str()).copied()
     }
 
     /// Commits the members that may stay, gang by gang in priority order;
     /// returns the gangs with any current member and the members kept.
-    fn keep_running(&mut self) -> Vec<(usize, Vec<u32>)> {
+    pub(super) fn keep_running(&mut self) -> Vec<(usize, Vec<u32>)> {
         // A required scope's domain: the one holding most current members.
         let mut votes: Vec<BTreeMap<u32, u32>> = vec![BTreeMap::new(); self.scopes.len()];
         for info in self.gangs.iter().filter(|i| i.invalid.is_none()) {
@@ -670,7 +464,7 @@ impl<'a> Planner<'a> {
     }
 
     /// The domain with most members (ties: name, then index).
-    fn majority(&self, votes: &BTreeMap<u32, u32>) -> Option<u32> {
+    pub(super) fn majority(&self, votes: &BTreeMap<u32, u32>) -> Option<u32> {
         let mut best: Option<(u32, u32)> = None;
         for (&d, &c) in votes {
             if c == 0 {
@@ -690,30 +484,30 @@ impl<'a> Planner<'a> {
         best.map(|(d, _)| d)
     }
 
-    fn fits(&self, m: u32, n: u32) -> bool {
+    pub(super) fn fits(&self, m: u32, n: u32) -> bool {
         let (mi, node) = (&self.members[m as usize], &self.nodes[n as usize]);
         node.free_slots >= mi.slots && node.free_mem >= mi.mem && self.eligible(m, n)
     }
 
     /// The node has the member's labels and no member of its exclusive tag.
-    fn eligible(&self, m: u32, n: u32) -> bool {
+    pub(super) fn eligible(&self, m: u32, n: u32) -> bool {
         let (mi, node) = (&self.members[m as usize], &self.nodes[n as usize]);
         mi.selector.iter().all(|l| node.labels.contains(l))
             && mi.excl.is_none_or(|t| !node.excl.contains(&t))
     }
 
-    fn put(&mut self, m: u32, n: u32) {
+    pub(super) fn put(&mut self, m: u32, n: u32) {
         self.adjust(m, n, true);
         self.assign[m as usize] = Some(n);
     }
 
-    fn take(&mut self, m: u32) {
+    pub(super) fn take(&mut self, m: u32) {
         if let Some(n) = self.assign[m as usize].take() {
             self.adjust(m, n, false);
         }
     }
 
-    fn adjust(&mut self, m: u32, n: u32, add: bool) {
+    pub(super) fn adjust(&mut self, m: u32, n: u32, add: bool) {
         let mi = &self.members[m as usize];
         let (svc, slots, mem) = (mi.svc, mi.slots, mi.mem);
         let excl = mi.excl;
@@ -761,14 +555,14 @@ impl<'a> Planner<'a> {
         }
     }
 
-    fn count(&self, svc: u32, d: u32) -> u32 {
+    pub(super) fn count(&self, svc: u32, d: u32) -> u32 {
         self.counts
             .get(&(u64::from(svc) << 32 | u64::from(d)))
             .copied()
             .unwrap_or(0)
     }
 
-    fn place_whole(&mut self, g: usize) -> bool {
+    pub(super) fn place_whole(&mut self, g: usize) -> bool {
         let ms = self.gangs[g].members.clone();
         match self.try_place(g, &ms, &[]) {
             Ok(()) => {
@@ -785,7 +579,12 @@ impl<'a> Planner<'a> {
 
     /// Places `ms` (members of gang `g`) beside the placed `survivors`, or
     /// explains why not (leaving the state as it was).
-    fn try_place(&mut self, g: usize, ms: &[u32], survivors: &[u32]) -> Result<(), String> {
+    pub(super) fn try_place(
+        &mut self,
+        g: usize,
+        ms: &[u32],
+        survivors: &[u32],
+    ) -> Result<(), String> {
         if ms.is_empty() {
             return Ok(());
         }
@@ -838,14 +637,19 @@ impl<'a> Planner<'a> {
         Err(self.explain(ms, &cons))
     }
 
-    fn need(&self, ms: &[u32]) -> (u64, u64) {
+    pub(super) fn need(&self, ms: &[u32]) -> (u64, u64) {
         ms.iter().fold((0, 0), |(s, m), &i| {
             let mi = &self.members[i as usize];
             (s.saturating_add(mi.slots), m.saturating_add(mi.mem))
         })
     }
 
-    fn constraints(&self, g: usize, n: usize, survivors: &[u32]) -> Result<Cons, String> {
+    pub(super) fn constraints(
+        &self,
+        g: usize,
+        n: usize,
+        survivors: &[u32],
+    ) -> Result<Cons, String> {
         let pack = self.gangs_in[g].pack;
         let mut filters = Vec::new();
         let mut groups: Vec<(Level, Src)> = Vec::new();
@@ -928,14 +732,14 @@ impl<'a> Planner<'a> {
         })
     }
 
-    fn cell_nodes(&self, c: &Cell) -> &[u32] {
+    pub(super) fn cell_nodes(&self, c: &Cell) -> &[u32] {
         match c.iter().rev().flatten().next() {
             Some(&d) => &self.doms[d as usize].nodes,
             None => &self.all_nodes,
         }
     }
 
-    fn in_cell(&self, n: u32, c: &Cell) -> bool {
+    pub(super) fn in_cell(&self, n: u32, c: &Cell) -> bool {
         let doms = &self.nodes[n as usize].doms;
         c.iter()
             .zip(doms)
@@ -944,7 +748,13 @@ impl<'a> Planner<'a> {
 
     /// The sub-cells of `c` splitting it by the domains at `levels`, with at
     /// least the given free capacity, most free slots first, then by name.
-    fn cells(&self, c: Cell, levels: &[Level], need_s: u64, need_m: u64) -> Vec<(Cell, u64, u64)> {
+    pub(super) fn cells(
+        &self,
+        c: Cell,
+        levels: &[Level],
+        need_s: u64,
+        need_m: u64,
+    ) -> Vec<(Cell, u64, u64)> {
         let mut found: Vec<(Cell, u64, u64)> = Vec::new();
         if c == ANY && levels.len() == 1 {
             for &d in &self.level_doms[levels[0].idx()] {
@@ -974,7 +784,7 @@ impl<'a> Planner<'a> {
         found
     }
 
-    fn cmp_cells(&self, a: &Cell, b: &Cell) -> Ordering {
+    pub(super) fn cmp_cells(&self, a: &Cell, b: &Cell) -> Ordering {
         let name = |d: &Option<u32>| d.map(|d| self.doms[d as usize].name.as_str());
         a.iter()
             .map(name)
@@ -984,7 +794,7 @@ impl<'a> Planner<'a> {
 
     /// First fit of `ms` (in order) into cell `c`, each on its best node by
     /// the spread key; all or nothing.
-    fn fit(&mut self, ms: &[u32], c: &Cell) -> bool {
+    pub(super) fn fit(&mut self, ms: &[u32], c: &Cell) -> bool {
         for (i, &m) in ms.iter().enumerate() {
             match self.best_node(m, c) {
                 Some(n) => self.put(m, n),
@@ -999,7 +809,7 @@ impl<'a> Planner<'a> {
         true
     }
 
-    fn best_node(&self, m: u32, c: &Cell) -> Option<u32> {
+    pub(super) fn best_node(&self, m: u32, c: &Cell) -> Option<u32> {
         let mi = &self.members[m as usize];
         let spread = self.svc_total[mi.svc as usize] > 0;
         // (host, rack, zone counts), free slots, node.
@@ -1040,184 +850,8 @@ impl<'a> Planner<'a> {
         }
         best.map(|b| b.2)
     }
-
-    fn dom_phrase(&self, d: u32) -> String {
-        let dm = &self.doms[d as usize];
-        format!("{} {}", dm.level, dm.name)
-    }
-
-    fn filter_desc(&self, f: &Filter) -> String {
-        let at = self.dom_phrase(f.dom);
-        match f.src {
-            Src::Scope(s) => format!("{} is packed in {at} (required)", self.scope_phrase[s]),
-            Src::Running => format!(
-                "its running members are in {at} (required {} packing)",
-                f.level
-            ),
-            Src::Gang => format!("the gang is packed in {at} (required)"),
-        }
-    }
-
-    fn conflict(&self, filters: &[Filter]) -> String {
-        let parts: Vec<String> = filters.iter().map(|f| self.filter_desc(f)).collect();
-        format!("{}, which share no schedulable node", parts.join(" and "))
-    }
-
-    fn inside<'s>(&'s self, c: &'s Cell) -> impl Iterator<Item = u32> + 's {
-        self.cell_nodes(c)
-            .iter()
-            .copied()
-            .filter(move |&n| self.in_cell(n, c))
-    }
-
-    fn free_sum(&self, nodes: impl Iterator<Item = u32>) -> (u64, u64) {
-        nodes.fold((0, 0), |(s, m), n| {
-            let node = &self.nodes[n as usize];
-            (
-                s.saturating_add(node.free_slots),
-                m.saturating_add(node.free_mem),
-            )
-        })
-    }
-
-    fn max_free(&self, nodes: impl Iterator<Item = u32>) -> (u64, u64) {
-        nodes.fold((0, 0), |(s, m), n| {
-            let node = &self.nodes[n as usize];
-            (s.max(node.free_slots), m.max(node.free_mem))
-        })
-    }
-
-    fn explain(&self, ms: &[u32], cons: &Cons) -> String {
-        if self.nodes.is_empty() {
-            return "no schedulable nodes".to_string();
-        }
-        let (need_s, need_m) = self.need(ms);
-        let (max_s, max_m) = self.max_free(self.all_nodes.iter().copied());
-        for &m in ms {
-            let mi = &self.members[m as usize];
-            let sel: Vec<String> = mi
-                .selector
-                .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect();
-            let labelled = |n: &u32| {
-                mi.selector
-                    .iter()
-                    .all(|l| self.nodes[*n as usize].labels.contains(l))
-            };
-            if !self.all_nodes.iter().any(labelled) {
-                return format!(
-                    "member {} needs a node labelled {}; no schedulable node has those labels",
-                    mi.key,
-                    sel.join(",")
-                );
-            }
-            if !self.all_nodes.iter().any(|&n| self.eligible(m, n)) {
-                let on = if sel.is_empty() {
-                    String::new()
-                } else {
-                    format!(" labelled {}", sel.join(","))
-                };
-                return format!(
-                    "member {} takes a node of its own (one per node), and every schedulable node{on} has one",
-                    mi.key
-                );
-            }
-            if !self.all_nodes.iter().any(|&n| self.fits(m, n)) {
-                return format!(
-                    "member {} needs {} slots and {} MiB; the most free on one schedulable node is {}",
-                    mi.key,
-                    mi.slots,
-                    mi.mem,
-                    most_free(max_s, max_m, mi.slots, mi.mem)
-                );
-            }
-        }
-        let (tot_s, tot_m) = self.free_sum(self.all_nodes.iter().copied());
-        if need_s > tot_s {
-            return format!("needs {need_s} slots in all; {tot_s} are free on schedulable nodes");
-        }
-        if need_m > tot_m {
-            return format!("needs {need_m} MiB in all; {tot_m} MiB are free on schedulable nodes");
-        }
-        let mut within = String::new();
-        if let Some(f) = cons.filters.first() {
-            let subject = self.filter_desc(f);
-            let inside: Vec<u32> = self.inside(&cons.base).collect();
-            let (fs, fm) = self.free_sum(inside.iter().copied());
-            if fs < need_s {
-                return format!("{subject}, which has {}; needs {need_s}", free_slots(fs));
-            }
-            if fm < need_m {
-                return format!("{subject}, which has {fm} MiB free; needs {need_m} MiB");
-            }
-            let (bs, bm) = self.max_free(inside.iter().copied());
-            for &m in ms {
-                let mi = &self.members[m as usize];
-                if !inside.iter().any(|&n| self.fits(m, n)) {
-                    return format!(
-                        "{subject}; member {} needs {} slots and {} MiB; the most free on one node there is {}",
-                        mi.key,
-                        mi.slots,
-                        mi.mem,
-                        most_free(bs, bm, mi.slots, mi.mem)
-                    );
-                }
-            }
-            within = format!(" within {}", self.dom_phrase(f.dom));
-        }
-        if let Some((gl, src)) = cons.group {
-            let cells = self.cells(cons.base, &cons.split, 0, 0);
-            let big_s = cells.iter().map(|c| c.1).max().unwrap_or(0);
-            let big_m = cells.iter().map(|c| c.2).max().unwrap_or(0);
-            let prefix = match src {
-                Src::Scope(s) => format!(
-                    "{} is packed in one {gl} (required): ",
-                    self.scope_phrase[s]
-                ),
-                _ => String::new(),
-            };
-            if big_s < need_s {
-                return format!("{prefix}needs {need_s} slots in one {gl}; the largest free {gl} has {big_s}{within}");
-            }
-            if big_m < need_m {
-                return format!(
-                    "{prefix}needs {need_m} MiB in one {gl}; the largest free {gl} has {big_m} MiB{within}"
-                );
-            }
-            return format!(
-                "{prefix}no single {gl}{within} fits all {} members ({need_s} slots, {need_m} MiB): its free slots are split over nodes too small for them",
-                ms.len()
-            );
-        }
-        format!(
-            "the {} members ({need_s} slots, {need_m} MiB) do not fit together on the free nodes{within}: the free slots are split over nodes too small for them",
-            ms.len()
-        )
-    }
 }
 
-fn bump(v: &mut u32, add: bool) {
+pub(super) fn bump(v: &mut u32, add: bool) {
     *v = if add { *v + 1 } else { v.saturating_sub(1) };
 }
-
-fn most_free(max_s: u64, max_m: u64, s: u64, m: u64) -> String {
-    match (max_s < s, max_m < m) {
-        (true, false) => format!("{max_s} slots"),
-        (false, true) => format!("{max_m} MiB"),
-        (true, true) => format!("{max_s} slots and {max_m} MiB"),
-        (false, false) => format!("{max_s} slots or {max_m} MiB, not both"),
-    }
-}
-
-fn free_slots(n: u64) -> String {
-    if n == 1 {
-        "1 free slot".to_string()
-    } else {
-        format!("{n} free slots")
-    }
-}
-
-#[cfg(test)]
-#[path = "placement_tests.rs"]
-mod tests;
