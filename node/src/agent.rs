@@ -88,8 +88,9 @@ pub struct AgentArgs {
 
 pub enum AgentMsg {
     /// The node's assignment as last read (None: none yet).
-    /// With the entry's revision: an older one than already seen is stale.
-    Assignment(Option<NodeAssignment>, u64),
+    /// The watch saw the assignment change: take the newest from its slot
+    /// (at most one of these is queued; changes coalesce).
+    AssignmentChanged,
     /// Periodic: read the assignment again, retry failed starts.
     Tick,
     /// A replica finished stopping.
@@ -119,6 +120,8 @@ pub struct AgentState {
     epoch: (u64, Instant),
     /// The revision of the assignment entry last taken.
     revision: u64,
+    /// The newest assignment the watch saw, not yet taken.
+    latest: Latest,
     /// The supervisor's live workers (id → generation) and frontend.
     live: (HashMap<WorkerId, u64>, bool),
     assignments: Option<async_nats::jetstream::kv::Store>,
@@ -193,9 +196,11 @@ impl Actor for NodeAgentActor {
             })
             .await
         });
+        let latest: Latest = Arc::new(Mutex::new(None));
         tasks.spawn(
             "assignment watch",
             watch_assignment(
+                latest.clone(),
                 args.bus.clone(),
                 args.config.node_id.0.clone(),
                 myself.clone(),
@@ -215,6 +220,7 @@ impl Actor for NodeAgentActor {
             changed,
             epoch: (0, Instant::now()),
             revision: 0,
+            latest,
             live: (HashMap::new(), false),
             assignments: None,
             tasks,
@@ -237,10 +243,13 @@ impl Actor for NodeAgentActor {
         st: &mut AgentState,
     ) -> Result<(), ActorProcessingErr> {
         match msg {
-            AgentMsg::Assignment(a, rev) => {
-                // A watch event queued before a fresher read is older: skipped.
-                if rev >= st.revision {
-                    st.assign(a, rev);
+            AgentMsg::AssignmentChanged => {
+                let latest = st.latest.lock().ok().and_then(|mut l| l.take());
+                // A watch event older than a fresher read is skipped.
+                if let Some((a, rev)) = latest {
+                    if rev >= st.revision {
+                        st.assign(a, rev);
+                    }
                 }
                 st.reconcile(&myself).await;
             }
@@ -650,7 +659,11 @@ async fn report_inventory(
 
 /// Watches the node's assignment key and hands every change to the agent.
 /// Returns (failing the agent, which is restarted) if the watch ends.
-async fn watch_assignment(bus: Bus, node: String, agent: ActorRef<AgentMsg>) {
+/// The newest assignment the watch saw (with its revision), for the agent
+/// to take.
+type Latest = Arc<Mutex<Option<(Option<NodeAssignment>, u64)>>>;
+
+async fn watch_assignment(latest: Latest, bus: Bus, node: String, agent: ActorRef<AgentMsg>) {
     let mut backoff = Backoff::new(
         Duration::from_millis(200),
         Duration::from_secs(5),
@@ -677,7 +690,11 @@ async fn watch_assignment(bus: Bus, node: String, agent: ActorRef<AgentMsg>) {
                     }
                     _ => None,
                 };
-                if agent.cast(AgentMsg::Assignment(a, e.revision)).is_err() {
+                let queued = match latest.lock() {
+                    Ok(mut l) => l.replace((a, e.revision)).is_some(),
+                    Err(_) => return Ok(()),
+                };
+                if !queued && agent.cast(AgentMsg::AssignmentChanged).is_err() {
                     return Ok(());
                 }
             }

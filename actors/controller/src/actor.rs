@@ -85,6 +85,8 @@ pub struct Controller {
     /// Whether this controller holds the lease.
     active: bool,
     tasks: dynamo_runtime::Tasks,
+    /// A `Changed` is in the mailbox (at most one is: changes coalesce).
+    change_queued: std::sync::Arc<std::sync::atomic::AtomicBool>,
     /// Node → (consecutive presence probes that found no responder, when
     /// the first of them was).
     absent_streak: BTreeMap<String, (u32, std::time::Instant)>,
@@ -108,17 +110,30 @@ async fn bounded<T, E: std::fmt::Display>(
 /// Every decodable entry of a bucket, by key; undecodable ones are logged,
 /// counted and skipped.
 pub async fn read_all<T: WireMessage>(store: &kv::Store) -> Result<BTreeMap<String, T>, String> {
-    let mut keys = bounded("keys", store.keys()).await?;
+    // The keys from the stream's subjects (a KV `keys()` consumer may not
+    // end while the bucket is being written). A partial read is an error,
+    // never a smaller world.
+    let mut subjects = bounded(
+        "keys",
+        store
+            .stream
+            .info_with_subjects(format!("{}>", store.prefix)),
+    )
+    .await?;
     let mut names = Vec::new();
-    // A partial read is an error, never a smaller world.
     loop {
-        match tokio::time::timeout(CALL, keys.next()).await {
-            Ok(Some(Ok(k))) => names.push(k),
+        match tokio::time::timeout(CALL, subjects.next()).await {
+            Ok(Some(Ok((subject, _)))) => {
+                if let Some(k) = subject.strip_prefix(store.prefix.as_str()) {
+                    names.push(k.to_string());
+                }
+            }
             Ok(Some(Err(e))) => return Err(format!("keys: {e}")),
             Ok(None) => break,
             Err(_) => return Err("keys: timed out".into()),
         }
     }
+    names.sort();
     let mut out = BTreeMap::new();
     for k in names {
         if let Some(v) = bounded("get", store.get(k.clone())).await? {
@@ -154,9 +169,10 @@ impl Actor for ControllerActor {
             tracing::error!(%why, "controller task ended");
             me.stop(Some(why));
         }));
+        let change_queued = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         tasks.spawn(
             "desired-state watch",
-            watch_desired(args.bus.clone(), myself.clone()),
+            watch_desired(args.bus.clone(), myself.clone(), change_queued.clone()),
         );
         Ok(Controller {
             state: ControllerState::new(args.config.node_id.clone(), args.config.node_ttl),
@@ -165,6 +181,7 @@ impl Actor for ControllerActor {
             buckets: None,
             active: false,
             tasks,
+            change_queued,
             absent_streak: BTreeMap::new(),
         })
     }
@@ -183,6 +200,8 @@ impl Actor for ControllerActor {
                 myself.send_after(st.cfg.tick, || ControllerMsg::Tick);
             }
             ControllerMsg::Changed => {
+                st.change_queued
+                    .store(false, std::sync::atomic::Ordering::SeqCst);
                 // Only the active controller acts, and only with the lease
                 // renewed just before (a deposed one writes nothing).
                 if st.active {
@@ -500,7 +519,11 @@ impl Controller {
 /// Watches the deployments bucket and wakes the controller on every
 /// change, so `apply`, `scale` and `delete` act without waiting for a tick.
 /// A watch that breaks is opened again (ticks reconcile meanwhile).
-async fn watch_desired(bus: Bus, controller: ActorRef<ControllerMsg>) {
+async fn watch_desired(
+    bus: Bus,
+    controller: ActorRef<ControllerMsg>,
+    queued: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) {
     loop {
         let watched = async {
             let kv = bus
@@ -510,7 +533,10 @@ async fn watch_desired(bus: Bus, controller: ActorRef<ControllerMsg>) {
             let mut w = kv.watch_all().await.map_err(|e| e.to_string())?;
             while let Some(e) = w.next().await {
                 e.map_err(|e| e.to_string())?;
-                if controller.cast(ControllerMsg::Changed).is_err() {
+                // One wake-up covers every change before it is handled.
+                if !queued.swap(true, std::sync::atomic::Ordering::SeqCst)
+                    && controller.cast(ControllerMsg::Changed).is_err()
+                {
                     return Ok(());
                 }
             }
