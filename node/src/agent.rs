@@ -348,6 +348,20 @@ impl AgentState {
         ))
     }
 
+    /// Records a replica as running here (started or adopted).
+    fn runs(&mut self, replica: AssignedReplica, runs: Runs, generation: u64) {
+        self.failed.remove(&replica.key);
+        self.running.insert(
+            replica.key.clone(),
+            Running {
+                replica,
+                runs,
+                generation,
+                stopping: false,
+            },
+        );
+    }
+
     async fn reconcile(&mut self, myself: &ActorRef<AgentMsg>) {
         if let Ok(ractor::rpc::CallResult::Success(l)) = self
             .sup
@@ -376,16 +390,7 @@ impl AgentState {
             };
             if let Some((runs, generation)) = adopted {
                 tracing::info!(replica = r.key, "replica already running: adopted");
-                self.failed.remove(&r.key);
-                self.running.insert(
-                    r.key.clone(),
-                    Running {
-                        replica: r,
-                        runs,
-                        generation,
-                        stopping: false,
-                    },
-                );
+                self.runs(r, runs, generation);
                 continue;
             }
             if let Some((_, at, _)) = self.failed.get(&r.key) {
@@ -402,16 +407,7 @@ impl AgentState {
                             self.live.0.insert(*id, generation);
                         }
                     }
-                    self.failed.remove(&r.key);
-                    self.running.insert(
-                        r.key.clone(),
-                        Running {
-                            replica: r,
-                            runs,
-                            generation,
-                            stopping: false,
-                        },
-                    );
+                    self.runs(r, runs, generation);
                 }
                 Err(e) => {
                     tracing::error!(replica = r.key, error = %e, "replica failed to start");

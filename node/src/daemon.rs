@@ -104,33 +104,33 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
 
     // The node's record is refreshed by a task of its own, so a slow or
     // absent bus never delays the reaction to a signal.
-    // Owned here: if it ever ends (a panic), it is started again.
-    let beat = |r: &NodeRegistrar| {
-        let (r, reg, sup) = (r.clone(), reg.clone(), sup.clone());
-        tokio::spawn(async move {
-            if joined {
-                futures::future::pending::<()>().await
-            } else {
-                r.run(reg, sup).await
-            }
-        })
-    };
-    let mut heartbeat = beat(&registrar);
+    // Owned here: if it ever ends (a panic), it is started again. A joined
+    // node has none: its agent writes its record.
+    let mut heartbeat =
+        (!joined).then(|| tokio::spawn(registrar.clone().run(reg.clone(), sup.clone())));
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut sup_handle = sup_handle;
     let died = loop {
+        let beat_ended = async {
+            match heartbeat.as_mut() {
+                Some(h) => h.await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             _ = term.recv() => break false,
             _ = int.recv() => break false,
             _ = &mut sup_handle => break true,
-            r = &mut heartbeat => {
+            r = beat_ended => {
                 tracing::error!(error = ?r.err(), "the node's registration task ended; starting it again");
-                heartbeat = beat(&registrar);
+                heartbeat = Some(tokio::spawn(registrar.clone().run(reg.clone(), sup.clone())));
             }
         }
     };
-    heartbeat.abort();
+    if let Some(h) = &heartbeat {
+        h.abort();
+    }
     if died {
         anyhow::bail!("node supervisor stopped unexpectedly");
     }

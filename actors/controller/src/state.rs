@@ -186,19 +186,22 @@ impl ControllerState {
         let mut waiting: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for d in &w.deployments {
             let spec = &d.spec;
+            // Each replica once: (service, its member key).
+            let keyed: Vec<(String, String)> = spec
+                .replicas()
+                .into_iter()
+                .map(|r| (r.service, format!("{}/{}", spec.name, r.key)))
+                .collect();
             let ready_of = |svc: &str| {
-                let prefix = format!("{}/", spec.name);
-                spec.replicas()
+                keyed
                     .iter()
-                    .filter(|r| r.service == svc)
-                    .filter(|r| ready.contains(&format!("{prefix}{}", r.key)))
+                    .filter(|(s, k)| s == svc && ready.contains(k))
                     .count() as u32
             };
             let running = |svc: &str| {
-                spec.replicas()
+                keyed
                     .iter()
-                    .filter(|r| r.service == svc)
-                    .any(|r| current.contains_key(&format!("{}/{}", spec.name, r.key)))
+                    .any(|(s, k)| s == svc && current.contains_key(k))
             };
             let mut blocked: BTreeMap<String, String> = BTreeMap::new();
             for s in &spec.services {
@@ -391,13 +394,10 @@ impl ControllerState {
         let mut statuses = Vec::new();
         for d in &w.deployments {
             let spec = &d.spec;
+            let all = spec.replicas();
             let mut services = Vec::new();
             for s in &spec.services {
-                let reps: Vec<_> = spec
-                    .replicas()
-                    .into_iter()
-                    .filter(|r| r.service == s.name)
-                    .collect();
+                let reps: Vec<_> = all.iter().filter(|r| r.service == s.name).collect();
                 let mut st = ServiceStatus {
                     name: s.name.clone(),
                     role: s.role.as_str().into(),
