@@ -26,11 +26,30 @@ pub fn assert_success(out: &std::process::Output) {
     );
 }
 
+/// A port nothing listens on, for a server a test is about to start.
+///
+/// Ports come from below the kernel's ephemeral range (32768+ here), so an
+/// outgoing connection cannot take one between this call and the server's
+/// bind, and each is handed out once per test process (tests run in
+/// parallel threads). The start differs per process.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const LO: u32 = 12_000;
+    const SPAN: u32 = 20_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        (std::process::id().wrapping_mul(7_919)) % SPAN,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+    for _ in 0..SPAN {
+        let port = (LO + NEXT.fetch_add(1, Ordering::SeqCst) % SPAN) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {LO}..{}", LO + SPAN)
 }
 
 /// Path of a workspace binary next to the test executable.
@@ -56,9 +75,13 @@ pub struct Nats {
 
 impl Nats {
     pub fn start() -> Self {
-        let port = free_port();
         let dir = tempfile::tempdir().expect("tempdir");
-        let child = Self::spawn(port, dir.path());
+        let (port, child) = (0..5)
+            .find_map(|_| {
+                let port = free_port();
+                Self::try_spawn(port, dir.path()).map(|c| (port, c))
+            })
+            .expect("nats-server did not start on any of 5 ports");
         Nats {
             child,
             port,
@@ -68,7 +91,15 @@ impl Nats {
     }
 
     fn spawn(port: u16, dir: &std::path::Path) -> Child {
-        let child = Command::new("nats-server")
+        Self::try_spawn(port, dir).unwrap_or_else(|| panic!("nats-server did not start on {port}"))
+    }
+
+    /// Starts `nats-server` and waits until *it* answers on `port` (its
+    /// process alive and the port speaking NATS), so a port another process
+    /// took is never mistaken for ours. None: it exited or never answered.
+    fn try_spawn(port: u16, dir: &std::path::Path) -> Option<Child> {
+        use std::io::Read;
+        let mut child = Command::new("nats-server")
             .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
             .arg(dir)
             .stdout(Stdio::null())
@@ -76,14 +107,27 @@ impl Nats {
             .spawn()
             .expect("nats-server installed (make deps)");
         let t0 = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "nats-server did not start"
-            );
+        loop {
+            if !matches!(child.try_wait(), Ok(None)) {
+                return None;
+            }
+            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                let mut head = [0u8; 4];
+                if s.read_exact(&mut head).is_ok()
+                    && &head == b"INFO"
+                    && matches!(child.try_wait(), Ok(None))
+                {
+                    return Some(child);
+                }
+            }
+            if t0.elapsed() > Duration::from_secs(10) {
+                let _ = child.kill();
+                let _ = child.wait();
+                return None;
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
-        child
     }
 
     /// Stops the server (clients see the connection drop).
@@ -225,6 +269,18 @@ impl Drop for Node {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+        }
+        // A failed test shows what its nodes said (the tail of each log).
+        if std::thread::panicking() {
+            let text = self.log_text();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(60)..];
+            eprintln!(
+                "---- {} (last {} lines) ----\n{}",
+                self.log.display(),
+                tail.len(),
+                tail.join("\n")
+            );
         }
     }
 }

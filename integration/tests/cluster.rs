@@ -44,12 +44,18 @@ struct Cluster {
     nodes: BTreeMap<String, Node>,
     ports: BTreeMap<String, u16>,
     _dir: tempfile::TempDir,
+    /// One cluster at a time in this binary: each is several processes,
+    /// and leases and probes are timed (2 cores run the suite).
+    _serial: std::sync::MutexGuard<'static, ()>,
 }
+
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 impl Cluster {
     /// `hosts` nodes named n1…, `per_rack` per rack, `slots` slots each;
     /// the first `controllers` also run a placement controller.
     fn start(hosts: usize, controllers: usize, slots: u32, per_rack: usize) -> Cluster {
+        let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
         let nats = Nats::start();
         let mut nodes = BTreeMap::new();
         let mut ports = BTreeMap::new();
@@ -92,7 +98,9 @@ impl Cluster {
             }
             assert!(
                 t0.elapsed() < Duration::from_secs(30),
-                "{joined}/{hosts} nodes joined"
+                "{joined}/{hosts} nodes joined; dynamoctl status: {} {}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
             );
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -101,6 +109,7 @@ impl Cluster {
             nodes,
             ports,
             _dir: tempfile::tempdir().expect("tempdir"),
+            _serial: serial,
         }
     }
 
