@@ -23,6 +23,7 @@ pub mod cluster;
 pub mod codec;
 pub mod ids;
 pub mod messages;
+pub mod planner;
 pub mod subjects;
 
 pub use cluster::*;
@@ -32,4 +33,5 @@ pub use codec::{
 };
 pub use ids::*;
 pub use messages::*;
+pub use planner::*;
 pub use subjects::{Namespace, NamespaceError, Subjects};

@@ -143,6 +143,24 @@ impl Subjects {
     pub fn controller_bucket(&self) -> String {
         format!("dynamo_{}_controller", self.ns.0)
     }
+    /// Gateways publish [`crate::FrontendMetrics`] here, once per interval.
+    pub fn frontend_metrics(&self) -> String {
+        format!("{}.metrics.frontend", self.base())
+    }
+    /// Workers publish [`crate::WorkerMetrics`] here, once per interval.
+    pub fn worker_metrics(&self) -> String {
+        format!("{}.metrics.worker", self.base())
+    }
+    /// JetStream KV bucket of the planners: `lease.<deployment>`
+    /// ([`crate::ControllerLease`]) and `status.<deployment>`
+    /// ([`crate::PlannerStatus`]).
+    pub fn planner_bucket(&self) -> String {
+        format!("dynamo_{}_planner", self.ns.0)
+    }
+    /// JetStream KV bucket of [`crate::PlannerPin`]s keyed `<deployment>.<target>`.
+    pub fn pins_bucket(&self) -> String {
+        format!("dynamo_{}_pins", self.ns.0)
+    }
     /// JetStream KV bucket holding [`crate::DeploymentStatus`]es keyed by deployment.
     pub fn deploy_status_bucket(&self) -> String {
         format!("dynamo_{}_deploy_status", self.ns.0)

@@ -484,6 +484,86 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                 updated_unix_ms: 7,
             })),
         ),
+        (
+            "FrontendMetrics",
+            enc(encode(&FrontendMetrics {
+                gateway: "n1:8000".into(),
+                model: ModelName("m".into()),
+                unix_ms: 8,
+                interval_ms: 1000,
+                arrivals: 3,
+                finished: 2,
+                failed: 1,
+                isl_sum: 300,
+                osl_sum: 40,
+                ttft: vec![0, 1, 2],
+                itl: vec![3],
+                queue_ms_sum: 9,
+                queued_now: 1,
+                held_now: 0,
+                inflight_now: 2,
+            })),
+        ),
+        (
+            "WorkerMetrics",
+            enc(encode(&WorkerMetrics {
+                worker_id: WorkerId(5),
+                generation: 2,
+                role: WorkerRole::Decode,
+                model: ModelName("m".into()),
+                unix_ms: 9,
+                interval_ms: 1000,
+                active_seqs: 4,
+                waiting_seqs: 1,
+                kv_used_blocks: 10,
+                kv_total_blocks: 100,
+                queued_prefill_tokens: 64,
+                first_tokens: 2,
+                ttft_us_sum: 5000,
+                prompt_tokens: 128,
+                token_gaps: 30,
+                itl_us_sum: 60000,
+            })),
+        ),
+        (
+            "PlannerStatus",
+            enc(encode(&PlannerStatus {
+                deployment: "d".into(),
+                holder: NodeId("n1".into()),
+                epoch: 2,
+                policy: "sla".into(),
+                updated_unix_ms: 10,
+                targets: vec![PlannerTarget {
+                    name: "decode".into(),
+                    desired: 2,
+                    ready: 1,
+                    recommended: 3,
+                    pinned: false,
+                    reason: "r".into(),
+                    numbers: vec![("rate".into(), 1.5)],
+                }],
+                decisions: vec![PlannerDecision {
+                    seq: 1,
+                    unix_ms: 11,
+                    target: "decode".into(),
+                    from: 2,
+                    to: 3,
+                    rule: "sla".into(),
+                    reason: "r".into(),
+                    applied: true,
+                }],
+                memory_json: "{}".into(),
+            })),
+        ),
+        (
+            "PlannerPin",
+            enc(encode(&PlannerPin {
+                deployment: "d".into(),
+                target: "decode".into(),
+                replicas: 2,
+                unix_ms: 12,
+            })),
+        ),
     ]
 }
 
@@ -635,6 +715,10 @@ fn decode_all(bytes: &[u8]) {
         ControllerLease,
         DeploymentStatus,
         PresenceProbe,
+        FrontendMetrics,
+        WorkerMetrics,
+        PlannerStatus,
+        PlannerPin,
     );
     if let Ok(piece) = decode::<ChunkedReply>(bytes) {
         let mut a = dynamo_bus_schema::chunk::Assembler::default();
@@ -645,7 +729,7 @@ fn decode_all(bytes: &[u8]) {
 proptest! {
     #![proptest_config(ProptestConfig { cases: fuzz_cases(2000), rng_seed: proptest::test_runner::RngSeed::Fixed(7), ..ProptestConfig::default() })]
     #[test]
-    fn random_bytes_never_panic(mut bytes in proptest::collection::vec(any::<u8>(), 0..256), kind in 0u16..110) {
+    fn random_bytes_never_panic(mut bytes in proptest::collection::vec(any::<u8>(), 0..256), kind in 0u16..120) {
         if bytes.len() >= 4 { bytes[0] = 0xD7; bytes[1] = 1; bytes[2..4].copy_from_slice(&kind.to_le_bytes()); }
         decode_all(&bytes);
     }

@@ -32,6 +32,7 @@
 //! `services.<name>.worker.<field>`.
 
 use crate::placement::{Gang, Level, Member, Pack, Scope};
+use crate::planner_spec::{PlannerSpec, RawPlanner};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use thiserror::Error;
@@ -149,6 +150,8 @@ pub struct DeploymentSpec {
     pub services: Vec<ServiceSpec>,
     /// Sorted by name.
     pub groups: Vec<GroupSpec>,
+    /// What the planner scales, and the SLA it keeps (None: no planner).
+    pub planner: Option<PlannerSpec>,
 }
 
 // ---- the file's shape ----
@@ -209,6 +212,8 @@ pub struct RawSpec {
     pub services: BTreeMap<String, RawService>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub groups: BTreeMap<String, RawGroup>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planner: Option<RawPlanner>,
 }
 
 /// Checks a name is a DNS label of at most [`MAX_NAME`] characters.
@@ -518,9 +523,79 @@ impl DeploymentSpec {
             pack: dep_pack,
             services,
             groups,
+            planner: raw.planner.map(PlannerSpec::validate).transpose()?,
         };
         spec.check_start_order()?;
+        spec.check_planner_targets()?;
         Ok(spec)
+    }
+
+    /// Each planner target is a group, or a worker service outside any group.
+    fn check_planner_targets(&self) -> Result<(), SpecError> {
+        let Some(p) = &self.planner else {
+            return Ok(());
+        };
+        for name in p.targets.keys() {
+            let f = format!("planner.services.{name}");
+            if self.group(name).is_some() {
+                continue;
+            }
+            match self.service(name) {
+                None => {
+                    return Err(invalid(
+                        f,
+                        format!("no service or group {name:?} in this deployment"),
+                    ))
+                }
+                Some(s) if !s.role.is_worker() => {
+                    return Err(invalid(f, "the planner scales worker services and groups"))
+                }
+                Some(s) => {
+                    if let Some(g) = &s.group {
+                        return Err(invalid(
+                            f,
+                            format!("{name} is in group {g}: name the group, which scales its members together"),
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some(budget) = p.slot_budget {
+            let floor: u64 = p
+                .targets
+                .iter()
+                .map(|(n, l)| l.min as u64 * self.target_slots(n).unwrap_or(0) as u64)
+                .sum();
+            if floor > budget as u64 {
+                return Err(invalid(
+                    "planner.slot_budget",
+                    format!("{budget} is less than the {floor} slots the targets' minimums hold"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Slots one replica of a target holds: a service's, or a group's
+    /// members' together (None: no such target).
+    pub fn target_slots(&self, target: &str) -> Option<u32> {
+        if let Some(g) = self.group(target) {
+            return Some(
+                g.services
+                    .iter()
+                    .filter_map(|m| self.service(m))
+                    .map(|m| m.resources.slots.saturating_mul(m.replicas))
+                    .fold(0u32, |a, b| a.saturating_add(b)),
+            );
+        }
+        self.service(target).map(|s| s.resources.slots)
+    }
+
+    /// Replicas a target has now (a service's, or a group's).
+    pub fn target_replicas(&self, target: &str) -> Option<u32> {
+        self.group(target)
+            .map(|g| g.replicas)
+            .or_else(|| self.service(target).map(|s| s.replicas))
     }
 
     /// Rejects a cycle in `starts_after`, naming a service on it.
@@ -766,6 +841,7 @@ impl DeploymentSpec {
                     )
                 })
                 .collect(),
+            planner: self.planner.as_ref().map(|p| p.to_raw()),
         }
     }
 
@@ -849,6 +925,28 @@ services:
         // The round trip keeps the meaning.
         let again = DeploymentSpec::parse(&s.to_yaml().unwrap()).unwrap();
         assert_eq!(again, s);
+    }
+
+    #[test]
+    fn a_planner_section_names_its_targets_and_fits_its_budget() {
+        let with = |p: &str| format!("{DISAGG}planner:\n{p}");
+        let s = DeploymentSpec::parse(&with(
+            "  slot_budget: 6\n  services: {prefill: {min: 1, max: 4}, decode: {min: 1, max: 4}}\n",
+        ))
+        .unwrap();
+        let p = s.planner.as_ref().unwrap();
+        assert_eq!(p.targets.len(), 2);
+        assert_eq!(s.target_slots("prefill"), Some(1));
+        let again = DeploymentSpec::parse(&s.to_yaml().unwrap()).unwrap();
+        assert_eq!(again, s);
+        assert!(
+            err(&with("  services: {frontend: {max: 2}}\n")).contains("planner.services.frontend")
+        );
+        assert!(err(&with("  services: {nope: {max: 2}}\n")).contains("planner.services.nope"));
+        assert!(err(&with(
+            "  slot_budget: 1\n  services: {prefill: {min: 1, max: 4}, decode: {min: 1, max: 4}}\n"
+        ))
+        .contains("planner.slot_budget"));
     }
 
     #[test]

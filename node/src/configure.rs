@@ -175,6 +175,7 @@ fn deployment_spec(
         topology: None,
         services,
         groups: Default::default(),
+        planner: None,
     })?;
     crate::config::check_spec_settings(&spec)?;
     Ok(spec)
