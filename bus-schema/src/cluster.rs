@@ -26,6 +26,16 @@ macro_rules! wire {
     };
 }
 
+/// The worker id of a replica (`<deployment>/<replica>` key) on a node:
+/// stable, so the same replica on the same node is the same worker, and
+/// anyone reading the assignments can tell which worker runs what.
+pub fn replica_worker_id(namespace: &str, key: &str, node: &NodeId) -> crate::ids::WorkerId {
+    crate::ids::WorkerId(crate::blocks::hash_salt(
+        &format!("{namespace}/{key}/{node}"),
+        None,
+    ))
+}
+
 /// Desired state of one deployment (deployments bucket, key = its name):
 /// the checked spec as YAML, scale changes included.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

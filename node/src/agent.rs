@@ -17,7 +17,6 @@
 
 use crate::config::{frontend_from_spec, worker_from_spec, JoinConfig, NodeConfig};
 use crate::supervisor::{GroupModel, SupervisorMsg};
-use dynamo_bus_schema::blocks::hash_salt;
 use dynamo_bus_schema::{
     decode, encode, unix_ms, AssignedReplica, NodeAssignment, NodeInventory, NodeRegistration,
     RunningReplica, WorkerId,
@@ -337,15 +336,7 @@ impl AgentState {
     /// The worker id of a replica on this node (stable: the same key on
     /// the same node is the same worker).
     fn worker_id(&self, key: &str) -> WorkerId {
-        WorkerId(hash_salt(
-            &format!(
-                "{}/{}/{}",
-                self.cfg.namespace.as_str(),
-                key,
-                self.cfg.node_id
-            ),
-            None,
-        ))
+        dynamo_bus_schema::replica_worker_id(self.cfg.namespace.as_str(), key, &self.cfg.node_id)
     }
 
     /// Records a replica as running here (started or adopted).
@@ -403,9 +394,11 @@ impl AgentState {
                     tracing::info!(replica = r.key, "replica started");
                     match &runs {
                         Runs::Frontend => self.live.1 = true,
-                        Runs::Worker(id) => {
+                        // Generation 0: still loading (not live yet).
+                        Runs::Worker(id) if generation > 0 => {
                             self.live.0.insert(*id, generation);
                         }
+                        Runs::Worker(_) => {}
                     }
                     self.runs(r, runs, generation);
                 }

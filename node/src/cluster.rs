@@ -9,7 +9,7 @@
 
 use crate::config::check_spec_settings;
 use dynamo_bus_schema::{
-    decode, encode, unix_ms, DeploymentRecord, DeploymentStatus, Namespace, Subjects,
+    encode, unix_ms, DeploymentRecord, DeploymentStatus, Namespace, PlannerPin, Subjects,
 };
 use dynamo_cluster_config::spec::DeploymentSpec;
 use dynamo_runtime::Bus;
@@ -31,6 +31,7 @@ pub fn load_spec(path: &Path) -> anyhow::Result<DeploymentSpec> {
 struct Store {
     deployments: async_nats::jetstream::kv::Store,
     status: async_nats::jetstream::kv::Store,
+    pins: async_nats::jetstream::kv::Store,
 }
 
 async fn open(url: &str, ns: Namespace) -> anyhow::Result<Store> {
@@ -39,46 +40,11 @@ async fn open(url: &str, ns: Namespace) -> anyhow::Result<Store> {
     Ok(Store {
         deployments: bus.kv_bucket_durable(&s.deployments_bucket()).await?,
         status: bus.kv_bucket_durable(&s.deploy_status_bucket()).await?,
+        pins: bus.kv_bucket_durable(&s.pins_bucket()).await?,
     })
 }
 
-async fn record(
-    kv: &async_nats::jetstream::kv::Store,
-    name: &str,
-) -> anyhow::Result<Option<(DeploymentRecord, u64)>> {
-    match kv.entry(name).await? {
-        Some(e) if e.operation == async_nats::jetstream::kv::Operation::Put => {
-            Ok(Some((decode::<DeploymentRecord>(&e.value)?, e.revision)))
-        }
-        _ => Ok(None),
-    }
-}
-
-/// Writes `spec` as deployment `name`'s new generation, by compare-and-set.
-async fn write(
-    kv: &async_nats::jetstream::kv::Store,
-    spec: &DeploymentSpec,
-    prev: Option<(DeploymentRecord, u64)>,
-) -> anyhow::Result<u64> {
-    // A new deployment starts at the clock (in ms), so one applied again
-    // after a delete never reuses a generation an old status still names.
-    let generation = prev
-        .as_ref()
-        .map(|(r, _)| r.generation + 1)
-        .unwrap_or_else(unix_ms);
-    let rec = DeploymentRecord {
-        name: spec.name.clone(),
-        spec_yaml: spec.to_yaml()?,
-        generation,
-        updated_unix_ms: unix_ms(),
-    };
-    let bytes: bytes::Bytes = encode(&rec)?.into();
-    match prev {
-        Some((_, rev)) => kv.update(&spec.name, bytes, rev).await.map(|_| ())?,
-        None => kv.create(&spec.name, bytes).await.map(|_| ())?,
-    }
-    Ok(generation)
-}
+use dynamo_controller::desired::{record, write};
 
 /// `apply -f SPEC`: stores the checked spec as the deployment's desired state.
 pub async fn apply(url: &str, ns: Namespace, path: &Path) -> anyhow::Result<Value> {
@@ -149,19 +115,24 @@ pub async fn scale(url: &str, ns: Namespace, target: &str, replicas: u32) -> any
             }
         }
     };
-    for _ in 0..5 {
-        let Some((rec, rev)) = record(&store.deployments, &name).await? else {
-            anyhow::bail!("no deployment {name:?} (see dynamoctl get deployments)");
-        };
-        let mut spec = DeploymentSpec::parse(&rec.spec_yaml)?;
-        spec.scale(&service, replicas)?;
-        if let Ok(generation) = write(&store.deployments, &spec, Some((rec, rev))).await {
-            return Ok(
-                json!({"deployment": name, "target": service, "replicas": replicas, "generation": generation}),
-            );
-        }
-    }
-    anyhow::bail!("deployment {name} kept changing under us; try again")
+    let (generation, changed) =
+        dynamo_controller::desired::scale(&store.deployments, &name, &service, replicas).await?;
+    // A manual scale pins the target: the planner leaves it alone until
+    // `dynamoctl planner release`.
+    let pin = PlannerPin {
+        deployment: name.clone(),
+        target: service.clone(),
+        replicas,
+        unix_ms: unix_ms(),
+    };
+    let pinned = store
+        .pins
+        .put(format!("{name}.{service}"), encode(&pin)?.into())
+        .await
+        .is_ok();
+    Ok(
+        json!({"deployment": name, "target": service, "replicas": replicas, "generation": generation, "changed": changed, "pinned": pinned}),
+    )
 }
 
 /// `delete deployment NAME`: its replicas drain and stop.

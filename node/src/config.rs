@@ -87,6 +87,13 @@ pub struct RawGateway {
     pub blocking_preprocess_bytes: Option<usize>,
     /// Threads of the blocking preprocessing pool.
     pub preprocess_threads: Option<usize>,
+    /// A request for a model no worker serves waits this long for one
+    /// (after a scale to zero); 0 = answer 503 at once.
+    pub hold_for_workers_ms: Option<u64>,
+    /// Most requests held that way at once.
+    pub max_held_requests: Option<u32>,
+    /// Period of the traffic summaries published for the planner.
+    pub metrics_interval_ms: Option<u64>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -258,6 +265,8 @@ pub struct NodeConfig {
     pub shutdown_grace: Duration,
     /// Run a placement controller (the controller role).
     pub controller: Option<dynamo_controller::ControllerConfig>,
+    /// Run the deployments' planners (the controller and planner roles).
+    pub planner: Option<dynamo_planner_actor::PlannerConfig>,
     /// Joined to a cluster: what the node offers; its actors come from the
     /// controller's assignment, not from this config.
     pub join: Option<JoinConfig>,
@@ -313,6 +322,7 @@ impl NodeConfig {
         nats_url: &str,
         join: JoinConfig,
         controller: bool,
+        planner: bool,
     ) -> Result<Self, ConfigError> {
         if node_id.is_empty()
             || node_id.len() > 64
@@ -346,6 +356,8 @@ impl NodeConfig {
         Ok(NodeConfig {
             controller: controller
                 .then(|| dynamo_controller::ControllerConfig::new(node_id.clone())),
+            planner: (controller || planner)
+                .then(|| dynamo_planner_actor::PlannerConfig::new(node_id.clone())),
             node_id,
             namespace,
             nats,
@@ -429,7 +441,24 @@ impl NodeConfig {
                         .blocking_preprocess_bytes
                         .unwrap_or(d.blocking_preprocess_bytes),
                     preprocess_threads: g.preprocess_threads.unwrap_or(d.preprocess_threads),
+                    hold_for_workers: ms(g.hold_for_workers_ms, d.hold_for_workers),
+                    max_held: g.max_held_requests.unwrap_or(d.max_held),
+                    metrics_interval: ms(g.metrics_interval_ms, d.metrics_interval),
                 };
+                if cfg.hold_for_workers > cfg.request_timeout {
+                    return Err(invalid(
+                        "gateway.hold_for_workers_ms",
+                        "must not exceed gateway.request_timeout_ms",
+                    ));
+                }
+                if cfg.max_held > 65_536 {
+                    return Err(invalid("gateway.max_held_requests", "must be 0-65536"));
+                }
+                if cfg.metrics_interval < Duration::from_millis(100)
+                    || cfg.metrics_interval > Duration::from_secs(60)
+                {
+                    return Err(invalid("gateway.metrics_interval_ms", "must be 100-60000"));
+                }
                 if cfg.admission.max_inflight == 0 {
                     return Err(invalid(
                         "gateway.max_inflight_requests",
@@ -684,6 +713,7 @@ impl NodeConfig {
             fault_injection: s.fault_injection,
             shutdown_grace: ms(s.shutdown_grace_ms, Duration::from_secs(30)),
             controller: None,
+            planner: None,
             join: None,
         })
     }

@@ -22,6 +22,8 @@ pub mod daemon;
 pub mod drain;
 pub mod embedded_nats;
 pub mod env;
+pub mod planner_cli;
 pub mod replay;
+pub mod seed;
 pub mod status;
 pub mod supervisor;

@@ -34,6 +34,8 @@ pub enum ChildKind {
     Gateway,
     /// The placement controller (nodes with the controller role).
     Controller,
+    /// The deployments' planners (nodes with the controller or planner role).
+    Planner,
     /// A joined node's agent (assignment → actors, inventory).
     Agent,
     Worker {
@@ -49,6 +51,7 @@ impl ChildKind {
             ChildKind::Router => "router".into(),
             ChildKind::Gateway => "gateway".into(),
             ChildKind::Controller => "controller".into(),
+            ChildKind::Planner => "planner".into(),
             ChildKind::Agent => "agent".into(),
             ChildKind::Worker { group, slot, .. } => format!("worker-{group}-{slot}"),
         }
@@ -114,6 +117,12 @@ pub enum SupervisorMsg {
     },
     /// The workers running now (id → generation) and whether a frontend runs.
     Live(RpcReplyPort<(HashMap<WorkerId, u64>, bool)>),
+    /// A worker whose (simulated) cold start is over: spawn it, unless it
+    /// was removed or started again since (`token` tells).
+    SpawnLater {
+        kind: ChildKind,
+        token: u64,
+    },
 }
 
 pub struct NodeSupervisor;
@@ -133,6 +142,9 @@ pub struct SupervisorState {
     retired: std::collections::HashSet<ActorId>,
     /// Workers retired while a restart of theirs was pending: not restarted.
     retired_workers: std::collections::HashSet<WorkerId>,
+    /// Workers in a simulated cold start: the token of their pending spawn.
+    pending_spawn: HashMap<WorkerId, u64>,
+    spawn_seq: u64,
     router: Option<ActorCell>,
 }
 
@@ -163,6 +175,8 @@ impl Actor for NodeSupervisor {
             tasks,
             retired: Default::default(),
             retired_workers: Default::default(),
+            pending_spawn: HashMap::new(),
+            spawn_seq: 0,
             router: None,
         };
         if st.cfg.fault_injection {
@@ -188,6 +202,9 @@ impl Actor for NodeSupervisor {
         }
         if st.cfg.controller.is_some() {
             kinds.push(ChildKind::Controller);
+        }
+        if st.cfg.planner.is_some() {
+            kinds.push(ChildKind::Planner);
         }
         if st.cfg.join.is_some() {
             kinds.push(ChildKind::Agent);
@@ -289,11 +306,40 @@ impl Actor for NodeSupervisor {
                     slot: 0,
                     worker_id,
                 };
+                // A mocker's simulated cold start (model loading): the
+                // worker comes up, and registers, that much later. The
+                // reply's generation 0 says it is not live yet.
+                let startup = match &st.cfg.workers[g].engine {
+                    EngineSpec::Mocker(m) => Duration::from_millis(m.startup_ms),
+                    _ => Duration::ZERO,
+                };
+                if !startup.is_zero() {
+                    st.spawn_seq += 1;
+                    let token = st.spawn_seq;
+                    st.pending_spawn.insert(worker_id, token);
+                    tracing::info!(worker = %worker_id, ms = startup.as_millis() as u64, "worker loading (simulated cold start)");
+                    myself.send_after(startup, move || SupervisorMsg::SpawnLater { kind, token });
+                    let _ = reply.send(Ok(0));
+                    return Ok(());
+                }
                 let res = match st.spawn_child(kind, myself.get_cell()).await {
                     Ok(()) => Ok(st.generations.get(&worker_id).copied().unwrap_or(0)),
                     Err(e) => Err(e.to_string()),
                 };
                 let _ = reply.send(res);
+            }
+            SupervisorMsg::SpawnLater { kind, token } => {
+                let ChildKind::Worker { worker_id, .. } = &kind else {
+                    return Ok(());
+                };
+                if st.shutting_down || st.pending_spawn.get(worker_id) != Some(&token) {
+                    return Ok(());
+                }
+                st.pending_spawn.remove(worker_id);
+                let id = *worker_id;
+                if let Err(e) = st.spawn_child(kind, myself.get_cell()).await {
+                    tracing::error!(worker = %id, error = %e, "worker failed to start after its cold start");
+                }
             }
             SupervisorMsg::Live(reply) => {
                 let live = st
@@ -312,6 +358,7 @@ impl Actor for NodeSupervisor {
                 };
                 match worker {
                     Some(id) => {
+                        st.pending_spawn.remove(&id);
                         st.retired_workers.insert(id);
                         let w = st.workers.remove(&id);
                         if let Some(w) = &w {
@@ -413,7 +460,7 @@ impl Actor for NodeSupervisor {
                 st.workers.remove(worker_id);
             }
             ChildKind::Router => st.router = None,
-            ChildKind::Controller | ChildKind::Agent => {}
+            ChildKind::Controller | ChildKind::Planner | ChildKind::Agent => {}
         }
         if st.shutting_down {
             return Ok(());
@@ -528,6 +575,18 @@ impl SupervisorState {
                         .await?;
                 c.get_cell()
             }
+            ChildKind::Planner => {
+                let config = self.cfg.planner.clone().ok_or("no planner configured")?;
+                let args = dynamo_planner_actor::PlannersArgs {
+                    bus: self.bus.clone(),
+                    config,
+                    seed: crate::seed::seed(),
+                };
+                let (p, _) =
+                    Actor::spawn_linked(None, dynamo_planner_actor::PlannersActor, args, sup)
+                        .await?;
+                p.get_cell()
+            }
             ChildKind::Gateway => {
                 let config = self.cfg.gateway.clone().ok_or("no gateway configured")?;
                 let args = GatewayArgs {
@@ -591,6 +650,7 @@ impl SupervisorState {
                         role: grp.role,
                         heartbeat_interval: grp.heartbeat,
                         load_interval: Duration::from_millis(100),
+                        metrics_interval: Duration::from_secs(1),
                         stream_heartbeat: grp.stream_heartbeat,
                         transfer: grp.transfer.clone(),
                     },

@@ -17,8 +17,8 @@
 use crate::state::{ControllerState, Deployment, World};
 use async_nats::jetstream::kv;
 use dynamo_bus_schema::{
-    decode, encode, unix_ms, ControllerLease, DeploymentRecord, DeploymentStatus, NodeAssignment,
-    NodeId, NodeInventory, WireMessage,
+    decode, encode, unix_ms, DeploymentRecord, DeploymentStatus, NodeAssignment, NodeId,
+    NodeInventory, WireMessage,
 };
 use dynamo_cluster_config::spec::DeploymentSpec;
 use dynamo_runtime::bus::REGISTRY_MAX_AGE;
@@ -304,78 +304,15 @@ impl Controller {
     /// Takes or renews the lease; whether this controller holds it.
     async fn lease(&mut self) -> Result<bool, String> {
         let me = self.cfg.node_id.clone();
-        let ttl_ms = self.cfg.lease_ttl.as_millis() as u64;
-        let my_epoch = self.state.epoch;
-        let was_active = self.active;
+        let (ttl, epoch, was) = (self.cfg.lease_ttl, self.state.epoch, self.active);
         let b = self.buckets().await?;
-        let now = unix_ms();
-        let entry = bounded("lease", b.lease.entry(LEASE_KEY)).await?;
-        let current = entry.as_ref().and_then(|e| {
-            (e.operation == kv::Operation::Put)
-                .then(|| decode::<ControllerLease>(&e.value).ok())
-                .flatten()
-        });
-        let put = |epoch: u64| -> Result<bytes::Bytes, String> {
-            encode(&ControllerLease {
-                holder: me.clone(),
-                epoch,
-                renewed_unix_ms: now,
-                ttl_ms,
-            })
-            .map(Into::into)
-            .map_err(|e| e.to_string())
-        };
-        let (epoch, ok) = match (&entry, &current) {
-            (None, _) => {
-                let epoch = 1;
-                (epoch, b.lease.create(LEASE_KEY, put(epoch)?).await.is_ok())
+        match crate::lease::claim(&b.lease, LEASE_KEY, &me, ttl, epoch, was).await? {
+            Some(e) => {
+                self.state.epoch = e;
+                Ok(true)
             }
-            (Some(e), Some(l)) if l.holder == me && (l.epoch == my_epoch || !was_active) => {
-                // Ours: renew (a restarted controller of the same node takes
-                // it back under the next epoch).
-                let epoch = if l.epoch == my_epoch {
-                    l.epoch
-                } else {
-                    l.epoch + 1
-                };
-                (
-                    epoch,
-                    b.lease
-                        .update(LEASE_KEY, put(epoch)?, e.revision)
-                        .await
-                        .is_ok(),
-                )
-            }
-            (Some(e), Some(l)) => {
-                if now.saturating_sub(l.renewed_unix_ms) <= l.ttl_ms.max(ttl_ms) {
-                    return Ok(false);
-                }
-                tracing::warn!(holder = %l.holder, "controller lease expired; taking it over");
-                let epoch = l.epoch + 1;
-                (
-                    epoch,
-                    b.lease
-                        .update(LEASE_KEY, put(epoch)?, e.revision)
-                        .await
-                        .is_ok(),
-                )
-            }
-            (Some(e), None) => {
-                // A deleted or unreadable lease: replace it.
-                let epoch = my_epoch + 1;
-                (
-                    epoch,
-                    b.lease
-                        .update(LEASE_KEY, put(epoch)?, e.revision)
-                        .await
-                        .is_ok(),
-                )
-            }
-        };
-        if ok {
-            self.state.epoch = epoch;
+            None => Ok(false),
         }
-        Ok(ok)
     }
 
     /// Probes every node with a fresh record: a node whose process is gone

@@ -4,9 +4,15 @@
 //!   desired state, the inventory and the current assignments), driven
 //!   directly by tests;
 //! - [`actor`]: the supervised actor that holds the lease and wires the
-//!   decision to JetStream KV.
+//!   decision to JetStream KV;
+//! - [`desired`]: reading, writing and scaling the desired state (what
+//!   `dynamoctl` and the planner change it through);
+//! - [`lease`]: the compare-and-set lease (the controller's and each
+//!   planner's).
 
 pub mod actor;
+pub mod desired;
+pub mod lease;
 pub mod state;
 
 pub use actor::{

@@ -329,9 +329,8 @@ impl ControllerState {
                 };
                 let settings = match &s.worker {
                     Some(wk) => wk.to_string(),
-                    None => {
-                        serde_json::json!({"gateway": s.gateway, "router": s.router}).to_string()
-                    }
+                    None => serde_json::json!({"gateway": frontend_gateway(spec, s), "router": s.router})
+                        .to_string(),
                 };
                 per_node
                     .entry(node.clone())
@@ -463,6 +462,38 @@ impl ControllerState {
         Decision { changed, statuses }
     }
 }
+
+/// A frontend's gateway settings as placed: a deployment its planner may
+/// scale to zero holds requests while no worker is up (unless the spec
+/// says otherwise), so the first request after an idle period waits for
+/// the worker the planner wakes instead of failing.
+fn frontend_gateway(
+    spec: &dynamo_cluster_config::spec::DeploymentSpec,
+    s: &dynamo_cluster_config::spec::ServiceSpec,
+) -> Option<serde_json::Value> {
+    let to_zero = spec
+        .planner
+        .as_ref()
+        .is_some_and(|p| p.idle_to_zero.is_some());
+    if !to_zero {
+        return s.gateway.clone();
+    }
+    let mut g = s.gateway.clone().unwrap_or_else(|| serde_json::json!({}));
+    if let Some(o) = g.as_object_mut() {
+        // Within the request deadline (the gateway checks the two).
+        let deadline = o
+            .get("request_timeout_ms")
+            .and_then(|v| v.as_u64())
+            .unwrap_or(600_000);
+        o.entry("hold_for_workers_ms")
+            .or_insert_with(|| HOLD_AFTER_ZERO_MS.min(deadline).into());
+    }
+    Some(g)
+}
+
+/// How long a frontend holds requests while its deployment has no worker
+/// (a scale to zero): a worker's cold start should fit.
+const HOLD_AFTER_ZERO_MS: u64 = 180_000;
 
 #[cfg(test)]
 mod tests {

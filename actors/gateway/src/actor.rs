@@ -82,9 +82,15 @@ impl Actor for GatewayActor {
             config: args.config.clone(),
             accepting: AtomicBool::new(true),
             started_unix_s: unix_ms() / 1000,
+            feed: crate::feed::Feed::default(),
         });
         let inbox_owner = shared.clone();
         tasks.spawn("inbox", async move { inbox_owner.inbox.run(sub).await });
+        let feed_owner = shared.clone();
+        tasks.spawn(
+            "planner feed",
+            async move { publish_feed(feed_owner).await },
+        );
 
         let server_stop = CancellationToken::new();
         let (stop, asked) = (server_stop.clone(), server_stop.clone());
@@ -192,4 +198,32 @@ fn listen(addr: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
     socket.listen(ACCEPT_BACKLOG)
+}
+
+/// Publishes the traffic summaries every interval (a summary the bus does
+/// not take within the interval is dropped: the next one follows).
+async fn publish_feed(s: Arc<Shared>) {
+    let every = s.config.metrics_interval;
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    tick.tick().await;
+    let subject = s.bus.subjects.frontend_metrics();
+    let gateway = format!("{}@{}", s.gateway_id, s.config.listen);
+    loop {
+        tick.tick().await;
+        let inflight = s.metrics.inflight.get().max(0) as u32;
+        let out = s.feed.take(
+            &gateway,
+            unix_ms(),
+            every.as_millis() as u32,
+            &|m| s.admission.waiting(m),
+            inflight,
+        );
+        for m in out {
+            match tokio::time::timeout(every, s.bus.publish(subject.clone(), &m)).await {
+                Ok(Ok(())) => {}
+                _ => tracing::debug!(model = %m.model, "planner feed not published"),
+            }
+        }
+    }
 }

@@ -31,6 +31,14 @@ pub struct GatewayConfig {
     pub blocking_preprocess_bytes: usize,
     /// Threads of that pool (at most this many large bodies at once).
     pub preprocess_threads: usize,
+    /// A request for a model no worker serves waits this long (within its
+    /// deadline) for one to be ready, as after a scale to zero (0: answer
+    /// 503 at once).
+    pub hold_for_workers: Duration,
+    /// Most requests held that way at once (past it: 503 at once).
+    pub max_held: u32,
+    /// Period of the traffic summaries published for the planner.
+    pub metrics_interval: Duration,
 }
 
 /// Per-model admission control: past `max_inflight` requests being served,
@@ -71,6 +79,9 @@ impl Default for GatewayConfig {
             admission: AdmissionConfig::default(),
             blocking_preprocess_bytes: 64 * 1024,
             preprocess_threads: 2,
+            hold_for_workers: Duration::ZERO,
+            max_held: 256,
+            metrics_interval: Duration::from_secs(1),
         }
     }
 }

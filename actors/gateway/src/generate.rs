@@ -96,7 +96,10 @@ pub struct Generation {
     usage: Usage,
     deadline: Instant,
     started_at: Instant,
+    first_token_at: Option<Instant>,
     last_token_at: Option<Instant>,
+    /// The stream ended in an error (for the planner's summary).
+    errored: bool,
     queued: VecDeque<Result<GenEvent, ApiError>>,
     done: bool,
     worker_finished: bool,
@@ -174,7 +177,9 @@ impl Generation {
             held: String::new(),
             deadline,
             started_at,
+            first_token_at: None,
             last_token_at: None,
+            errored: false,
             queued: VecDeque::new(),
             done: false,
             worker_finished: false,
@@ -336,11 +341,13 @@ impl Generation {
                 let n = f.token_ids.len() as u32;
                 let now = Instant::now();
                 match self.last_token_at {
-                    None => self
-                        .shared
-                        .metrics
-                        .ttft
-                        .observe((now - self.started_at).as_secs_f64()),
+                    None => {
+                        self.first_token_at = Some(now);
+                        self.shared
+                            .metrics
+                            .ttft
+                            .observe((now - self.started_at).as_secs_f64())
+                    }
                     Some(prev) if n > 0 => {
                         let per = (now - prev).as_secs_f64() / n as f64;
                         for _ in 0..n {
@@ -414,6 +421,7 @@ impl Generation {
 
     fn fail(&mut self, e: ApiError) {
         self.done = true;
+        self.errored = true;
         self.queued.push_back(Err(e));
     }
 
@@ -473,6 +481,18 @@ impl Generation {
 impl Drop for Generation {
     fn drop(&mut self) {
         self.shared.inbox.unregister(self.id);
+        let n = self.usage.completion_tokens;
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+        self.shared.feed.ended(crate::feed::Ended {
+            model: &self.plan.model.0,
+            ttft_ms: self.first_token_at.map(|t| ms(t - self.started_at)),
+            itl_ms: match (self.first_token_at, self.last_token_at) {
+                (Some(a), Some(b)) if n > 1 => Some(ms(b - a) / (n - 1) as f64),
+                _ => None,
+            },
+            output_tokens: n,
+            failed: self.errored,
+        });
         if let Some(d) = self.decision.take() {
             if !self.worker_finished {
                 send_cancel(&self.shared, d.worker_id, self.id, self.cancel_reason);

@@ -131,7 +131,12 @@ async fn handle(
         .unwrap_or(s.config.request_timeout);
     let deadline = t0 + timeout;
     let max_migrations = opts.max_migrations.unwrap_or(s.config.max_migrations);
-    let mut loaded = s.models.get(&s, &model).await?;
+    let mut loaded = loop {
+        match s.models.get(&s, &model).await {
+            Err(e) if no_capacity(&e) => hold_for_workers(&s, &model, deadline, e).await?,
+            r => break r?,
+        }
+    };
     let (permit, waited) = s.admission.admit(&model, deadline).await.map_err(|r| {
         s.metrics.rejected.with_label_values(&[r.reason()]).inc();
         match r {
@@ -159,6 +164,8 @@ async fn handle(
         if pass == 0 {
             for g in &gens {
                 s.metrics.input_tokens.inc_by(g.token_ids.len() as u64);
+                s.feed
+                    .arrived(&model, g.token_ids.len(), waited.as_millis() as u64);
             }
         }
         // The second pass takes whichever card the worker has.
@@ -167,17 +174,36 @@ async fn handle(
         let mut changed = None;
         for mut v in gens {
             v.routing = opts.routing;
-            match Generation::start(
-                s.clone(),
-                loaded.pre.clone(),
-                v,
-                want,
-                deadline,
-                t0,
-                max_migrations,
-            )
-            .await
-            {
+            // A copy to try again with only where requests may be held.
+            let again = (!s.config.hold_for_workers.is_zero()).then(|| v.clone());
+            let mut next = Some(v);
+            let res = loop {
+                let Some(v) = next.take().or_else(|| again.clone()) else {
+                    break Err(DispatchError::Api(ApiError::internal("no request to send")));
+                };
+                match Generation::start(
+                    s.clone(),
+                    loaded.pre.clone(),
+                    v,
+                    want,
+                    deadline,
+                    t0,
+                    max_migrations,
+                )
+                .await
+                {
+                    // The card is known here, so a model the router does
+                    // not know has no worker now (scaled to zero).
+                    Err(DispatchError::Api(e))
+                        if again.is_some()
+                            && (no_capacity(&e) || e.code == Some("model_not_found")) =>
+                    {
+                        hold_for_workers(&s, &model, deadline, e).await?
+                    }
+                    r => break r,
+                }
+            };
+            match res {
                 Ok(g) => started.push(g),
                 Err(DispatchError::Api(e)) => return Err(e),
                 Err(DispatchError::CardChanged(d)) => {
@@ -225,6 +251,67 @@ async fn handle(
         r
     })
 }
+
+/// No worker serves the model at all (not: all are busy).
+fn no_capacity(e: &ApiError) -> bool {
+    e.code == Some("no_workers_available")
+}
+
+/// Holds a request while no worker serves its model (after a scale to
+/// zero the planner wakes one on seeing held requests), within the hold
+/// limit and the request's deadline; `Ok` to try again, or the 503.
+async fn hold_for_workers(
+    s: &Shared,
+    model: &str,
+    deadline: tokio::time::Instant,
+    cause: ApiError,
+) -> Result<(), ApiError> {
+    use std::sync::atomic::Ordering;
+    let hold = s.config.hold_for_workers;
+    if hold.is_zero() {
+        return Err(cause);
+    }
+    struct Held<'a>(&'a std::sync::atomic::AtomicU32);
+    impl Drop for Held<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    if s.feed.held.fetch_add(1, Ordering::Relaxed) >= s.config.max_held {
+        s.feed.held.fetch_sub(1, Ordering::Relaxed);
+        s.metrics.rejected.with_label_values(&["held_full"]).inc();
+        return Err(cause);
+    }
+    let _held = Held(&s.feed.held);
+    let until = deadline.min(tokio::time::Instant::now() + hold);
+    let t0 = tokio::time::Instant::now();
+    loop {
+        let up = models::list(s)
+            .await
+            .map(|all| {
+                all.iter()
+                    .any(|m| m.card.name.0 == model && !m.workers.is_empty())
+            })
+            .unwrap_or(false);
+        if up {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() + HOLD_POLL >= until {
+            s.metrics
+                .rejected
+                .with_label_values(&["held_timeout"])
+                .inc();
+            return Err(ApiError::unavailable(format!(
+                "No worker for {model} became ready within {} ms (the request's deadline or the gateway's hold limit). Retry shortly.",
+                t0.elapsed().as_millis()
+            )));
+        }
+        tokio::time::sleep(HOLD_POLL).await;
+    }
+}
+
+/// How often a held request looks for a worker.
+const HOLD_POLL: Duration = Duration::from_millis(200);
 
 /// A place among the concurrent status requests, or 503.
 fn control(s: &Shared) -> Result<dynamo_runtime::Ticket, ApiError> {

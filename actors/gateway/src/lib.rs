@@ -6,13 +6,15 @@
 //! and send ([`dispatch`]) → stream frames back ([`generate`], [`inbox`])
 //! → detokenize incrementally, apply stop strings → JSON or SSE
 //! ([`respond`], from [`handlers`]). Every failure becomes an OpenAI error
-//! object through [`error::ApiError`], the one mapping to HTTP.
+//! object through [`error::ApiError`], the one mapping to HTTP. Traffic
+//! summaries for the planner are published once per interval ([`feed`]).
 
 pub mod actor;
 pub mod admission;
 pub mod config;
 pub mod dispatch;
 pub mod error;
+pub mod feed;
 pub mod generate;
 pub mod handlers;
 pub mod inbox;

@@ -179,6 +179,8 @@ impl Metrics {
             .set(dynamo_runtime::counters::rejected_total() as i64);
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
-        String::from_utf8(buf).unwrap_or_default()
+        let mut text = String::from_utf8(buf).unwrap_or_default();
+        text.push_str(&dynamo_runtime::metrics::render());
+        text
     }
 }

@@ -33,6 +33,8 @@ pub struct Shared {
     pub spawner: Spawner,
     pub accepting: AtomicBool,
     pub started_unix_s: u64,
+    /// Traffic summaries for the planner.
+    pub feed: crate::feed::Feed,
 }
 
 impl Shared {

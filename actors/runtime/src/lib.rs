@@ -8,11 +8,14 @@
 //!   the gateway's `/metrics`, logged everywhere).
 //! - [`tasks::Tasks`]: an actor's background tasks, which fail their actor
 //!   when one ends unexpectedly.
+//! - [`metrics`]: the process-wide Prometheus registry (rendered by the
+//!   gateway's `/metrics`).
 
 pub mod backoff;
 pub mod bus;
 pub mod counters;
 pub mod mailbox;
+pub mod metrics;
 pub mod tasks;
 
 pub use backoff::Backoff;

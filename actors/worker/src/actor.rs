@@ -53,6 +53,8 @@ pub struct WorkerConfig {
     pub heartbeat_interval: Duration,
     /// How often load is published when it changed.
     pub load_interval: Duration,
+    /// Period of the load and timing summaries published for the planner.
+    pub metrics_interval: Duration,
     /// How often an open stream that sent nothing gets a heartbeat frame
     /// (the gateway declares a silent worker dead after a few missed ones).
     pub stream_heartbeat: Duration,
@@ -107,6 +109,8 @@ pub struct WorkerRuntime {
     prefill: Option<PrefillServer>,
     /// Requests waiting on a remote prefill (cancelling one stops the wait).
     prefilling: HashMap<RequestId, tokio_util::sync::CancellationToken>,
+    /// Timings measured around the engine (for the planner).
+    stats: Arc<crate::stats::WorkerStats>,
     tasks: Tasks,
 }
 
@@ -126,6 +130,7 @@ impl Actor for WorkerActor {
             let _ = me.cast(WorkerMsg::TaskEnded(why));
         }));
         let bus = args.bus.clone();
+        let stats = Arc::new(crate::stats::WorkerStats::default());
         let s = &bus.subjects;
         let id = args.config.worker_id;
         let role = args.config.role;
@@ -144,6 +149,7 @@ impl Actor for WorkerActor {
         if let (WorkerRole::Prefill, Some(t)) = (role, &transfer) {
             let sub = bus.client.subscribe(s.worker_prefill(id)).await?;
             let server = PrefillServer {
+                stats: stats.clone(),
                 bus: bus.clone(),
                 engine: engine.clone(),
                 transfer: t.clone(),
@@ -256,6 +262,8 @@ impl Actor for WorkerActor {
             engine.clone(),
             args.config.heartbeat_interval,
             args.config.load_interval,
+            stats.clone(),
+            args.config.metrics_interval,
         )
         .await?;
         tasks.spawn("registration", async move {
@@ -275,6 +283,7 @@ impl Actor for WorkerActor {
             model: args.card,
             registration,
             inflight: HashSet::new(),
+            stats,
             tasks,
         })
     }
@@ -490,6 +499,7 @@ impl WorkerRuntime {
             last_sent: tokio::time::Instant::now(),
             received,
             prefill,
+            stats: self.stats.clone(),
         };
         let engine = self.engine.clone();
         let cancel = self.tasks.token();

@@ -35,6 +35,8 @@ pub struct Forward {
     pub received: Instant,
     /// What a remote prefill did (set before the engine's first event).
     pub prefill: Arc<Mutex<PrefillOutcome>>,
+    /// The worker's timings for the planner.
+    pub stats: Arc<crate::stats::WorkerStats>,
 }
 
 /// How a request's prompt was prefilled, when not simply by this engine.
@@ -71,6 +73,8 @@ impl Forward {
         let mut completion = 0u32;
         let mut pending: Vec<u32> = Vec::new();
         let (mut started, mut first) = (None, None);
+        let mut queued = Some(self.stats.queue(self.prompt_tokens));
+        let mut last_token: Option<Instant> = None;
         loop {
             let ev = tokio::select! {
                 ev = events.recv() => ev,
@@ -107,7 +111,17 @@ impl Forward {
             for ev in batch {
                 match ev {
                     EngineEvent::Tokens(t) => {
-                        first = first.or(Some(Instant::now()));
+                        let now = Instant::now();
+                        match last_token {
+                            None => {
+                                drop(queued.take());
+                                self.stats
+                                    .first_token(now - self.received, self.prompt_tokens);
+                            }
+                            Some(prev) => self.stats.tokens(t.len() as u32, now - prev),
+                        }
+                        last_token = Some(now);
+                        first = first.or(Some(now));
                         completion += t.len() as u32;
                         pending.extend(t);
                     }

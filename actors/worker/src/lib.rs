@@ -5,7 +5,8 @@
 //! [`admit`] (whether a request is taken), [`forward`] (engine events to
 //! frames), [`registration`] (the registry record and load reports),
 //! [`kv_events`] (KV event batches), [`endpoints`] (dumps, artifacts),
-//! [`disagg`] (the KV transfer endpoint, its client and server).
+//! [`disagg`] (the KV transfer endpoint, its client and server), [`stats`]
+//! (timings measured around the engine, published for the planner).
 
 pub mod actor;
 pub mod admit;
@@ -14,6 +15,7 @@ pub mod endpoints;
 pub mod forward;
 pub mod kv_events;
 pub mod registration;
+pub mod stats;
 
 pub use actor::{EngineFactory, WorkerActor, WorkerArgs, WorkerConfig, WorkerMsg};
 pub use disagg::TransferConfig;

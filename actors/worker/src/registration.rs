@@ -9,7 +9,7 @@
 //! is the last write and nothing is written after it.
 
 use dynamo_bus_schema::{
-    encode, unix_ms, LoadMetrics, LoadReport, WorkerRegistration, WorkerState,
+    encode, unix_ms, LoadMetrics, LoadReport, WorkerMetrics, WorkerRegistration, WorkerState,
 };
 use dynamo_engine::Engine;
 use dynamo_runtime::bus::REGISTRY_MAX_AGE;
@@ -48,6 +48,8 @@ pub struct Registrar {
     inflight: Arc<AtomicUsize>,
     heartbeat: Duration,
     load_interval: Duration,
+    stats: Arc<crate::stats::WorkerStats>,
+    metrics_interval: Duration,
 }
 
 impl Registration {
@@ -105,6 +107,8 @@ pub async fn register(
     engine: Arc<dyn Engine>,
     heartbeat: Duration,
     load_interval: Duration,
+    stats: Arc<crate::stats::WorkerStats>,
+    metrics_interval: Duration,
 ) -> Result<(Registration, Registrar), String> {
     let kv = tokio::time::timeout(
         WRITE_TIMEOUT,
@@ -126,6 +130,8 @@ pub async fn register(
         inflight: inflight.clone(),
         heartbeat,
         load_interval,
+        stats,
+        metrics_interval,
     };
     r.write().await?;
     Ok((
@@ -154,8 +160,12 @@ impl Registrar {
         let mut load_tick = tokio::time::interval(self.load_interval);
         load_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         let mut last_load = None;
+        let mut metrics_tick = tokio::time::interval(self.metrics_interval);
+        metrics_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        metrics_tick.tick().await;
         loop {
             tokio::select! {
+                _ = metrics_tick.tick() => self.publish_metrics().await,
                 changed = self.desired.changed() => {
                     if changed.is_err() {
                         return; // the actor is gone
@@ -194,6 +204,38 @@ impl Registrar {
                     }
                 }
             }
+        }
+    }
+
+    /// One interval's load and timings for the planner (dropped, not
+    /// queued, when the bus does not take it in time).
+    async fn publish_metrics(&mut self) {
+        let load = self.load();
+        let t = self.stats.take();
+        let m = WorkerMetrics {
+            worker_id: self.reg.worker_id,
+            generation: self.reg.generation,
+            role: self.reg.role,
+            model: self.reg.model.name.clone(),
+            unix_ms: unix_ms(),
+            interval_ms: self.metrics_interval.as_millis() as u32,
+            active_seqs: load.active_seqs,
+            waiting_seqs: load.waiting_seqs,
+            kv_used_blocks: load.kv_used_blocks,
+            kv_total_blocks: load.kv_total_blocks,
+            queued_prefill_tokens: t.queued_prefill_tokens,
+            first_tokens: t.first_tokens,
+            ttft_us_sum: t.ttft_us_sum,
+            prompt_tokens: t.prompt_tokens,
+            token_gaps: t.token_gaps,
+            itl_us_sum: t.itl_us_sum,
+        };
+        let subject = self.bus.subjects.worker_metrics();
+        if !matches!(
+            tokio::time::timeout(WRITE_TIMEOUT, self.bus.publish(subject, &m)).await,
+            Ok(Ok(()))
+        ) {
+            tracing::debug!("worker metrics not published");
         }
     }
 

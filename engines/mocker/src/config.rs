@@ -45,6 +45,9 @@ pub struct MockerConfig {
     pub offload_disk_blocks: u32,
     /// Directory of the disk tier (needed when `offload_disk_blocks > 0`).
     pub offload_disk_dir: Option<std::path::PathBuf>,
+    /// Simulated cold start in ms of real time (model loading): a new
+    /// worker starts serving this long after it is asked to start.
+    pub startup_ms: u64,
 }
 
 impl Default for MockerConfig {
@@ -66,6 +69,7 @@ impl Default for MockerConfig {
             offload_host_blocks: 0,
             offload_disk_blocks: 0,
             offload_disk_dir: None,
+            startup_ms: 0,
         }
     }
 }
@@ -84,6 +88,8 @@ pub enum ConfigError {
     BadTokenRange { lo: u32, hi: u32 },
     #[error("mocker.{0}")]
     Offload(String),
+    #[error("mocker.startup_ms must be at most 3600000 (an hour), got {0}")]
+    StartupTooLong(u64),
     #[error("mocker KV pool: {0}")]
     Memory(#[from] dynamo_engine::ArenaError),
 }
@@ -110,6 +116,9 @@ impl MockerConfig {
         }
         if self.speedup.is_nan() || self.speedup < 0.0 {
             return Err(ConfigError::BadSpeedup(self.speedup));
+        }
+        if self.startup_ms > 3_600_000 {
+            return Err(ConfigError::StartupTooLong(self.startup_ms));
         }
         let hi = if self.token_hi == 0 {
             vocab_size

@@ -40,7 +40,9 @@ struct Args {
     /// Memory replicas may take here, MiB (with --join; default 1 TiB).
     #[arg(long, default_value_t = 1 << 20)]
     memory_mib: u64,
-    /// Roles besides running assigned replicas: `controller` (with --join).
+    /// Roles besides running assigned replicas (with --join): `controller`
+    /// (the placement controller, and the deployments' planners) and
+    /// `planner` (the planners only).
     #[arg(long, value_delimiter = ',')]
     roles: Vec<String>,
     /// Address a frontend placed on this node listens on (with --join;
@@ -80,9 +82,9 @@ fn main() {
         (None, Some(url)) => {
             let labels = parse_labels(&args.labels).unwrap_or_else(|e| fail(e));
             for r in &args.roles {
-                if r != "controller" {
+                if r != "controller" && r != "planner" {
                     fail(format!(
-                        "--roles: unknown role {r:?} (available: controller)"
+                        "--roles: unknown role {r:?} (available: controller, planner)"
                     ));
                 }
             }
@@ -102,6 +104,7 @@ fn main() {
                 url,
                 join,
                 args.roles.iter().any(|r| r == "controller"),
+                args.roles.iter().any(|r| r == "planner"),
             )
             .unwrap_or_else(|e| fail(e))
         }

@@ -3,7 +3,7 @@
 
 use clap::{Parser, Subcommand};
 use dynamo_bus_schema::Namespace;
-use dynamo_node::{bench, calibrate, cluster, configure, drain, env, replay, status};
+use dynamo_node::{bench, calibrate, cluster, configure, drain, env, planner_cli, replay, status};
 
 #[derive(Parser)]
 #[command(
@@ -46,6 +46,25 @@ enum RenderTarget {
 }
 
 #[derive(Subcommand)]
+enum PlannerCmd {
+    /// Each target's desired, ready and recommended replicas with the
+    /// reason and numbers, the recent decisions, and the pins.
+    Status {
+        deployment: Option<String>,
+        #[command(flatten)]
+        bus: Bus,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Unpins a service a manual `scale` pinned.
+    Release {
+        target: String,
+        #[command(flatten)]
+        bus: Bus,
+    },
+}
+
+#[derive(Subcommand)]
 enum Cmd {
     /// Store a deployment spec (YAML) as the cluster's desired state; the
     /// placement controller places it on the joined nodes.
@@ -83,9 +102,17 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// The planners: `planner status [DEPLOYMENT]` (the last decisions and
+    /// the numbers behind each), `planner release DEPLOYMENT/SERVICE`
+    /// (hand a manually scaled service back to its planner).
+    Planner {
+        #[command(subcommand)]
+        cmd: PlannerCmd,
+    },
     /// Set the replicas of a service or scaling group:
     /// `scale DEPLOYMENT/SERVICE N`. Only that service's replicas change;
-    /// removed ones drain first.
+    /// removed ones drain first. It pins the service: the planner leaves
+    /// it alone until `planner release`.
     Scale {
         target: String,
         replicas: u32,
@@ -340,6 +367,38 @@ fn main() {
                 } else {
                     print!("{}", cluster::render_describe(&v));
                 }
+                Ok(())
+            }
+            Cmd::Planner {
+                cmd:
+                    PlannerCmd::Status {
+                        deployment,
+                        bus,
+                        json,
+                    },
+            } => {
+                let (url, ns) = bus.resolve()?;
+                let v = tokio::time::timeout(
+                    limit,
+                    planner_cli::status(&url, ns, deployment.as_deref()),
+                )
+                .await
+                .map_err(timed(url.clone()))??;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&v)?);
+                } else {
+                    print!("{}", planner_cli::render(&v));
+                }
+                Ok(())
+            }
+            Cmd::Planner {
+                cmd: PlannerCmd::Release { target, bus },
+            } => {
+                let (url, ns) = bus.resolve()?;
+                let v = tokio::time::timeout(limit, planner_cli::release(&url, ns, &target))
+                    .await
+                    .map_err(timed(url.clone()))??;
+                println!("{v}");
                 Ok(())
             }
             Cmd::Scale {

@@ -119,6 +119,8 @@ pub struct PrefillServer {
     pub slots: Arc<Semaphore>,
     /// Requests prefilling now: only their cancels reach the engine.
     pub active: Arc<Mutex<HashSet<RequestId>>>,
+    /// The worker's timings for the planner.
+    pub stats: Arc<crate::stats::WorkerStats>,
 }
 
 /// Keeps a request in [`PrefillServer::active`] while it prefills.
@@ -236,11 +238,19 @@ impl PrefillServer {
         };
         let mut events = self.engine.generate(valid).map_err(|e| e.to_wire())?;
         let (mut started, mut first) = (None, None);
+        let prompt = req.token_ids.len() as u32;
+        let mut queued = Some(self.stats.queue(prompt));
         let run = async {
             while let Some(ev) = events.recv().await {
                 match ev {
                     EngineEvent::Started { .. } => started = Some(Instant::now()),
-                    EngineEvent::Tokens(_) => first = first.or(Some(Instant::now())),
+                    EngineEvent::Tokens(_) => {
+                        if first.is_none() {
+                            drop(queued.take());
+                            self.stats.first_token(t0.elapsed(), prompt);
+                        }
+                        first = first.or(Some(Instant::now()))
+                    }
                     EngineEvent::Finished {
                         reason: FinishReason::Cancelled,
                     } => {

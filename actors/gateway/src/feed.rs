@@ -1,0 +1,180 @@
+//! Traffic summaries for the planner: per model, what arrived, how long the
+//! first token and each token took, and what waits now; published once
+//! per interval as [`FrontendMetrics`] (never a message per request).
+//!
+//! Invariants: a request is counted once as an arrival (when admitted) and
+//! once as finished (when its stream ends); the models tracked are bounded
+//! by [`MAX_MODELS`] (past it a new model's traffic is dropped and counted).
+
+use dynamo_bus_schema::{latency_bucket, FrontendMetrics, ModelName, LATENCY_BUCKETS_MS};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// Most models one gateway summarises.
+pub const MAX_MODELS: usize = 256;
+
+#[derive(Default)]
+struct Acc {
+    arrivals: u32,
+    finished: u32,
+    failed: u32,
+    isl_sum: u64,
+    osl_sum: u64,
+    ttft: Vec<u32>,
+    itl: Vec<u32>,
+    queue_ms_sum: u64,
+}
+
+fn hist() -> Vec<u32> {
+    vec![0; LATENCY_BUCKETS_MS.len() + 1]
+}
+
+/// The gateway's running summary (shared by its request tasks).
+#[derive(Default)]
+pub struct Feed {
+    models: Mutex<HashMap<String, Acc>>,
+    /// Requests held now for lack of any worker.
+    pub held: AtomicU32,
+    /// Traffic of models past [`MAX_MODELS`], dropped.
+    pub dropped: AtomicU64,
+}
+
+/// How one request ended, for the summary.
+pub struct Ended<'a> {
+    pub model: &'a str,
+    pub ttft_ms: Option<f64>,
+    /// Mean gap between its output tokens.
+    pub itl_ms: Option<f64>,
+    pub output_tokens: u32,
+    pub failed: bool,
+}
+
+impl Feed {
+    fn with(&self, model: &str, f: impl FnOnce(&mut Acc)) {
+        let Ok(mut m) = self.models.lock() else {
+            return;
+        };
+        if !m.contains_key(model) && m.len() >= MAX_MODELS {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let a = m.entry(model.to_string()).or_insert_with(|| Acc {
+            ttft: hist(),
+            itl: hist(),
+            ..Acc::default()
+        });
+        f(a);
+    }
+
+    /// A request was admitted.
+    pub fn arrived(&self, model: &str, prompt_tokens: usize, queue_ms: u64) {
+        self.with(model, |a| {
+            a.arrivals = a.arrivals.saturating_add(1);
+            a.isl_sum = a.isl_sum.saturating_add(prompt_tokens as u64);
+            a.queue_ms_sum = a.queue_ms_sum.saturating_add(queue_ms);
+        });
+    }
+
+    /// A request's stream ended.
+    pub fn ended(&self, e: Ended<'_>) {
+        self.with(e.model, |a| {
+            a.finished = a.finished.saturating_add(1);
+            if e.failed {
+                a.failed = a.failed.saturating_add(1);
+            }
+            a.osl_sum = a.osl_sum.saturating_add(e.output_tokens as u64);
+            if let Some(t) = e.ttft_ms {
+                a.ttft[latency_bucket(t)] += 1;
+            }
+            if let Some(t) = e.itl_ms {
+                a.itl[latency_bucket(t)] += 1;
+            }
+        });
+    }
+
+    /// The interval's summaries (and a fresh start). A model is reported
+    /// while it has traffic, and once more after it stops.
+    pub fn take(
+        &self,
+        gateway: &str,
+        unix_ms: u64,
+        interval_ms: u32,
+        queued: &dyn Fn(&str) -> u32,
+        inflight: u32,
+    ) -> Vec<FrontendMetrics> {
+        let Ok(mut m) = self.models.lock() else {
+            return Vec::new();
+        };
+        let held = self.held.load(Ordering::Relaxed);
+        let mut out = Vec::new();
+        m.retain(|model, a| {
+            let q = queued(model);
+            let idle = a.arrivals == 0 && a.finished == 0 && q == 0;
+            out.push(FrontendMetrics {
+                gateway: gateway.to_string(),
+                model: ModelName(model.clone()),
+                unix_ms,
+                interval_ms,
+                arrivals: a.arrivals,
+                finished: a.finished,
+                failed: a.failed,
+                isl_sum: a.isl_sum,
+                osl_sum: a.osl_sum,
+                ttft: std::mem::replace(&mut a.ttft, hist()),
+                itl: std::mem::replace(&mut a.itl, hist()),
+                queue_ms_sum: a.queue_ms_sum,
+                queued_now: q,
+                held_now: held,
+                inflight_now: inflight,
+            });
+            *a = Acc {
+                ttft: hist(),
+                itl: hist(),
+                ..Acc::default()
+            };
+            // An idle model is reported once (zeros), then forgotten until
+            // it has traffic again.
+            !idle
+        });
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_interval_sums_its_requests_and_then_starts_afresh() {
+        let f = Feed::default();
+        f.arrived("m", 100, 3);
+        f.arrived("m", 50, 0);
+        f.ended(Ended {
+            model: "m",
+            ttft_ms: Some(40.0),
+            itl_ms: Some(8.0),
+            output_tokens: 10,
+            failed: false,
+        });
+        f.ended(Ended {
+            model: "m",
+            ttft_ms: None,
+            itl_ms: None,
+            output_tokens: 0,
+            failed: true,
+        });
+        let out = f.take("g", 1, 1000, &|_| 2, 1);
+        assert_eq!(out.len(), 1);
+        let m = &out[0];
+        assert_eq!((m.arrivals, m.finished, m.failed), (2, 2, 1));
+        assert_eq!((m.isl_sum, m.osl_sum, m.queue_ms_sum), (150, 10, 3));
+        assert_eq!(m.ttft.iter().sum::<u32>(), 1);
+        assert_eq!(m.ttft[latency_bucket(40.0)], 1);
+        assert_eq!(m.queued_now, 2);
+        // Next interval: zeros once, then nothing.
+        let again = f.take("g", 2, 1000, &|_| 0, 0);
+        assert_eq!(again[0].arrivals, 0);
+        assert!(f.take("g", 3, 1000, &|_| 0, 0).is_empty());
+    }
+}

@@ -1,0 +1,647 @@
+//! The planner actors.
+//!
+//! - [`PlannersActor`] (one per node with the controller or planner role)
+//!   runs a [`PlannerActor`] for every deployment whose spec has a
+//!   `planner:` section, supervises them (a failed one is started again on
+//!   the next look) and stops the ones whose deployment or section is gone.
+//! - [`PlannerActor`] (one per deployment per such node) hears the
+//!   frontends' and workers' metrics all the time, but decides only while
+//!   it holds the deployment's lease (planner bucket, `lease.<deployment>`).
+//!   It acts through the desired state, the path `dynamoctl scale` takes
+//!   (or the Kubernetes connector where the deployment runs there).
+//!
+//! Invariants: one active planner per deployment (the lease); a planner
+//! checks its lease right before each write, so a deposed one writes
+//! nothing; its status carries its memory, so the next holder continues
+//! (no decision is made twice, no shrink delay restarts); pinned targets
+//! are never written.
+
+use crate::feed::MetricsFeed;
+use crate::targets::{models, placements, targets, Seed};
+use async_nats::jetstream::kv;
+use dynamo_bus_schema::{
+    decode, encode, peek_kind, unix_ms, DeploymentRecord, DeploymentStatus, FrontendMetrics,
+    NodeAssignment, NodeId, PlannerDecision, PlannerPin, PlannerStatus, PlannerTarget, WireMessage,
+    WorkerMetrics, MAX_DECISIONS, MAX_MEMORY_JSON, MAX_PLANNER_ITEMS,
+};
+use dynamo_cluster_config::planner_spec::PlannerPolicy;
+use dynamo_cluster_config::spec::DeploymentSpec;
+use dynamo_controller::{desired, lease, read_all};
+use dynamo_planner::{Memory, PlannerState};
+use dynamo_runtime::Bus;
+use futures::StreamExt;
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Planner settings (the node's; the SLA and bounds are the spec's).
+#[derive(Clone, Debug)]
+pub struct PlannerConfig {
+    /// This node (the lease holder's name).
+    pub node_id: NodeId,
+    /// Another planner takes a deployment's lease this long after the
+    /// holder's last renewal.
+    pub lease_ttl: Duration,
+    /// How often the set of deployments with a planner is looked at.
+    pub poll: Duration,
+    /// Scale through this Kubernetes namespace's Grove objects instead of
+    /// the desired state (needs the `k8s-client` feature).
+    pub kubernetes_namespace: Option<String>,
+}
+
+impl PlannerConfig {
+    pub fn new(node_id: NodeId) -> Self {
+        PlannerConfig {
+            node_id,
+            lease_ttl: Duration::from_secs(3),
+            poll: Duration::from_secs(1),
+            kubernetes_namespace: None,
+        }
+    }
+}
+
+pub struct PlannersArgs {
+    pub bus: Bus,
+    pub config: PlannerConfig,
+    pub seed: Seed,
+}
+
+pub enum PlannersMsg {
+    Tick,
+}
+
+pub struct PlannersActor;
+
+pub struct Planners {
+    bus: Bus,
+    cfg: PlannerConfig,
+    seed: Seed,
+    deployments: Option<kv::Store>,
+    children: HashMap<String, ActorRef<PlannerMsg>>,
+}
+
+const CALL: Duration = Duration::from_secs(2);
+
+async fn bounded<T, E: std::fmt::Display>(
+    what: &str,
+    f: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(CALL, f).await {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(format!("{what}: {e}")),
+        Err(_) => Err(format!("{what}: timed out")),
+    }
+}
+
+impl Actor for PlannersActor {
+    type Msg = PlannersMsg;
+    type State = Planners;
+    type Arguments = PlannersArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<PlannersMsg>,
+        args: PlannersArgs,
+    ) -> Result<Planners, ActorProcessingErr> {
+        let _ = myself.cast(PlannersMsg::Tick);
+        Ok(Planners {
+            bus: args.bus,
+            cfg: args.config,
+            seed: args.seed,
+            deployments: None,
+            children: HashMap::new(),
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<PlannersMsg>,
+        msg: PlannersMsg,
+        st: &mut Planners,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            PlannersMsg::Tick => {
+                if let Err(e) = st.look(&myself).await {
+                    tracing::warn!(error = %e, "planners: cannot read the deployments");
+                    st.deployments = None;
+                }
+                myself.send_after(st.cfg.poll, || PlannersMsg::Tick);
+            }
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        _myself: ActorRef<PlannersMsg>,
+        evt: SupervisionEvent,
+        st: &mut Planners,
+    ) -> Result<(), ActorProcessingErr> {
+        let gone = match &evt {
+            SupervisionEvent::ActorTerminated(cell, _, why) => Some((cell.get_id(), why.clone())),
+            SupervisionEvent::ActorFailed(cell, e) => Some((cell.get_id(), Some(e.to_string()))),
+            _ => None,
+        };
+        if let Some((id, why)) = gone {
+            st.children.retain(|dep, c| {
+                let keep = c.get_id() != id;
+                if !keep {
+                    tracing::warn!(deployment = %dep, reason = ?why, "planner stopped; starting it again");
+                }
+                keep
+            });
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<PlannersMsg>,
+        st: &mut Planners,
+    ) -> Result<(), ActorProcessingErr> {
+        for c in st.children.values() {
+            c.stop(None);
+        }
+        Ok(())
+    }
+}
+
+impl Planners {
+    async fn look(&mut self, myself: &ActorRef<PlannersMsg>) -> Result<(), String> {
+        if self.deployments.is_none() {
+            let s = &self.bus.subjects;
+            self.deployments = Some(
+                bounded(
+                    "deployments bucket",
+                    self.bus.kv_bucket_durable(&s.deployments_bucket()),
+                )
+                .await?,
+            );
+        }
+        let Some(store) = &self.deployments else {
+            return Ok(());
+        };
+        let recs: std::collections::BTreeMap<String, DeploymentRecord> = read_all(store).await?;
+        let planned: BTreeSet<String> = recs
+            .iter()
+            .filter(|(_, r)| DeploymentSpec::parse(&r.spec_yaml).is_ok_and(|s| s.planner.is_some()))
+            .map(|(n, _)| n.clone())
+            .collect();
+        self.children.retain(|dep, c| {
+            let keep = planned.contains(dep);
+            if !keep {
+                c.stop(Some("its deployment has no planner any more".into()));
+            }
+            keep
+        });
+        for dep in planned {
+            if self.children.contains_key(&dep) {
+                continue;
+            }
+            let args = PlannerArgs {
+                bus: self.bus.clone(),
+                config: self.cfg.clone(),
+                seed: self.seed.clone(),
+                deployment: dep.clone(),
+            };
+            match Actor::spawn_linked(None, PlannerActor, args, myself.get_cell()).await {
+                Ok((a, _)) => {
+                    self.children.insert(dep, a);
+                }
+                Err(e) => tracing::warn!(deployment = %dep, error = %e, "planner did not start"),
+            }
+        }
+        Ok(())
+    }
+}
+
+pub struct PlannerArgs {
+    pub bus: Bus,
+    pub config: PlannerConfig,
+    pub seed: Seed,
+    pub deployment: String,
+}
+
+pub enum PlannerMsg {
+    Tick,
+}
+
+pub struct PlannerActor;
+
+struct Buckets {
+    deployments: kv::Store,
+    status: kv::Store,
+    assignments: kv::Store,
+    planner: kv::Store,
+    pins: kv::Store,
+}
+
+pub struct Planner {
+    bus: Bus,
+    cfg: PlannerConfig,
+    seed: Seed,
+    deployment: String,
+    buckets: Option<Buckets>,
+    feed: Arc<Mutex<MetricsFeed>>,
+    /// While active: the decisions' state.
+    state: Option<PlannerState>,
+    epoch: u64,
+    active: bool,
+    last_sizing_ms: u64,
+    decisions: VecDeque<PlannerDecision>,
+    /// Period of the next tick (the spec's fast interval).
+    every: Duration,
+    _tasks: dynamo_runtime::Tasks,
+}
+
+/// Feeds the metrics heard on the bus into `feed` (bad messages are
+/// logged, counted and skipped).
+async fn listen(bus: Bus, feed: Arc<Mutex<MetricsFeed>>) {
+    let s = &bus.subjects;
+    let (front, work) = (s.frontend_metrics(), s.worker_metrics());
+    let subs = futures::future::join(
+        bus.client.subscribe(front.clone()),
+        bus.client.subscribe(work.clone()),
+    )
+    .await;
+    let (Ok(a), Ok(b)) = subs else {
+        tracing::warn!("planner cannot subscribe to the metrics");
+        return;
+    };
+    let mut all = futures::stream::select(a, b);
+    while let Some(m) = all.next().await {
+        let kind = match peek_kind(&m.payload) {
+            Ok((k, _)) => k,
+            Err(e) => {
+                dynamo_runtime::counters::reject("planner metrics", m.subject.as_str(), &e);
+                continue;
+            }
+        };
+        let Ok(mut f) = feed.lock() else { return };
+        if kind == FrontendMetrics::KIND {
+            match decode::<FrontendMetrics>(&m.payload) {
+                Ok(x) if x.ttft.len() <= 64 && x.itl.len() <= 64 => f.frontend(&x),
+                Ok(_) => dynamo_runtime::counters::reject(
+                    "FrontendMetrics",
+                    m.subject.as_str(),
+                    &"histogram past its bound",
+                ),
+                Err(e) => {
+                    dynamo_runtime::counters::reject("FrontendMetrics", m.subject.as_str(), &e)
+                }
+            }
+        } else if kind == WorkerMetrics::KIND {
+            match decode::<WorkerMetrics>(&m.payload) {
+                Ok(x) => f.worker(&x),
+                Err(e) => dynamo_runtime::counters::reject("WorkerMetrics", m.subject.as_str(), &e),
+            }
+        } else {
+            dynamo_runtime::counters::reject(
+                "planner metrics",
+                m.subject.as_str(),
+                &format!("unexpected message kind {}", kind.0),
+            );
+        }
+    }
+}
+
+impl Actor for PlannerActor {
+    type Msg = PlannerMsg;
+    type State = Planner;
+    type Arguments = PlannerArgs;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<PlannerMsg>,
+        args: PlannerArgs,
+    ) -> Result<Planner, ActorProcessingErr> {
+        let me = myself.clone();
+        let tasks = dynamo_runtime::Tasks::new(Arc::new(move |why| {
+            tracing::error!(%why, "planner task ended");
+            me.stop(Some(why));
+        }));
+        let feed = Arc::new(Mutex::new(MetricsFeed::new(unix_ms())));
+        tasks.spawn("metrics", listen(args.bus.clone(), feed.clone()));
+        let _ = myself.cast(PlannerMsg::Tick);
+        Ok(Planner {
+            bus: args.bus,
+            cfg: args.config,
+            seed: args.seed,
+            deployment: args.deployment,
+            buckets: None,
+            feed,
+            state: None,
+            epoch: 0,
+            active: false,
+            last_sizing_ms: 0,
+            decisions: VecDeque::new(),
+            every: Duration::from_secs(1),
+            _tasks: tasks,
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<PlannerMsg>,
+        msg: PlannerMsg,
+        st: &mut Planner,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            PlannerMsg::Tick => {
+                if let Err(e) = st.tick().await {
+                    tracing::warn!(deployment = %st.deployment, error = %e, "planner tick failed");
+                    st.buckets = None;
+                }
+                myself.send_after(st.every, || PlannerMsg::Tick);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Planner {
+    async fn buckets(&mut self) -> Result<&Buckets, String> {
+        if self.buckets.is_none() {
+            let s = &self.bus.subjects;
+            let bus = &self.bus;
+            self.buckets = Some(Buckets {
+                deployments: bounded(
+                    "deployments bucket",
+                    bus.kv_bucket_durable(&s.deployments_bucket()),
+                )
+                .await?,
+                status: bounded(
+                    "status bucket",
+                    bus.kv_bucket_durable(&s.deploy_status_bucket()),
+                )
+                .await?,
+                assignments: bounded(
+                    "assignments bucket",
+                    bus.kv_bucket_durable(&s.assignments_bucket()),
+                )
+                .await?,
+                planner: bounded("planner bucket", bus.kv_bucket_durable(&s.planner_bucket()))
+                    .await?,
+                pins: bounded("pins bucket", bus.kv_bucket_durable(&s.pins_bucket())).await?,
+            });
+        }
+        self.buckets.as_ref().ok_or_else(|| "no buckets".into())
+    }
+
+    fn lease_key(&self) -> String {
+        format!("lease.{}", self.deployment)
+    }
+
+    fn status_key(&self) -> String {
+        format!("status.{}", self.deployment)
+    }
+
+    /// Whether this planner (still) holds the deployment's lease.
+    async fn hold(&mut self) -> Result<bool, String> {
+        let (key, me, ttl) = (
+            self.lease_key(),
+            self.cfg.node_id.clone(),
+            self.cfg.lease_ttl,
+        );
+        let (epoch, was) = (self.epoch, self.active);
+        let b = self.buckets().await?;
+        let held = lease::claim(&b.planner, &key, &me, ttl, epoch, was).await?;
+        Ok(match held {
+            Some(e) => {
+                self.epoch = e;
+                true
+            }
+            None => false,
+        })
+    }
+
+    async fn tick(&mut self) -> Result<(), String> {
+        let now = unix_ms();
+        let dep = self.deployment.clone();
+        let b = self.buckets().await?;
+        let rec = bounded("deployment", desired::record(&b.deployments, &dep)).await?;
+        let Some((rec, _)) = rec else {
+            return Ok(()); // deleted: the manager stops this planner
+        };
+        let spec = DeploymentSpec::parse(&rec.spec_yaml).map_err(|e| e.to_string())?;
+        let Some(pspec) = spec.planner.clone() else {
+            return Ok(());
+        };
+        self.every = pspec.fast_interval;
+        let was = self.active;
+        self.active = self.hold().await?;
+        if !self.active {
+            if was {
+                tracing::warn!(deployment = %dep, "planner lost its lease; standing by");
+            }
+            self.state = None;
+            // Standing by: windows are taken (and dropped) so a takeover
+            // starts from fresh ones.
+            if let Ok(mut f) = self.feed.lock() {
+                let _ = f.take(now, true, &|_| None);
+            }
+            return Ok(());
+        }
+        if self.state.is_none() {
+            self.adopt(&pspec).await?;
+            tracing::info!(deployment = %dep, epoch = self.epoch, node = %self.cfg.node_id, "planner active");
+        }
+        let b = self.buckets().await?;
+        let status: Option<DeploymentStatus> =
+            match bounded("status", b.status.entry(dep.clone())).await? {
+                Some(e) if e.operation == kv::Operation::Put => decode(&e.value).ok(),
+                _ => None,
+            };
+        let pins: std::collections::BTreeMap<String, PlannerPin> = read_all(&b.pins).await?;
+        let pinned: BTreeSet<String> = pins
+            .values()
+            .filter(|p| p.deployment == dep)
+            .map(|p| p.target.clone())
+            .collect();
+        let assignments: std::collections::BTreeMap<String, NodeAssignment> =
+            read_all(&b.assignments).await?;
+        let assignments: Vec<NodeAssignment> = assignments.into_values().collect();
+        let place = placements(self.bus.subjects.namespace().as_str(), &spec, &assignments);
+        let ts = targets(&spec, status.as_ref(), &pinned, &self.seed);
+        let sizing = now.saturating_sub(self.last_sizing_ms) >= pspec.interval.as_millis() as u64;
+        if sizing {
+            self.last_sizing_ms = now;
+        }
+        let (fast, slow) = {
+            let mut f = self
+                .feed
+                .lock()
+                .map_err(|_| "metrics feed poisoned".to_string())?;
+            f.models = models(&spec);
+            f.take(now, sizing, &|w| place.get(&w).cloned())
+        };
+        let Some(state) = self.state.as_mut() else {
+            return Ok(());
+        };
+        state.spec = pspec.clone();
+        let ev = state.evaluate(&ts, &fast, slow.as_ref());
+        let first_seq = state
+            .memory
+            .decisions
+            .saturating_sub(ev.changes.len() as u64);
+        for (i, c) in ev.changes.iter().enumerate() {
+            let seq = first_seq + 1 + i as u64;
+            // Fenced: only with the lease renewed just before.
+            if !self.hold().await? {
+                self.active = false;
+                self.state = None;
+                tracing::warn!(deployment = %dep, "planner lost its lease before acting");
+                return Ok(());
+            }
+            let res = self.apply(&spec, &c.target, c.to).await;
+            let (applied, reason) = match res {
+                Ok(()) => (true, c.reason.clone()),
+                Err(e) => (false, format!("{}; not applied: {e}", c.reason)),
+            };
+            tracing::info!(deployment = %dep, target = %c.target, from = c.from, to = c.to, rule = %c.rule, applied, "planner: {reason}");
+            crate::metrics::decided(&dep, &c.target, &c.rule, c.to > c.from, applied);
+            self.decisions.push_back(PlannerDecision {
+                seq,
+                unix_ms: now,
+                target: c.target.clone(),
+                from: c.from,
+                to: c.to,
+                rule: c.rule.clone(),
+                reason,
+                applied,
+            });
+            while self.decisions.len() > MAX_DECISIONS {
+                self.decisions.pop_front();
+            }
+        }
+        for n in &ev.notes {
+            crate::metrics::recommended(&dep, &n.target, n.desired, n.recommended, n.ready);
+        }
+        self.report(&pspec.policy, &ev.notes, now).await
+    }
+
+    /// Continues from the last holder's status (its memory and decisions),
+    /// or starts afresh.
+    async fn adopt(
+        &mut self,
+        pspec: &dynamo_cluster_config::planner_spec::PlannerSpec,
+    ) -> Result<(), String> {
+        let key = self.status_key();
+        let b = self.buckets().await?;
+        let prev: Option<PlannerStatus> =
+            match bounded("planner status", b.planner.entry(key)).await? {
+                Some(e) if e.operation == kv::Operation::Put => decode(&e.value).ok(),
+                _ => None,
+            };
+        let memory = prev
+            .as_ref()
+            .and_then(|p| serde_json::from_str::<Memory>(&p.memory_json).ok());
+        self.decisions = prev.map(|p| p.decisions.into()).unwrap_or_default();
+        self.state = Some(match memory {
+            Some(m) => PlannerState::adopt(pspec.clone(), m),
+            None => PlannerState::new(pspec.clone()),
+        });
+        self.last_sizing_ms = unix_ms();
+        Ok(())
+    }
+
+    /// Sets a target's replicas: the desired state (the controller places
+    /// it), or the Kubernetes objects where the deployment runs there.
+    async fn apply(
+        &mut self,
+        spec: &DeploymentSpec,
+        target: &str,
+        replicas: u32,
+    ) -> Result<(), String> {
+        if let Some(ns) = self.cfg.kubernetes_namespace.clone() {
+            return kubernetes(&ns, spec, target, replicas).await;
+        }
+        let dep = self.deployment.clone();
+        let b = self.buckets().await?;
+        bounded(
+            "scale",
+            desired::scale(&b.deployments, &dep, target, replicas),
+        )
+        .await
+        .map(|_| ())
+    }
+
+    async fn report(
+        &mut self,
+        policy: &PlannerPolicy,
+        notes: &[dynamo_planner::Note],
+        now: u64,
+    ) -> Result<(), String> {
+        let memory_json = self
+            .state
+            .as_ref()
+            .and_then(|s| serde_json::to_string(&s.memory).ok())
+            .filter(|j| j.len() <= MAX_MEMORY_JSON)
+            .unwrap_or_default();
+        let status = PlannerStatus {
+            deployment: self.deployment.clone(),
+            holder: self.cfg.node_id.clone(),
+            epoch: self.epoch,
+            policy: match policy {
+                PlannerPolicy::Sla => "sla".into(),
+                PlannerPolicy::Load => "load".into(),
+            },
+            updated_unix_ms: now,
+            targets: notes
+                .iter()
+                .take(MAX_PLANNER_ITEMS)
+                .map(|n| PlannerTarget {
+                    name: n.target.clone(),
+                    desired: n.desired,
+                    ready: n.ready,
+                    recommended: n.recommended,
+                    pinned: n.pinned,
+                    reason: n.reason.clone(),
+                    numbers: n
+                        .numbers
+                        .iter()
+                        .take(MAX_PLANNER_ITEMS)
+                        .map(|(k, v)| (k.clone(), *v))
+                        .collect(),
+                })
+                .collect(),
+            decisions: self.decisions.iter().cloned().collect(),
+            memory_json,
+        };
+        let bytes = encode(&status).map_err(|e| e.to_string())?;
+        let key = self.status_key();
+        let b = self.buckets().await?;
+        bounded("planner status", b.planner.put(key, bytes.into())).await?;
+        Ok(())
+    }
+}
+
+#[cfg(feature = "k8s-client")]
+async fn kubernetes(
+    ns: &str,
+    spec: &DeploymentSpec,
+    target: &str,
+    replicas: u32,
+) -> Result<(), String> {
+    use dynamo_cluster_config::render::connector::{KubeScaler, ScaleTarget};
+    let t = ScaleTarget::for_spec(spec, target).map_err(|e| e.to_string())?;
+    let scaler = KubeScaler::try_default(ns)
+        .await
+        .map_err(|e| e.to_string())?;
+    scaler
+        .scale(&t, replicas)
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "k8s-client"))]
+async fn kubernetes(
+    _ns: &str,
+    _spec: &DeploymentSpec,
+    _target: &str,
+    _replicas: u32,
+) -> Result<(), String> {
+    Err("this build has no Kubernetes client (build dynamo-planner-actor with the k8s-client feature)".into())
+}
