@@ -78,7 +78,9 @@ pub struct FrontendMetrics {
     /// Requests that ended in the interval, and of those, failed.
     pub finished: u32,
     pub failed: u32,
-    /// Prompt tokens of the arrivals; output tokens of the finished.
+    /// Requests whose prompt was tokenized, and its tokens summed (the
+    /// ISL is `isl_sum / prompts`); output tokens of the finished.
+    pub prompts: u32,
     pub isl_sum: u64,
     pub osl_sum: u64,
     /// Time to first token of requests that got one (ms histogram).

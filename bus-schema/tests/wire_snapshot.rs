@@ -494,6 +494,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                 arrivals: 3,
                 finished: 2,
                 failed: 1,
+                prompts: 3,
                 isl_sum: 300,
                 osl_sum: 40,
                 ttft: vec![0, 1, 2],

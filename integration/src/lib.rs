@@ -781,3 +781,213 @@ pub fn placements(d: &Value, name: &str) -> std::collections::BTreeMap<String, S
         })
         .collect()
 }
+
+/// One node of a [`JoinedCluster`].
+pub struct JoinSpec {
+    pub id: String,
+    /// `--labels` (e.g. `zone=z1,rack=r1,host=h1`).
+    pub labels: String,
+    pub slots: u32,
+    /// `--roles` (e.g. `controller`), empty for none.
+    pub roles: String,
+}
+
+impl JoinSpec {
+    pub fn new(id: &str, labels: &str, slots: u32, roles: &str) -> Self {
+        JoinSpec {
+            id: id.into(),
+            labels: labels.into(),
+            slots,
+            roles: roles.into(),
+        }
+    }
+}
+
+/// Node daemons joined to one real NATS, each with an HTTP port for a
+/// frontend placed there; built only once every node is in the inventory.
+pub struct JoinedCluster {
+    pub nats: Nats,
+    pub nodes: std::collections::BTreeMap<String, Node>,
+    pub ports: std::collections::BTreeMap<String, u16>,
+    pub dir: tempfile::TempDir,
+}
+
+impl JoinedCluster {
+    pub fn start(specs: &[JoinSpec]) -> JoinedCluster {
+        let nats = Nats::start();
+        let mut nodes = std::collections::BTreeMap::new();
+        let mut ports = std::collections::BTreeMap::new();
+        for s in specs {
+            let port = free_port();
+            let listen = format!("127.0.0.1:{port}");
+            let slots = s.slots.to_string();
+            let mut args = vec![
+                "--node-id",
+                s.id.as_str(),
+                "--labels",
+                s.labels.as_str(),
+                "--slots",
+                slots.as_str(),
+                "--http-listen",
+                listen.as_str(),
+            ];
+            if !s.roles.is_empty() {
+                args.extend(["--roles", s.roles.as_str()]);
+            }
+            nodes.insert(s.id.clone(), Node::join(&nats.url, &args));
+            ports.insert(s.id.clone(), port);
+        }
+        let t0 = Instant::now();
+        loop {
+            let out = dynamoctl(&nats.url, &["status", "--json"]);
+            let joined = serde_json::from_slice::<Value>(&out.stdout)
+                .ok()
+                .and_then(|v| {
+                    v["nodes"]
+                        .as_array()
+                        .map(|a| a.iter().filter(|n| n["slots"].is_u64()).count())
+                })
+                .unwrap_or(0);
+            if joined == specs.len() {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "{joined}/{} nodes joined; dynamoctl status: {} {}",
+                specs.len(),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        JoinedCluster {
+            nats,
+            nodes,
+            ports,
+            dir: tempfile::tempdir().expect("tempdir"),
+        }
+    }
+
+    /// `dynamoctl ARGS…` against this cluster.
+    pub fn ctl(&self, args: &[&str]) -> std::process::Output {
+        dynamoctl(&self.nats.url, args)
+    }
+
+    /// Writes `text` to a file in the cluster's directory; its path.
+    pub fn write(&self, name: &str, text: &str) -> String {
+        let p = self.dir.path().join(name);
+        std::fs::write(&p, text).expect("write file");
+        p.display().to_string()
+    }
+
+    /// The HTTP port of the node running `service`'s first replica.
+    pub fn port_of(&self, d: &Value, service: &str) -> u16 {
+        let node = placements(d, service)
+            .into_values()
+            .next()
+            .unwrap_or_else(|| panic!("{service} is not placed: {d}"));
+        self.ports[&node]
+    }
+}
+
+/// `dynamoctl planner status DEPLOYMENT --json`: the deployment's entry.
+pub fn planner_status(nats_url: &str, deployment: &str) -> Value {
+    let out = dynamoctl(nats_url, &["planner", "status", deployment, "--json"]);
+    assert_success(&out);
+    let v: Value = serde_json::from_slice(&out.stdout).expect("planner status prints JSON");
+    v[0].clone()
+}
+
+/// Open-loop load: requests at a settable rate (each its own prompt, so no
+/// cache hits), counted as they end.
+pub struct Load {
+    rate_milli: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    pub ok: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    pub failed: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    driver: tokio::task::JoinHandle<()>,
+}
+
+impl Load {
+    /// Starts `rate` requests/s of `prompt_tokens`-token prompts with
+    /// `max_tokens` outputs against the gateway on `port`.
+    pub fn start(port: u16, rate: f64, prompt_tokens: u32, max_tokens: u32) -> Load {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::{Arc, Mutex};
+        let rate_milli = Arc::new(AtomicU64::new((rate * 1000.0) as u64));
+        let stop = Arc::new(AtomicBool::new(false));
+        let ok = Arc::new(AtomicU64::new(0));
+        let failed = Arc::new(Mutex::new(Vec::new()));
+        let (r, s, o, f) = (rate_milli.clone(), stop.clone(), ok.clone(), failed.clone());
+        let driver = tokio::spawn(async move {
+            let client = reqwest::Client::new();
+            let mut inflight = tokio::task::JoinSet::new();
+            let mut n: u32 = 0;
+            while !s.load(Ordering::SeqCst) {
+                let rate = r.load(Ordering::SeqCst) as f64 / 1000.0;
+                if rate <= 0.0 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+                n = n.wrapping_add(1);
+                // Distinct prompts: nothing is cached across requests.
+                let prompt: Vec<u32> = (0..prompt_tokens)
+                    .map(|t| 300 + (n.wrapping_mul(7919).wrapping_add(t * 13)) % 40_000)
+                    .collect();
+                let body =
+                    serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens});
+                let (c, o, f) = (client.clone(), o.clone(), f.clone());
+                inflight.spawn(async move {
+                    let res = c
+                        .post(format!("http://127.0.0.1:{port}/v1/completions"))
+                        .json(&body)
+                        .timeout(Duration::from_secs(120))
+                        .send()
+                        .await;
+                    match res {
+                        Ok(r) if r.status().is_success() => {
+                            let _ = r.bytes().await;
+                            o.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Ok(r) => {
+                            let status = r.status();
+                            let text = r.text().await.unwrap_or_default();
+                            if let Ok(mut v) = f.lock() {
+                                v.push(format!("{status}: {text}"));
+                            }
+                        }
+                        Err(e) => {
+                            if let Ok(mut v) = f.lock() {
+                                v.push(e.to_string());
+                            }
+                        }
+                    }
+                });
+                while inflight.try_join_next().is_some() {}
+                tokio::time::sleep(Duration::from_secs_f64(1.0 / rate)).await;
+            }
+            while inflight.join_next().await.is_some() {}
+        });
+        Load {
+            rate_milli,
+            stop,
+            ok,
+            failed,
+            driver,
+        }
+    }
+
+    pub fn set_rate(&self, rate: f64) {
+        self.rate_milli
+            .store((rate * 1000.0) as u64, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Stops sending, waits for what is in flight; (succeeded, failures).
+    pub async fn finish(self) -> (u64, Vec<String>) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let _ = self.driver.await;
+        let ok = self.ok.load(std::sync::atomic::Ordering::SeqCst);
+        let failed = self.failed.lock().map(|v| v.clone()).unwrap_or_default();
+        (ok, failed)
+    }
+}

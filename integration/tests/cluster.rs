@@ -56,59 +56,22 @@ impl Cluster {
     /// the first `controllers` also run a placement controller.
     fn start(hosts: usize, controllers: usize, slots: u32, per_rack: usize) -> Cluster {
         let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-        let nats = Nats::start();
-        let mut nodes = BTreeMap::new();
-        let mut ports = BTreeMap::new();
-        for i in 1..=hosts {
-            let id = format!("n{i}");
-            let port = free_port();
-            let labels = format!("zone=z1,rack=r{},host=h{i}", i.div_ceil(per_rack));
-            let listen = format!("127.0.0.1:{port}");
-            let slots = slots.to_string();
-            let mut args = vec![
-                "--node-id",
-                id.as_str(),
-                "--labels",
-                labels.as_str(),
-                "--slots",
-                slots.as_str(),
-                "--http-listen",
-                listen.as_str(),
-            ];
-            if i <= controllers {
-                args.extend(["--roles", "controller"]);
-            }
-            nodes.insert(id.clone(), Node::join(&nats.url, &args));
-            ports.insert(id, port);
-        }
-        // Every node in the inventory before anything is applied.
-        let t0 = Instant::now();
-        loop {
-            let out = dynamoctl(&nats.url, &["status", "--json"]);
-            let joined = serde_json::from_slice::<Value>(&out.stdout)
-                .ok()
-                .and_then(|v| {
-                    v["nodes"]
-                        .as_array()
-                        .map(|a| a.iter().filter(|n| n["slots"].is_u64()).count())
-                })
-                .unwrap_or(0);
-            if joined == hosts {
-                break;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "{joined}/{hosts} nodes joined; dynamoctl status: {} {}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let specs: Vec<JoinSpec> = (1..=hosts)
+            .map(|i| {
+                JoinSpec::new(
+                    &format!("n{i}"),
+                    &format!("zone=z1,rack=r{},host=h{i}", i.div_ceil(per_rack)),
+                    slots,
+                    if i <= controllers { "controller" } else { "" },
+                )
+            })
+            .collect();
+        let j = JoinedCluster::start(&specs);
         Cluster {
-            nats,
-            nodes,
-            ports,
-            _dir: tempfile::tempdir().expect("tempdir"),
+            nats: j.nats,
+            nodes: j.nodes,
+            ports: j.ports,
+            _dir: j.dir,
             _serial: serial,
         }
     }

@@ -30,6 +30,7 @@ pub fn timing(settings: &serde_json::Value) -> EngineTiming {
         decode_ms: cfg.decode_ms,
         kv_tokens: cfg.num_blocks as f64 * cfg.block_size as f64,
         max_seqs: cfg.max_num_seqs as f64,
+        max_batch_tokens: cfg.max_num_batched_tokens as f64,
         speedup: if cfg.speedup == 0.0 || cfg.speedup.is_infinite() {
             1e6
         } else {

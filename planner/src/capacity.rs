@@ -35,6 +35,8 @@ pub struct EngineTiming {
     pub kv_tokens: f64,
     /// Most sequences one replica runs at once.
     pub max_seqs: f64,
+    /// Most prompt tokens one prefill step batches.
+    pub max_batch_tokens: f64,
     /// Simulated time runs this many times faster (1 for a real engine).
     pub speedup: f64,
 }
@@ -47,6 +49,7 @@ impl EngineTiming {
             decode_ms: [-25.74, 54.01, 5.74],
             kv_tokens: 16_384.0 * 16.0,
             max_seqs: 256.0,
+            max_batch_tokens: 8192.0,
             speedup: 1.0,
         }
     }

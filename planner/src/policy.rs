@@ -650,17 +650,30 @@ impl PlannerState {
                 .map(|s| s.queued_prefill_tokens)
                 .sum::<u64>()
                 + (w.queued as f64 * isl) as u64;
-            let s = cap.prefill.service_ms;
-            if queued > 0 && s < ttft {
-                // Tokens one replica prefills per second.
-                let rate = isl / (s / 1000.0);
-                let n = ceil_u32(queued as f64 / (rate * (ttft - s) / 1000.0));
+            // The learned cost of a prefill (per token and per batch).
+            let factor = cap.prefill.service_ms / t.timing.prefill(isl.max(1.0));
+            let batch = t.timing.max_batch_tokens.max(1.0);
+            let drain_ms = |q: f64| {
+                if q <= 0.0 {
+                    return 0.0;
+                }
+                (q / batch).ceil() * t.timing.prefill(q.min(batch)) * factor
+            };
+            // A new arrival waits for the queue ahead of it, then its own.
+            let budget = ttft - cap.prefill.service_ms;
+            let q = queued as f64;
+            if queued > 0 && budget > 0.0 && drain_ms(q / t.desired.max(1) as f64) > budget {
+                let mut n = t.desired.max(1);
+                while n < 4096 && drain_ms(q / n as f64) > budget {
+                    n += 1;
+                }
                 let n = n.div_ceil(per_group.0);
                 if n > best.0 {
                     best = (
                         n,
                         format!(
-                            "{queued} prompt tokens queued: {n} replicas prefill them within TTFT {ttft:.0} ms ({s:.0} ms per prefill of {isl:.0})"
+                            "{queued} prompt tokens queued: {n} replicas prefill them within TTFT {ttft:.0} ms ({:.0} ms for a {batch:.0}-token batch)",
+                            t.timing.prefill(batch) * factor
                         ),
                     );
                 }

@@ -336,3 +336,32 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn queued_prompt_tokens_ask_for_prefill_replicas_even_before_any_isl_is_known() {
+    let mut p = PlannerState::new(spec(BASE));
+    let ts = pd(1, 1);
+    let queue = |tokens: u64| {
+        let mut w = Window {
+            now_ms: 1_000_000,
+            secs: 1.0,
+            ..Window::default()
+        };
+        w.workers = vec![WorkerSample {
+            target: "prefill".into(),
+            phase: Some(Phase::Prefill),
+            windows: 5,
+            queued_prefill_tokens: tokens,
+            ..WorkerSample::default()
+        }];
+        w
+    };
+    // 1,000 tokens drain in one 32 ms batch: nothing to do.
+    assert!(p.evaluate(&ts, &queue(1_000), None).changes.is_empty());
+    // 100,000 tokens take 13 batches of 8,192 (≈ 2.2 s) on one replica;
+    // within 500 ms that is 4–6 replicas, not one per queued token.
+    let e = p.evaluate(&ts, &queue(100_000), None);
+    let c = e.changes.iter().find(|c| c.target == "prefill").unwrap();
+    assert_eq!(c.rule, "burst");
+    assert!((4..=8).contains(&c.to), "{c:?}");
+}

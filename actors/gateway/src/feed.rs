@@ -19,6 +19,7 @@ struct Acc {
     arrivals: u32,
     finished: u32,
     failed: u32,
+    prompts: u32,
     isl_sum: u64,
     osl_sum: u64,
     ttft: Vec<u32>,
@@ -67,12 +68,24 @@ impl Feed {
         f(a);
     }
 
-    /// A request was admitted.
-    pub fn arrived(&self, model: &str, prompt_tokens: usize, queue_ms: u64) {
+    /// A request for `model` arrived (before it waits for anything, so a
+    /// request held for a worker is seen at once).
+    pub fn arrived(&self, model: &str) {
+        self.with(model, |a| a.arrivals = a.arrivals.saturating_add(1));
+    }
+
+    /// It waited this long for admission.
+    pub fn admitted(&self, model: &str, queue_ms: u64) {
         self.with(model, |a| {
-            a.arrivals = a.arrivals.saturating_add(1);
-            a.isl_sum = a.isl_sum.saturating_add(prompt_tokens as u64);
-            a.queue_ms_sum = a.queue_ms_sum.saturating_add(queue_ms);
+            a.queue_ms_sum = a.queue_ms_sum.saturating_add(queue_ms)
+        });
+    }
+
+    /// Its prompt has this many tokens.
+    pub fn prompt(&self, model: &str, tokens: usize) {
+        self.with(model, |a| {
+            a.prompts = a.prompts.saturating_add(1);
+            a.isl_sum = a.isl_sum.saturating_add(tokens as u64);
         });
     }
 
@@ -119,6 +132,7 @@ impl Feed {
                 arrivals: a.arrivals,
                 finished: a.finished,
                 failed: a.failed,
+                prompts: a.prompts,
                 isl_sum: a.isl_sum,
                 osl_sum: a.osl_sum,
                 ttft: std::mem::replace(&mut a.ttft, hist()),
@@ -148,8 +162,11 @@ mod tests {
     #[test]
     fn an_interval_sums_its_requests_and_then_starts_afresh() {
         let f = Feed::default();
-        f.arrived("m", 100, 3);
-        f.arrived("m", 50, 0);
+        for (tokens, queue) in [(100, 3), (50, 0)] {
+            f.arrived("m");
+            f.admitted("m", queue);
+            f.prompt("m", tokens);
+        }
         f.ended(Ended {
             model: "m",
             ttft_ms: Some(40.0),
@@ -168,7 +185,10 @@ mod tests {
         assert_eq!(out.len(), 1);
         let m = &out[0];
         assert_eq!((m.arrivals, m.finished, m.failed), (2, 2, 1));
-        assert_eq!((m.isl_sum, m.osl_sum, m.queue_ms_sum), (150, 10, 3));
+        assert_eq!(
+            (m.prompts, m.isl_sum, m.osl_sum, m.queue_ms_sum),
+            (2, 150, 10, 3)
+        );
         assert_eq!(m.ttft.iter().sum::<u32>(), 1);
         assert_eq!(m.ttft[latency_bucket(40.0)], 1);
         assert_eq!(m.queued_now, 2);

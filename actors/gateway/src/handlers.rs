@@ -131,6 +131,7 @@ async fn handle(
         .unwrap_or(s.config.request_timeout);
     let deadline = t0 + timeout;
     let max_migrations = opts.max_migrations.unwrap_or(s.config.max_migrations);
+    s.feed.arrived(&model);
     let mut loaded = loop {
         match s.models.get(&s, &model).await {
             Err(e) if no_capacity(&e) => hold_for_workers(&s, &model, deadline, e).await?,
@@ -153,6 +154,7 @@ async fn handle(
         }
     })?;
     s.metrics.queue_wait.observe(waited.as_secs_f64());
+    s.feed.admitted(&model, waited.as_millis() as u64);
     // At most two passes: the second with the card a routed worker has.
     let mut started = Vec::new();
     for pass in 0..2 {
@@ -164,8 +166,7 @@ async fn handle(
         if pass == 0 {
             for g in &gens {
                 s.metrics.input_tokens.inc_by(g.token_ids.len() as u64);
-                s.feed
-                    .arrived(&model, g.token_ids.len(), waited.as_millis() as u64);
+                s.feed.prompt(&model, g.token_ids.len());
             }
         }
         // The second pass takes whichever card the worker has.

@@ -476,6 +476,7 @@ impl Planner {
             f.models = models(&spec);
             f.take(now, sizing, &|w| place.get(&w).cloned())
         };
+        tracing::debug!(deployment = %dep, arrivals = fast.arrivals, queued = fast.queued, held = fast.held, inflight = fast.inflight, workers = fast.workers.len(), "planner window");
         let Some(state) = self.state.as_mut() else {
             return Ok(());
         };

@@ -21,6 +21,7 @@ pub const MAX_SOURCES: usize = 4096;
 #[derive(Clone, Default)]
 struct Sums {
     arrivals: u64,
+    prompts: u64,
     finished: u64,
     isl_sum: u64,
     osl_sum: u64,
@@ -31,6 +32,7 @@ struct Sums {
 impl Sums {
     fn add(&mut self, m: &FrontendMetrics) {
         self.arrivals += m.arrivals as u64;
+        self.prompts += m.prompts as u64;
         self.finished += m.finished as u64;
         self.isl_sum += m.isl_sum;
         self.osl_sum += m.osl_sum;
@@ -208,7 +210,7 @@ impl MetricsFeed {
             now_ms,
             secs: now_ms.saturating_sub(since) as f64 / 1000.0,
             arrivals: s.arrivals,
-            isl_mean: (s.arrivals > 0).then(|| s.isl_sum as f64 / s.arrivals as f64),
+            isl_mean: (s.prompts > 0).then(|| s.isl_sum as f64 / s.prompts as f64),
             osl_mean: (s.finished > 0).then(|| s.osl_sum as f64 / s.finished as f64),
             ttft_p90_ms: latency_quantile(&s.ttft, 0.9),
             itl_p90_ms: latency_quantile(&s.itl, 0.9),
@@ -246,6 +248,7 @@ mod tests {
             arrivals,
             finished: arrivals,
             failed: 0,
+            prompts: arrivals,
             isl_sum: 100 * arrivals as u64,
             osl_sum: 10 * arrivals as u64,
             ttft,
