@@ -59,7 +59,7 @@ fuzz: deps
 	DYNAMO_FUZZ_CASES=$${DYNAMO_FUZZ_CASES:-200000} $(CARGO) test -p dynamo-bus-schema --test wire_snapshot
 	DYNAMO_FUZZ_CASES=$${DYNAMO_FUZZ_CASES:-50000} $(CARGO) test -p dynamo-integration --test fuzz -- --nocapture
 
-## bench: the benchmarks in BENCHMARKS.md (serving path, overload, KV index, KV routing replay, CPU engine, failover, transfer, placement, cluster timings)
+## bench: the benchmarks in BENCHMARKS.md (serving path, overload, KV index, KV routing replay, CPU engine, failover, transfer, placement, cluster timings, planner)
 bench: build
 	./scripts/bench.sh
 	./scripts/overload_bench.sh
@@ -71,6 +71,7 @@ bench: build
 	$(CARGO) test --release -q -p dynamo-integration --test disagg -- --ignored --nocapture ttft_breakdown
 	$(CARGO) run --release -q -p dynamo-cluster-config --example placement_bench
 	$(CARGO) test --release -q -p dynamo-integration --test cluster -- --ignored --nocapture cluster_timings
+	$(CARGO) test --release -q -p dynamo-integration --test planner_bench -- --ignored --nocapture planner_bench
 
 clean:
 	$(CARGO) clean

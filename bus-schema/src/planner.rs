@@ -41,24 +41,38 @@ pub fn latency_bucket(ms: f64) -> usize {
         .unwrap_or(LATENCY_BUCKETS_MS.len())
 }
 
-/// The value below which `q` (0–1) of a histogram's samples fall: the
-/// upper edge of the bucket that reaches it (None: no samples).
+/// The value below which `q` (0–1) of a histogram's samples fall,
+/// interpolated linearly inside the bucket that reaches it (the overflow
+/// bucket counts as ending at twice the last edge). None: no samples.
 pub fn latency_quantile(counts: &[u32], q: f64) -> Option<f64> {
     let total: u64 = counts.iter().map(|&c| c as u64).sum();
     if total == 0 {
         return None;
     }
-    let want = (q.clamp(0.0, 1.0) * total as f64).ceil().max(1.0) as u64;
+    let last = *LATENCY_BUCKETS_MS.last().unwrap_or(&1) as f64;
+    let want = q.clamp(0.0, 1.0) * total as f64;
     let mut seen = 0u64;
     for (i, &c) in counts.iter().enumerate() {
+        if c == 0 {
+            continue;
+        }
+        let before = seen;
         seen += c as u64;
-        if seen >= want {
-            return Some(
+        if seen as f64 >= want {
+            let lo = if i == 0 {
+                0.0
+            } else {
                 LATENCY_BUCKETS_MS
-                    .get(i)
+                    .get(i - 1)
                     .map(|&e| e as f64)
-                    .unwrap_or(2.0 * *LATENCY_BUCKETS_MS.last().unwrap_or(&1) as f64),
-            );
+                    .unwrap_or(last)
+            };
+            let hi = LATENCY_BUCKETS_MS
+                .get(i)
+                .map(|&e| e as f64)
+                .unwrap_or(2.0 * last);
+            let frac = ((want - before as f64) / c as f64).clamp(0.0, 1.0);
+            return Some(lo + (hi - lo) * frac);
         }
     }
     None
@@ -194,8 +208,11 @@ mod tests {
         }
         assert_eq!(h[0], 1);
         assert_eq!(h[LATENCY_BUCKETS_MS.len()], 1);
-        assert_eq!(latency_quantile(&h, 0.5), Some(50.0));
-        assert_eq!(latency_quantile(&h, 0.8), Some(500.0));
+        // 7 samples: the 3.5th is in (30, 50] (three there, the 2nd of them).
+        let median = latency_quantile(&h, 0.5).unwrap();
+        assert!(median > 30.0 && median <= 50.0, "{median}");
+        let p80 = latency_quantile(&h, 0.8).unwrap();
+        assert!(p80 > 300.0 && p80 <= 500.0, "{p80}");
         assert_eq!(latency_quantile(&h, 1.0), Some(60_000.0));
         assert_eq!(latency_quantile(&[0; 3], 0.5), None);
     }

@@ -6,8 +6,8 @@
 //!   policy: sla              # sla (ours) | load (Dynamo's load-mode rule)
 //!   ttft_ms: 500             # SLA: time to first token, per request
 //!   itl_ms: 50               # SLA: inter-token latency, per request
-//!   interval_ms: 10000       # sizing loop (prediction and capacity)
-//!   fast_interval_ms: 1000   # burst loop (queues), and the load rule's period
+//!   interval_ms: 10000       # sizing loop (prediction and capacity), and the load rule's period
+//!   fast_interval_ms: 1000   # burst loop (queues)
 //!   scale_down_after_ms: 60000   # a shrink waits this long after any change
 //!   idle_to_zero_ms: 0       # 0: never; else scale to zero after this idle time
 //!   cold_start_ms: 30000     # first guess of scale-up → ready (then measured)
@@ -99,9 +99,9 @@ pub struct PlannerSpec {
     pub ttft: Duration,
     /// SLA: inter-token latency.
     pub itl: Duration,
-    /// Period of the sizing loop.
+    /// Period of the sizing loop (and of the load rule).
     pub interval: Duration,
-    /// Period of the burst loop (and of the load rule).
+    /// Period of the burst loop.
     pub fast_interval: Duration,
     /// A shrink waits this long after the target's last change.
     pub scale_down_after: Duration,

@@ -28,6 +28,8 @@ use std::collections::{BTreeMap, VecDeque};
 
 /// A scale-down leaves each replica at most this busy (the hysteresis band).
 pub const DOWN_UTILISATION: f64 = 0.8;
+/// The largest share of an SLA target the frontend correction takes.
+pub const MAX_CORRECTION: f64 = 0.8;
 /// Recommendations kept per target (the scale-down window's history).
 const MAX_RECENT: usize = 512;
 /// Decisions a worker must report before it is learned from (cold start).
@@ -177,9 +179,10 @@ pub struct Memory {
     pub lead_samples: u64,
     /// Last unix ms with any demand.
     pub last_busy_ms: u64,
-    /// observed ÷ predicted TTFT and ITL at the frontends, averaged.
-    pub ttft_correction: f64,
-    pub itl_correction: f64,
+    /// Observed − predicted 90th-percentile TTFT and ITL at the frontends
+    /// (ms), averaged: the time the workers' own timings do not see.
+    pub ttft_correction_ms: f64,
+    pub itl_correction_ms: f64,
     pub targets: BTreeMap<String, TargetMemory>,
     /// Changes decided so far (a successor continues the count).
     pub decisions: u64,
@@ -194,8 +197,8 @@ impl Memory {
             lead_ms: spec.cold_start.as_millis() as f64,
             lead_samples: 0,
             last_busy_ms: 0,
-            ttft_correction: 1.0,
-            itl_correction: 1.0,
+            ttft_correction_ms: 0.0,
+            itl_correction_ms: 0.0,
             targets: BTreeMap::new(),
             decisions: 0,
         }
@@ -252,11 +255,12 @@ impl PlannerState {
 
     fn capacity(&self, t: &Target, isl: f64, osl: f64) -> TargetCapacity {
         let m = self.memory.targets.get(&t.name);
-        let mut l = m.map(|m| m.learned.clone()).unwrap_or_default();
-        l.prefill *= self.memory.ttft_correction;
-        l.decode *= self.memory.itl_correction;
-        let prefill = prefill_capacity(&t.timing, &l, isl, self.ttft_ms());
-        let decode = decode_capacity(&t.timing, &l, isl, osl, self.itl_ms());
+        let l = m.map(|m| m.learned.clone()).unwrap_or_default();
+        // What the model does not see comes off the targets.
+        let ttft = self.ttft_ms() - self.memory.ttft_correction_ms;
+        let itl = self.itl_ms() - self.memory.itl_correction_ms;
+        let prefill = prefill_capacity(&t.timing, &l, isl, ttft);
+        let decode = decode_capacity(&t.timing, &l, isl, osl, itl);
         let decode_seqs = decode.per_replica * osl.max(1.0) * decode.service_ms / 1000.0;
         TargetCapacity {
             prefill,
@@ -290,7 +294,16 @@ impl PlannerState {
         for t in targets {
             let (n, rule, reason, numbers) = match self.spec.policy {
                 PlannerPolicy::Sla => self.sla(t, fast, slow),
-                PlannerPolicy::Load => self.load_rule(t, fast),
+                // Dynamo's rule runs on its own period (the sizing interval).
+                PlannerPolicy::Load => match slow {
+                    Some(w) => self.load_rule(t, w),
+                    None => (
+                        t.desired,
+                        "hold".into(),
+                        "between load-rule periods".into(),
+                        BTreeMap::new(),
+                    ),
+                },
             };
             let (n, rule, reason) = self.edges(t, fast, n, rule, reason);
             let (n, rule, reason) = if t.pinned {
@@ -346,7 +359,16 @@ impl PlannerState {
     /// Cold starts (scale-up → ready) and changes made by others.
     fn track(&mut self, targets: &[Target], now: u64) {
         for t in targets {
-            let m = self.memory.targets.entry(t.name.clone()).or_default();
+            // A target first seen now has just "changed": nothing shrinks
+            // before it has been watched for a whole window.
+            let m = self
+                .memory
+                .targets
+                .entry(t.name.clone())
+                .or_insert_with(|| TargetMemory {
+                    last_change_ms: now,
+                    ..TargetMemory::default()
+                });
             if m.seen_desired.is_some_and(|d| d != t.desired) {
                 // Someone else changed it (a manual scale, a predecessor):
                 // it counts as a change for the shrink delay.
@@ -415,9 +437,10 @@ impl PlannerState {
     }
 
     /// The frontends' latency against what the learned model predicts at
-    /// the load of the window: observed ÷ predicted, averaged (the
+    /// the load of the window: observed − predicted, averaged (the
     /// correction for what the workers' own timings do not see: routing,
-    /// transfer, the first decode step, the tail).
+    /// transfer, the first decode step, HTTP, the tail). It comes off the
+    /// targets the capacity is sized for, at most [`MAX_CORRECTION`] of them.
     fn correct(&mut self, targets: &[Target], w: &Window) {
         const MIN_REQUESTS: u64 = 20;
         if w.arrivals < MIN_REQUESTS || w.secs <= 0.0 {
@@ -465,18 +488,14 @@ impl PlannerState {
                 }
             }
         }
-        let bound = |x: f64| x.clamp(0.5, 2.0);
+        let (ttft, itl) = (self.ttft_ms(), self.itl_ms());
         if let (Some(obs), Some(pred)) = (w.ttft_p90_ms, ttft_pred) {
-            if pred > 0.0 {
-                self.memory.ttft_correction =
-                    bound(ewma(self.memory.ttft_correction, obs / pred, 0.2));
-            }
+            let c = ewma(self.memory.ttft_correction_ms, obs - pred, 0.2);
+            self.memory.ttft_correction_ms = c.clamp(0.0, MAX_CORRECTION * ttft);
         }
         if let (Some(obs), Some(pred)) = (w.itl_p90_ms, itl_pred) {
-            if pred > 0.0 {
-                self.memory.itl_correction =
-                    bound(ewma(self.memory.itl_correction, obs / pred, 0.2));
-            }
+            let c = ewma(self.memory.itl_correction_ms, obs - pred, 0.2);
+            self.memory.itl_correction_ms = c.clamp(0.0, MAX_CORRECTION * itl);
         }
     }
 
@@ -489,18 +508,18 @@ impl PlannerState {
     ) -> (u32, String, String, BTreeMap<String, f64>) {
         let now = fast.now_ms;
         let mut nums = BTreeMap::new();
-        let isl = self
-            .memory
-            .isl
-            .predict(1.0)
-            .max(fast.isl_mean.unwrap_or(0.0))
-            .max(1.0);
-        let osl = self
-            .memory
-            .osl
-            .predict(1.0)
-            .max(fast.osl_mean.unwrap_or(0.0))
-            .max(1.0);
+        // Lengths from the smoothed series (one short window's mean is
+        // noise), or from the fast window before there is any.
+        let smoothed = |p: &AnyPredictor, now: Option<f64>| {
+            let v = p.predict(1.0);
+            if v > 0.0 {
+                v
+            } else {
+                now.unwrap_or(1.0).max(1.0)
+            }
+        };
+        let isl = smoothed(&self.memory.isl, fast.isl_mean);
+        let osl = smoothed(&self.memory.osl, fast.osl_mean);
         let cap = self.capacity(t, isl, osl);
         let per = match t.kind {
             TargetKind::Prefill => cap.prefill.per_replica,
@@ -548,8 +567,8 @@ impl PlannerState {
         let m = self.memory.targets.entry(t.name.clone()).or_default();
         nums.insert("learned_prefill".into(), m.learned.prefill);
         nums.insert("learned_decode".into(), m.learned.decode);
-        nums.insert("ttft_correction".into(), self.memory.ttft_correction);
-        nums.insert("itl_correction".into(), self.memory.itl_correction);
+        nums.insert("ttft_correction_ms".into(), self.memory.ttft_correction_ms);
+        nums.insert("itl_correction_ms".into(), self.memory.itl_correction_ms);
         let mut n = t.desired;
         let mut rule = "hold".to_string();
         let mut reason = format!("{} replicas carry the load", t.desired);
@@ -707,20 +726,32 @@ impl PlannerState {
         let mine: Vec<&WorkerSample> = w.workers.iter().filter(|s| s.target == t.name).collect();
         let mut nums = BTreeMap::new();
         nums.insert("engines".into(), mine.len() as f64);
-        // An engine's load against its target: the worse of its phases.
-        let ratio = |s: &WorkerSample| -> f64 {
-            let p = s.ttft_ms.unwrap_or(0.0) / ttft;
-            let d = s.itl_ms.unwrap_or(0.0) / itl;
+        // An engine's load against its target: the worse of its phases
+        // (None: it measured nothing in the period, so it says nothing).
+        let ratio = |s: &WorkerSample| -> Option<f64> {
+            let p = s.ttft_ms.map(|x| x / ttft);
+            let d = s.itl_ms.map(|x| x / itl);
             match s.phase {
                 Some(Phase::Prefill) => p,
                 Some(Phase::Decode) => d,
-                _ => p.max(d),
+                _ => match (p, d) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    (a, b) => a.or(b),
+                },
             }
         };
         if mine.is_empty() {
             return (t.desired, "hold".into(), "no engine reports".into(), nums);
         }
-        let ratios: Vec<f64> = mine.iter().map(|s| ratio(s)).collect();
+        let ratios: Vec<f64> = mine.iter().filter_map(|s| ratio(s)).collect();
+        if ratios.is_empty() {
+            return (
+                t.desired,
+                "hold".into(),
+                "no engine measured anything in the period".into(),
+                nums,
+            );
+        }
         let max = ratios.iter().cloned().fold(0.0, f64::max);
         let min = ratios.iter().cloned().fold(f64::INFINITY, f64::min);
         nums.insert("highest_load".into(), max);

@@ -266,12 +266,14 @@ fn the_load_rule_adds_when_every_engine_is_over_and_removes_when_all_are_under()
         sample("decode", Phase::Decode, None, Some(10.0)),
         sample("decode", Phase::Decode, None, Some(30.0)),
     ];
-    let e = p.evaluate(&ts, &w, None);
+    let e = p.evaluate(&ts, &w, Some(&w));
     let by = |n: &str| e.changes.iter().find(|c| c.target == n).map(|c| c.to);
     assert_eq!(by("prefill"), Some(3));
     assert_eq!(by("decode"), None, "one decode engine is over, one under");
+    // Between its periods the rule does nothing.
+    assert!(p.evaluate(&ts, &w, None).changes.is_empty());
     w.workers[3].itl_ms = Some(12.0);
-    let e = p.evaluate(&ts, &w, None);
+    let e = p.evaluate(&ts, &w, Some(&w));
     assert_eq!(
         e.changes
             .iter()
@@ -364,4 +366,18 @@ fn queued_prompt_tokens_ask_for_prefill_replicas_even_before_any_isl_is_known() 
     let c = e.changes.iter().find(|c| c.target == "prefill").unwrap();
     assert_eq!(c.rule, "burst");
     assert!((4..=8).contains(&c.to), "{c:?}");
+}
+
+#[test]
+fn a_planner_that_starts_watches_a_whole_window_before_it_shrinks() {
+    let mut p = PlannerState::new(spec(BASE));
+    let mut ts = pd(5, 5);
+    // No traffic yet: nothing shrinks within the first 60 s.
+    assert!(run(&mut p, &mut ts, 0, 55, |_| 0.0).is_empty());
+    let later = run(&mut p, &mut ts, 55, 30, |_| 0.0);
+    assert!(
+        later.iter().all(|c| c.rule == "shrink" && c.to == 1),
+        "{later:?}"
+    );
+    assert_eq!((ts[0].desired, ts[1].desired), (1, 1));
 }

@@ -294,7 +294,7 @@ mod tests {
         assert_eq!(fast.arrivals, 10);
         assert_eq!(fast.secs, 2.0);
         assert_eq!(fast.isl_mean, Some(100.0));
-        assert_eq!(fast.ttft_p90_ms, Some(500.0));
+        assert_eq!(fast.ttft_p90_ms, Some(460.0));
         assert_eq!((fast.queued, fast.inflight), (4, 2));
         assert_eq!(fast.workers.len(), 1, "worker 9 is another deployment's");
         let w = &fast.workers[0];

@@ -45,6 +45,11 @@ struct Args {
     /// `planner` (the planners only).
     #[arg(long, value_delimiter = ',')]
     roles: Vec<String>,
+    /// The planners scale Grove objects in this Kubernetes namespace
+    /// instead of the desired state (with --roles planner or controller;
+    /// needs a build with the `k8s-client` feature).
+    #[arg(long)]
+    planner_k8s_namespace: Option<String>,
     /// Address a frontend placed on this node listens on (with --join;
     /// default: the spec's `gateway.listen`).
     #[arg(long)]
@@ -98,7 +103,7 @@ fn main() {
                 memory_mib: args.memory_mib,
                 http_listen: args.http_listen,
             };
-            NodeConfig::joined(
+            let mut c = NodeConfig::joined(
                 &node_id,
                 &args.namespace,
                 url,
@@ -106,7 +111,14 @@ fn main() {
                 args.roles.iter().any(|r| r == "controller"),
                 args.roles.iter().any(|r| r == "planner"),
             )
-            .unwrap_or_else(|e| fail(e))
+            .unwrap_or_else(|e| fail(e));
+            if let Some(ns) = &args.planner_k8s_namespace {
+                match c.planner.as_mut() {
+                    Some(p) => p.kubernetes_namespace = Some(ns.clone()),
+                    None => fail("--planner-k8s-namespace needs --roles planner (or controller)"),
+                }
+            }
+            c
         }
         (None, None) => fail("give --config FILE or --join NATS_URL"),
     };
