@@ -115,21 +115,36 @@ pub async fn scale(url: &str, ns: Namespace, target: &str, replicas: u32) -> any
             }
         }
     };
-    let (generation, changed) =
-        dynamo_controller::desired::scale(&store.deployments, &name, &service, replicas).await?;
     // A manual scale pins the target: the planner leaves it alone until
-    // `dynamoctl planner release`.
+    // `dynamoctl planner release`. The pin goes first, so the planner cannot
+    // override the new value in between; a scale that fails takes it back.
     let pin = PlannerPin {
         deployment: name.clone(),
         target: service.clone(),
         replicas,
         unix_ms: unix_ms(),
     };
-    let pinned = store
+    let key = format!("{name}.{service}");
+    store
         .pins
-        .put(format!("{name}.{service}"), encode(&pin)?.into())
+        .put(key.clone(), encode(&pin)?.into())
         .await
-        .is_ok();
+        .map_err(|e| anyhow::anyhow!("cannot pin {name}/{service}: {e}"))?;
+    let pinned = true;
+    let (generation, changed) = match dynamo_controller::desired::scale(
+        &store.deployments,
+        &name,
+        &service,
+        replicas,
+    )
+    .await
+    {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = store.pins.delete(&key).await;
+            return Err(e.into());
+        }
+    };
     Ok(
         json!({"deployment": name, "target": service, "replicas": replicas, "generation": generation, "changed": changed, "pinned": pinned}),
     )

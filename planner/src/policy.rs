@@ -608,6 +608,15 @@ impl PlannerState {
         // replica (pending ones count as coming).
         let (burst, why) = self.burst(t, fast, &cap, isl);
         nums.insert("need_burst".into(), burst as f64);
+        if burst > 0 {
+            // What the queues asked for counts in the shrink window too, so
+            // a lasting queue does not shrink and burst back in turns.
+            let m = self.memory.targets.entry(t.name.clone()).or_default();
+            m.recent.push_back((now, burst));
+            while m.recent.len() > MAX_RECENT {
+                m.recent.pop_front();
+            }
+        }
         if burst > n {
             n = burst;
             rule = "burst".into();
@@ -667,8 +676,8 @@ impl PlannerState {
                 .iter()
                 .filter(|s| matches!(s.phase, Some(Phase::Prefill) | Some(Phase::Aggregated)))
                 .map(|s| s.queued_prefill_tokens)
-                .sum::<u64>()
-                + (w.queued as f64 * isl) as u64;
+                .fold(0u64, u64::saturating_add)
+                .saturating_add((w.queued as f64 * isl) as u64);
             // The learned cost of a prefill (per token and per batch).
             let factor = cap.prefill.service_ms / t.timing.prefill(isl.max(1.0));
             let batch = t.timing.max_batch_tokens.max(1.0);
@@ -702,8 +711,8 @@ impl PlannerState {
             let seqs: u32 = mine
                 .iter()
                 .filter(|s| matches!(s.phase, Some(Phase::Decode) | Some(Phase::Aggregated)))
-                .map(|s| s.active + s.waiting)
-                .sum();
+                .map(|s| s.active.saturating_add(s.waiting))
+                .fold(0u32, u32::saturating_add);
             let per = cap.decode_seqs.max(1.0);
             let n = ceil_u32(seqs as f64 / per).div_ceil(per_group.1);
             if n > best.0 && seqs > 0 {

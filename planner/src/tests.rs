@@ -305,9 +305,8 @@ proptest! {
     /// At a constant rate (with Poisson-like noise) the planner never
     /// changes direction: it grows to a level and stays.
     #[test]
-    fn a_constant_load_never_flips_direction(rate in 0.5f64..60.0, noise in proptest::collection::vec(-0.15f64..0.15, 400), policy_load in any::<bool>()) {
-        let yaml = if policy_load { format!("{BASE}policy: sla\n") } else { BASE.to_string() };
-        let mut p = PlannerState::new(spec(&yaml));
+    fn a_constant_load_never_flips_direction(rate in 0.5f64..60.0, noise in proptest::collection::vec(-0.15f64..0.15, 400)) {
+        let mut p = PlannerState::new(spec(BASE));
         let mut ts = pd(1, 1);
         let changes = run(&mut p, &mut ts, 0, 400, |s| rate * (1.0 + noise[s as usize % 400]));
         for name in ["prefill", "decode"] {

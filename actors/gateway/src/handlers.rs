@@ -132,9 +132,11 @@ async fn handle(
     let deadline = t0 + timeout;
     let max_migrations = opts.max_migrations.unwrap_or(s.config.max_migrations);
     s.feed.arrived(&model);
+    // One hold per request, however many times it is retried.
+    let hold_until = deadline.min(tokio::time::Instant::now() + s.config.hold_for_workers);
     let mut loaded = loop {
         match s.models.get(&s, &model).await {
-            Err(e) if no_capacity(&e) => hold_for_workers(&s, &model, deadline, e).await?,
+            Err(e) if no_capacity(&e) => hold_for_workers(&s, &model, hold_until, e).await?,
             r => break r?,
         }
     };
@@ -199,7 +201,7 @@ async fn handle(
                         if again.is_some()
                             && (no_capacity(&e) || e.code == Some("model_not_found")) =>
                     {
-                        hold_for_workers(&s, &model, deadline, e).await?
+                        hold_for_workers(&s, &model, hold_until, e).await?
                     }
                     r => break r,
                 }
@@ -259,17 +261,19 @@ fn no_capacity(e: &ApiError) -> bool {
 }
 
 /// Holds a request while no worker serves its model (after a scale to
-/// zero the planner wakes one on seeing held requests), within the hold
-/// limit and the request's deadline; `Ok` to try again, or the 503.
+/// zero the planner wakes one on seeing held requests), until `until` (the
+/// earlier of the request's deadline and the gateway's hold limit, fixed
+/// when the request arrived); `Ok` to try again, or the 503. Every call
+/// waits at least one poll, so a worker that is listed but cannot take the
+/// request yet (starting, draining, prefill-only) is no busy loop.
 async fn hold_for_workers(
     s: &Shared,
     model: &str,
-    deadline: tokio::time::Instant,
+    until: tokio::time::Instant,
     cause: ApiError,
 ) -> Result<(), ApiError> {
     use std::sync::atomic::Ordering;
-    let hold = s.config.hold_for_workers;
-    if hold.is_zero() {
+    if s.config.hold_for_workers.is_zero() {
         return Err(cause);
     }
     struct Held<'a>(&'a std::sync::atomic::AtomicU32);
@@ -284,9 +288,19 @@ async fn hold_for_workers(
         return Err(cause);
     }
     let _held = Held(&s.feed.held);
-    let until = deadline.min(tokio::time::Instant::now() + hold);
     let t0 = tokio::time::Instant::now();
     loop {
+        if tokio::time::Instant::now() + HOLD_POLL >= until {
+            s.metrics
+                .rejected
+                .with_label_values(&["held_timeout"])
+                .inc();
+            return Err(ApiError::unavailable(format!(
+                "No worker for {model} became ready in time (the request's deadline or the gateway's hold limit; held {} ms this time). Retry shortly.",
+                t0.elapsed().as_millis()
+            )));
+        }
+        tokio::time::sleep(HOLD_POLL).await;
         let up = models::list(s)
             .await
             .map(|all| {
@@ -297,17 +311,6 @@ async fn hold_for_workers(
         if up {
             return Ok(());
         }
-        if tokio::time::Instant::now() + HOLD_POLL >= until {
-            s.metrics
-                .rejected
-                .with_label_values(&["held_timeout"])
-                .inc();
-            return Err(ApiError::unavailable(format!(
-                "No worker for {model} became ready within {} ms (the request's deadline or the gateway's hold limit). Retry shortly.",
-                t0.elapsed().as_millis()
-            )));
-        }
-        tokio::time::sleep(HOLD_POLL).await;
     }
 }
 

@@ -281,7 +281,7 @@ async fn listen(bus: Bus, feed: Arc<Mutex<MetricsFeed>>) {
         let Ok(mut f) = feed.lock() else { return };
         if kind == FrontendMetrics::KIND {
             match decode::<FrontendMetrics>(&m.payload) {
-                Ok(x) if x.ttft.len() <= 64 && x.itl.len() <= 64 => f.frontend(&x),
+                Ok(x) if x.ttft.len() <= 64 && x.itl.len() <= 64 => f.frontend(&x, unix_ms()),
                 Ok(_) => dynamo_runtime::counters::reject(
                     "FrontendMetrics",
                     m.subject.as_str(),
@@ -293,7 +293,7 @@ async fn listen(bus: Bus, feed: Arc<Mutex<MetricsFeed>>) {
             }
         } else if kind == WorkerMetrics::KIND {
             match decode::<WorkerMetrics>(&m.payload) {
-                Ok(x) => f.worker(&x),
+                Ok(x) => f.worker(&x, unix_ms()),
                 Err(e) => dynamo_runtime::counters::reject("WorkerMetrics", m.subject.as_str(), &e),
             }
         } else {

@@ -31,11 +31,11 @@ struct Sums {
 
 impl Sums {
     fn add(&mut self, m: &FrontendMetrics) {
-        self.arrivals += m.arrivals as u64;
-        self.prompts += m.prompts as u64;
-        self.finished += m.finished as u64;
-        self.isl_sum += m.isl_sum;
-        self.osl_sum += m.osl_sum;
+        self.arrivals = self.arrivals.saturating_add(m.arrivals as u64);
+        self.prompts = self.prompts.saturating_add(m.prompts as u64);
+        self.finished = self.finished.saturating_add(m.finished as u64);
+        self.isl_sum = self.isl_sum.saturating_add(m.isl_sum);
+        self.osl_sum = self.osl_sum.saturating_add(m.osl_sum);
         for (dst, src) in [(&mut self.ttft, &m.ttft), (&mut self.itl, &m.itl)] {
             if src.len() == LATENCY_BUCKETS_MS.len() + 1 {
                 dst.resize(src.len(), 0);
@@ -102,7 +102,8 @@ impl MetricsFeed {
         self.models.is_empty() || self.models.contains(model)
     }
 
-    pub fn frontend(&mut self, m: &FrontendMetrics) {
+    /// A gateway's report, heard at `now_ms` (this planner's clock).
+    pub fn frontend(&mut self, m: &FrontendMetrics, now_ms: u64) {
         if !self.wanted(&m.model.0) {
             return;
         }
@@ -116,7 +117,7 @@ impl MetricsFeed {
         self.gateways.insert(
             key,
             Gateway {
-                unix_ms: m.unix_ms,
+                unix_ms: now_ms,
                 queued: m.queued_now,
                 held: m.held_now,
                 inflight: m.inflight_now,
@@ -124,7 +125,8 @@ impl MetricsFeed {
         );
     }
 
-    pub fn worker(&mut self, m: &WorkerMetrics) {
+    /// A worker's report, heard at `now_ms` (this planner's clock).
+    pub fn worker(&mut self, m: &WorkerMetrics, now_ms: u64) {
         if !self.wanted(&m.model.0) {
             return;
         }
@@ -144,13 +146,15 @@ impl MetricsFeed {
         }
         w.windows = w.windows.saturating_add(1);
         for s in [&mut w.fast, &mut w.slow] {
-            s.first_tokens += m.first_tokens as u64;
-            s.ttft_us += m.ttft_us_sum;
-            s.prompt_tokens += m.prompt_tokens;
-            s.gaps += m.token_gaps as u64;
-            s.itl_us += m.itl_us_sum;
+            s.first_tokens = s.first_tokens.saturating_add(m.first_tokens as u64);
+            s.ttft_us = s.ttft_us.saturating_add(m.ttft_us_sum);
+            s.prompt_tokens = s.prompt_tokens.saturating_add(m.prompt_tokens);
+            s.gaps = s.gaps.saturating_add(m.token_gaps as u64);
+            s.itl_us = s.itl_us.saturating_add(m.itl_us_sum);
         }
         w.last = m.clone();
+        // Freshness by this planner's clock, not the sender's.
+        w.last.unix_ms = now_ms;
     }
 
     /// The fast window (since the last call) and, with `slow`, the slow one
@@ -284,10 +288,10 @@ mod tests {
     #[test]
     fn windows_sum_reports_and_keep_the_latest_gauges() {
         let mut f = MetricsFeed::new(0);
-        f.frontend(&fm("g1", 1000, 5, 40.0));
-        f.frontend(&fm("g2", 1000, 5, 400.0));
-        f.worker(&wm(1, 1000, 1));
-        f.worker(&wm(9, 1000, 1));
+        f.frontend(&fm("g1", 1000, 5, 40.0), 1000);
+        f.frontend(&fm("g2", 1000, 5, 400.0), 1000);
+        f.worker(&wm(1, 1000, 1), 1000);
+        f.worker(&wm(9, 1000, 1), 1000);
         let place = |w: WorkerId| (w.0 == 1).then(|| ("decode".to_string(), Phase::Decode));
         let (fast, slow) = f.take(2000, false, &place);
         assert!(slow.is_none());
@@ -303,12 +307,12 @@ mod tests {
             (Some(40.0), Some(10.0), 0.25)
         );
         // The slow window still has everything; the fast one starts over.
-        f.frontend(&fm("g1", 2500, 1, 40.0));
+        f.frontend(&fm("g1", 2500, 1, 40.0), 2500);
         let (fast, slow) = f.take(3000, true, &place);
         assert_eq!(fast.arrivals, 1);
         assert_eq!(slow.unwrap().arrivals, 11);
         // Stale sources leave; a restarted worker is cold again.
-        f.worker(&wm(1, 9000, 2));
+        f.worker(&wm(1, 9000, 2), 9000);
         let (fast, _) = f.take(9500, false, &place);
         assert_eq!((fast.queued, fast.workers[0].windows), (0, 1));
     }
@@ -317,7 +321,7 @@ mod tests {
     fn other_models_are_ignored() {
         let mut f = MetricsFeed::new(0);
         f.models.insert("other".into());
-        f.frontend(&fm("g1", 1000, 5, 40.0));
+        f.frontend(&fm("g1", 1000, 5, 40.0), 1000);
         assert_eq!(f.take(1500, false, &|_| None).0.arrivals, 0);
     }
 }
