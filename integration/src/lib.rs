@@ -905,7 +905,9 @@ pub struct Load {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
     pub ok: std::sync::Arc<std::sync::atomic::AtomicU64>,
     pub failed: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-    driver: tokio::task::JoinHandle<()>,
+    /// The sending task (it owns the requests in flight); dropping the
+    /// `Load` aborts both.
+    driver: tokio::task::JoinSet<()>,
 }
 
 impl Load {
@@ -919,7 +921,8 @@ impl Load {
         let ok = Arc::new(AtomicU64::new(0));
         let failed = Arc::new(Mutex::new(Vec::new()));
         let (r, s, o, f) = (rate_milli.clone(), stop.clone(), ok.clone(), failed.clone());
-        let driver = tokio::spawn(async move {
+        let mut driver = tokio::task::JoinSet::new();
+        driver.spawn(async move {
             let client = reqwest::Client::new();
             let mut inflight = tokio::task::JoinSet::new();
             let mut n: u32 = 0;
@@ -985,7 +988,8 @@ impl Load {
     /// Stops sending, waits for what is in flight; (succeeded, failures).
     pub async fn finish(self) -> (u64, Vec<String>) {
         self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        let _ = self.driver.await;
+        let mut driver = self.driver;
+        while driver.join_next().await.is_some() {}
         let ok = self.ok.load(std::sync::atomic::Ordering::SeqCst);
         let failed = self.failed.lock().map(|v| v.clone()).unwrap_or_default();
         (ok, failed)

@@ -345,9 +345,12 @@ async fn run(s: &Setup, policy: Policy, reqs: &[Req], constant: Option<(f64, f64
     // its GPU from placement, cold start included), sampled every 200 ms.
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let acc = Arc::new(Mutex::new((0.0f64, 0u32)));
-    let sampler = {
+    // The sampler and the decision watcher: owned here, stopped by `stop`,
+    // and aborted if the run panics.
+    let mut background = tokio::task::JoinSet::new();
+    {
         let (stop, acc, status) = (stop.clone(), acc.clone(), status.clone());
-        tokio::spawn(async move {
+        background.spawn(async move {
             let mut last = Instant::now();
             let mut n = 0;
             while !stop.load(std::sync::atomic::Ordering::SeqCst) {
@@ -360,13 +363,13 @@ async fn run(s: &Setup, policy: Policy, reqs: &[Req], constant: Option<(f64, f64
                 }
                 last = now;
             }
-        })
-    };
+        });
+    }
     // Decisions, kept by sequence number (the status keeps the last 32).
     let decisions = Arc::new(Mutex::new(BTreeMap::<u64, Value>::new()));
-    let watcher = {
+    {
         let (stop, decisions, url) = (stop.clone(), decisions.clone(), c.nats.url.clone());
-        tokio::spawn(async move {
+        background.spawn(async move {
             while !stop.load(std::sync::atomic::Ordering::SeqCst) {
                 let out = dynamoctl(&url, &["planner", "status", "bench", "--json"]);
                 if let Ok(v) = serde_json::from_slice::<Value>(&out.stdout) {
@@ -382,15 +385,15 @@ async fn run(s: &Setup, policy: Policy, reqs: &[Req], constant: Option<(f64, f64
                 }
                 tokio::time::sleep(Duration::from_millis(700)).await;
             }
-        })
-    };
+        });
+    }
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(600))
         .build()
         .unwrap();
     let start = Instant::now();
     let start_ms = dynamo_bus_schema::unix_ms();
-    let mut tasks = Vec::with_capacity(reqs.len());
+    let mut tasks = tokio::task::JoinSet::new();
     for (n, r) in reqs.iter().enumerate() {
         tokio::time::sleep_until(tokio::time::Instant::from_std(start + r.at)).await;
         let req = Req {
@@ -399,18 +402,11 @@ async fn run(s: &Setup, policy: Policy, reqs: &[Req], constant: Option<(f64, f64
             osl: r.osl,
         };
         let client = client.clone();
-        tasks.push(tokio::spawn(
-            async move { one(&client, port, &req, n).await },
-        ));
+        tasks.spawn(async move { one(&client, port, &req, n).await });
     }
-    let results: Vec<Outcome> = futures::future::join_all(tasks)
-        .await
-        .into_iter()
-        .map(|r| r.unwrap_or_else(|e| Err(e.to_string())))
-        .collect();
+    let results: Vec<Outcome> = tasks.join_all().await.into_iter().collect();
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
-    let _ = sampler.await;
-    let _ = watcher.await;
+    background.join_all().await;
     let (worker_seconds, peak_workers) = *acc.lock().unwrap();
     let within = results
         .iter()

@@ -106,31 +106,25 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
     // absent bus never delays the reaction to a signal.
     // Owned here: if it ever ends (a panic), it is started again. A joined
     // node has none: its agent writes its record.
-    let mut heartbeat =
-        (!joined).then(|| tokio::spawn(registrar.clone().run(reg.clone(), sup.clone())));
+    let mut heartbeat = tokio::task::JoinSet::new();
+    if !joined {
+        heartbeat.spawn(registrar.clone().run(reg.clone(), sup.clone()));
+    }
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let mut sup_handle = sup_handle;
     let died = loop {
-        let beat_ended = async {
-            match heartbeat.as_mut() {
-                Some(h) => h.await,
-                None => std::future::pending().await,
-            }
-        };
         tokio::select! {
             _ = term.recv() => break false,
             _ = int.recv() => break false,
             _ = &mut sup_handle => break true,
-            r = beat_ended => {
+            Some(r) = heartbeat.join_next() => {
                 tracing::error!(error = ?r.err(), "the node's registration task ended; starting it again");
-                heartbeat = Some(tokio::spawn(registrar.clone().run(reg.clone(), sup.clone())));
+                heartbeat.spawn(registrar.clone().run(reg.clone(), sup.clone()));
             }
         }
     };
-    if let Some(h) = &heartbeat {
-        h.abort();
-    }
+    heartbeat.abort_all();
     if died {
         anyhow::bail!("node supervisor stopped unexpectedly");
     }

@@ -96,7 +96,8 @@ const CALL: Duration = Duration::from_secs(2);
 /// How long a presence probe waits (a live node answers in about a millisecond).
 const PROBE: Duration = Duration::from_millis(300);
 
-async fn bounded<T, E: std::fmt::Display>(
+/// A bus call that gives up after [`CALL`] (2 s), its error naming `what`.
+pub async fn bounded<T, E: std::fmt::Display>(
     what: &str,
     f: impl std::future::Future<Output = Result<T, E>>,
 ) -> Result<T, String> {

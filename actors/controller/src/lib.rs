@@ -16,6 +16,6 @@ pub mod lease;
 pub mod state;
 
 pub use actor::{
-    read_all, ControllerActor, ControllerArgs, ControllerConfig, ControllerMsg, LEASE_KEY,
+    bounded, read_all, ControllerActor, ControllerArgs, ControllerConfig, ControllerMsg, LEASE_KEY,
 };
 pub use state::{ControllerState, Decision, Deployment, World};

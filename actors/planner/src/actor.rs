@@ -26,7 +26,7 @@ use dynamo_bus_schema::{
 };
 use dynamo_cluster_config::planner_spec::PlannerPolicy;
 use dynamo_cluster_config::spec::DeploymentSpec;
-use dynamo_controller::{desired, lease, read_all};
+use dynamo_controller::{bounded, desired, lease, read_all};
 use dynamo_planner::{Memory, PlannerState};
 use dynamo_runtime::Bus;
 use futures::StreamExt;
@@ -79,19 +79,6 @@ pub struct Planners {
     seed: Seed,
     deployments: Option<kv::Store>,
     children: HashMap<String, ActorRef<PlannerMsg>>,
-}
-
-const CALL: Duration = Duration::from_secs(2);
-
-async fn bounded<T, E: std::fmt::Display>(
-    what: &str,
-    f: impl std::future::Future<Output = Result<T, E>>,
-) -> Result<T, String> {
-    match tokio::time::timeout(CALL, f).await {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(format!("{what}: {e}")),
-        Err(_) => Err(format!("{what}: timed out")),
-    }
 }
 
 impl Actor for PlannersActor {
