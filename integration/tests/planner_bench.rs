@@ -8,7 +8,10 @@
 //! Loads: the Azure LLM inference conversation trace (arrival times and
 //! lengths; `integration/data/azure`, CC-BY), time-compressed and thinned,
 //! and a synthetic diurnal curve with bursts and a constant segment.
-//! Settings come from the environment (defaults in [`Setup::from_env`]).
+//! Settings come from the environment (defaults in [`Setup::from_env`]);
+//! `PLANNER_BENCH_VERBOSE` prints every decision and the model's numbers,
+//! `PLANNER_BENCH_DUMP=DIR` writes each request's outcome and phase
+//! timings (`DIR/<shape>-<policy>.csv`).
 
 use dynamo_integration::*;
 use dynamo_planner::capacity::{decode_capacity, prefill_capacity, EngineTiming, Learned};
@@ -17,8 +20,9 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// A load: its name, its requests, and its constant-rate segment (s).
-type Shape = (&'static str, Vec<Req>, Option<(f64, f64)>);
+/// A load: its key, its name, its requests, and its constant-rate
+/// segment (s).
+type Shape = (&'static str, &'static str, Vec<Req>, Option<(f64, f64)>);
 
 struct Req {
     at: Duration,
@@ -51,8 +55,8 @@ impl Setup {
         Setup {
             compress: f("PLANNER_BENCH_COMPRESS", 24.0),
             thin: f("PLANNER_BENCH_THIN", 12.0) as usize,
-            ttft_ms: f("PLANNER_BENCH_TTFT_MS", 500.0),
-            itl_ms: f("PLANNER_BENCH_ITL_MS", 25.0),
+            ttft_ms: f("PLANNER_BENCH_TTFT_MS", 1000.0),
+            itl_ms: f("PLANNER_BENCH_ITL_MS", 30.0),
             cold_start_ms: f("PLANNER_BENCH_COLD_START_MS", 30_000.0),
             max_secs: f("PLANNER_BENCH_MAX_SECS", 1e9),
         }
@@ -177,6 +181,19 @@ fn sized(s: &Setup, rate: f64, isl: f64, osl: f64) -> (u32, u32) {
     )
 }
 
+/// The peak: the rate of the busiest 10 s (of compressed time).
+fn peak_rate(reqs: &[Req]) -> f64 {
+    let mut peak = 0.0f64;
+    let mut j = 0;
+    for i in 0..reqs.len() {
+        while reqs[i].at.as_secs_f64() - reqs[j].at.as_secs_f64() > 10.0 {
+            j += 1;
+        }
+        peak = peak.max((i - j + 1) as f64 / 10.0);
+    }
+    peak
+}
+
 fn spec(s: &Setup, policy: Policy, reqs: &[Req]) -> String {
     let n = reqs.len().max(1) as f64;
     let isl = reqs.iter().map(|r| r.isl as f64).sum::<f64>() / n;
@@ -187,15 +204,7 @@ fn spec(s: &Setup, policy: Policy, reqs: &[Req]) -> String {
         .unwrap_or(1.0)
         .max(1.0);
     let mean_rate = n / span;
-    // The peak: the busiest 10 s (of compressed time).
-    let mut peak = 0.0f64;
-    let mut j = 0;
-    for i in 0..reqs.len() {
-        while reqs[i].at.as_secs_f64() - reqs[j].at.as_secs_f64() > 10.0 {
-            j += 1;
-        }
-        peak = peak.max((i - j + 1) as f64 / 10.0);
-    }
+    let peak = peak_rate(reqs);
     let (pp, pd) = sized(s, peak, isl, osl);
     let (mp, md) = sized(s, mean_rate, isl, osl);
     let (prefill, decode) = match policy {
@@ -225,8 +234,9 @@ fn spec(s: &Setup, policy: Policy, reqs: &[Req]) -> String {
     )
 }
 
-/// One request's outcome: (TTFT ms, mean ITL ms) or the failure.
-type Outcome = Result<(f64, Option<f64>), String>;
+/// One request's outcome: (TTFT ms, mean ITL ms, the response's phase
+/// `timings`) or the failure.
+type Outcome = Result<(f64, Option<f64>, Option<Value>), String>;
 
 async fn one(client: &reqwest::Client, port: u16, r: &Req, n: usize) -> Outcome {
     use futures::StreamExt;
@@ -247,6 +257,7 @@ async fn one(client: &reqwest::Client, port: u16, r: &Req, n: usize) -> Outcome 
     }
     let mut stream = resp.bytes_stream();
     let (mut first, mut last, mut tokens, mut done) = (None, None, 0u64, false);
+    let mut timings = None;
     let mut buf = Vec::new();
     while let Some(chunk) = stream.next().await {
         buf.extend_from_slice(&chunk.map_err(|e| e.to_string())?);
@@ -272,6 +283,9 @@ async fn one(client: &reqwest::Client, port: u16, r: &Req, n: usize) -> Outcome 
                 first.get_or_insert(now);
                 last = Some(now);
             }
+            if let Some(t) = v.get("timings") {
+                timings = Some(t.clone());
+            }
             if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
                 tokens = u["completion_tokens"].as_u64().unwrap_or(0);
             }
@@ -286,7 +300,7 @@ async fn one(client: &reqwest::Client, port: u16, r: &Req, n: usize) -> Outcome 
         Some(l) if tokens > 1 => Some(ms(l - first) / (tokens - 1) as f64),
         _ => None,
     };
-    Ok((ms(first), itl))
+    Ok((ms(first), itl, timings))
 }
 
 struct Run {
@@ -316,7 +330,13 @@ async fn placed_workers(status: &async_nats::jetstream::kv::Store) -> Option<u32
     )
 }
 
-async fn run(s: &Setup, policy: Policy, reqs: &[Req], constant: Option<(f64, f64)>) -> Run {
+async fn run(
+    s: &Setup,
+    shape: &str,
+    policy: Policy,
+    reqs: &[Req],
+    constant: Option<(f64, f64)>,
+) -> Run {
     let c = JoinedCluster::start(&[
         JoinSpec::new("n1", "zone=z1,rack=r1,host=h1,edge=no", 0, "controller"),
         JoinSpec::new("n3", "zone=z1,rack=r1,host=h3,edge=yes", 64, ""),
@@ -367,12 +387,38 @@ async fn run(s: &Setup, policy: Policy, reqs: &[Req], constant: Option<(f64, f64
     }
     // Decisions, kept by sequence number (the status keeps the last 32).
     let decisions = Arc::new(Mutex::new(BTreeMap::<u64, Value>::new()));
+    // The model's numbers per target, as the planner's status showed them.
+    let model = Arc::new(Mutex::new(Vec::<(Instant, String)>::new()));
     {
         let (stop, decisions, url) = (stop.clone(), decisions.clone(), c.nats.url.clone());
+        let model = model.clone();
         background.spawn(async move {
             while !stop.load(std::sync::atomic::Ordering::SeqCst) {
                 let out = dynamoctl(&url, &["planner", "status", "bench", "--json"]);
                 if let Ok(v) = serde_json::from_slice::<Value>(&out.stdout) {
+                    if let (Some(ts), Ok(mut m)) = (v[0]["targets"].as_array(), model.lock()) {
+                        let line: Vec<String> = ts
+                            .iter()
+                            .map(|t| {
+                                let n: BTreeMap<String, f64> =
+                                    serde_json::from_value(t["numbers"].clone())
+                                        .unwrap_or_default();
+                                let g = |k: &str| n.get(k).copied().unwrap_or(f64::NAN);
+                                format!(
+                                    "{} {}/{} per-replica {:.2} learned ×{:.2}/×{:.2} correction {:.0}/{:.1} ms",
+                                    t["name"].as_str().unwrap_or(""),
+                                    t["ready"],
+                                    t["desired"],
+                                    g("capacity_per_replica"),
+                                    g("learned_prefill"),
+                                    g("learned_decode"),
+                                    g("ttft_correction_ms"),
+                                    g("itl_correction_ms")
+                                )
+                            })
+                            .collect();
+                        m.push((Instant::now(), line.join("; ")));
+                    }
                     if let (Some(list), Ok(mut d)) =
                         (v[0]["decisions"].as_array(), decisions.lock())
                     {
@@ -408,10 +454,61 @@ async fn run(s: &Setup, policy: Policy, reqs: &[Req], constant: Option<(f64, f64
     stop.store(true, std::sync::atomic::Ordering::SeqCst);
     background.join_all().await;
     let (worker_seconds, peak_workers) = *acc.lock().unwrap();
+    // PLANNER_BENCH_DUMP=DIR: one CSV of request outcomes per policy.
+    if let Some(dir) = std::env::var_os("PLANNER_BENCH_DUMP") {
+        let mut csv = String::from(
+            "at_s,isl,osl,ttft_ms,itl_ms,queue_ms,prefill_ms,transfer_ms,first_token_ms,prefill_worker,decode_worker,error\n",
+        );
+        for (r, o) in reqs.iter().zip(&results) {
+            let (t, i, phases, e) = match o {
+                Ok((t, i, p)) => {
+                    let f = |k: &str| {
+                        p.as_ref()
+                            .and_then(|p| p[k].as_f64())
+                            .map(|x| x.to_string())
+                            .unwrap_or_default()
+                    };
+                    let w = |k: &str| {
+                        p.as_ref()
+                            .and_then(|p| p[k].as_str())
+                            .unwrap_or_default()
+                            .to_string()
+                    };
+                    let mut phases = ["queue_ms", "prefill_ms", "transfer_ms", "first_token_ms"]
+                        .map(f)
+                        .join(",");
+                    phases += &format!(",{},{}", w("prefill_worker"), w("decode_worker"));
+                    (
+                        format!("{t:.1}"),
+                        i.map(|i| format!("{i:.2}")),
+                        phases,
+                        String::new(),
+                    )
+                }
+                Err(e) => (
+                    String::new(),
+                    None,
+                    ",,,,,".into(),
+                    e.replace([',', '\n'], " "),
+                ),
+            };
+            csv += &format!(
+                "{:.3},{},{},{t},{},{phases},{e}\n",
+                r.at.as_secs_f64(),
+                r.isl,
+                r.osl,
+                i.unwrap_or_default()
+            );
+        }
+        let path = std::path::Path::new(&dir).join(format!("{shape}-{policy:?}.csv"));
+        if let Err(e) = std::fs::write(&path, csv) {
+            eprintln!("PLANNER_BENCH_DUMP: {}: {e}", path.display());
+        }
+    }
     let within = results
         .iter()
         .filter(|r| {
-            matches!(r, Ok((ttft, itl)) if *ttft <= s.ttft_ms && itl.is_none_or(|i| i <= s.itl_ms))
+            matches!(r, Ok((ttft, itl, _)) if *ttft <= s.ttft_ms && itl.is_none_or(|i| i <= s.itl_ms))
         })
         .count();
     let failed = results.iter().filter(|r| r.is_err()).count();
@@ -437,6 +534,14 @@ async fn run(s: &Setup, policy: Policy, reqs: &[Req], constant: Option<(f64, f64
     let itl_p50 = at(&itls, 0.5);
     let decisions: Vec<Value> = decisions.lock().unwrap().values().cloned().collect();
     if std::env::var_os("PLANNER_BENCH_VERBOSE").is_some() {
+        let mut last = None;
+        for (at, line) in model.lock().unwrap().iter() {
+            let t = at.saturating_duration_since(start).as_secs_f64();
+            if last.is_none_or(|l| t - l >= 5.0) {
+                eprintln!("  {t:7.1}s model: {line}");
+                last = Some(t);
+            }
+        }
         for d in &decisions {
             let at = d["unix_ms"].as_u64().unwrap_or(0).saturating_sub(start_ms) as f64 / 1000.0;
             eprintln!(
@@ -476,6 +581,36 @@ async fn run(s: &Setup, policy: Policy, reqs: &[Req], constant: Option<(f64, f64
         ttft_p99,
         itl_p50,
     }
+}
+
+/// The bound for any policy on this load and model: a fleet resized every
+/// 10 s to exactly what that window's rate needs (no cold start, no
+/// headroom, no noise), as a share of the static peak fleet over the same
+/// span. Returns (that share, the windows' smallest and largest rate).
+fn oracle(s: &Setup, reqs: &[Req]) -> (f64, f64, f64) {
+    const W: f64 = 10.0;
+    let n = reqs.len().max(1) as f64;
+    let isl = reqs.iter().map(|r| r.isl as f64).sum::<f64>() / n;
+    let osl = reqs.iter().map(|r| r.osl as f64).sum::<f64>() / n;
+    let span = reqs.last().map(|r| r.at.as_secs_f64()).unwrap_or(0.0);
+    let windows = (span / W).ceil().max(1.0) as usize;
+    let mut counts = vec![0usize; windows];
+    for r in reqs {
+        counts[((r.at.as_secs_f64() / W) as usize).min(windows - 1)] += 1;
+    }
+    let rates: Vec<f64> = counts.iter().map(|&c| c as f64 / W).collect();
+    let workers = |rate: f64| {
+        let (p, d) = sized(s, rate, isl, osl);
+        (p + d) as f64
+    };
+    let low = rates.iter().cloned().fold(f64::INFINITY, f64::min);
+    let high = rates.iter().cloned().fold(0.0, f64::max);
+    let follow: f64 = rates.iter().map(|&r| workers(r)).sum();
+    (
+        follow / (workers(peak_rate(reqs)) * windows as f64),
+        low,
+        high,
+    )
 }
 
 fn report(name: &str, runs: &[Run]) {
@@ -526,14 +661,19 @@ async fn planner_bench() {
         let only = std::env::var("PLANNER_BENCH_SHAPES").unwrap_or_else(|_| "azure,diurnal".into());
         let mut v = Vec::new();
         if only.contains("azure") {
-            v.push(("Azure conversation trace", azure(&s), None));
+            v.push(("azure", "Azure conversation trace", azure(&s), None));
         }
         if only.contains("diurnal") {
-            v.push(("synthetic diurnal curve with bursts", d, Some(seg)));
+            v.push((
+                "diurnal",
+                "synthetic diurnal curve with bursts",
+                d,
+                Some(seg),
+            ));
         }
         v
     };
-    for (name, reqs, constant) in shapes {
+    for (key, name, reqs, constant) in shapes {
         let mut runs = Vec::new();
         let all = [
             Policy::StaticPeak,
@@ -553,7 +693,7 @@ async fn planner_bench() {
             pick.is_empty() || pick.split(',').any(|x| x == key)
         });
         for p in chosen {
-            let r = run(&s, p, &reqs, constant).await;
+            let r = run(&s, key, p, &reqs, constant).await;
             eprintln!(
                 "{name} / {p:?}: {:.2}% within SLA, {:.0} worker-s, {} failed",
                 r.within_sla * 100.0,
@@ -563,5 +703,10 @@ async fn planner_bench() {
             runs.push(r);
         }
         report(name, &runs);
+        let (share, low, high) = oracle(&s, &reqs);
+        println!(
+            "Bound: a fleet resized every 10 s to exactly each window's rate ({low:.1}–{high:.1} req/s) uses {:.0}% of the static peak fleet's worker-seconds (same model, no cold start, no headroom).",
+            share * 100.0
+        );
     }
 }

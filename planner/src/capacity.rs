@@ -23,6 +23,13 @@ const LEARN_RATE: f64 = 0.3;
 const TAIL: f64 = 2.0;
 /// Highest utilisation sized for, whatever the SLA allows.
 const MAX_RHO: f64 = 0.85;
+/// Decode occupancy margin, in standard deviations: a replica's KV holds
+/// the sequences it is given, whose number and lengths vary (Poisson
+/// arrivals, lengths spread about as widely as an exponential's, so the
+/// KV held has variance `2·m·live²` for `m` sequences of mean `live`
+/// tokens). Sizing keeps `mean + DECODE_Z·σ` at the utilisation where a
+/// step meets the ITL target: about the 90th percentile of occupancy.
+pub const DECODE_Z: f64 = 1.28;
 
 /// An engine's step timing (milliseconds of real time).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -154,7 +161,7 @@ pub fn prefill_capacity(t: &EngineTiming, l: &Learned, isl: f64, ttft_ms: f64) -
 }
 
 /// KV utilisation at which a step takes `itl_ms` (the largest u ≤ 0.95).
-fn utilisation_at(t: &EngineTiming, factor: f64, itl_ms: f64) -> f64 {
+pub fn utilisation_at(t: &EngineTiming, factor: f64, itl_ms: f64) -> f64 {
     let at = |u: f64| t.step(u) * factor;
     if at(0.95) <= itl_ms {
         return 0.95;
@@ -175,9 +182,19 @@ fn utilisation_at(t: &EngineTiming, factor: f64, itl_ms: f64) -> f64 {
     lo
 }
 
-/// Decode: requests/s per replica at the KV utilisation where a step meets
-/// `itl_ms`, each sequence holding about `isl + osl/2` tokens of KV and
-/// taking `osl` steps (Little's law).
+/// The KV utilisation a replica stays under about 90% of the time when its
+/// mean is `u` and each sequence holds about `live` tokens (see
+/// [`DECODE_Z`]).
+pub fn decode_tail_utilisation(t: &EngineTiming, u: f64, live: f64) -> f64 {
+    let u = u.max(0.0);
+    let kv = t.kv_tokens.max(1.0);
+    (u + DECODE_Z * (2.0 * u * live.max(1.0) / kv).sqrt()).min(1.0)
+}
+
+/// Decode: requests/s per replica at the mean KV utilisation whose 90th
+/// percentile ([`decode_tail_utilisation`]) is where a step meets `itl_ms`,
+/// each sequence holding about `isl + osl/2` tokens of KV and taking `osl`
+/// steps at the mean step time (Little's law).
 pub fn decode_capacity(t: &EngineTiming, l: &Learned, isl: f64, osl: f64, itl_ms: f64) -> Capacity {
     let osl = osl.max(1.0);
     let u = utilisation_at(t, l.decode, itl_ms);
@@ -193,8 +210,12 @@ pub fn decode_capacity(t: &EngineTiming, l: &Learned, isl: f64, osl: f64, itl_ms
         (u, String::new())
     };
     let live = isl.max(1.0) + osl / 2.0;
-    let seqs = (u * t.kv_tokens / live).min(t.max_seqs * 0.9).max(1.0);
-    let step = t.step(u) * l.decode;
+    // Mean utilisation m with m + b·√m = u, b = Z·√(2·live/kv).
+    let b = DECODE_Z * (2.0 * live / t.kv_tokens.max(1.0)).sqrt();
+    let root = (-b + (b * b + 4.0 * u).sqrt()) / 2.0;
+    let mean = (root * root).clamp(0.01 * u, u);
+    let seqs = (mean * t.kv_tokens / live).min(t.max_seqs * 0.9).max(1.0);
+    let step = t.step(mean) * l.decode;
     Capacity {
         per_replica: (seqs / (osl * step / 1000.0)).max(1e-9),
         service_ms: step,
@@ -255,6 +276,16 @@ mod tests {
         let tight = decode_capacity(&t, &l, 1000.0, 200.0, 15.0);
         let loose = decode_capacity(&t, &l, 1000.0, 200.0, 50.0);
         assert!(tight.service_ms <= 15.0 + 1e-6, "{tight:?}");
+        // The occupancy's 90th percentile meets the target, not its mean.
+        let live = 1000.0 + 100.0;
+        let mean = tight.per_replica * 200.0 * tight.service_ms / 1000.0 * live / t.kv_tokens;
+        let tail = decode_tail_utilisation(&t, mean, live);
+        assert!(tail > mean);
+        assert!(
+            (t.step(tail) - 15.0).abs() < 0.05,
+            "{} ms at {tail}",
+            t.step(tail)
+        );
         assert!(loose.per_replica > tight.per_replica);
         // Longer prompts hold more KV: fewer sequences fit.
         let long = decode_capacity(&t, &l, 8000.0, 200.0, 15.0);

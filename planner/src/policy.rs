@@ -19,7 +19,8 @@
 //! - only the idle rule scales a target to zero; any demand wakes it.
 
 use crate::capacity::{
-    aggregated_capacity, decode_capacity, prefill_capacity, Capacity, EngineTiming, Learned,
+    aggregated_capacity, decode_capacity, decode_tail_utilisation, prefill_capacity,
+    utilisation_at, Capacity, EngineTiming, Learned,
 };
 use crate::predict::{AnyPredictor, Predictor};
 use dynamo_cluster_config::planner_spec::{PlannerPolicy, PlannerSpec, TargetLimits};
@@ -29,7 +30,10 @@ use std::collections::{BTreeMap, VecDeque};
 /// A scale-down leaves each replica at most this busy (the hysteresis band).
 pub const DOWN_UTILISATION: f64 = 0.8;
 /// The largest share of an SLA target the frontend correction takes.
-pub const MAX_CORRECTION: f64 = 0.8;
+pub const MAX_CORRECTION: f64 = 0.5;
+/// A decode sample is learned from only when the model's step at its
+/// utilisation is at least this share of the ITL target.
+pub const DECODE_LEARN_SHARE: f64 = 0.5;
 /// Recommendations kept per target (the scale-down window's history).
 const MAX_RECENT: usize = 512;
 /// Decisions a worker must report before it is learned from (cold start).
@@ -179,6 +183,12 @@ pub struct Memory {
     pub lead_samples: u64,
     /// Last unix ms with any demand.
     pub last_busy_ms: u64,
+    /// Unix ms the current period of demand began (after an idle one).
+    /// Nothing shrinks within a shrink window of it: what a new load has
+    /// shown so far is biased (short requests finish first, rates are
+    /// still ramping).
+    #[serde(default)]
+    pub busy_since_ms: u64,
     /// Observed − predicted 90th-percentile TTFT and ITL at the frontends
     /// (ms), averaged: the time the workers' own timings do not see.
     pub ttft_correction_ms: f64,
@@ -197,6 +207,7 @@ impl Memory {
             lead_ms: spec.cold_start.as_millis() as f64,
             lead_samples: 0,
             last_busy_ms: 0,
+            busy_since_ms: 0,
             ttft_correction_ms: 0.0,
             itl_correction_ms: 0.0,
             targets: BTreeMap::new(),
@@ -231,7 +242,8 @@ fn ceil_u32(x: f64) -> u32 {
 struct TargetCapacity {
     prefill: Capacity,
     decode: Capacity,
-    /// Sequences one decode-capable replica runs within the ITL target.
+    /// Sequences one decode-capable replica holds at the KV utilisation
+    /// where a step meets the ITL target.
     decode_seqs: f64,
 }
 
@@ -261,7 +273,13 @@ impl PlannerState {
         let itl = self.itl_ms() - self.memory.itl_correction_ms;
         let prefill = prefill_capacity(&t.timing, &l, isl, ttft);
         let decode = decode_capacity(&t.timing, &l, isl, osl, itl);
-        let decode_seqs = decode.per_replica * osl.max(1.0) * decode.service_ms / 1000.0;
+        // The sequences a replica holds at the occupancy limit: the burst
+        // rule counts the sequences running now, a realised count, so no
+        // margin for the spread about a mean applies.
+        let live = isl.max(1.0) + osl.max(1.0) / 2.0;
+        let decode_seqs = (utilisation_at(&t.timing, l.decode, itl).max(0.02) * t.timing.kv_tokens
+            / live)
+            .clamp(1.0, t.timing.max_seqs.max(1.0) * 0.9);
         TargetCapacity {
             prefill,
             decode,
@@ -282,6 +300,17 @@ impl PlannerState {
             || fast.inflight > 0
             || fast.queued > 0
             || fast.workers.iter().any(|w| w.active > 0 || w.waiting > 0);
+        if busy {
+            // The first demand seen, or demand after a whole shrink window
+            // without any: a new period (gaps between requests of a light
+            // load are not).
+            let idle_ms = self.spec.scale_down_after.as_millis() as u64;
+            if self.memory.busy_since_ms == 0
+                || now.saturating_sub(self.memory.last_busy_ms) > idle_ms
+            {
+                self.memory.busy_since_ms = now;
+            }
+        }
         if busy || self.memory.last_busy_ms == 0 {
             self.memory.last_busy_ms = now;
         }
@@ -410,6 +439,7 @@ impl PlannerState {
             self.memory.osl.observe(x);
         }
         self.correct(targets, w);
+        let itl_target = self.itl_ms();
         for t in targets {
             let timing = t.timing.clone();
             let Some(m) = self.memory.targets.get_mut(&t.name) else {
@@ -427,7 +457,11 @@ impl PlannerState {
                         m.learned.prefill_sample(&timing, isl, ttft);
                     }
                 }
-                if decodes {
+                // A decode sample teaches only near the loads sizing is
+                // for: at a nearly empty cache a step is short and fixed
+                // costs (timers, delivery) dominate the ratio, which would
+                // then scale the whole curve.
+                if decodes && timing.step(s.kv_util) >= DECODE_LEARN_SHARE * itl_target {
                     if let Some(itl) = s.itl_ms {
                         m.learned.decode_sample(&timing, s.kv_util, itl);
                     }
@@ -482,7 +516,11 @@ impl PlannerState {
                     .map(|s| s.kv_util)
                     .collect();
                 if !us.is_empty() {
+                    // The frontends report a 90th percentile: compare it
+                    // with the step at the occupancy's (as sizing does).
                     let u = us.iter().sum::<f64>() / us.len() as f64;
+                    let osl = w.osl_mean.unwrap_or(1.0).max(1.0);
+                    let u = decode_tail_utilisation(&t.timing, u, isl + osl / 2.0);
                     let p = t.timing.step(u) * l.decode;
                     itl_pred = Some(itl_pred.map_or(p, |x: f64| x.max(p)));
                 }
@@ -629,6 +667,7 @@ impl PlannerState {
         if n == t.desired
             && slow.is_some()
             && now.saturating_sub(m.last_change_ms) >= window_ms
+            && now.saturating_sub(self.memory.busy_since_ms) >= window_ms
             && t.ready >= t.desired
         {
             let since = now.saturating_sub(window_ms);

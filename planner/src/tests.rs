@@ -380,3 +380,79 @@ fn a_planner_that_starts_watches_a_whole_window_before_it_shrinks() {
     );
     assert_eq!((ts[0].desired, ts[1].desired), (1, 1));
 }
+
+#[test]
+fn a_new_period_of_demand_is_watched_a_whole_window_before_anything_shrinks() {
+    let mut p = PlannerState::new(spec(BASE));
+    let mut ts = pd(5, 5);
+    // Idle long enough to shrink the starting fleet to the floor.
+    run(&mut p, &mut ts, 0, 100, |_| 0.0);
+    assert_eq!((ts[0].desired, ts[1].desired), (1, 1));
+    ts[1].desired = 6;
+    ts[1].ready = 6;
+    // Demand returns: a light load that one replica would carry. Nothing
+    // shrinks within the shrink window (60 s) of its start...
+    let early = run(&mut p, &mut ts, 100, 55, |_| 0.5);
+    assert!(early.iter().all(|c| c.rule != "shrink"), "{early:?}");
+    // ...and afterwards the oversized target does shrink.
+    let later = run(&mut p, &mut ts, 155, 40, |_| 0.5);
+    assert!(
+        later
+            .iter()
+            .any(|c| c.target == "decode" && c.rule == "shrink"),
+        "{later:?}"
+    );
+    // Gaps between the requests of a light load are not new periods: an
+    // oversized target still shrinks after one window.
+    let d = ts[1].desired;
+    ts[1].desired = d + 4;
+    ts[1].ready = d + 4;
+    let gappy = run(
+        &mut p,
+        &mut ts,
+        195,
+        75,
+        |s| if s % 4 == 0 { 1.0 } else { 0.0 },
+    );
+    assert!(
+        gappy
+            .iter()
+            .any(|c| c.target == "decode" && c.rule == "shrink"),
+        "{gappy:?}"
+    );
+}
+
+#[test]
+fn decode_is_learned_only_near_the_loads_sizing_is_for() {
+    // BASE: ITL 20 ms; the mocker's step is 5.7 ms empty, 15.1 ms at u = 0.2.
+    let mut p = PlannerState::new(spec(BASE));
+    let ts = pd(1, 1);
+    let slow_w = |now: u64, kv_util: f64, itl: f64| {
+        let mut w = window(now, 10.0, 1.0, 1000.0, 200.0);
+        w.workers = vec![WorkerSample {
+            target: "decode".into(),
+            phase: Some(Phase::Decode),
+            windows: 3,
+            kv_util,
+            itl_ms: Some(itl),
+            ..WorkerSample::default()
+        }];
+        w
+    };
+    // A nearly empty cache: 2 ms of fixed cost is a third of the step.
+    p.evaluate(
+        &ts,
+        &window(9, 1.0, 1.0, 1000.0, 200.0),
+        Some(&slow_w(9, 0.0, 7.7)),
+    );
+    assert_eq!(p.memory.targets["decode"].learned.decode, 1.0);
+    // Near the target, the same 2 ms is what it is.
+    let at = EngineTiming::mocker_default().step(0.3);
+    p.evaluate(
+        &ts,
+        &window(19, 1.0, 1.0, 1000.0, 200.0),
+        Some(&slow_w(19, 0.3, at + 2.0)),
+    );
+    let l = p.memory.targets["decode"].learned.decode;
+    assert!(l > 1.0 && l < (at + 2.0) / at + 1e-9, "{l}");
+}

@@ -3,10 +3,16 @@
 //!
 //! Invariants: a remote prefill is chosen only when the decode worker would
 //! compute at least `min_remote_prefill_tokens` uncached prompt tokens and
-//! some prefill worker has fewer than `max_prefill_queue` requests waiting;
-//! among those, the one holding the longest prefix of the prompt wins, then
-//! the one with the fewest requests in flight, then the lowest id (so every
-//! replica decides alike on the same view).
+//! some prefill worker has fewer than `max_prefill_queue` requests waiting
+//! (counting what this router sent it since its last load report); among
+//! those, the one holding the longest prefix of the prompt wins, then the
+//! one with the fewest prompts ahead (running, waiting, and sent since its
+//! report), then the lowest id.
+//!
+//! A worker's report lags the router's decisions (it is sent when its load
+//! changes, at most every load interval), so the prompts this router sent
+//! since the last report count too: without them every request of a burst
+//! would go to the same worker until it reported.
 
 use dynamo_bus_schema::{LoadMetrics, WorkerId};
 
@@ -37,6 +43,25 @@ pub struct PrefillCandidate {
     /// Leading prompt blocks it holds.
     pub overlap_blocks: u32,
     pub reported: LoadMetrics,
+    /// Prompts this router sent it since its last load report.
+    pub assigned: u32,
+}
+
+impl PrefillCandidate {
+    fn waiting(&self) -> u32 {
+        self.reported.waiting_seqs.saturating_add(self.assigned)
+    }
+
+    /// Prompts ahead of a new one: the engine's running and waiting
+    /// sequences (or the worker's in-flight requests, when larger), and
+    /// what was sent since.
+    fn ahead(&self) -> u32 {
+        let r = &self.reported;
+        r.active_seqs
+            .saturating_add(r.waiting_seqs)
+            .max(r.inflight_requests)
+            .saturating_add(self.assigned)
+    }
 }
 
 impl DisaggPolicy {
@@ -48,14 +73,8 @@ impl DisaggPolicy {
         }
         candidates
             .iter()
-            .filter(|c| c.reported.waiting_seqs < self.max_prefill_queue)
-            .min_by_key(|c| {
-                (
-                    std::cmp::Reverse(c.overlap_blocks),
-                    c.reported.inflight_requests,
-                    c.worker_id,
-                )
-            })
+            .filter(|c| c.waiting() < self.max_prefill_queue)
+            .min_by_key(|c| (std::cmp::Reverse(c.overlap_blocks), c.ahead(), c.worker_id))
             .map(|c| c.worker_id)
     }
 }
@@ -73,6 +92,7 @@ mod tests {
                 inflight_requests: inflight,
                 ..LoadMetrics::default()
             },
+            assigned: 0,
         }
     }
 
@@ -93,5 +113,23 @@ mod tests {
         assert_eq!(p.pick(1000, &c), Some(WorkerId(1)));
         let c = [cand(3, 0, 0, 0), cand(2, 0, 1, 5)];
         assert_eq!(p.pick(1000, &c), Some(WorkerId(3)));
+        // Running sequences count when the worker reports no requests.
+        let mut busy = cand(1, 0, 0, 0);
+        busy.reported.active_seqs = 2;
+        assert_eq!(p.pick(1000, &[busy, cand(2, 0, 0, 0)]), Some(WorkerId(2)));
+    }
+
+    #[test]
+    fn what_was_sent_since_the_report_counts() {
+        let p = DisaggPolicy::default();
+        let mut sent = cand(1, 0, 0, 0);
+        sent.assigned = 1;
+        assert_eq!(
+            p.pick(1000, &[sent.clone(), cand(2, 0, 0, 0)]),
+            Some(WorkerId(2))
+        );
+        // A worker sent a full queue since its report is saturated.
+        sent.assigned = 8;
+        assert_eq!(p.pick(1000, &[sent]), None);
     }
 }

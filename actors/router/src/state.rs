@@ -95,6 +95,9 @@ pub struct RouterState {
     approx: Approx,
     catch_up: CatchUp,
     disagg: DisaggPolicy,
+    /// Prompts sent to each prefill worker since its last load report
+    /// (see [`crate::disagg`]); at most one entry per registered worker.
+    prefill_sent: HashMap<WorkerId, u32>,
     overload_backoff: Duration,
 }
 
@@ -114,6 +117,7 @@ impl RouterState {
             approx: Approx::default(),
             catch_up: CatchUp::done(),
             disagg: DisaggPolicy::default(),
+            prefill_sent: HashMap::new(),
             overload_backoff: DEFAULT_OVERLOAD_BACKOFF,
         }
     }
@@ -286,10 +290,12 @@ impl RouterState {
         self.kv.worker_gone(id);
         self.active.worker_changed(id, u64::MAX);
         self.approx.forget(id);
+        self.prefill_sent.remove(&id);
     }
 
     /// A load report arrived; it also counts as a sign of life.
     pub fn load(&mut self, report: LoadReport, now: Instant) {
+        self.prefill_sent.remove(&report.worker_id);
         self.registry.load(report, now);
     }
 
@@ -305,6 +311,7 @@ impl RouterState {
             self.kv.worker_gone(*id);
             self.active.worker_changed(*id, u64::MAX);
             self.approx.forget(*id);
+            self.prefill_sent.remove(id);
         }
         self.active.expire(now);
         self.approx.expire(&mut self.kv.index, now);
@@ -465,7 +472,7 @@ impl RouterState {
     /// A prefill worker for a request that leaves `uncached` prompt tokens
     /// to its decode worker (see [`DisaggPolicy`]).
     fn pick_prefill(
-        &self,
+        &mut self,
         model: &ModelName,
         token_ids: &[u32],
         hashed: &mut Hashed,
@@ -502,9 +509,18 @@ impl RouterState {
                 worker_id: e.reg.worker_id,
                 overlap_blocks,
                 reported: e.reg.load.clone(),
+                assigned: self
+                    .prefill_sent
+                    .get(&e.reg.worker_id)
+                    .copied()
+                    .unwrap_or(0),
             });
         }
-        self.disagg.pick(uncached, &candidates)
+        let picked = self.disagg.pick(uncached, &candidates);
+        if let Some(w) = picked {
+            *self.prefill_sent.entry(w).or_default() += 1;
+        }
+        picked
     }
 
     /// What each worker serving `model` holds of `token_ids`, each hashed

@@ -84,6 +84,58 @@ fn prefill_workers_only_prefill_and_are_named_for_long_uncached_prompts() {
 }
 
 #[test]
+fn a_burst_spreads_over_prefill_workers_between_their_load_reports() {
+    let t0 = Instant::now();
+    let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+    s.set_disagg(DisaggPolicy {
+        min_remote_prefill_tokens: 64,
+        max_prefill_queue: 8,
+    });
+    let m = ModelName("a".into());
+    for id in [1, 2] {
+        let mut p = reg(id, 1, "a");
+        p.role = WorkerRole::Prefill;
+        s.upsert(p, t0);
+    }
+    let mut d = reg(3, 1, "a");
+    d.role = WorkerRole::Decode;
+    s.upsert(d, t0);
+    let mut picked = std::collections::BTreeMap::new();
+    for n in 0..6u32 {
+        // Distinct prompts: no prefix decides.
+        let prompt: Vec<u32> = (0..80).map(|t| n * 1000 + t).collect();
+        let d = s
+            .route(RequestId::random(), &m, &prompt, &[], t0)
+            .map(|(d, _)| d)
+            .unwrap();
+        *picked.entry(d.prefill_worker.unwrap()).or_insert(0) += 1;
+    }
+    assert_eq!(picked.get(&WorkerId(1)), Some(&3), "{picked:?}");
+    assert_eq!(picked.get(&WorkerId(2)), Some(&3), "{picked:?}");
+    // A fresh report replaces what was counted: worker 2 reports three
+    // prompts running, worker 1 reports none.
+    for (id, active) in [(1, 0), (2, 3)] {
+        s.load(
+            LoadReport {
+                worker_id: WorkerId(id),
+                generation: 1,
+                load: LoadMetrics {
+                    active_seqs: active,
+                    ..LoadMetrics::default()
+                },
+            },
+            t0,
+        );
+    }
+    let prompt: Vec<u32> = (0..80).map(|t| 99_000 + t).collect();
+    let d = s
+        .route(RequestId::random(), &m, &prompt, &[], t0)
+        .map(|(d, _)| d)
+        .unwrap();
+    assert_eq!(d.prefill_worker, Some(WorkerId(1)));
+}
+
+#[test]
 fn routes_only_to_fresh_serving_workers_of_the_model() {
     let t0 = Instant::now();
     let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));

@@ -458,3 +458,68 @@ mod tests {
         assert_eq!(*reason, FinishReason::Stop);
     }
 }
+
+#[cfg(test)]
+mod load_tests {
+    use super::*;
+    use dynamo_bus_schema::SamplingParams;
+    use dynamo_engine::EngineLimits;
+
+    /// Prefill-only requests arriving faster than one step (Poisson, 10 a
+    /// second of 1,100 tokens, on a small pool): batching never computes a
+    /// prompt token twice, so the simulated busy time is exactly the
+    /// prompts' tokens plus each step's constant.
+    #[test]
+    fn prefill_under_load_computes_each_prompt_token_once() {
+        let cfg = MockerConfig {
+            num_blocks: 2048,
+            kv_bytes_per_block: 1024,
+            prefill_ms: [0.0, 0.05, 20.0],
+            ..MockerConfig::default()
+        };
+        let mut c = MockerCore::new(cfg, 1, (100, 1000), vec![2], true).unwrap();
+        let limits = EngineLimits {
+            context_length: 100_000,
+            vocab_size: 50_000,
+        };
+        let (mut clock, mut next) = (0.0f64, 0.0f64);
+        let (mut id, mut busy, mut tokens, mut steps) = (0u32, 0.0, 0u64, 0u64);
+        let mut seed = 7u64;
+        while clock < 30_000.0 {
+            while next <= clock {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                let u = (seed >> 11) as f64 / (1u64 << 53) as f64;
+                next += -(1.0 - u).ln() * 100.0;
+                id += 1;
+                let prompt: Vec<u32> = (0..1100)
+                    .map(|t| 300 + (id * 7919 + t * 13) % 40_000)
+                    .collect();
+                let r = ValidRequest::from_parts(
+                    RequestId(id as u128),
+                    prompt,
+                    &SamplingParams::greedy(1),
+                    limits,
+                )
+                .unwrap();
+                c.add(r).unwrap();
+                tokens += 1100;
+            }
+            if c.is_idle() {
+                clock = next;
+                continue;
+            }
+            let s = c.step();
+            steps += 1;
+            busy += s.simulated_ms;
+            clock += s.simulated_ms;
+        }
+        let expected = tokens as f64 * 0.05 + steps as f64 * 20.0;
+        // Requests still queued at the end account for the difference.
+        let queued = c.load().active_seqs + c.load().waiting_seqs;
+        assert!(id > 250 && steps > 100, "{id} requests, {steps} steps");
+        assert!(
+            busy <= expected + 1e-6 && busy >= expected - queued as f64 * 1100.0 * 0.05 - 1e-6,
+            "busy {busy} ms, expected {expected} ms ({queued} queued)"
+        );
+    }
+}
