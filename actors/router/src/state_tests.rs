@@ -46,26 +46,36 @@ fn reg(id: u64, gen: u64, model: &str) -> WorkerRegistration {
     }
 }
 
-#[test]
-fn prefill_workers_only_prefill_and_are_named_for_long_uncached_prompts() {
-    let t0 = Instant::now();
+/// A router that prefills remotely from 64 uncached tokens.
+fn disagg_state(max_prefill_queue: u32) -> RouterState {
     let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
     s.set_disagg(DisaggPolicy {
         min_remote_prefill_tokens: 64,
-        max_prefill_queue: 2,
+        max_prefill_queue,
     });
+    s
+}
+
+/// A worker of model `a` in `role`.
+fn role_reg(id: u64, role: WorkerRole) -> WorkerRegistration {
+    let mut r = reg(id, 1, "a");
+    r.role = role;
+    r
+}
+
+#[test]
+fn prefill_workers_only_prefill_and_are_named_for_long_uncached_prompts() {
+    let t0 = Instant::now();
+    let mut s = disagg_state(2);
     let m = ModelName("a".into());
-    let mut p = reg(1, 1, "a");
-    p.role = WorkerRole::Prefill;
+    let mut p = role_reg(1, WorkerRole::Prefill);
     s.upsert(p.clone(), t0);
     // A prefill worker alone cannot serve.
     assert!(matches!(
         route(&mut s, &m, &[], t0),
         Err(RouteError::UnknownModel { .. })
     ));
-    let mut d = reg(2, 1, "a");
-    d.role = WorkerRole::Decode;
-    s.upsert(d, t0);
+    s.upsert(role_reg(2, WorkerRole::Decode), t0);
     let long: Vec<u32> = (0..80).collect();
     let pick = |s: &mut RouterState, tokens: &[u32]| {
         s.route(RequestId::random(), &m, tokens, &[], t0)
@@ -86,29 +96,22 @@ fn prefill_workers_only_prefill_and_are_named_for_long_uncached_prompts() {
 #[test]
 fn a_burst_spreads_over_prefill_workers_between_their_load_reports() {
     let t0 = Instant::now();
-    let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
-    s.set_disagg(DisaggPolicy {
-        min_remote_prefill_tokens: 64,
-        max_prefill_queue: 8,
-    });
+    let mut s = disagg_state(8);
     let m = ModelName("a".into());
     for id in [1, 2] {
-        let mut p = reg(id, 1, "a");
-        p.role = WorkerRole::Prefill;
-        s.upsert(p, t0);
+        s.upsert(role_reg(id, WorkerRole::Prefill), t0);
     }
-    let mut d = reg(3, 1, "a");
-    d.role = WorkerRole::Decode;
-    s.upsert(d, t0);
+    s.upsert(role_reg(3, WorkerRole::Decode), t0);
+    // Distinct prompts: no prefix decides.
+    let prefill_of = |s: &mut RouterState, n: u32| {
+        let prompt: Vec<u32> = (0..80).map(|t| n * 1000 + t).collect();
+        s.route(RequestId::random(), &m, &prompt, &[], t0)
+            .map(|(d, _)| d.prefill_worker)
+            .unwrap()
+    };
     let mut picked = std::collections::BTreeMap::new();
     for n in 0..6u32 {
-        // Distinct prompts: no prefix decides.
-        let prompt: Vec<u32> = (0..80).map(|t| n * 1000 + t).collect();
-        let d = s
-            .route(RequestId::random(), &m, &prompt, &[], t0)
-            .map(|(d, _)| d)
-            .unwrap();
-        *picked.entry(d.prefill_worker.unwrap()).or_insert(0) += 1;
+        *picked.entry(prefill_of(&mut s, n).unwrap()).or_insert(0) += 1;
     }
     assert_eq!(picked.get(&WorkerId(1)), Some(&3), "{picked:?}");
     assert_eq!(picked.get(&WorkerId(2)), Some(&3), "{picked:?}");
@@ -127,12 +130,7 @@ fn a_burst_spreads_over_prefill_workers_between_their_load_reports() {
             t0,
         );
     }
-    let prompt: Vec<u32> = (0..80).map(|t| 99_000 + t).collect();
-    let d = s
-        .route(RequestId::random(), &m, &prompt, &[], t0)
-        .map(|(d, _)| d)
-        .unwrap();
-    assert_eq!(d.prefill_worker, Some(WorkerId(1)));
+    assert_eq!(prefill_of(&mut s, 99), Some(WorkerId(1)));
 }
 
 #[test]
