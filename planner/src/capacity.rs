@@ -16,19 +16,20 @@ use serde::{Deserialize, Serialize};
 
 pub const MIN_FACTOR: f64 = 0.2;
 pub const MAX_FACTOR: f64 = 5.0;
-/// Weight of a new sample in a learned multiplier.
-const LEARN_RATE: f64 = 0.3;
+/// Weight of a new sample (one window's workers) in a learned multiplier.
+const LEARN_RATE: f64 = 0.15;
 /// Tail factor on the queueing wait (about the 90th percentile of an
 /// M/D/1 queue's wait over its mean).
 const TAIL: f64 = 2.0;
 /// Highest utilisation sized for, whatever the SLA allows.
 const MAX_RHO: f64 = 0.85;
-/// Decode occupancy margin, in standard deviations: a replica's KV holds
+/// Decode occupancy margin, in standard deviations: a fleet's KV holds
 /// the sequences it is given, whose number and lengths vary (Poisson
 /// arrivals, lengths spread about as widely as an exponential's, so the
 /// KV held has variance `2·m·live²` for `m` sequences of mean `live`
-/// tokens). Sizing keeps `mean + DECODE_Z·σ` at the utilisation where a
-/// step meets the ITL target: about the 90th percentile of occupancy.
+/// tokens), and the router shares it out evenly. Sizing keeps a replica's
+/// `mean + DECODE_Z·σ` at the utilisation where a step meets the ITL
+/// target: about the 90th percentile of occupancy.
 pub const DECODE_Z: f64 = 1.28;
 
 /// An engine's step timing (milliseconds of real time).
@@ -124,6 +125,31 @@ impl Learned {
         self.decode = blend(self.decode, observed_ms / t.step(u));
         self.decode_samples += 1;
     }
+    /// One window's prefill workers, as (isl, observed ms) pairs: one
+    /// sample, their total observed time over the total the model predicts
+    /// (nothing when empty).
+    pub fn prefill_window(&mut self, t: &EngineTiming, samples: &[(f64, f64)]) {
+        if let Some(r) = ratio_of_sums(samples, |isl| t.prefill(isl)) {
+            self.prefill = blend(self.prefill, r);
+            self.prefill_samples += 1;
+        }
+    }
+    /// One window's decode workers, as (utilisation, observed step ms).
+    pub fn decode_window(&mut self, t: &EngineTiming, samples: &[(f64, f64)]) {
+        if let Some(r) = ratio_of_sums(samples, |u| t.step(u)) {
+            self.decode = blend(self.decode, r);
+            self.decode_samples += 1;
+        }
+    }
+}
+
+/// Σ observed ÷ Σ predicted over the finite samples (`None` when none).
+fn ratio_of_sums(samples: &[(f64, f64)], model: impl Fn(f64) -> f64) -> Option<f64> {
+    let (obs, pred) = samples
+        .iter()
+        .filter(|(x, o)| x.is_finite() && o.is_finite() && *o > 0.0)
+        .fold((0.0, 0.0), |(a, b), (x, o)| (a + o, b + model(*x)));
+    (pred > 0.0).then(|| obs / pred)
 }
 
 /// One replica's capacity at the SLA, with the numbers behind it.
@@ -182,20 +208,45 @@ pub fn utilisation_at(t: &EngineTiming, factor: f64, itl_ms: f64) -> f64 {
     lo
 }
 
-/// The KV utilisation a replica stays under about 90% of the time when its
-/// mean is `u` and each sequence holds about `live` tokens (see
-/// [`DECODE_Z`]).
-pub fn decode_tail_utilisation(t: &EngineTiming, u: f64, live: f64) -> f64 {
+/// The spread term of a replica's KV occupancy: its standard deviation
+/// is `b·√mean / DECODE_Z`, b = Z·√(2·live/(kv·replicas)). A router that
+/// sends each sequence to the replica holding least KV keeps the replicas
+/// of a fleet close to its mean, so a replica varies as its fleet's total
+/// does, shared out: the spread falls with √replicas.
+fn decode_spread(t: &EngineTiming, live: f64, replicas: f64) -> f64 {
+    DECODE_Z * (2.0 * live.max(1.0) / (t.kv_tokens.max(1.0) * replicas.max(1.0))).sqrt()
+}
+
+/// The KV utilisation a replica of a fleet of `replicas` stays under about
+/// 90% of the time when its mean is `u` and each sequence holds about
+/// `live` tokens (see [`DECODE_Z`]).
+pub fn decode_tail_utilisation(t: &EngineTiming, u: f64, live: f64, replicas: f64) -> f64 {
     let u = u.max(0.0);
-    let kv = t.kv_tokens.max(1.0);
-    (u + DECODE_Z * (2.0 * u * live.max(1.0) / kv).sqrt()).min(1.0)
+    (u + decode_spread(t, live, replicas) * u.sqrt()).min(1.0)
+}
+
+/// The mean KV utilisation whose 90th percentile
+/// ([`decode_tail_utilisation`]) is `u`: m with m + b·√m = u.
+pub fn decode_mean_utilisation(t: &EngineTiming, u: f64, live: f64, replicas: f64) -> f64 {
+    let u = u.max(0.0);
+    let b = decode_spread(t, live, replicas);
+    let root = (-b + (b * b + 4.0 * u).sqrt()) / 2.0;
+    (root * root).clamp(0.01 * u, u)
 }
 
 /// Decode: requests/s per replica at the mean KV utilisation whose 90th
 /// percentile ([`decode_tail_utilisation`]) is where a step meets `itl_ms`,
 /// each sequence holding about `isl + osl/2` tokens of KV and taking `osl`
-/// steps at the mean step time (Little's law).
-pub fn decode_capacity(t: &EngineTiming, l: &Learned, isl: f64, osl: f64, itl_ms: f64) -> Capacity {
+/// steps at the mean step time (Little's law), for one of `replicas`
+/// replicas that share a load.
+pub fn decode_capacity(
+    t: &EngineTiming,
+    l: &Learned,
+    isl: f64,
+    osl: f64,
+    itl_ms: f64,
+    replicas: f64,
+) -> Capacity {
     let osl = osl.max(1.0);
     let u = utilisation_at(t, l.decode, itl_ms);
     let (u, infeasible) = if u <= 0.0 {
@@ -210,10 +261,7 @@ pub fn decode_capacity(t: &EngineTiming, l: &Learned, isl: f64, osl: f64, itl_ms
         (u, String::new())
     };
     let live = isl.max(1.0) + osl / 2.0;
-    // Mean utilisation m with m + b·√m = u, b = Z·√(2·live/kv).
-    let b = DECODE_Z * (2.0 * live / t.kv_tokens.max(1.0)).sqrt();
-    let root = (-b + (b * b + 4.0 * u).sqrt()) / 2.0;
-    let mean = (root * root).clamp(0.01 * u, u);
+    let mean = decode_mean_utilisation(t, u, live, replicas);
     let seqs = (mean * t.kv_tokens / live).min(t.max_seqs * 0.9).max(1.0);
     let step = t.step(mean) * l.decode;
     Capacity {
@@ -273,13 +321,13 @@ mod tests {
     fn decode_capacity_follows_the_itl_target_and_the_kv() {
         let t = EngineTiming::mocker_default();
         let l = Learned::default();
-        let tight = decode_capacity(&t, &l, 1000.0, 200.0, 15.0);
-        let loose = decode_capacity(&t, &l, 1000.0, 200.0, 50.0);
+        let tight = decode_capacity(&t, &l, 1000.0, 200.0, 15.0, 1.0);
+        let loose = decode_capacity(&t, &l, 1000.0, 200.0, 50.0, 1.0);
         assert!(tight.service_ms <= 15.0 + 1e-6, "{tight:?}");
         // The occupancy's 90th percentile meets the target, not its mean.
         let live = 1000.0 + 100.0;
         let mean = tight.per_replica * 200.0 * tight.service_ms / 1000.0 * live / t.kv_tokens;
-        let tail = decode_tail_utilisation(&t, mean, live);
+        let tail = decode_tail_utilisation(&t, mean, live, 1.0);
         assert!(tail > mean);
         assert!(
             (t.step(tail) - 15.0).abs() < 0.05,
@@ -288,11 +336,16 @@ mod tests {
         );
         assert!(loose.per_replica > tight.per_replica);
         // Longer prompts hold more KV: fewer sequences fit.
-        let long = decode_capacity(&t, &l, 8000.0, 200.0, 15.0);
+        let long = decode_capacity(&t, &l, 8000.0, 200.0, 15.0, 1.0);
         assert!(long.per_replica < tight.per_replica);
-        assert!(decode_capacity(&t, &l, 100.0, 10.0, 1.0)
+        assert!(decode_capacity(&t, &l, 100.0, 10.0, 1.0, 1.0)
             .infeasible
             .contains("ITL target"));
+        // Replicas that share a load vary less each: more fit per replica,
+        // never past the limit itself.
+        let fleet = decode_capacity(&t, &l, 1000.0, 200.0, 15.0, 8.0);
+        assert!(fleet.per_replica > tight.per_replica);
+        assert!(fleet.service_ms <= 15.0 + 1e-6);
     }
 
     #[test]
@@ -313,13 +366,30 @@ mod tests {
     }
 
     #[test]
+    fn a_window_of_workers_is_one_sample() {
+        let t = EngineTiming::mocker_default();
+        let mut l = Learned::default();
+        // Two workers, one 1.5× and one 0.5× the model at the same load:
+        // one blend toward 1.0, not two toward the last one.
+        l.decode_window(&t, &[(0.5, t.step(0.5) * 1.5), (0.5, t.step(0.5) * 0.5)]);
+        assert_eq!(l.decode_samples, 1);
+        assert!((l.decode - 1.0).abs() < 1e-9, "{l:?}");
+        l.prefill_window(&t, &[(500.0, t.prefill(500.0) * 2.0)]);
+        assert!(l.prefill > 1.0 && l.prefill_samples == 1);
+        // An empty window or nonsense teaches nothing.
+        l.decode_window(&t, &[]);
+        l.decode_window(&t, &[(f64::NAN, 3.0), (0.5, f64::INFINITY)]);
+        assert_eq!(l.decode_samples, 1);
+    }
+
+    #[test]
     fn speedup_scales_time_and_capacity() {
         let mut t = EngineTiming::mocker_default();
         let l = Learned::default();
-        let base = decode_capacity(&t, &l, 1000.0, 100.0, 30.0).per_replica;
+        let base = decode_capacity(&t, &l, 1000.0, 100.0, 30.0, 1.0).per_replica;
         t.speedup = 10.0;
         // At 10× speed a step meets a 10× tighter ITL at the same utilisation.
-        let fast = decode_capacity(&t, &l, 1000.0, 100.0, 3.0).per_replica;
+        let fast = decode_capacity(&t, &l, 1000.0, 100.0, 3.0, 1.0).per_replica;
         assert!((fast / base - 10.0).abs() < 0.05, "{fast} vs {base}");
     }
 }

@@ -14,6 +14,7 @@
 //! bus and applies its changes through the controller's desired state.
 
 pub mod capacity;
+pub mod demand;
 pub mod policy;
 pub mod predict;
 #[cfg(test)]

@@ -13,15 +13,17 @@
 //! - nothing shrinks within `scale_down_after` of the target's last
 //!   change, and a shrink goes to the largest recommendation of that
 //!   window (with the 80% hysteresis band, a constant load never flips the
-//!   direction);
+//!   direction), and each recent shrink that a growth undid doubles that
+//!   window;
 //! - pending replicas (desired, not yet ready) count as coming: the burst
 //!   rule only adds what desired replicas cannot absorb;
 //! - only the idle rule scales a target to zero; any demand wakes it.
 
 use crate::capacity::{
-    aggregated_capacity, decode_capacity, decode_tail_utilisation, prefill_capacity,
+    aggregated_capacity, decode_capacity, decode_mean_utilisation, prefill_capacity,
     utilisation_at, Capacity, EngineTiming, Learned,
 };
+use crate::demand::Demand;
 use crate::predict::{AnyPredictor, Predictor};
 use dynamo_cluster_config::planner_spec::{PlannerPolicy, PlannerSpec, TargetLimits};
 use serde::{Deserialize, Serialize};
@@ -34,10 +36,21 @@ pub const MAX_CORRECTION: f64 = 0.5;
 /// A decode sample is learned from only when the model's step at its
 /// utilisation is at least this share of the ITL target.
 pub const DECODE_LEARN_SHARE: f64 = 0.5;
+/// The most replicas the sizing rule computes (limits cap it further).
+const MAX_SIZED: u32 = 4096;
 /// Recommendations kept per target (the scale-down window's history).
 const MAX_RECENT: usize = 512;
 /// Decisions a worker must report before it is learned from (cold start).
 const WARM_WINDOWS: u32 = 2;
+/// Shrink windows a new period of demand is watched before anything
+/// shrinks: output lengths are known only as requests finish, and the
+/// first to finish are the short ones.
+const NEW_PERIOD_WINDOWS: u64 = 2;
+/// Undone shrinks remembered per target (the shrink window doubles per
+/// recent one, so at most 2^this times longer).
+const MAX_REVERSALS: usize = 4;
+/// An undone shrink counts as recent for this many (base) shrink windows.
+const REVERSAL_MEMORY: u64 = 32;
 
 /// Which phases a target's replicas run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -110,11 +123,17 @@ pub struct Window {
     pub secs: f64,
     /// Requests that arrived at the gateways.
     pub arrivals: u64,
+    /// Requests whose prompt length the window saw, and their mean.
+    pub prompts: u64,
     pub isl_mean: Option<f64>,
+    /// Requests that finished in the window, and their mean output length.
+    pub finished: u64,
     pub osl_mean: Option<f64>,
     /// 90th percentile of the requests' TTFT and mean ITL (ms).
     pub ttft_p90_ms: Option<f64>,
     pub itl_p90_ms: Option<f64>,
+    /// Median of the requests' mean ITL (ms).
+    pub itl_p50_ms: Option<f64>,
     /// Requests waiting at the gateways now (admission and held).
     pub queued: u32,
     /// Of those, held because no worker is up at all.
@@ -168,6 +187,10 @@ pub struct TargetMemory {
     pub pending_up: Option<(u64, u32)>,
     /// Desired replicas at the last evaluation (to see outside changes).
     pub seen_desired: Option<u32>,
+    /// When a growth followed a shrink (unix ms), newest last: each recent
+    /// one doubles the evidence the next shrink needs.
+    #[serde(default)]
+    pub reversals: VecDeque<u64>,
     pub learned: Learned,
 }
 
@@ -184,7 +207,7 @@ pub struct Memory {
     /// Last unix ms with any demand.
     pub last_busy_ms: u64,
     /// Unix ms the current period of demand began (after an idle one).
-    /// Nothing shrinks within a shrink window of it: what a new load has
+    /// Nothing shrinks within two shrink windows of it: what a new load has
     /// shown so far is biased (short requests finish first, rates are
     /// still ramping).
     #[serde(default)]
@@ -196,6 +219,9 @@ pub struct Memory {
     pub targets: BTreeMap<String, TargetMemory>,
     /// Changes decided so far (a successor continues the count).
     pub decisions: u64,
+    /// The rate and lengths sized for (see [`crate::demand`]).
+    #[serde(default)]
+    pub demand: Demand,
 }
 
 impl Memory {
@@ -212,6 +238,7 @@ impl Memory {
             itl_correction_ms: 0.0,
             targets: BTreeMap::new(),
             decisions: 0,
+            demand: Demand::default(),
         }
     }
 }
@@ -245,6 +272,11 @@ struct TargetCapacity {
     /// Sequences one decode-capable replica holds at the KV utilisation
     /// where a step meets the ITL target.
     decode_seqs: f64,
+    /// That utilisation.
+    decode_util: f64,
+    /// The mean utilisation sizing plans for: its 90th percentile is
+    /// `decode_util`.
+    decode_mean_util: f64,
 }
 
 impl PlannerState {
@@ -265,25 +297,72 @@ impl PlannerState {
         self.spec.itl.as_secs_f64() * 1000.0
     }
 
-    fn capacity(&self, t: &Target, isl: f64, osl: f64) -> TargetCapacity {
+    /// Decode-capable replicas in `replicas` replicas of a target.
+    fn decode_members(kind: TargetKind, replicas: u32) -> f64 {
+        let per = match kind {
+            TargetKind::Prefill => 0,
+            TargetKind::Decode | TargetKind::Aggregated => 1,
+            TargetKind::Group {
+                decode, aggregated, ..
+            } => decode + aggregated,
+        };
+        (replicas.max(1) as f64 * per.max(1) as f64).max(1.0)
+    }
+
+    /// One replica's capacity when the target has `replicas` of them.
+    fn capacity(&self, t: &Target, isl: f64, osl: f64, replicas: u32) -> TargetCapacity {
         let m = self.memory.targets.get(&t.name);
         let l = m.map(|m| m.learned.clone()).unwrap_or_default();
         // What the model does not see comes off the targets.
         let ttft = self.ttft_ms() - self.memory.ttft_correction_ms;
         let itl = self.itl_ms() - self.memory.itl_correction_ms;
+        let fleet = Self::decode_members(t.kind, replicas);
         let prefill = prefill_capacity(&t.timing, &l, isl, ttft);
-        let decode = decode_capacity(&t.timing, &l, isl, osl, itl);
+        let decode = decode_capacity(&t.timing, &l, isl, osl, itl, fleet);
         // The sequences a replica holds at the occupancy limit: the burst
         // rule counts the sequences running now, a realised count, so no
         // margin for the spread about a mean applies.
         let live = isl.max(1.0) + osl.max(1.0) / 2.0;
-        let decode_seqs = (utilisation_at(&t.timing, l.decode, itl).max(0.02) * t.timing.kv_tokens
-            / live)
-            .clamp(1.0, t.timing.max_seqs.max(1.0) * 0.9);
+        let decode_util = utilisation_at(&t.timing, l.decode, itl).max(0.02);
+        let decode_seqs =
+            (decode_util * t.timing.kv_tokens / live).clamp(1.0, t.timing.max_seqs.max(1.0) * 0.9);
         TargetCapacity {
             prefill,
             decode,
             decode_seqs,
+            decode_util,
+            decode_mean_util: decode_mean_utilisation(&t.timing, decode_util, live, fleet),
+        }
+    }
+
+    /// Requests/s one replica of a target of this kind carries.
+    fn per_replica(kind: TargetKind, cap: &TargetCapacity) -> f64 {
+        match kind {
+            TargetKind::Prefill => cap.prefill.per_replica,
+            TargetKind::Decode => cap.decode.per_replica,
+            TargetKind::Aggregated => aggregated_capacity(&cap.prefill, &cap.decode).per_replica,
+            TargetKind::Group {
+                prefill,
+                decode,
+                aggregated,
+            } => {
+                // A group replica serves what its weakest phase allows.
+                let agg = aggregated_capacity(&cap.prefill, &cap.decode).per_replica;
+                let mut best = f64::INFINITY;
+                let mut any = false;
+                for (n, c) in [
+                    (prefill, cap.prefill.per_replica),
+                    (decode, cap.decode.per_replica),
+                ] {
+                    if n > 0 {
+                        best = best.min(n as f64 * c);
+                        any = true;
+                    }
+                }
+                let mut per = if any { best } else { 0.0 };
+                per += aggregated as f64 * agg;
+                per
+            }
         }
     }
 
@@ -365,8 +444,17 @@ impl PlannerState {
                 continue;
             }
             let m = self.memory.targets.entry(t.name.clone()).or_default();
+            let direction = if n > t.desired { 1 } else { -1 };
+            // A growth right after a shrink says the shrink was early (a
+            // shrink after a growth is just a burst passing).
+            if m.last_direction == -1 && direction == 1 {
+                m.reversals.push_back(now);
+                while m.reversals.len() > MAX_REVERSALS {
+                    m.reversals.pop_front();
+                }
+            }
             m.last_change_ms = now;
-            m.last_direction = if n > t.desired { 1 } else { -1 };
+            m.last_direction = direction;
             m.seen_desired = Some(n);
             if n > t.desired {
                 m.pending_up = Some((now, n));
@@ -427,15 +515,21 @@ impl PlannerState {
             .retain(|k, _| names.contains(k.as_str()));
     }
 
-    /// Feeds the predictors and learns capacity from warm workers.
+    /// Feeds the demand estimates and the predictors, and learns capacity
+    /// from warm workers.
     fn learn(&mut self, targets: &[Target], w: &Window) {
-        if w.secs > 0.0 {
-            self.memory.rate.observe(w.arrivals as f64 / w.secs);
+        let d = &mut self.memory.demand;
+        d.observe(
+            w.secs, w.arrivals, w.prompts, w.isl_mean, w.finished, w.osl_mean,
+        );
+        // The predictors forecast the estimates, not one window's noise.
+        if let Some(r) = d.rate() {
+            self.memory.rate.observe(r);
         }
-        if let Some(x) = w.isl_mean {
+        if let Some(x) = d.isl.mean() {
             self.memory.isl.observe(x);
         }
-        if let Some(x) = w.osl_mean {
+        if let Some(x) = d.osl.mean() {
             self.memory.osl.observe(x);
         }
         self.correct(targets, w);
@@ -445,6 +539,10 @@ impl PlannerState {
             let Some(m) = self.memory.targets.get_mut(&t.name) else {
                 continue;
             };
+            // One sample per phase per window, from all its warm workers
+            // together: blending each worker in turn would let the last few
+            // workers' noise replace what was learned.
+            let (mut prefill, mut decode) = (Vec::new(), Vec::new());
             for s in w.workers.iter().filter(|s| s.target == t.name) {
                 if s.windows < WARM_WINDOWS {
                     continue; // cold-start samples never inflate the model
@@ -454,7 +552,7 @@ impl PlannerState {
                 // An idle-enough prefill worker's TTFT is its prefill time.
                 if prefills && s.waiting == 0 && s.queued_prefill_tokens == 0 {
                     if let (Some(ttft), Some(isl)) = (s.ttft_ms, s.isl) {
-                        m.learned.prefill_sample(&timing, isl, ttft);
+                        prefill.push((isl, ttft));
                     }
                 }
                 // A decode sample teaches only near the loads sizing is
@@ -463,10 +561,12 @@ impl PlannerState {
                 // then scale the whole curve.
                 if decodes && timing.step(s.kv_util) >= DECODE_LEARN_SHARE * itl_target {
                     if let Some(itl) = s.itl_ms {
-                        m.learned.decode_sample(&timing, s.kv_util, itl);
+                        decode.push((s.kv_util, itl));
                     }
                 }
             }
+            m.learned.prefill_window(&timing, &prefill);
+            m.learned.decode_window(&timing, &decode);
         }
     }
 
@@ -516,11 +616,12 @@ impl PlannerState {
                     .map(|s| s.kv_util)
                     .collect();
                 if !us.is_empty() {
-                    // The frontends report a 90th percentile: compare it
-                    // with the step at the occupancy's (as sizing does).
+                    // The median request's mean gap against the step at the
+                    // mean occupancy: like with like, so what the tail
+                    // model gets wrong is not taken for time the workers
+                    // do not see (on a flat stretch of the step curve a
+                    // few milliseconds move the occupancy limit far).
                     let u = us.iter().sum::<f64>() / us.len() as f64;
-                    let osl = w.osl_mean.unwrap_or(1.0).max(1.0);
-                    let u = decode_tail_utilisation(&t.timing, u, isl + osl / 2.0);
                     let p = t.timing.step(u) * l.decode;
                     itl_pred = Some(itl_pred.map_or(p, |x: f64| x.max(p)));
                 }
@@ -531,7 +632,7 @@ impl PlannerState {
             let c = ewma(self.memory.ttft_correction_ms, obs - pred, 0.2);
             self.memory.ttft_correction_ms = c.clamp(0.0, MAX_CORRECTION * ttft);
         }
-        if let (Some(obs), Some(pred)) = (w.itl_p90_ms, itl_pred) {
+        if let (Some(obs), Some(pred)) = (w.itl_p50_ms, itl_pred) {
             let c = ewma(self.memory.itl_correction_ms, obs - pred, 0.2);
             self.memory.itl_correction_ms = c.clamp(0.0, MAX_CORRECTION * itl);
         }
@@ -546,8 +647,9 @@ impl PlannerState {
     ) -> (u32, String, String, BTreeMap<String, f64>) {
         let now = fast.now_ms;
         let mut nums = BTreeMap::new();
-        // Lengths from the smoothed series (one short window's mean is
-        // noise), or from the fast window before there is any.
+        // Lengths from the forecast of the request-weighted means (one
+        // short window's mean is noise), or from the fast window before
+        // there is any.
         let smoothed = |p: &AnyPredictor, now: Option<f64>| {
             let v = p.predict(1.0);
             if v > 0.0 {
@@ -558,43 +660,51 @@ impl PlannerState {
         };
         let isl = smoothed(&self.memory.isl, fast.isl_mean);
         let osl = smoothed(&self.memory.osl, fast.osl_mean);
-        let cap = self.capacity(t, isl, osl);
-        let per = match t.kind {
-            TargetKind::Prefill => cap.prefill.per_replica,
-            TargetKind::Decode => cap.decode.per_replica,
-            TargetKind::Aggregated => aggregated_capacity(&cap.prefill, &cap.decode).per_replica,
-            TargetKind::Group {
-                prefill,
-                decode,
-                aggregated,
-            } => {
-                // A group replica serves what its weakest phase allows.
-                let agg = aggregated_capacity(&cap.prefill, &cap.decode).per_replica;
-                let mut best = f64::INFINITY;
-                let mut any = false;
-                for (n, c) in [
-                    (prefill, cap.prefill.per_replica),
-                    (decode, cap.decode.per_replica),
-                ] {
-                    if n > 0 {
-                        best = best.min(n as f64 * c);
-                        any = true;
-                    }
-                }
-                let mut per = if any { best } else { 0.0 };
-                per += aggregated as f64 * agg;
-                per
+        let cap = self.capacity(t, isl, osl, t.desired);
+        let per = Self::per_replica(t.kind, &cap);
+        // Replicas for a rate: the fewest n whose n replicas carry it (a
+        // replica carries more in a larger fleet, so n·per(n) rises with n).
+        let need = |rate: f64| -> u32 {
+            if !(rate.is_finite() && rate > 0.0) {
+                return 1;
             }
+            let carries =
+                |n: u32| n as f64 * Self::per_replica(t.kind, &self.capacity(t, isl, osl, n));
+            let (mut lo, mut hi) = (1u32, 1u32);
+            while hi < MAX_SIZED && carries(hi) < rate {
+                lo = hi + 1;
+                hi = (hi * 2).min(MAX_SIZED);
+            }
+            while lo < hi {
+                let mid = lo + (hi - lo) / 2;
+                if carries(mid) >= rate {
+                    hi = mid;
+                } else {
+                    lo = mid + 1;
+                }
+            }
+            hi
         };
         let interval_s = self.spec.interval.as_secs_f64().max(1e-3);
         let lead_steps = self.memory.lead_ms / 1000.0 / interval_s;
-        let rate_now = slow
-            .filter(|w| w.secs > 0.0)
-            .map(|w| w.arrivals as f64 / w.secs)
+        // The rate over the last sizing windows with an allowance for its
+        // noise, or the forecast for when a new replica would be ready.
+        let rate_now = self
+            .memory
+            .demand
+            .rate()
             .unwrap_or_else(|| self.memory.rate.predict(0.0));
+        let rate_upper = self.memory.demand.rate_upper().unwrap_or(rate_now);
         let rate_ahead = self.memory.rate.predict(lead_steps.max(1.0));
-        let rate_up = rate_now.max(rate_ahead);
+        let rate_up = rate_upper.max(rate_ahead);
+        // Sizing: enough replicas for the demand expected once a new one
+        // would be ready. The shrink looks at the same forecast the growth
+        // did, so a noisy forecast that grew a target keeps it while it
+        // recurs.
+        let need_up = need(rate_up);
+        let down_to = need(rate_up / DOWN_UTILISATION);
         nums.insert("rate".into(), rate_now);
+        nums.insert("rate_upper".into(), rate_upper);
         nums.insert("rate_ahead".into(), rate_ahead);
         nums.insert("isl".into(), isl);
         nums.insert("osl".into(), osl);
@@ -610,13 +720,8 @@ impl PlannerState {
         let mut n = t.desired;
         let mut rule = "hold".to_string();
         let mut reason = format!("{} replicas carry the load", t.desired);
-        // Sizing: enough replicas for the demand expected once a new one
-        // would be ready; a shrink only within the hysteresis band.
+        // A shrink only within the hysteresis band.
         if slow.is_some() {
-            let need_up = ceil_u32(rate_up / per).max(1);
-            // The shrink looks at the same forecast the growth did, so a
-            // noisy forecast that grew a target keeps it while it recurs.
-            let down_to = ceil_u32(rate_up / (per * DOWN_UTILISATION)).max(1);
             nums.insert("need".into(), need_up as f64);
             m.recent.push_back((now, down_to));
             while m.recent.len() > MAX_RECENT {
@@ -661,13 +766,24 @@ impl PlannerState {
             reason = why;
         }
         // Shrink: the largest recommendation of the last window, and not
-        // within the window of the last change.
+        // within the window of the last change. Each shrink that a growth
+        // undid in the last few windows doubles the window, so noise that
+        // crosses the band now and then cannot keep a target going up and
+        // down.
         let m = self.memory.targets.entry(t.name.clone()).or_default();
-        let window_ms = self.spec.scale_down_after.as_millis() as u64;
+        let base_ms = self.spec.scale_down_after.as_millis() as u64;
+        let turns = m
+            .reversals
+            .iter()
+            .filter(|at| now.saturating_sub(**at) < REVERSAL_MEMORY * base_ms)
+            .count()
+            .min(MAX_REVERSALS) as u32;
+        let window_ms = base_ms.saturating_mul(1u64 << turns);
+        nums.insert("shrink_window_s".into(), window_ms as f64 / 1000.0);
         if n == t.desired
             && slow.is_some()
             && now.saturating_sub(m.last_change_ms) >= window_ms
-            && now.saturating_sub(self.memory.busy_since_ms) >= window_ms
+            && now.saturating_sub(self.memory.busy_since_ms) >= NEW_PERIOD_WINDOWS * base_ms
             && t.ready >= t.desired
         {
             let since = now.saturating_sub(window_ms);
@@ -759,6 +875,39 @@ impl PlannerState {
                     n,
                     format!(
                         "{seqs} sequences decoding or waiting: {n} replicas keep ITL within {:.0} ms ({per:.0} sequences each)",
+                        self.itl_ms()
+                    ),
+                );
+            }
+            // The KV the sequences hold now, which is what a step's time
+            // follows: it needs no estimate of their lengths (output
+            // lengths seen early are those of the short requests, which
+            // finish first). Sizing plans each replica's mean at m so that
+            // its 90th percentile is at u*, where a step meets ITL; N
+            // replicas so sized hold N·m + √N·(u* − m) at their fleet's
+            // 90th percentile. KV beyond that says the fleet is smaller
+            // than its load (a realised count, so it is compared with a
+            // percentile, not with the mean).
+            let held: f64 = mine
+                .iter()
+                .filter(|s| matches!(s.phase, Some(Phase::Decode) | Some(Phase::Aggregated)))
+                .map(|s| s.kv_util.clamp(0.0, 1.0))
+                .sum();
+            let (m, spread) = (
+                cap.decode_mean_util.max(1e-3),
+                (cap.decode_util - cap.decode_mean_util).max(0.0),
+            );
+            // Smallest N with m·N + spread·√N ≥ held (a quadratic in √N).
+            let root = (-spread + (spread * spread + 4.0 * m * held).sqrt()) / (2.0 * m);
+            let n = ceil_u32(root * root - 1e-9).div_ceil(per_group.1);
+            if n > best.0 && held > 0.0 {
+                best = (
+                    n,
+                    format!(
+                        "KV held by decoding sequences adds up to {:.0}% of a replica: {n} replicas hold it within their 90th percentile (a mean of {:.0}% each, {:.0}% where a step meets ITL {:.0} ms)",
+                        held * 100.0,
+                        m * 100.0,
+                        cap.decode_util * 100.0,
                         self.itl_ms()
                     ),
                 );
