@@ -4,9 +4,9 @@
 //! engine's fitted the same way): prefill of N new tokens takes
 //! `a·N² + b·N + c` ms, and a decode step at KV utilisation u takes
 //! `a·u² + b·u + c` ms. It is seeded from the engine's settings and learned
-//! online: each worker's observed prefill time and ITL, divided by what the
-//! model predicts at the load the worker had, is averaged into a
-//! multiplier per phase ([`Learned`]).
+//! online: once per window, the warm workers' observed prefill times (or
+//! ITLs) together, over what the model predicts at the loads they had, is
+//! averaged into a multiplier per phase ([`Learned`]).
 //!
 //! Invariants: capacities are finite and > 0; a multiplier stays within
 //! [`MIN_FACTOR`, `MAX_FACTOR`]; samples from a worker's first windows
@@ -374,6 +374,18 @@ mod tests {
         l.decode_window(&t, &[(0.5, t.step(0.5) * 1.5), (0.5, t.step(0.5) * 0.5)]);
         assert_eq!(l.decode_samples, 1);
         assert!((l.decode - 1.0).abs() < 1e-9, "{l:?}");
+        // At different loads, the total observed over the total predicted
+        // (a busier worker's steps are more of the time), not a mean of
+        // the two ratios.
+        let mut k = Learned::default();
+        let (a, b) = (t.step(0.2), t.step(0.9));
+        k.decode_window(&t, &[(0.2, a * 1.5), (0.9, b * 0.5)]);
+        let r = (1.5 * a + 0.5 * b) / (a + b);
+        assert!(
+            (k.decode - (1.0 - LEARN_RATE + LEARN_RATE * r)).abs() < 1e-9,
+            "{k:?}"
+        );
+        assert!(r < 1.0);
         l.prefill_window(&t, &[(500.0, t.prefill(500.0) * 2.0)]);
         assert!(l.prefill > 1.0 && l.prefill_samples == 1);
         // An empty window or nonsense teaches nothing.

@@ -41,14 +41,15 @@ pub struct DecayedMean {
 impl DecayedMean {
     /// Ages what is held by one window (a sample weighs half after
     /// `half_life` windows), then adds `count` samples of mean `mean`.
+    /// A window without samples changes nothing: after an idle spell the
+    /// lengths are those seen before it.
     pub fn add(&mut self, count: u64, mean: Option<f64>, half_life: f64) {
+        let Some(m) = mean.filter(|m| m.is_finite() && *m >= 0.0 && count > 0) else {
+            return;
+        };
         let decay = 0.5f64.powf(1.0 / half_life.max(1e-3));
-        self.weight *= decay;
-        self.sum *= decay;
-        if let Some(m) = mean.filter(|m| m.is_finite() && *m >= 0.0 && count > 0) {
-            self.weight += count as f64;
-            self.sum += count as f64 * m;
-        }
+        self.weight = self.weight * decay + count as f64;
+        self.sum = self.sum * decay + count as f64 * m;
     }
     /// The mean, or `None` before any sample.
     pub fn mean(&self) -> Option<f64> {
@@ -141,7 +142,10 @@ mod tests {
         d.observe(2.0, 1, 1, Some(4000.0), 0, None);
         let isl = d.isl.mean().unwrap();
         assert!(isl > 100.0 && isl < 250.0, "{isl}");
-        // A window with no finished request keeps the output mean.
+        // Windows with no finished request keep the output mean, however many.
+        for _ in 0..500 {
+            d.observe(2.0, 0, 0, None, 0, None);
+        }
         assert!((d.osl.mean().unwrap() - 10.0).abs() < 1e-9);
         // A lasting change wins out.
         for _ in 0..40 {

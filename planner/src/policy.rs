@@ -20,8 +20,8 @@
 //! - only the idle rule scales a target to zero; any demand wakes it.
 
 use crate::capacity::{
-    aggregated_capacity, decode_capacity, decode_mean_utilisation, prefill_capacity,
-    utilisation_at, Capacity, EngineTiming, Learned,
+    aggregated_capacity, decode_capacity, prefill_capacity, utilisation_at, Capacity, EngineTiming,
+    Learned,
 };
 use crate::demand::Demand;
 use crate::predict::{AnyPredictor, Predictor};
@@ -191,6 +191,9 @@ pub struct TargetMemory {
     /// one doubles the evidence the next shrink needs.
     #[serde(default)]
     pub reversals: VecDeque<u64>,
+    /// Unix ms of the last change the shrink rule made (0: none).
+    #[serde(default)]
+    pub last_shrink_ms: u64,
     pub learned: Learned,
 }
 
@@ -257,6 +260,23 @@ fn ewma(old: f64, x: f64, w: f64) -> f64 {
     }
 }
 
+/// Adds a recommendation to a shrink window's history, one entry (the
+/// largest) per sizing interval, so the history spans the longest window
+/// (16 × `scale_down_after`) within [`MAX_RECENT`] entries.
+fn push_recent(recent: &mut VecDeque<(u64, u32)>, now: u64, r: u32, interval_ms: u64) {
+    let bucket = |at: u64| at / interval_ms.max(1);
+    match recent.back_mut() {
+        Some(last) if bucket(last.0) == bucket(now) => {
+            last.0 = now;
+            last.1 = last.1.max(r);
+        }
+        _ => recent.push_back((now, r)),
+    }
+    while recent.len() > MAX_RECENT {
+        recent.pop_front();
+    }
+}
+
 fn ceil_u32(x: f64) -> u32 {
     if x.is_finite() && x > 0.0 {
         x.ceil().min(u32::MAX as f64) as u32
@@ -274,9 +294,6 @@ struct TargetCapacity {
     decode_seqs: f64,
     /// That utilisation.
     decode_util: f64,
-    /// The mean utilisation sizing plans for: its 90th percentile is
-    /// `decode_util`.
-    decode_mean_util: f64,
 }
 
 impl PlannerState {
@@ -297,7 +314,9 @@ impl PlannerState {
         self.spec.itl.as_secs_f64() * 1000.0
     }
 
-    /// Decode-capable replicas in `replicas` replicas of a target.
+    /// The decode fleet `replicas` replicas of a target make: their
+    /// decode-capable members (a prefill target, which has none, counts
+    /// its replicas; its decode capacity is never used).
     fn decode_members(kind: TargetKind, replicas: u32) -> f64 {
         let per = match kind {
             TargetKind::Prefill => 0,
@@ -331,7 +350,6 @@ impl PlannerState {
             decode,
             decode_seqs,
             decode_util,
-            decode_mean_util: decode_mean_utilisation(&t.timing, decode_util, live, fleet),
         }
     }
 
@@ -445,13 +463,25 @@ impl PlannerState {
             }
             let m = self.memory.targets.entry(t.name.clone()).or_default();
             let direction = if n > t.desired { 1 } else { -1 };
-            // A growth right after a shrink says the shrink was early (a
-            // shrink after a growth is just a burst passing).
-            if m.last_direction == -1 && direction == 1 {
+            // A growth after a shrink (by the shrink rule, recently) says
+            // the shrink was early; a shrink after a growth is just a burst
+            // passing, and idle, budget and limits cuts are not guesses.
+            let memory_ms =
+                REVERSAL_MEMORY.saturating_mul(self.spec.scale_down_after.as_millis() as u64);
+            if direction == 1
+                && m.last_shrink_ms > 0
+                && now.saturating_sub(m.last_shrink_ms) < memory_ms
+            {
+                // One undone shrink counts once, however many steps the
+                // growth takes.
+                m.last_shrink_ms = 0;
                 m.reversals.push_back(now);
                 while m.reversals.len() > MAX_REVERSALS {
                     m.reversals.pop_front();
                 }
+            }
+            if direction == -1 && rule == "shrink" {
+                m.last_shrink_ms = now;
             }
             m.last_change_ms = now;
             m.last_direction = direction;
@@ -686,6 +716,7 @@ impl PlannerState {
             hi
         };
         let interval_s = self.spec.interval.as_secs_f64().max(1e-3);
+        let interval_ms = self.spec.interval.as_millis() as u64;
         let lead_steps = self.memory.lead_ms / 1000.0 / interval_s;
         // The rate over the last sizing windows with an allowance for its
         // noise, or the forecast for when a new replica would be ready.
@@ -701,8 +732,9 @@ impl PlannerState {
         // would be ready. The shrink looks at the same forecast the growth
         // did, so a noisy forecast that grew a target keeps it while it
         // recurs.
-        let need_up = need(rate_up);
-        let down_to = need(rate_up / DOWN_UTILISATION);
+        let sized = slow
+            .is_some()
+            .then(|| (need(rate_up), need(rate_up / DOWN_UTILISATION)));
         nums.insert("rate".into(), rate_now);
         nums.insert("rate_upper".into(), rate_upper);
         nums.insert("rate_ahead".into(), rate_ahead);
@@ -721,12 +753,9 @@ impl PlannerState {
         let mut rule = "hold".to_string();
         let mut reason = format!("{} replicas carry the load", t.desired);
         // A shrink only within the hysteresis band.
-        if slow.is_some() {
+        if let Some((need_up, down_to)) = sized {
             nums.insert("need".into(), need_up as f64);
-            m.recent.push_back((now, down_to));
-            while m.recent.len() > MAX_RECENT {
-                m.recent.pop_front();
-            }
+            push_recent(&mut m.recent, now, down_to, interval_ms);
             if need_up > n {
                 n = need_up;
                 rule = "sla".into();
@@ -755,10 +784,7 @@ impl PlannerState {
             // What the queues asked for counts in the shrink window too, so
             // a lasting queue does not shrink and burst back in turns.
             let m = self.memory.targets.entry(t.name.clone()).or_default();
-            m.recent.push_back((now, burst));
-            while m.recent.len() > MAX_RECENT {
-                m.recent.pop_front();
-            }
+            push_recent(&mut m.recent, now, burst, interval_ms);
         }
         if burst > n {
             n = burst;
@@ -775,7 +801,7 @@ impl PlannerState {
         let turns = m
             .reversals
             .iter()
-            .filter(|at| now.saturating_sub(**at) < REVERSAL_MEMORY * base_ms)
+            .filter(|at| now.saturating_sub(**at) < REVERSAL_MEMORY.saturating_mul(base_ms))
             .count()
             .min(MAX_REVERSALS) as u32;
         let window_ms = base_ms.saturating_mul(1u64 << turns);
@@ -783,7 +809,8 @@ impl PlannerState {
         if n == t.desired
             && slow.is_some()
             && now.saturating_sub(m.last_change_ms) >= window_ms
-            && now.saturating_sub(self.memory.busy_since_ms) >= NEW_PERIOD_WINDOWS * base_ms
+            && now.saturating_sub(self.memory.busy_since_ms)
+                >= NEW_PERIOD_WINDOWS.saturating_mul(base_ms)
             && t.ready >= t.desired
         {
             let since = now.saturating_sub(window_ms);
@@ -882,31 +909,21 @@ impl PlannerState {
             // The KV the sequences hold now, which is what a step's time
             // follows: it needs no estimate of their lengths (output
             // lengths seen early are those of the short requests, which
-            // finish first). Sizing plans each replica's mean at m so that
-            // its 90th percentile is at u*, where a step meets ITL; N
-            // replicas so sized hold N·m + √N·(u* − m) at their fleet's
-            // 90th percentile. KV beyond that says the fleet is smaller
-            // than its load (a realised count, so it is compared with a
-            // percentile, not with the mean).
+            // finish first). It is a realised occupancy, so it is compared
+            // with the limit u* where a step meets ITL, not with the mean
+            // sizing plans for (whose 90th percentile is u*).
             let held: f64 = mine
                 .iter()
                 .filter(|s| matches!(s.phase, Some(Phase::Decode) | Some(Phase::Aggregated)))
                 .map(|s| s.kv_util.clamp(0.0, 1.0))
                 .sum();
-            let (m, spread) = (
-                cap.decode_mean_util.max(1e-3),
-                (cap.decode_util - cap.decode_mean_util).max(0.0),
-            );
-            // Smallest N with m·N + spread·√N ≥ held (a quadratic in √N).
-            let root = (-spread + (spread * spread + 4.0 * m * held).sqrt()) / (2.0 * m);
-            let n = ceil_u32(root * root - 1e-9).div_ceil(per_group.1);
+            let n = ceil_u32(held / cap.decode_util - 1e-9).div_ceil(per_group.1);
             if n > best.0 && held > 0.0 {
                 best = (
                     n,
                     format!(
-                        "KV held by decoding sequences adds up to {:.0}% of a replica: {n} replicas hold it within their 90th percentile (a mean of {:.0}% each, {:.0}% where a step meets ITL {:.0} ms)",
+                        "KV held by decoding sequences adds up to {:.0}% of a replica: {n} replicas hold it within the {:.0}% where a step meets ITL {:.0} ms",
                         held * 100.0,
-                        m * 100.0,
                         cap.decode_util * 100.0,
                         self.itl_ms()
                     ),
