@@ -15,8 +15,10 @@
 
 pub mod capacity;
 pub mod demand;
+mod limits;
 pub mod policy;
 pub mod predict;
+mod rules;
 #[cfg(test)]
 mod tests;
 

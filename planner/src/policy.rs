@@ -4,6 +4,8 @@
 //! observed since the last call, and every sizing interval with the longer
 //! window too. It returns the changes to make (at most one per target) and
 //! the numbers behind every target's recommendation.
+//! The burst and load rules live in `rules.rs`, the bounds and the slot
+//! budget in `limits.rs`.
 //!
 //! Invariants of a result:
 //! - a target's replicas stay within its `min`/`max`, and the targets'
@@ -277,7 +279,7 @@ fn push_recent(recent: &mut VecDeque<(u64, u32)>, now: u64, r: u32, interval_ms:
     }
 }
 
-fn ceil_u32(x: f64) -> u32 {
+pub(crate) fn ceil_u32(x: f64) -> u32 {
     if x.is_finite() && x > 0.0 {
         x.ceil().min(u32::MAX as f64) as u32
     } else {
@@ -286,14 +288,14 @@ fn ceil_u32(x: f64) -> u32 {
 }
 
 /// Capacity of one replica of a target, per phase it runs.
-struct TargetCapacity {
-    prefill: Capacity,
-    decode: Capacity,
+pub(crate) struct TargetCapacity {
+    pub(crate) prefill: Capacity,
+    pub(crate) decode: Capacity,
     /// Sequences one decode-capable replica holds at the KV utilisation
     /// where a step meets the ITL target.
-    decode_seqs: f64,
+    pub(crate) decode_seqs: f64,
     /// That utilisation.
-    decode_util: f64,
+    pub(crate) decode_util: f64,
 }
 
 impl PlannerState {
@@ -307,10 +309,10 @@ impl PlannerState {
         PlannerState { spec, memory }
     }
 
-    fn ttft_ms(&self) -> f64 {
+    pub(crate) fn ttft_ms(&self) -> f64 {
         self.spec.ttft.as_secs_f64() * 1000.0
     }
-    fn itl_ms(&self) -> f64 {
+    pub(crate) fn itl_ms(&self) -> f64 {
         self.spec.itl.as_secs_f64() * 1000.0
     }
 
@@ -832,259 +834,5 @@ impl PlannerState {
             }
         }
         (n, rule, reason, nums)
-    }
-
-    /// Replicas the queues ask for now (0 when they ask for nothing).
-    fn burst(&self, t: &Target, w: &Window, cap: &TargetCapacity, isl: f64) -> (u32, String) {
-        let mine: Vec<&WorkerSample> = w.workers.iter().filter(|s| s.target == t.name).collect();
-        let (pf, dc, per_group) = match t.kind {
-            TargetKind::Prefill => (true, false, (1, 0)),
-            TargetKind::Decode => (false, true, (0, 1)),
-            TargetKind::Aggregated => (true, true, (1, 1)),
-            TargetKind::Group {
-                prefill,
-                decode,
-                aggregated,
-            } => (
-                prefill + aggregated > 0,
-                decode + aggregated > 0,
-                (prefill + aggregated, decode + aggregated),
-            ),
-        };
-        let mut best = (0, String::new());
-        let ttft = self.ttft_ms();
-        if pf && per_group.0 > 0 {
-            let queued: u64 = mine
-                .iter()
-                .filter(|s| matches!(s.phase, Some(Phase::Prefill) | Some(Phase::Aggregated)))
-                .map(|s| s.queued_prefill_tokens)
-                .fold(0u64, u64::saturating_add)
-                .saturating_add((w.queued as f64 * isl) as u64);
-            // The learned cost of a prefill (per token and per batch).
-            let factor = cap.prefill.service_ms / t.timing.prefill(isl.max(1.0));
-            let batch = t.timing.max_batch_tokens.max(1.0);
-            let drain_ms = |q: f64| {
-                if q <= 0.0 {
-                    return 0.0;
-                }
-                (q / batch).ceil() * t.timing.prefill(q.min(batch)) * factor
-            };
-            // A new arrival waits for the queue ahead of it, then its own.
-            let budget = ttft - cap.prefill.service_ms;
-            let q = queued as f64;
-            if queued > 0 && budget > 0.0 && drain_ms(q / t.desired.max(1) as f64) > budget {
-                let mut n = t.desired.max(1);
-                while n < 4096 && drain_ms(q / n as f64) > budget {
-                    n += 1;
-                }
-                let n = n.div_ceil(per_group.0);
-                if n > best.0 {
-                    best = (
-                        n,
-                        format!(
-                            "{queued} prompt tokens queued: {n} replicas prefill them within TTFT {ttft:.0} ms ({:.0} ms for a {batch:.0}-token batch)",
-                            t.timing.prefill(batch) * factor
-                        ),
-                    );
-                }
-            }
-        }
-        if dc && per_group.1 > 0 {
-            let seqs: u32 = mine
-                .iter()
-                .filter(|s| matches!(s.phase, Some(Phase::Decode) | Some(Phase::Aggregated)))
-                .map(|s| s.active.saturating_add(s.waiting))
-                .fold(0u32, u32::saturating_add);
-            let per = cap.decode_seqs.max(1.0);
-            let n = ceil_u32(seqs as f64 / per).div_ceil(per_group.1);
-            if n > best.0 && seqs > 0 {
-                best = (
-                    n,
-                    format!(
-                        "{seqs} sequences decoding or waiting: {n} replicas keep ITL within {:.0} ms ({per:.0} sequences each)",
-                        self.itl_ms()
-                    ),
-                );
-            }
-            // The KV the sequences hold now, which is what a step's time
-            // follows: it needs no estimate of their lengths (output
-            // lengths seen early are those of the short requests, which
-            // finish first). It is a realised occupancy, so it is compared
-            // with the limit u* where a step meets ITL, not with the mean
-            // sizing plans for (whose 90th percentile is u*).
-            let held: f64 = mine
-                .iter()
-                .filter(|s| matches!(s.phase, Some(Phase::Decode) | Some(Phase::Aggregated)))
-                .map(|s| s.kv_util.clamp(0.0, 1.0))
-                .sum();
-            let n = ceil_u32(held / cap.decode_util - 1e-9).div_ceil(per_group.1);
-            if n > best.0 && held > 0.0 {
-                best = (
-                    n,
-                    format!(
-                        "KV held by decoding sequences adds up to {:.0}% of a replica: {n} replicas hold it within the {:.0}% where a step meets ITL {:.0} ms",
-                        held * 100.0,
-                        cap.decode_util * 100.0,
-                        self.itl_ms()
-                    ),
-                );
-            }
-        }
-        best
-    }
-
-    /// Dynamo's load rule (the baseline): +1 when every engine is over its
-    /// target, −1 when every engine is under 80% of it.
-    fn load_rule(&self, t: &Target, w: &Window) -> (u32, String, String, BTreeMap<String, f64>) {
-        let (ttft, itl) = (self.ttft_ms(), self.itl_ms());
-        let mine: Vec<&WorkerSample> = w.workers.iter().filter(|s| s.target == t.name).collect();
-        let mut nums = BTreeMap::new();
-        nums.insert("engines".into(), mine.len() as f64);
-        // An engine's load against its target: the worse of its phases
-        // (None: it measured nothing in the period, so it says nothing).
-        let ratio = |s: &WorkerSample| -> Option<f64> {
-            let p = s.ttft_ms.map(|x| x / ttft);
-            let d = s.itl_ms.map(|x| x / itl);
-            match s.phase {
-                Some(Phase::Prefill) => p,
-                Some(Phase::Decode) => d,
-                _ => match (p, d) {
-                    (Some(a), Some(b)) => Some(a.max(b)),
-                    (a, b) => a.or(b),
-                },
-            }
-        };
-        if mine.is_empty() {
-            return (t.desired, "hold".into(), "no engine reports".into(), nums);
-        }
-        let ratios: Vec<f64> = mine.iter().filter_map(|s| ratio(s)).collect();
-        if ratios.is_empty() {
-            return (
-                t.desired,
-                "hold".into(),
-                "no engine measured anything in the period".into(),
-                nums,
-            );
-        }
-        let max = ratios.iter().cloned().fold(0.0, f64::max);
-        let min = ratios.iter().cloned().fold(f64::INFINITY, f64::min);
-        nums.insert("highest_load".into(), max);
-        nums.insert("lowest_load".into(), min);
-        if min > 1.0 {
-            (
-                t.desired + 1,
-                "load_rule".into(),
-                format!(
-                    "every engine over its target (lowest at {:.0}%)",
-                    min * 100.0
-                ),
-                nums,
-            )
-        } else if max < 0.8 && t.desired > 1 {
-            (
-                t.desired - 1,
-                "load_rule".into(),
-                format!(
-                    "every engine under 80% of its target (highest at {:.0}%)",
-                    max * 100.0
-                ),
-                nums,
-            )
-        } else {
-            (t.desired, "hold".into(), "within the band".into(), nums)
-        }
-    }
-
-    /// Waking from zero, the idle rule, and the target's bounds.
-    fn edges(
-        &self,
-        t: &Target,
-        w: &Window,
-        n: u32,
-        rule: String,
-        reason: String,
-    ) -> (u32, String, String) {
-        let (mut n, mut rule, mut reason) = (n, rule, reason);
-        let demand = w.arrivals > 0 || w.queued > 0 || w.held > 0;
-        if t.desired == 0 && demand {
-            n = n.max(1);
-            rule = "wake".into();
-            reason = format!(
-                "{} request(s) waiting with no replica up: waking to {n} ({reason})",
-                w.queued.max(w.held).max(1)
-            );
-        }
-        if let Some(idle) = self.spec.idle_to_zero {
-            let idle_ms = idle.as_millis() as u64;
-            let quiet = w.now_ms.saturating_sub(self.memory.last_busy_ms);
-            if !demand && quiet >= idle_ms && t.limits.min == 0 && n > 0 {
-                n = 0;
-                rule = "idle".into();
-                reason = format!("idle for {:.0} s: scaled to zero", quiet as f64 / 1000.0);
-            }
-        }
-        if n > t.limits.max {
-            reason = format!("{reason}; held at max {} (wanted {n})", t.limits.max);
-            rule = "limits".into();
-            n = t.limits.max;
-        } else if n < t.limits.min {
-            n = t.limits.min;
-        }
-        (n, rule, reason)
-    }
-
-    /// Keeps the targets' slots within the budget, trimming growth first.
-    fn budget(&self, targets: &[Target], want: &mut [(u32, String, String)], notes: &mut [Note]) {
-        let Some(budget) = self.spec.slot_budget else {
-            return;
-        };
-        let slots = |want: &[(u32, String, String)]| -> u64 {
-            targets
-                .iter()
-                .zip(want.iter())
-                .map(|(t, w)| w.0 as u64 * t.slots as u64)
-                .sum()
-        };
-        let wanted = slots(want);
-        if wanted <= budget as u64 {
-            return;
-        }
-        loop {
-            if slots(want) <= budget as u64 {
-                break;
-            }
-            // The target grown most past what it has, else the largest.
-            let pick = targets
-                .iter()
-                .enumerate()
-                .filter(|(i, t)| !t.pinned && want[*i].0 > t.limits.min && t.slots > 0)
-                .max_by_key(|(i, t)| {
-                    (
-                        want[*i].0 as i64 - t.desired as i64,
-                        want[*i].0 as u64 * t.slots as u64,
-                    )
-                })
-                .map(|(i, _)| i);
-            match pick {
-                Some(i) => want[i].0 -= 1,
-                None => break,
-            }
-        }
-        let got = slots(want);
-        for (i, t) in targets.iter().enumerate() {
-            let msg = format!(
-                "slot budget {budget}: demand asks for {wanted} slots; {} gets {} ({got} slots in all)",
-                t.name, want[i].0
-            );
-            if notes[i].recommended != want[i].0 {
-                want[i].1 = "budget".into();
-                want[i].2 = format!("{msg}; {}", want[i].2);
-            }
-            notes[i].reason = format!("{msg}; {}", notes[i].reason);
-            notes[i].recommended = want[i].0;
-            notes[i]
-                .numbers
-                .insert("budget_wanted_slots".into(), wanted as f64);
-        }
     }
 }
