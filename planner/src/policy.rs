@@ -131,9 +131,8 @@ pub struct Window {
     /// Requests that finished in the window, and their mean output length.
     pub finished: u64,
     pub osl_mean: Option<f64>,
-    /// 90th percentile of the requests' TTFT and mean ITL (ms).
+    /// 90th percentile of the requests' TTFT (ms).
     pub ttft_p90_ms: Option<f64>,
-    pub itl_p90_ms: Option<f64>,
     /// Median of the requests' mean ITL (ms).
     pub itl_p50_ms: Option<f64>,
     /// Requests waiting at the gateways now (admission and held).

@@ -219,7 +219,6 @@ impl MetricsFeed {
             finished: s.finished,
             osl_mean: (s.finished > 0).then(|| s.osl_sum as f64 / s.finished as f64),
             ttft_p90_ms: latency_quantile(&s.ttft, 0.9),
-            itl_p90_ms: latency_quantile(&s.itl, 0.9),
             itl_p50_ms: latency_quantile(&s.itl, 0.5),
             queued,
             held,
