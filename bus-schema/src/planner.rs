@@ -107,8 +107,13 @@ pub struct FrontendMetrics {
     pub queued_now: u32,
     /// Requests held now because no worker serves the model at all.
     pub held_now: u32,
-    /// Requests being served now.
+    /// Requests being served now (all models of the gateway).
     pub inflight_now: u32,
+    /// This model's streams open now, and the output tokens they have
+    /// streamed so far: each is a lower bound on its stream's final length,
+    /// which the planner needs before long requests finish.
+    pub streams_now: u32,
+    pub stream_tokens_now: u64,
 }
 wire!(FrontendMetrics = 110);
 

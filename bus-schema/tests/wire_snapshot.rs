@@ -503,6 +503,8 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                 queued_now: 1,
                 held_now: 0,
                 inflight_now: 2,
+                streams_now: 2,
+                stream_tokens_now: 30,
             })),
         ),
         (

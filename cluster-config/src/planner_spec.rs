@@ -88,6 +88,8 @@ pub struct RawPlanner {
     pub slot_budget: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub predictor: Option<PredictorKind>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expected_osl: Option<u32>,
     pub services: BTreeMap<String, TargetLimits>,
 }
 
@@ -112,9 +114,18 @@ pub struct PlannerSpec {
     /// Most slots the scaled targets hold together (None: no budget).
     pub slot_budget: Option<u32>,
     pub predictor: PredictorKind,
+    /// The mean output length (tokens) the deployment was planned for, as
+    /// given to the configurator: sized for at least while a period of
+    /// traffic is too young to show its own, since output lengths are known
+    /// only as requests finish and the short ones finish first (None: the
+    /// traffic's alone).
+    pub expected_osl: Option<u32>,
     /// Target (service or group name) → bounds, sorted by name.
     pub targets: BTreeMap<String, TargetLimits>,
 }
+
+/// Largest `expected_osl` accepted (tokens).
+pub const MAX_EXPECTED_OSL: u32 = 1 << 20;
 
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> SpecError {
     SpecError::Invalid {
@@ -153,6 +164,15 @@ impl PlannerSpec {
         if raw.slot_budget.is_some_and(|b| b > 1 << 20) {
             return Err(invalid("planner.slot_budget", "must be 0-1048576"));
         }
+        if raw
+            .expected_osl
+            .is_some_and(|n| !(1..=MAX_EXPECTED_OSL).contains(&n))
+        {
+            return Err(invalid(
+                "planner.expected_osl",
+                format!("must be 1-{MAX_EXPECTED_OSL} tokens"),
+            ));
+        }
         if raw.services.is_empty() {
             return Err(invalid(
                 "planner.services",
@@ -185,6 +205,7 @@ impl PlannerSpec {
             cold_start,
             slot_budget: raw.slot_budget,
             predictor: raw.predictor.unwrap_or_default(),
+            expected_osl: raw.expected_osl,
             targets: raw.services,
         })
     }
@@ -203,6 +224,7 @@ impl PlannerSpec {
             cold_start_ms: ms(self.cold_start),
             slot_budget: self.slot_budget,
             predictor: Some(self.predictor),
+            expected_osl: self.expected_osl,
             services: self.targets.clone(),
         }
     }
@@ -223,6 +245,7 @@ mod tests {
         assert_eq!(p.itl, Duration::from_millis(50));
         assert_eq!(p.policy, PlannerPolicy::Sla);
         assert_eq!(p.idle_to_zero, None);
+        assert_eq!(p.expected_osl, None);
         assert_eq!(p.targets["decode"], TargetLimits { min: 0, max: 4 });
         let back = PlannerSpec::validate(p.to_raw()).unwrap();
         assert_eq!(back, p);
@@ -234,6 +257,10 @@ mod tests {
         assert!(e("services: {decode: {min: 5, max: 4}}").contains("planner.services.decode.min"));
         assert!(e("ttft_ms: 0\nservices: {d: {max: 1}}").contains("planner.ttft_ms"));
         assert!(e("services: {}").contains("planner.services"));
+        assert!(e("expected_osl: 0\nservices: {d: {max: 1}}").contains("planner.expected_osl"));
+        let p = PlannerSpec::validate(raw("expected_osl: 200\nservices: {d: {max: 1}}")).unwrap();
+        assert_eq!(p.expected_osl, Some(200));
+        assert_eq!(PlannerSpec::validate(p.to_raw()).unwrap(), p);
         assert!(
             e("interval_ms: 1000\nfast_interval_ms: 5000\nservices: {d: {max: 1}}")
                 .contains("planner.fast_interval_ms")

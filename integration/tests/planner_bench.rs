@@ -77,7 +77,8 @@ fn timing() -> EngineTiming {
     }
 }
 
-fn azure(s: &Setup) -> Vec<Req> {
+/// The trace's rows, unthinned: (seconds of the day, ISL, OSL), capped.
+fn azure_rows() -> Vec<(f64, u32, u32)> {
     let text = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/data/azure/AzureLLMInferenceTrace_conv.csv"
@@ -101,6 +102,11 @@ fn azure(s: &Setup) -> Vec<Req> {
         };
         rows.push((t, isl.clamp(1, 4096), osl.clamp(1, 512)));
     }
+    rows
+}
+
+fn azure(s: &Setup) -> Vec<Req> {
+    let rows = azure_rows();
     let t0 = rows.first().map(|r| r.0).unwrap_or(0.0);
     rows.into_iter()
         .step_by(s.thin.max(1))
@@ -199,6 +205,23 @@ fn peak_rate(reqs: &[Req]) -> f64 {
     peak
 }
 
+/// The mean output length the planner is told the deployment was planned
+/// for (`expected_osl`): that of the trace's requests the Azure shape does
+/// not replay, as an operator would take it from earlier traffic.
+fn planned_osl(s: &Setup) -> u32 {
+    let thin = s.thin.max(1);
+    let rest: Vec<u32> = azure_rows()
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| thin == 1 || i % thin != 0)
+        .map(|(_, r)| r.2)
+        .collect();
+    let n = rest.len().max(1) as f64;
+    (rest.iter().map(|&o| o as f64).sum::<f64>() / n)
+        .round()
+        .max(1.0) as u32
+}
+
 fn spec(s: &Setup, policy: Policy, reqs: &[Req]) -> String {
     let n = reqs.len().max(1) as f64;
     let isl = reqs.iter().map(|r| r.isl as f64).sum::<f64>() / n;
@@ -224,12 +247,13 @@ fn spec(s: &Setup, policy: Policy, reqs: &[Req]) -> String {
     let planner = match policy {
         Policy::StaticPeak | Policy::StaticMean => String::new(),
         Policy::Baseline | Policy::Planner => format!(
-            "planner:\n  policy: {}\n  ttft_ms: {}\n  itl_ms: {}\n  interval_ms: 2000\n  fast_interval_ms: 500\n  scale_down_after_ms: {}\n  cold_start_ms: {}\n  services: {{prefill: {{min: 1, max: {}}}, decode: {{min: 1, max: {}}}}}\n",
+            "planner:\n  policy: {}\n  ttft_ms: {}\n  itl_ms: {}\n  interval_ms: 2000\n  fast_interval_ms: 500\n  scale_down_after_ms: {}\n  cold_start_ms: {}\n  expected_osl: {}\n  services: {{prefill: {{min: 1, max: {}}}, decode: {{min: 1, max: {}}}}}\n",
             if matches!(policy, Policy::Baseline) { "load" } else { "sla" },
             s.ttft_ms,
             s.itl_ms,
             8_000,
             cold,
+            planned_osl(s),
             pp * 2,
             pd * 2
         ),
@@ -410,11 +434,13 @@ async fn run(
                                         .unwrap_or_default();
                                 let g = |k: &str| n.get(k).copied().unwrap_or(f64::NAN);
                                 format!(
-                                    "{} {}/{} per-replica {:.2} learned ×{:.2}/×{:.2} correction {:.0}/{:.1} ms",
+                                    "{} {}/{} per-replica {:.2} (ISL {:.0}, OSL {:.0}) learned ×{:.2}/×{:.2} correction {:.0}/{:.1} ms",
                                     t["name"].as_str().unwrap_or(""),
                                     t["ready"],
                                     t["desired"],
                                     g("capacity_per_replica"),
+                                    g("isl"),
+                                    g("osl"),
                                     g("learned_prefill"),
                                     g("learned_decode"),
                                     g("ttft_correction_ms"),

@@ -6,7 +6,12 @@
 //! `a·u² + b·u + c` ms. It is seeded from the engine's settings and learned
 //! online: once per window, the warm workers' observed prefill times (or
 //! ITLs) together, over what the model predicts at the loads they had, is
-//! averaged into a multiplier per phase ([`Learned`]).
+//! averaged into a multiplier per phase ([`Learned`]). The seed counts as
+//! [`SEED_SAMPLES`] samples: the first samples are averaged with it (a
+//! running mean), and once that would weigh a sample less than
+//! [`LEARN_RATE`], samples are blended at that rate, so what is learned
+//! follows a change. A seed that is off is corrected within a few windows,
+//! not after the dozens an exponential average from the seed takes.
 //!
 //! Invariants: capacities are finite and > 0; a multiplier stays within
 //! [`MIN_FACTOR`, `MAX_FACTOR`]; samples from a worker's first windows
@@ -16,8 +21,11 @@ use serde::{Deserialize, Serialize};
 
 pub const MIN_FACTOR: f64 = 0.2;
 pub const MAX_FACTOR: f64 = 5.0;
-/// Weight of a new sample (one window's workers) in a learned multiplier.
+/// Least weight of a new sample (one window's workers) in a learned
+/// multiplier.
 const LEARN_RATE: f64 = 0.15;
+/// Samples the seed is worth.
+const SEED_SAMPLES: f64 = 1.0;
 /// Tail factor on the queueing wait (about the 90th percentile of an
 /// M/D/1 queue's wait over its mean).
 const TAIL: f64 = 2.0;
@@ -105,24 +113,30 @@ impl Default for Learned {
     }
 }
 
-fn blend(old: f64, sample: f64) -> f64 {
+/// `old`, learned from `seen` samples before this one, with `sample`.
+fn blend(old: f64, seen: u64, sample: f64) -> f64 {
     if !sample.is_finite() || sample <= 0.0 {
         return old;
     }
     let s = sample.clamp(MIN_FACTOR, MAX_FACTOR);
-    (old * (1.0 - LEARN_RATE) + s * LEARN_RATE).clamp(MIN_FACTOR, MAX_FACTOR)
+    let w = (1.0 / (seen as f64 + SEED_SAMPLES + 1.0)).max(LEARN_RATE);
+    (old * (1.0 - w) + s * w).clamp(MIN_FACTOR, MAX_FACTOR)
 }
 
 impl Learned {
     /// A prefill worker, idle enough that its time to first token is its
     /// prefill time, took `observed_ms` for prompts of `isl` tokens.
     pub fn prefill_sample(&mut self, t: &EngineTiming, isl: f64, observed_ms: f64) {
-        self.prefill = blend(self.prefill, observed_ms / t.prefill(isl));
+        self.prefill = blend(
+            self.prefill,
+            self.prefill_samples,
+            observed_ms / t.prefill(isl),
+        );
         self.prefill_samples += 1;
     }
     /// A decode worker stepped every `observed_ms` at KV utilisation `u`.
     pub fn decode_sample(&mut self, t: &EngineTiming, u: f64, observed_ms: f64) {
-        self.decode = blend(self.decode, observed_ms / t.step(u));
+        self.decode = blend(self.decode, self.decode_samples, observed_ms / t.step(u));
         self.decode_samples += 1;
     }
     /// One window's prefill workers, as (isl, observed ms) pairs: one
@@ -130,14 +144,14 @@ impl Learned {
     /// (nothing when empty).
     pub fn prefill_window(&mut self, t: &EngineTiming, samples: &[(f64, f64)]) {
         if let Some(r) = ratio_of_sums(samples, |isl| t.prefill(isl)) {
-            self.prefill = blend(self.prefill, r);
+            self.prefill = blend(self.prefill, self.prefill_samples, r);
             self.prefill_samples += 1;
         }
     }
     /// One window's decode workers, as (utilisation, observed step ms).
     pub fn decode_window(&mut self, t: &EngineTiming, samples: &[(f64, f64)]) {
         if let Some(r) = ratio_of_sums(samples, |u| t.step(u)) {
-            self.decode = blend(self.decode, r);
+            self.decode = blend(self.decode, self.decode_samples, r);
             self.decode_samples += 1;
         }
     }
@@ -352,6 +366,12 @@ mod tests {
     fn learning_converges_and_stays_bounded() {
         let t = EngineTiming::mocker_default();
         let mut l = Learned::default();
+        // A seed that is off by 20%: three samples take most of it away.
+        let mut quick = Learned::default();
+        for _ in 0..3 {
+            quick.decode_sample(&t, 0.3, t.step(0.3) * 1.2);
+        }
+        assert!((quick.decode - 1.15).abs() < 1e-9, "{quick:?}");
         for _ in 0..40 {
             l.prefill_sample(&t, 500.0, t.prefill(500.0) * 1.6);
             l.decode_sample(&t, 0.3, t.step(0.3) * 0.7);
@@ -381,10 +401,8 @@ mod tests {
         let (a, b) = (t.step(0.2), t.step(0.9));
         k.decode_window(&t, &[(0.2, a * 1.5), (0.9, b * 0.5)]);
         let r = (1.5 * a + 0.5 * b) / (a + b);
-        assert!(
-            (k.decode - (1.0 - LEARN_RATE + LEARN_RATE * r)).abs() < 1e-9,
-            "{k:?}"
-        );
+        // The first sample is averaged with the seed.
+        assert!((k.decode - (1.0 + r) / 2.0).abs() < 1e-9, "{k:?}");
         assert!(r < 1.0);
         l.prefill_window(&t, &[(500.0, t.prefill(500.0) * 2.0)]);
         assert!(l.prefill > 1.0 && l.prefill_samples == 1);

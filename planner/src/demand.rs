@@ -14,10 +14,25 @@
 //!   Output lengths are known only when a request finishes, and the first
 //!   to finish are the short ones, so what a new load shows first is biased
 //!   short: they forget faster ([`OSL_HALF_LIFE_WINDOWS`]).
+//! - **Output lengths while a period is young.** A period of traffic starts
+//!   when the load stood idle (no arrival, no open stream). Counting each
+//!   open stream at the tokens it has streamed so far, the mean over the
+//!   period's finished requests and its open streams is a lower bound on
+//!   the period's mean output length: every request of the period is in
+//!   one set or the other, and no open stream is shorter at its end. Early
+//!   on it is far above the finished requests' mean, which is only the
+//!   short ones. The output length sized for is the larger of the two
+//!   while the period is young: until its finished requests outnumber the
+//!   open streams [`YOUNG_FINISHED_PER_STREAM`] times. After that the open
+//!   streams, a sample biased to long requests, no longer count.
+//!   A young period is sized for at least the deployment's expected output
+//!   length where its spec gives one (what it was planned for): in its
+//!   first seconds no stream has yet streamed what it will.
 //!
 //! Invariants: every estimate is finite and ≥ 0; the history holds at most
 //! [`RATE_WINDOWS`] windows; a window without requests leaves the lengths
-//! as they were (decayed weights keep their means).
+//! as they were (decayed weights keep their means); the period's sums
+//! start again after a window with no arrival and no open stream.
 
 use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
@@ -30,6 +45,9 @@ pub const RATE_Z: f64 = 1.0;
 pub const ISL_HALF_LIFE_WINDOWS: f64 = 8.0;
 /// Windows after which an output-length sample weighs half.
 pub const OSL_HALF_LIFE_WINDOWS: f64 = 3.0;
+/// A period is young until its finished requests outnumber its open
+/// streams this many times.
+pub const YOUNG_FINISHED_PER_STREAM: u64 = 8;
 
 /// A mean weighted by count, decayed per window.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -64,29 +82,82 @@ pub struct Demand {
     windows: VecDeque<(f64, u64)>,
     pub isl: DecayedMean,
     pub osl: DecayedMean,
+    /// This period's finished requests and their output tokens (not
+    /// decayed), and the open streams at the last window.
+    #[serde(default)]
+    period: Period,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+struct Period {
+    finished: u64,
+    osl_sum: f64,
+    streams: u64,
+    stream_tokens: u64,
+}
+
+/// What one window saw of the requests, for [`Demand::observe`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Seen {
+    /// Its length, seconds.
+    pub secs: f64,
+    pub arrivals: u64,
+    /// Prompts whose length it saw, and their mean.
+    pub prompts: u64,
+    pub isl: Option<f64>,
+    /// Requests that finished, and their mean output length.
+    pub finished: u64,
+    pub osl: Option<f64>,
+    /// Streams open at its end, and the tokens they have streamed.
+    pub streams: u64,
+    pub stream_tokens: u64,
 }
 
 impl Demand {
-    /// One sizing window: its length, arrivals, and the requests whose
-    /// prompt (`prompts`, mean `isl`) and output (`finished`, mean `osl`)
-    /// lengths it saw.
-    pub fn observe(
-        &mut self,
-        secs: f64,
-        arrivals: u64,
-        prompts: u64,
-        isl: Option<f64>,
-        finished: u64,
-        osl: Option<f64>,
-    ) {
-        if secs.is_finite() && secs > 0.0 {
-            self.windows.push_back((secs, arrivals));
+    /// One sizing window.
+    pub fn observe(&mut self, w: Seen) {
+        if w.secs.is_finite() && w.secs > 0.0 {
+            self.windows.push_back((w.secs, w.arrivals));
             while self.windows.len() > RATE_WINDOWS {
                 self.windows.pop_front();
             }
         }
-        self.isl.add(prompts, isl, ISL_HALF_LIFE_WINDOWS);
-        self.osl.add(finished, osl, OSL_HALF_LIFE_WINDOWS);
+        self.isl.add(w.prompts, w.isl, ISL_HALF_LIFE_WINDOWS);
+        self.osl.add(w.finished, w.osl, OSL_HALF_LIFE_WINDOWS);
+        let p = &mut self.period;
+        if w.arrivals == 0 && w.streams == 0 {
+            *p = Period::default();
+            return;
+        }
+        if let Some(m) = w.osl.filter(|m| m.is_finite() && *m >= 0.0) {
+            p.finished = p.finished.saturating_add(w.finished);
+            p.osl_sum += w.finished as f64 * m;
+        }
+        p.streams = w.streams;
+        p.stream_tokens = w.stream_tokens;
+    }
+
+    /// The output length to size for: the finished requests' decayed mean,
+    /// or while the period is young, the largest of that, the period's lower
+    /// bound and `expected` (see the module doc). `None` before anything
+    /// is known.
+    pub fn osl_estimate(&self, expected: Option<f64>) -> Option<f64> {
+        let decayed = self.osl.mean();
+        let p = &self.period;
+        let young = p.finished < YOUNG_FINISHED_PER_STREAM.saturating_mul(p.streams.max(1));
+        if !young {
+            return decayed;
+        }
+        let n = p.finished.saturating_add(p.streams);
+        let bound = (n > 0).then(|| (p.osl_sum + p.stream_tokens as f64) / n as f64);
+        [
+            decayed,
+            bound,
+            expected.filter(|e| e.is_finite() && *e > 0.0),
+        ]
+        .into_iter()
+        .flatten()
+        .reduce(f64::max)
     }
 
     /// Arrivals per second over the windows held (`None` before any).
@@ -114,12 +185,31 @@ impl Demand {
 mod tests {
     use super::*;
 
+    fn seen(
+        secs: f64,
+        arrivals: u64,
+        prompts: u64,
+        isl: Option<f64>,
+        finished: u64,
+        osl: Option<f64>,
+    ) -> Seen {
+        Seen {
+            secs,
+            arrivals,
+            prompts,
+            isl,
+            finished,
+            osl,
+            ..Seen::default()
+        }
+    }
+
     #[test]
     fn the_rate_is_over_the_last_windows_with_a_noise_allowance() {
         let mut d = Demand::default();
         assert_eq!(d.rate(), None);
         for n in [40, 20, 20, 20] {
-            d.observe(2.0, n, n, Some(100.0), n, Some(10.0));
+            d.observe(seen(2.0, n, n, Some(100.0), n, Some(10.0)));
         }
         // The oldest window (40) has left: 60 arrivals in 6 s.
         assert!((d.rate().unwrap() - 10.0).abs() < 1e-9);
@@ -128,7 +218,7 @@ mod tests {
         // Fewer arrivals: a relatively wider allowance.
         let mut light = Demand::default();
         for _ in 0..3 {
-            light.observe(2.0, 2, 2, None, 0, None);
+            light.observe(seen(2.0, 2, 2, None, 0, None));
         }
         let r = light.rate().unwrap();
         assert!(light.rate_upper().unwrap() / r > up / 10.0);
@@ -137,24 +227,83 @@ mod tests {
     #[test]
     fn lengths_are_weighted_by_request_and_forget_slowly() {
         let mut d = Demand::default();
-        d.observe(2.0, 30, 30, Some(100.0), 30, Some(10.0));
+        d.observe(seen(2.0, 30, 30, Some(100.0), 30, Some(10.0)));
         // One long prompt in a window of one request barely moves the mean.
-        d.observe(2.0, 1, 1, Some(4000.0), 0, None);
+        d.observe(seen(2.0, 1, 1, Some(4000.0), 0, None));
         let isl = d.isl.mean().unwrap();
         assert!(isl > 100.0 && isl < 250.0, "{isl}");
         // Windows with no finished request keep the output mean, however many.
         for _ in 0..500 {
-            d.observe(2.0, 0, 0, None, 0, None);
+            d.observe(seen(2.0, 0, 0, None, 0, None));
         }
         assert!((d.osl.mean().unwrap() - 10.0).abs() < 1e-9);
         // A lasting change wins out.
         for _ in 0..40 {
-            d.observe(2.0, 30, 30, Some(1000.0), 30, Some(50.0));
+            d.observe(seen(2.0, 30, 30, Some(1000.0), 30, Some(50.0)));
         }
         assert!((d.isl.mean().unwrap() - 1000.0).abs() < 10.0);
         assert!((d.osl.mean().unwrap() - 50.0).abs() < 1.0);
         // Nonsense is ignored.
-        d.observe(f64::NAN, 3, 3, Some(f64::INFINITY), 3, Some(-1.0));
+        d.observe(seen(f64::NAN, 3, 3, Some(f64::INFINITY), 3, Some(-1.0)));
         assert!(d.isl.mean().unwrap().is_finite() && d.rate().unwrap().is_finite());
+    }
+
+    #[test]
+    fn a_young_period_counts_open_streams_at_their_length_so_far() {
+        let mut d = Demand::default();
+        assert_eq!(d.osl_estimate(None), None);
+        // What the deployment was planned for, before anything is seen.
+        assert_eq!(d.osl_estimate(Some(60.0)), Some(60.0));
+        // The first window: nothing finished, 20 streams have 40 tokens each.
+        d.observe(Seen {
+            secs: 2.0,
+            arrivals: 20,
+            streams: 20,
+            stream_tokens: 800,
+            ..Seen::default()
+        });
+        assert_eq!(d.osl_estimate(None), Some(40.0));
+        assert_eq!(d.osl_estimate(Some(60.0)), Some(60.0));
+        // The short ones finish first (10 of 20 tokens); the rest run on.
+        d.observe(Seen {
+            secs: 2.0,
+            arrivals: 10,
+            finished: 10,
+            osl: Some(20.0),
+            streams: 20,
+            stream_tokens: 2000,
+            ..Seen::default()
+        });
+        assert!((d.osl.mean().unwrap() - 20.0).abs() < 1e-9);
+        // 10 finished at 20, 20 open at 100 so far: at least 73 tokens.
+        let e = d.osl_estimate(None).unwrap();
+        assert!((e - 2200.0 / 30.0).abs() < 1e-9, "{e}");
+        // Once finished requests far outnumber the open streams, only their
+        // mean counts: the open streams are a sample biased to long ones.
+        for _ in 0..20 {
+            d.observe(Seen {
+                secs: 2.0,
+                arrivals: 10,
+                finished: 10,
+                osl: Some(50.0),
+                streams: 10,
+                stream_tokens: 3000,
+                ..Seen::default()
+            });
+        }
+        assert_eq!(d.osl_estimate(Some(500.0)), d.osl.mean());
+        // An idle window ends the period; the next one is young again.
+        d.observe(Seen {
+            secs: 2.0,
+            ..Seen::default()
+        });
+        d.observe(Seen {
+            secs: 2.0,
+            arrivals: 5,
+            streams: 5,
+            stream_tokens: 1000,
+            ..Seen::default()
+        });
+        assert_eq!(d.osl_estimate(None), Some(200.0));
     }
 }

@@ -25,7 +25,7 @@ use crate::capacity::{
     aggregated_capacity, decode_capacity, prefill_capacity, utilisation_at, Capacity, EngineTiming,
     Learned,
 };
-use crate::demand::Demand;
+use crate::demand::{Demand, Seen};
 use crate::predict::{AnyPredictor, Predictor};
 use dynamo_cluster_config::planner_spec::{PlannerPolicy, PlannerSpec, TargetLimits};
 use serde::{Deserialize, Serialize};
@@ -141,6 +141,9 @@ pub struct Window {
     pub held: u32,
     /// Requests being served now.
     pub inflight: u32,
+    /// Streams open now, and the output tokens they have streamed so far.
+    pub streams: u64,
+    pub stream_tokens: u64,
     pub workers: Vec<WorkerSample>,
 }
 
@@ -550,9 +553,16 @@ impl PlannerState {
     /// from warm workers.
     fn learn(&mut self, targets: &[Target], w: &Window) {
         let d = &mut self.memory.demand;
-        d.observe(
-            w.secs, w.arrivals, w.prompts, w.isl_mean, w.finished, w.osl_mean,
-        );
+        d.observe(Seen {
+            secs: w.secs,
+            arrivals: w.arrivals,
+            prompts: w.prompts,
+            isl: w.isl_mean,
+            finished: w.finished,
+            osl: w.osl_mean,
+            streams: w.streams,
+            stream_tokens: w.stream_tokens,
+        });
         // The predictors forecast the estimates, not one window's noise.
         if let Some(r) = d.rate() {
             self.memory.rate.observe(r);
@@ -560,7 +570,7 @@ impl PlannerState {
         if let Some(x) = d.isl.mean() {
             self.memory.isl.observe(x);
         }
-        if let Some(x) = d.osl.mean() {
+        if let Some(x) = d.osl_estimate(self.spec.expected_osl.map(f64::from)) {
             self.memory.osl.observe(x);
         }
         self.correct(targets, w);
@@ -690,7 +700,11 @@ impl PlannerState {
             }
         };
         let isl = smoothed(&self.memory.isl, fast.isl_mean);
-        let osl = smoothed(&self.memory.osl, fast.osl_mean);
+        let first = self
+            .memory
+            .demand
+            .osl_estimate(self.spec.expected_osl.map(f64::from));
+        let osl = smoothed(&self.memory.osl, first.or(fast.osl_mean));
         let cap = self.capacity(t, isl, osl, t.desired);
         let per = Self::per_replica(t.kind, &cap);
         // Replicas for a rate: the fewest n whose n replicas carry it (a

@@ -3,13 +3,16 @@
 //! per interval as [`FrontendMetrics`] (never a message per request).
 //!
 //! Invariants: a request is counted once as an arrival (when admitted) and
-//! once as finished (when its stream ends); the models tracked are bounded
-//! by [`MAX_MODELS`] (past it a new model's traffic is dropped and counted).
+//! once as finished (when its stream ends); a stream's [`Live`] share is
+//! added when it opens and taken back, whole, when it ends, so the gauges
+//! are the open streams and what they have streamed so far; the models
+//! tracked are bounded by [`MAX_MODELS`] (past it a new model's traffic is
+//! dropped and counted).
 
 use dynamo_bus_schema::{latency_bucket, FrontendMetrics, ModelName, LATENCY_BUCKETS_MS};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Most models one gateway summarises.
 pub const MAX_MODELS: usize = 256;
@@ -25,6 +28,37 @@ struct Acc {
     ttft: Vec<u32>,
     itl: Vec<u32>,
     queue_ms_sum: u64,
+    /// Gauges, kept across intervals.
+    live: Arc<Live>,
+}
+
+/// A model's open streams and the output tokens they have streamed so far.
+#[derive(Default)]
+pub struct Live {
+    streams: AtomicU32,
+    tokens: AtomicU64,
+}
+
+/// One open stream's share of its model's [`Live`] gauges, taken back
+/// when dropped.
+pub struct StreamGauge {
+    live: Arc<Live>,
+    tokens: u64,
+}
+
+impl StreamGauge {
+    /// The stream sent `n` more output tokens.
+    pub fn tokens(&mut self, n: u32) {
+        self.tokens = self.tokens.saturating_add(n as u64);
+        self.live.tokens.fetch_add(n as u64, Ordering::Relaxed);
+    }
+}
+
+impl Drop for StreamGauge {
+    fn drop(&mut self) {
+        self.live.streams.fetch_sub(1, Ordering::Relaxed);
+        self.live.tokens.fetch_sub(self.tokens, Ordering::Relaxed);
+    }
 }
 
 fn hist() -> Vec<u32> {
@@ -72,6 +106,16 @@ impl Feed {
     /// request held for a worker is seen at once).
     pub fn arrived(&self, model: &str) {
         self.with(model, |a| a.arrivals = a.arrivals.saturating_add(1));
+    }
+
+    /// A stream for `model` opens; its gauge counts it until dropped
+    /// (`None` for a model past [`MAX_MODELS`]).
+    pub fn stream(&self, model: &str) -> Option<StreamGauge> {
+        let mut live = None;
+        self.with(model, |a| live = Some(a.live.clone()));
+        let live = live?;
+        live.streams.fetch_add(1, Ordering::Relaxed);
+        Some(StreamGauge { live, tokens: 0 })
     }
 
     /// It waited this long for admission.
@@ -123,7 +167,8 @@ impl Feed {
         let mut out = Vec::new();
         m.retain(|model, a| {
             let q = queued(model);
-            let idle = a.arrivals == 0 && a.finished == 0 && q == 0;
+            let streams = a.live.streams.load(Ordering::Relaxed);
+            let idle = a.arrivals == 0 && a.finished == 0 && q == 0 && streams == 0;
             out.push(FrontendMetrics {
                 gateway: gateway.to_string(),
                 model: ModelName(model.clone()),
@@ -141,10 +186,13 @@ impl Feed {
                 queued_now: q,
                 held_now: held,
                 inflight_now: inflight,
+                streams_now: streams,
+                stream_tokens_now: a.live.tokens.load(Ordering::Relaxed),
             });
             *a = Acc {
                 ttft: hist(),
                 itl: hist(),
+                live: a.live.clone(),
                 ..Acc::default()
             };
             // An idle model is reported once (zeros), then forgotten until
@@ -196,5 +244,25 @@ mod tests {
         let again = f.take("g", 2, 1000, &|_| 0, 0);
         assert_eq!(again[0].arrivals, 0);
         assert!(f.take("g", 3, 1000, &|_| 0, 0).is_empty());
+    }
+
+    #[test]
+    fn open_streams_and_their_tokens_are_gauges_kept_until_the_streams_end() {
+        let f = Feed::default();
+        let mut a = f.stream("m").unwrap();
+        let mut b = f.stream("m").unwrap();
+        a.tokens(5);
+        b.tokens(2);
+        a.tokens(3);
+        let m = &f.take("g", 1, 1000, &|_| 0, 2)[0];
+        assert_eq!((m.streams_now, m.stream_tokens_now), (2, 10));
+        // A model with nothing but a long stream open is still reported.
+        drop(b);
+        let m = &f.take("g", 2, 1000, &|_| 0, 1)[0];
+        assert_eq!((m.arrivals, m.streams_now, m.stream_tokens_now), (0, 1, 8));
+        drop(a);
+        let m = &f.take("g", 3, 1000, &|_| 0, 0)[0];
+        assert_eq!((m.streams_now, m.stream_tokens_now), (0, 0));
+        assert!(f.take("g", 4, 1000, &|_| 0, 0).is_empty());
     }
 }

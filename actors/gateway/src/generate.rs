@@ -115,6 +115,8 @@ pub struct Generation {
     /// The current attempt has reported its first token to the router.
     prefill_reported: bool,
     timings: Option<dynamo_bus_schema::PhaseTimings>,
+    /// This stream's share of the planner's open-stream gauges.
+    gauge: Option<crate::feed::StreamGauge>,
 }
 
 /// What a frame means for the stream.
@@ -159,6 +161,7 @@ impl Generation {
         )
         .await?;
         let max_stop_len = v.stop.iter().map(String::len).max().unwrap_or(0);
+        let gauge = shared.feed.stream(&plan.model.0);
         Ok(Generation {
             usage: Usage {
                 prompt_tokens: plan.prompt.len() as u32,
@@ -191,6 +194,7 @@ impl Generation {
             failed,
             prefill_reported: false,
             timings: None,
+            gauge,
         })
     }
 
@@ -364,6 +368,9 @@ impl Generation {
                 }
                 self.last_token_at = Some(now);
                 self.usage.completion_tokens += n;
+                if let Some(g) = &mut self.gauge {
+                    g.tokens(n);
+                }
                 self.generated.extend_from_slice(&f.token_ids);
                 match self.decoder.push(&self.pre.tokenizer, &f.token_ids) {
                     Ok(delta) => self.text(delta, false),

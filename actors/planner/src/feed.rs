@@ -68,6 +68,8 @@ struct Gateway {
     queued: u32,
     held: u32,
     inflight: u32,
+    streams: u32,
+    stream_tokens: u64,
 }
 
 /// What a planner has heard.
@@ -121,6 +123,8 @@ impl MetricsFeed {
                 queued: m.queued_now,
                 held: m.held_now,
                 inflight: m.inflight_now,
+                streams: m.streams_now,
+                stream_tokens: m.stream_tokens_now,
             },
         );
     }
@@ -171,10 +175,13 @@ impl MetricsFeed {
         self.workers
             .retain(|_, w| now_ms.saturating_sub(w.last.unix_ms) <= STALE_MS);
         let (mut queued, mut held, mut inflight) = (0u32, 0u32, 0u32);
+        let (mut streams, mut stream_tokens) = (0u64, 0u64);
         for g in self.gateways.values() {
             queued = queued.saturating_add(g.queued);
             held = held.saturating_add(g.held);
             inflight = inflight.saturating_add(g.inflight);
+            streams = streams.saturating_add(g.streams as u64);
+            stream_tokens = stream_tokens.saturating_add(g.stream_tokens);
         }
         let workers = |fast: bool, ws: &mut HashMap<WorkerId, Worker>| -> Vec<WorkerSample> {
             let mut out = Vec::new();
@@ -223,6 +230,8 @@ impl MetricsFeed {
             queued,
             held,
             inflight,
+            streams,
+            stream_tokens,
             workers: ws,
         };
         let fw = workers(true, &mut self.workers);
@@ -263,6 +272,8 @@ mod tests {
             queued_now: 2,
             held_now: 0,
             inflight_now: 1,
+            streams_now: 3,
+            stream_tokens_now: 60,
         }
     }
 
@@ -302,6 +313,7 @@ mod tests {
         assert_eq!(fast.isl_mean, Some(100.0));
         assert_eq!(fast.ttft_p90_ms, Some(460.0));
         assert_eq!((fast.queued, fast.inflight), (4, 2));
+        assert_eq!((fast.streams, fast.stream_tokens), (6, 120));
         assert_eq!(fast.workers.len(), 1, "worker 9 is another deployment's");
         let w = &fast.workers[0];
         assert_eq!(
