@@ -1,7 +1,16 @@
 //! The async driver: owns a [`MockerCore`], feeds it commands, runs steps,
-//! announces the step's admissions, sleeps the simulated step time
+//! announces the step's admissions, waits out the simulated step time
 //! (divided by the speedup) and then delivers the step's tokens and KV
-//! events. One tokio task per engine, watched through its [`Liveness`]; it
+//! events.
+//!
+//! **Pacing.** A step lasts its simulated time from when it starts, not
+//! that time after the driver's own work: the formula is a GPU step's
+//! whole time, so the host time the driver spends scheduling and
+//! delivering is inside it, not added to it. Steps run back to back keep
+//! their cadence: a step that ends up to [`MAX_CARRY`] late (a timer's
+//! tick, a busy host) starts the next one from when it should have ended,
+//! so lateness does not add up over a stream. Later than that, the next
+//! step starts afresh. One tokio task per engine, watched through its [`Liveness`]; it
 //! ends when the engine handle is dropped, failing whatever is still
 //! running with [`EngineError::Stopped`]. If it dies (a panic), every
 //! request's stream closes and the liveness fires, so the worker restarts.
@@ -27,6 +36,8 @@ use tokio::sync::oneshot;
 
 /// Work commands (snapshots, block moves) queued beyond the admitted requests.
 pub const WORK_HEADROOM: usize = 256;
+/// Lateness of a step that the next one makes up (real time).
+pub const MAX_CARRY: std::time::Duration = std::time::Duration::from_millis(5);
 
 /// A request's event sender, holding its admission slot while it runs.
 struct Sink {
@@ -236,14 +247,22 @@ async fn run(
             }
         }
     };
+    // When the last step should have ended (None: idle since).
+    let mut due: Option<tokio::time::Instant> = None;
     'outer: loop {
         if core.is_idle() {
+            due = None;
             publish_load(&core, &load);
             match rx.recv().await {
                 Some(q) => apply(q.cmd, &mut core, &mut outs),
                 None => break 'outer,
             }
         }
+        let now = tokio::time::Instant::now();
+        let start = match due {
+            Some(d) if now <= d + MAX_CARRY => d.min(now),
+            _ => now,
+        };
         loop {
             match rx.try_recv() {
                 Ok(q) => apply(q.cmd, &mut core, &mut outs),
@@ -262,8 +281,15 @@ async fn run(
             .partition(|(_, ev)| matches!(ev, EngineEvent::Started { .. }));
         deliver(started, &mut outs, &mut core);
         match cfg.real_delay(step.simulated_ms) {
-            Some(d) => tokio::time::sleep(d).await,
-            None => tokio::task::yield_now().await,
+            Some(d) => {
+                let end = start + d;
+                due = Some(end);
+                tokio::time::sleep_until(end).await;
+            }
+            None => {
+                due = None;
+                tokio::task::yield_now().await;
+            }
         }
         deliver(rest, &mut outs, &mut core);
         for ev in core.drain_kv_events() {
