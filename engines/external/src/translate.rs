@@ -1,0 +1,429 @@
+//! An engine's KV events in our block identity, as the engine seam's
+//! [`KvCacheEvent`]s, so the worker publishes them like any engine's and
+//! the router keeps one index whatever the engines are.
+//!
+//! **How engine blocks map onto ours.** An engine names a block by its own
+//! hash, over its own block size. We rehash: a `BlockStored` carries the
+//! tokens of the blocks it stores and the engine hash of their parent, and
+//! we keep, per engine block, where our chain stands after its tokens: the
+//! [`SequenceHash`] of our last full block, and the tokens past it (fewer
+//! than our block size). A stored engine block continues its parent's
+//! chain with its tokens, and every full block of ours it completes is
+//! stored under our hash ([`dynamo_bus_schema::blocks`], the gateway's
+//! hashing). So:
+//! - an engine block size that is a multiple of ours completes several of
+//!   our blocks per engine block;
+//! - a smaller one (SGLang's page size of 1) completes one of ours every
+//!   few engine blocks;
+//! - any other size works the same way: our blocks straddle the engine's.
+//!
+//! An engine block *owns* the blocks of ours it completed. When it is
+//! removed from a tier, so are they. It is forgotten once it is on no tier.
+//! What is tracked is the engine's block table in our hashes, so a
+//! [`Translator::snapshot`] answers the router's dump requests.
+//!
+//! Invariants: an event refers only to engine blocks this translator has
+//! seen stored, or it is skipped and counted ([`Counts`]); at most
+//! [`MAX_TRACKED`] engine blocks are tracked (past it, stores are skipped
+//! and counted, and the router's view is incomplete, never wrong); our
+//! event ids rise by one per emitted event.
+
+use crate::events::{EngineEvent, EngineHash};
+use dynamo_bus_schema::blocks::{chain, hash_salt, local_block_hash, SequenceHash};
+use dynamo_engine::{KvCacheEvent, KvCacheEventData, KvSnapshot, KvTier};
+use std::collections::HashMap;
+
+/// Most engine blocks tracked at once.
+pub const MAX_TRACKED: usize = 1 << 22;
+
+/// Where our chain stands after one engine block.
+#[derive(Clone, Debug)]
+struct Chain {
+    last: Option<SequenceHash>,
+    tail: Vec<u32>,
+    /// Our blocks this engine block completed.
+    owns: Vec<SequenceHash>,
+    /// Tiers it is on (bit per tier: device, host, disk).
+    tiers: u8,
+}
+
+/// What was skipped, by reason.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Stores whose parent was never seen stored.
+    pub unknown_parent: u64,
+    /// Removals of blocks never seen stored.
+    pub unknown_block: u64,
+    /// Events with a `medium` we do not know.
+    pub unknown_medium: u64,
+    /// Events of a type we do not know.
+    pub unknown_event: u64,
+    /// Stores past [`MAX_TRACKED`].
+    pub over_limit: u64,
+}
+
+/// One engine's events → our [`KvCacheEvent`]s.
+pub struct Translator {
+    model: String,
+    block_size: usize,
+    blocks: HashMap<EngineHash, Chain>,
+    next_id: u64,
+    pub skipped: Counts,
+}
+
+/// An engine's `medium` as our tier (`None`: GPU, the default).
+pub fn tier(medium: Option<&str>) -> Option<KvTier> {
+    match medium.map(str::to_ascii_lowercase).as_deref() {
+        None | Some("gpu") | Some("cuda") | Some("device") | Some("hbm") => Some(KvTier::Device),
+        Some("cpu") | Some("host") | Some("cpu_pinned") => Some(KvTier::Host),
+        Some("disk") | Some("ssd") | Some("local_disk") => Some(KvTier::Disk),
+        Some(_) => None,
+    }
+}
+
+fn bit(t: KvTier) -> u8 {
+    match t {
+        KvTier::Device => 1,
+        KvTier::Host => 2,
+        KvTier::Disk => 4,
+    }
+}
+
+impl Translator {
+    /// For `model`'s blocks of `block_size` tokens (the gateway's hashing).
+    pub fn new(model: &str, block_size: usize) -> Self {
+        Translator {
+            model: model.to_string(),
+            block_size: block_size.max(1),
+            blocks: HashMap::new(),
+            next_id: 0,
+            skipped: Counts::default(),
+        }
+    }
+
+    /// Engine blocks tracked now.
+    pub fn tracked(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// The id of the last event emitted (0 before any).
+    pub fn last_event_id(&self) -> u64 {
+        self.next_id
+    }
+
+    fn emit(&mut self, tier: KvTier, data: KvCacheEventData) -> KvCacheEvent {
+        self.next_id += 1;
+        KvCacheEvent {
+            event_id: self.next_id,
+            tier,
+            data,
+        }
+    }
+
+    /// The block table in our hashes, consistent with the events emitted.
+    pub fn snapshot(&self) -> KvSnapshot {
+        let mut tiers: [Vec<SequenceHash>; 3] = Default::default();
+        for c in self.blocks.values() {
+            for (i, t) in tiers.iter_mut().enumerate() {
+                if c.tiers & (1 << i) != 0 {
+                    t.extend_from_slice(&c.owns);
+                }
+            }
+        }
+        let [device, host, disk] = tiers;
+        KvSnapshot {
+            last_event_id: self.next_id,
+            blocks: device,
+            offloaded: [(KvTier::Host, host), (KvTier::Disk, disk)]
+                .into_iter()
+                .filter(|(_, b)| !b.is_empty())
+                .collect(),
+        }
+    }
+
+    /// Our events for one engine event (none when it changes nothing of
+    /// ours, or is skipped).
+    pub fn translate(&mut self, e: &EngineEvent) -> Vec<KvCacheEvent> {
+        match e {
+            EngineEvent::Stored {
+                hashes,
+                parent,
+                token_ids,
+                block_size,
+                lora_id,
+                lora_name,
+                medium,
+            } => {
+                let Some(t) = tier(medium.as_deref()) else {
+                    self.skipped.unknown_medium += 1;
+                    return Vec::new();
+                };
+                let adapter = lora_name
+                    .clone()
+                    .or_else(|| lora_id.filter(|&i| i > 0).map(|i| format!("lora-{i}")));
+                let salt = hash_salt(&self.model, adapter.as_deref());
+                self.stored(hashes, *parent, token_ids, *block_size as usize, t, salt)
+            }
+            EngineEvent::Removed { hashes, medium } => {
+                let Some(t) = tier(medium.as_deref()) else {
+                    self.skipped.unknown_medium += 1;
+                    return Vec::new();
+                };
+                self.removed(hashes, t)
+            }
+            EngineEvent::Cleared => {
+                self.blocks.clear();
+                vec![self.emit(KvTier::Device, KvCacheEventData::Cleared)]
+            }
+            EngineEvent::Unknown(_) => {
+                self.skipped.unknown_event += 1;
+                Vec::new()
+            }
+        }
+    }
+
+    fn stored(
+        &mut self,
+        hashes: &[EngineHash],
+        parent: Option<EngineHash>,
+        tokens: &[u32],
+        engine_bs: usize,
+        t: KvTier,
+        salt: u64,
+    ) -> Vec<KvCacheEvent> {
+        let mut at = match parent {
+            None => Chain {
+                last: None,
+                tail: Vec::new(),
+                owns: Vec::new(),
+                tiers: 0,
+            },
+            Some(p) => match self.blocks.get(&p) {
+                Some(c) => c.clone(),
+                None => {
+                    self.skipped.unknown_parent += 1;
+                    return Vec::new();
+                }
+            },
+        };
+        let first_parent = at.last;
+        let mut ours = Vec::new();
+        for (i, h) in hashes.iter().enumerate() {
+            let Some(block) = tokens.get(i * engine_bs..(i + 1) * engine_bs) else {
+                break; // the decoder checked the lengths
+            };
+            let mut owns = Vec::new();
+            at.tail.extend_from_slice(block);
+            while at.tail.len() >= self.block_size {
+                let rest = at.tail.split_off(self.block_size);
+                let ours_h = chain(at.last, local_block_hash(&at.tail, salt), salt);
+                at.tail = rest;
+                at.last = Some(ours_h);
+                owns.push(ours_h);
+            }
+            ours.extend_from_slice(&owns);
+            match self.blocks.get_mut(h) {
+                Some(c) => {
+                    // Stored again (on another tier, or after a miss of its removal).
+                    c.tiers |= bit(t);
+                }
+                None => {
+                    if self.blocks.len() >= MAX_TRACKED {
+                        self.skipped.over_limit += 1;
+                        break;
+                    }
+                    self.blocks.insert(
+                        *h,
+                        Chain {
+                            last: at.last,
+                            tail: at.tail.clone(),
+                            owns,
+                            tiers: bit(t),
+                        },
+                    );
+                }
+            }
+        }
+        if ours.is_empty() {
+            return Vec::new();
+        }
+        vec![self.emit(
+            t,
+            KvCacheEventData::Stored {
+                parent: first_parent,
+                blocks: ours,
+            },
+        )]
+    }
+
+    fn removed(&mut self, hashes: &[EngineHash], t: KvTier) -> Vec<KvCacheEvent> {
+        let mut gone = Vec::new();
+        for h in hashes {
+            let Some(c) = self.blocks.get_mut(h) else {
+                self.skipped.unknown_block += 1;
+                continue;
+            };
+            if c.tiers & bit(t) == 0 {
+                continue; // not on that tier: nothing of ours changes
+            }
+            gone.extend_from_slice(&c.owns);
+            c.tiers &= !bit(t);
+            if c.tiers == 0 {
+                self.blocks.remove(h);
+            }
+        }
+        if gone.is_empty() {
+            return Vec::new();
+        }
+        vec![self.emit(t, KvCacheEventData::Removed { blocks: gone })]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dynamo_bus_schema::blocks::sequence_hashes;
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], bs: u32) -> EngineEvent {
+        EngineEvent::Stored {
+            hashes: hashes.iter().map(|&h| EngineHash(h)).collect(),
+            parent: parent.map(EngineHash),
+            token_ids: tokens.to_vec(),
+            block_size: bs,
+            lora_id: None,
+            lora_name: None,
+            medium: None,
+        }
+    }
+
+    fn stored_blocks(evs: &[KvCacheEvent]) -> Vec<SequenceHash> {
+        evs.iter()
+            .flat_map(|e| match &e.data {
+                KvCacheEventData::Stored { blocks, .. } => blocks.clone(),
+                _ => Vec::new(),
+            })
+            .collect()
+    }
+
+    fn parent_of(e: &KvCacheEvent) -> Option<SequenceHash> {
+        match &e.data {
+            KvCacheEventData::Stored { parent, .. } => *parent,
+            _ => panic!("not a store: {e:?}"),
+        }
+    }
+
+    #[test]
+    fn any_engine_block_size_gives_the_gateways_hashes() {
+        let tokens: Vec<u32> = (0..96).map(|i| i * 7 + 1).collect();
+        let salt = hash_salt("m", None);
+        let want = sequence_hashes(&tokens, 16, salt);
+        for engine_bs in [1usize, 4, 16, 32, 48, 5] {
+            let mut tr = Translator::new("m", 16);
+            let mut got = Vec::new();
+            let mut parent = None;
+            // One engine block per event, as a cache stores a growing prompt.
+            for (i, b) in tokens.chunks_exact(engine_bs).enumerate() {
+                let h = 1000 + i as u64;
+                got.extend(stored_blocks(&tr.translate(&stored(
+                    &[h],
+                    parent,
+                    b,
+                    engine_bs as u32,
+                ))));
+                parent = Some(h);
+            }
+            let full = tokens.len() / engine_bs * engine_bs / 16;
+            assert_eq!(got, want[..full], "engine blocks of {engine_bs}");
+        }
+    }
+
+    #[test]
+    fn removal_takes_the_blocks_an_engine_block_completed() {
+        let tokens: Vec<u32> = (0..64).collect();
+        let mut tr = Translator::new("m", 16);
+        // Two engine blocks of 32: each completes two of ours.
+        let evs = tr.translate(&stored(&[1, 2], None, &tokens, 32));
+        assert_eq!(evs.len(), 1);
+        assert_eq!(parent_of(&evs[0]), None);
+        let ours = stored_blocks(&evs);
+        assert_eq!(ours.len(), 4);
+        // The child on its own: its parent is our fourth block.
+        let more: Vec<u32> = (64..96).collect();
+        let evs = tr.translate(&stored(&[3], Some(2), &more, 32));
+        assert_eq!(parent_of(&evs[0]), Some(ours[3]));
+        let child = stored_blocks(&evs);
+        let gone = tr.translate(&EngineEvent::Removed {
+            hashes: vec![EngineHash(2)],
+            medium: Some("GPU".into()),
+        });
+        assert_eq!(
+            gone[0].data,
+            KvCacheEventData::Removed {
+                blocks: ours[2..4].to_vec()
+            }
+        );
+        assert_eq!(tr.tracked(), 2);
+        // Event ids rise by one per event.
+        assert_eq!(gone[0].event_id, 3);
+        // The snapshot is the table the events leave.
+        let mut snap = tr.snapshot();
+        snap.blocks.sort();
+        let mut want = [&ours[..2], &child[..]].concat();
+        want.sort();
+        assert_eq!((snap.last_event_id, snap.blocks), (3, want));
+    }
+
+    #[test]
+    fn unknown_references_and_media_are_skipped_and_counted() {
+        let mut tr = Translator::new("m", 16);
+        let t: Vec<u32> = (0..16).collect();
+        assert!(tr.translate(&stored(&[9], Some(8), &t, 16)).is_empty());
+        assert!(tr
+            .translate(&EngineEvent::Removed {
+                hashes: vec![EngineHash(8)],
+                medium: None
+            })
+            .is_empty());
+        let mut odd = stored(&[9], None, &t, 16);
+        if let EngineEvent::Stored { medium, .. } = &mut odd {
+            *medium = Some("tape".into());
+        }
+        assert!(tr.translate(&odd).is_empty());
+        assert!(tr.translate(&EngineEvent::Unknown("Foo".into())).is_empty());
+        assert_eq!(
+            tr.skipped,
+            Counts {
+                unknown_parent: 1,
+                unknown_block: 1,
+                unknown_medium: 1,
+                unknown_event: 1,
+                over_limit: 0
+            }
+        );
+        assert_eq!(tr.last_event_id(), 0);
+    }
+
+    #[test]
+    fn a_block_on_two_tiers_is_kept_until_it_leaves_both() {
+        let mut tr = Translator::new("m", 16);
+        let t: Vec<u32> = (0..16).collect();
+        tr.translate(&stored(&[1], None, &t, 16));
+        let mut host = stored(&[1], None, &t, 16);
+        if let EngineEvent::Stored { medium, .. } = &mut host {
+            *medium = Some("CPU".into());
+        }
+        let evs = tr.translate(&host);
+        assert_eq!(evs[0].tier, KvTier::Host);
+        assert_eq!(tr.snapshot().offloaded.len(), 1);
+        let rm = |m: &str| EngineEvent::Removed {
+            hashes: vec![EngineHash(1)],
+            medium: Some(m.into()),
+        };
+        assert_eq!(tr.translate(&rm("GPU"))[0].tier, KvTier::Device);
+        assert_eq!(tr.tracked(), 1);
+        tr.translate(&rm("cpu"));
+        assert_eq!(tr.tracked(), 0);
+        let cleared = tr.translate(&EngineEvent::Cleared);
+        assert_eq!(cleared[0].data, KvCacheEventData::Cleared);
+    }
+}

@@ -1,0 +1,167 @@
+//! The decoder against byte fixtures written by msgspec from vLLM's and
+//! SGLang's published event definitions (`tests/fixtures/make_fixtures.py`),
+//! in both encodings, and a round-trip property test.
+
+use dynamo_external_engine::events::{
+    decode_batch, encode_batch, Encoding, EngineBatch, EngineEvent, EngineHash,
+};
+use proptest::prelude::*;
+
+const DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures");
+
+fn fixture(name: &str) -> EngineBatch {
+    let bytes = std::fs::read(format!("{DIR}/{name}.msgpack")).expect("fixture");
+    decode_batch(&bytes).unwrap_or_else(|e| panic!("{name}: {e}"))
+}
+
+#[test]
+fn every_fixture_decodes_to_what_it_holds() {
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(format!("{DIR}/expected.json")).unwrap())
+            .unwrap();
+    let cases = expected.as_object().unwrap();
+    assert!(
+        cases.len() >= 7,
+        "fixtures for both encodings and both engines"
+    );
+    for (name, want) in cases {
+        let b = fixture(name);
+        assert_eq!(b.ts, want["ts"].as_f64().unwrap(), "{name}");
+        assert_eq!(b.dp_rank, want["dp_rank"].as_i64(), "{name}");
+        assert_eq!(b.events.len(), 3, "{name}");
+        let EngineEvent::Stored {
+            hashes,
+            parent,
+            token_ids,
+            block_size,
+            medium,
+            ..
+        } = &b.events[0]
+        else {
+            panic!("{name}: first event is not BlockStored: {:?}", b.events[0]);
+        };
+        assert_eq!(hashes.len() as u64, want["stored_hashes"].as_u64().unwrap());
+        assert_eq!(token_ids.len() as u64, want["tokens"].as_u64().unwrap());
+        assert_eq!((*parent, *block_size), (None, 16), "{name}");
+        assert_eq!(token_ids[0], 100);
+        if want["signed"].as_bool().unwrap() {
+            // -5 as the same 64 bits.
+            assert_eq!(hashes[0], EngineHash(-5i64 as u64), "{name}");
+        } else if !want["bytes"].as_bool().unwrap() {
+            assert_eq!(hashes[..], [EngineHash(11), EngineHash(12)], "{name}");
+        } else {
+            assert_ne!(hashes[0], hashes[1], "{name}: distinct byte hashes");
+        }
+        match &b.events[1] {
+            EngineEvent::Removed {
+                hashes: r,
+                medium: m,
+            } => {
+                assert_eq!(r[..], hashes[1..], "{name}");
+                assert_eq!(m.as_deref(), want["removed_medium"].as_str(), "{name}");
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+        if want["removed_medium"].is_string() {
+            assert_eq!(medium.as_deref(), Some("GPU"), "{name}");
+        }
+        assert_eq!(b.events[2], EngineEvent::Cleared, "{name}");
+    }
+}
+
+#[test]
+fn bad_payloads_are_errors_that_name_the_field() {
+    assert!(decode_batch(b"").is_err());
+    assert!(decode_batch(&[0xc1]).is_err());
+    let good = std::fs::read(format!("{DIR}/vllm_array.msgpack")).unwrap();
+    // Truncated anywhere: an error, never a panic.
+    for n in 0..good.len() {
+        assert!(decode_batch(&good[..n]).is_err(), "prefix of {n} bytes");
+    }
+    let mut trailing = good.clone();
+    trailing.push(0);
+    assert!(decode_batch(&trailing).is_err());
+    // Tokens that do not fill the blocks.
+    let b = EngineBatch {
+        ts: 1.0,
+        events: vec![EngineEvent::Stored {
+            hashes: vec![EngineHash(1)],
+            parent: None,
+            token_ids: vec![1, 2, 3],
+            block_size: 16,
+            lora_id: None,
+            lora_name: None,
+            medium: None,
+        }],
+        dp_rank: None,
+    };
+    let e = decode_batch(&encode_batch(&b, Encoding::Map)).unwrap_err();
+    assert!(e.to_string().contains("token_ids"), "{e}");
+}
+
+#[test]
+fn an_unknown_event_type_is_kept_by_name() {
+    let b = EngineBatch {
+        ts: 2.0,
+        events: vec![
+            EngineEvent::Unknown("BlockPinned".into()),
+            EngineEvent::Cleared,
+        ],
+        dp_rank: Some(3),
+    };
+    for enc in [Encoding::Array, Encoding::Map] {
+        assert_eq!(decode_batch(&encode_batch(&b, enc)).unwrap(), b);
+    }
+}
+
+fn event() -> impl Strategy<Value = EngineEvent> {
+    let medium = prop::option::of(prop::sample::select(vec!["GPU", "CPU", "DISK"]))
+        .prop_map(|m| m.map(String::from));
+    prop_oneof![
+        (
+            prop::collection::vec(any::<u64>(), 0..5),
+            prop::option::of(any::<u64>()),
+            1u32..64,
+            prop::option::of(0i64..5),
+            prop::option::of("[a-z]{1,8}"),
+            medium.clone(),
+            any::<u32>(),
+        )
+            .prop_map(|(h, parent, bs, lora_id, lora_name, medium, seed)| {
+                let n = h.len() * bs as usize;
+                EngineEvent::Stored {
+                    hashes: h.into_iter().map(EngineHash).collect(),
+                    parent: parent.map(EngineHash),
+                    token_ids: (0..n as u32)
+                        .map(|i| i.wrapping_mul(seed) % 50_000)
+                        .collect(),
+                    block_size: bs,
+                    lora_id,
+                    lora_name,
+                    medium,
+                }
+            }),
+        (prop::collection::vec(any::<u64>(), 0..5), medium).prop_map(|(h, medium)| {
+            EngineEvent::Removed {
+                hashes: h.into_iter().map(EngineHash).collect(),
+                medium,
+            }
+        }),
+        Just(EngineEvent::Cleared),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, rng_seed: proptest::test_runner::RngSeed::Fixed(17), ..ProptestConfig::default() })]
+    #[test]
+    fn both_encodings_round_trip(
+        events in prop::collection::vec(event(), 0..8),
+        ts in 0.0f64..2e9,
+        dp_rank in prop::option::of(0i64..64),
+    ) {
+        let b = EngineBatch { ts, events, dp_rank };
+        for enc in [Encoding::Array, Encoding::Map] {
+            prop_assert_eq!(&decode_batch(&encode_batch(&b, enc)).unwrap(), &b);
+        }
+    }
+}
