@@ -17,9 +17,11 @@
 //!   (SGLang).
 //!
 //! Invariants: [`decode_batch`] never panics; it refuses a payload over
-//! [`MAX_PAYLOAD`], nesting deeper than msgpack's decoder allows, more than
-//! [`MAX_EVENTS`] events, and events whose token ids are not
-//! `block_hashes × block_size` or over [`MAX_TOKENS`].
+//! [`MAX_PAYLOAD`], nesting deeper than msgpack's decoder allows, and more
+//! than [`MAX_EVENTS`] events; an event that does not decode (token ids
+//! that are not `block_hashes × block_size`, over [`MAX_TOKENS`], a field
+//! of the wrong type) becomes [`EngineEvent::Invalid`], and the batch's
+//! other events stand.
 
 use rmpv::Value;
 use thiserror::Error;
@@ -59,6 +61,9 @@ pub enum EngineEvent {
     Cleared,
     /// An event type this build does not know, by its tag.
     Unknown(String),
+    /// An event that does not decode, and why (its batch's other events
+    /// still count).
+    Invalid(String),
 }
 
 /// One published batch.
@@ -126,7 +131,10 @@ pub fn decode_batch(payload: &[u8]) -> Result<EngineBatch, DecodeError> {
                 .ok_or_else(|| shape("data_parallel_rank", "not an integer"))?,
         ),
     };
-    let events = events.iter().map(event).collect::<Result<_, _>>()?;
+    let events = events
+        .iter()
+        .map(|v| event(v).unwrap_or_else(|e| EngineEvent::Invalid(e.to_string())))
+        .collect();
     Ok(EngineBatch {
         ts,
         events,
@@ -352,7 +360,7 @@ pub fn encode_batch(b: &EngineBatch, enc: Encoding) -> Vec<u8> {
                 vec![("block_hashes", hashes(h)), ("medium", opt_s(medium))],
             ),
             EngineEvent::Cleared => strukt(Some("AllBlocksCleared"), vec![]),
-            EngineEvent::Unknown(tag) => strukt(Some(tag), vec![]),
+            EngineEvent::Unknown(tag) | EngineEvent::Invalid(tag) => strukt(Some(tag), vec![]),
         })
         .collect();
     let batch = strukt(

@@ -9,10 +9,13 @@
 //! that falls behind holds the task back, the engine's publisher then
 //! drops what its high-water mark cannot hold, and the gap is replayed;
 //! [`KvFeed::snapshot`] is consistent with the events emitted (a later
-//! event carries a higher id).
+//! event carries a higher id); a discontinuity in the stream (lost
+//! batches, a restarted publisher) clears what was built and emits
+//! `Cleared`, so the router never keeps blocks the engine may not hold.
 
+use crate::events::EngineEvent;
 use crate::translate::{Counts, Translator};
-use crate::zmq_source::{SourceError, SourceStats, ZmqConfig, ZmqSource};
+use crate::zmq_source::{Item, SourceError, SourceStats, ZmqConfig, ZmqSource};
 use dynamo_engine::{KvEventStream, KvSnapshot};
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
@@ -38,7 +41,7 @@ struct Shared {
 /// A running feed.
 pub struct KvFeed {
     shared: Arc<Mutex<Shared>>,
-    task: JoinHandle<Result<(), SourceError>>,
+    task: JoinHandle<()>,
 }
 
 impl Drop for KvFeed {
@@ -63,22 +66,31 @@ impl KvFeed {
         let (tx, rx) = mpsc::channel(EVENT_QUEUE);
         let s = shared.clone();
         let task = tokio::spawn(async move {
-            loop {
-                let batches = source.next().await?;
-                let events: Vec<_> = {
-                    let Ok(mut g) = s.lock() else {
-                        return Ok(());
+            'feed: loop {
+                for item in source.next().await {
+                    // One item at a time: the lock is held only to translate it.
+                    let events = {
+                        let Ok(mut g) = s.lock() else {
+                            tracing::error!("KV feed state poisoned; the feed stops");
+                            break 'feed;
+                        };
+                        g.source = source.stats.clone();
+                        match &item {
+                            Item::Batch(_, b) => b
+                                .events
+                                .iter()
+                                .flat_map(|e| g.translator.translate(e))
+                                .collect::<Vec<_>>(),
+                            Item::Discontinuity { .. } => {
+                                g.translator.translate(&EngineEvent::Cleared)
+                            }
+                        }
                     };
-                    g.source = source.stats.clone();
-                    batches
-                        .iter()
-                        .flat_map(|(_, b)| b.events.iter())
-                        .flat_map(|e| g.translator.translate(e))
-                        .collect()
-                };
-                for e in events {
-                    if tx.send(e).await.is_err() {
-                        return Ok(()); // the engine is gone
+                    for e in events {
+                        if tx.send(e).await.is_err() {
+                            tracing::debug!("KV feed consumer gone; the feed stops");
+                            break 'feed;
+                        }
                     }
                 }
             }

@@ -1,59 +1,80 @@
-//! The publisher's sequence numbers: each batch carries one, one more than
-//! the last. A jump is a gap to fill from the publisher's replay endpoint;
-//! a number at or below the last is a duplicate (a replayed batch already
-//! seen, or a publisher that restarted).
+//! The publisher's sequence numbers: each live batch carries one, one more
+//! than the last. A jump is a gap to fill from the publisher's replay
+//! endpoint; a live number at or below the last live one means the
+//! publisher restarted (engines number from 0 again); a number at or below
+//! the last applied one, but past the last live one, was already applied
+//! from a replay.
 //!
-//! Invariants: every batch is applied at most once and in order; a gap is
-//! reported once, as the range it misses; a replay longer than
-//! [`MAX_GAP`] is not asked for (the caller resynchronises instead).
+//! Invariants: every batch is applied at most once and in order within a
+//! publisher's life; a gap is reported once, as the range it misses; a gap
+//! longer than [`MAX_GAP`] is not asked for.
 
-/// Largest gap filled by replay (batches); past it, resynchronise.
+/// Largest gap filled by replay (batches).
 pub const MAX_GAP: u64 = 100_000;
 
-/// What to do with a batch of a sequence number.
+/// What to do with a live batch of a sequence number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Next {
     /// The next one in order: apply it.
     Apply,
-    /// Already applied: drop it.
+    /// Already applied from a replay: drop it.
     Duplicate,
     /// Batches `from..=to` are missing: replay them, then apply this one.
     Gap { from: u64, to: u64 },
-    /// More are missing than replay is asked for: the publisher restarted
-    /// or we fell far behind. Apply it and resynchronise.
+    /// More are missing than replay is asked for: apply it, after telling
+    /// the consumer that what it holds may be stale.
     Lost { missing: u64 },
+    /// The publisher started again: forget everything, then apply it.
+    Restart,
 }
 
-/// The last sequence number applied.
+/// Where the stream stands.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Sequence {
-    last: Option<u64>,
+    applied: Option<u64>,
+    live: Option<u64>,
 }
 
 impl Sequence {
+    /// The last sequence number applied.
     pub fn last(&self) -> Option<u64> {
-        self.last
+        self.applied
     }
 
-    /// What to do with batch `seq`, seen live.
+    /// What to do with live batch `seq`. The first batch seen is a gap
+    /// from 0 when it is not 0: what the engine cached before we listened.
     pub fn live(&self, seq: u64) -> Next {
-        match self.last {
-            None => Next::Apply,
-            Some(l) if seq <= l => Next::Duplicate,
-            Some(l) if seq == l + 1 => Next::Apply,
-            Some(l) if seq - l - 1 > MAX_GAP => Next::Lost {
-                missing: seq - l - 1,
-            },
-            Some(l) => Next::Gap {
-                from: l + 1,
+        if self.live.is_some_and(|l| seq <= l) {
+            return Next::Restart;
+        }
+        let next = match self.applied {
+            Some(a) if seq <= a => return Next::Duplicate,
+            Some(a) => a + 1,
+            None => 0,
+        };
+        match seq - next {
+            0 => Next::Apply,
+            missing if missing > MAX_GAP => Next::Lost { missing },
+            _ => Next::Gap {
+                from: next,
                 to: seq - 1,
             },
         }
     }
 
+    /// Live batch `seq` was seen (whatever was done with it).
+    pub fn seen_live(&mut self, seq: u64) {
+        self.live = Some(seq);
+    }
+
     /// `seq` was applied.
     pub fn applied(&mut self, seq: u64) {
-        self.last = Some(seq);
+        self.applied = Some(seq);
+    }
+
+    /// The publisher restarted: nothing is applied any more.
+    pub fn reset(&mut self) {
+        *self = Sequence::default();
     }
 }
 
@@ -62,18 +83,36 @@ mod tests {
     use super::*;
 
     #[test]
-    fn order_gaps_and_duplicates() {
+    fn order_gaps_duplicates_and_restarts() {
+        let s = Sequence::default();
+        // Joining late: what came before is a gap from 0.
+        assert_eq!(s.live(7), Next::Gap { from: 0, to: 6 });
         let mut s = Sequence::default();
+        assert_eq!(s.live(0), Next::Apply);
+        s.seen_live(0);
+        s.applied(0);
+        assert_eq!(s.live(1), Next::Apply);
+        s.seen_live(1);
+        s.applied(1);
+        assert_eq!(s.live(4), Next::Gap { from: 2, to: 3 });
+        s.seen_live(4);
+        // The replay reached past the live batch: 5 and 6 are applied.
+        for q in 2..=6 {
+            s.applied(q);
+        }
+        assert_eq!(s.live(5), Next::Duplicate);
+        s.seen_live(5);
         assert_eq!(s.live(7), Next::Apply);
+        s.seen_live(7);
         s.applied(7);
-        assert_eq!(s.live(8), Next::Apply);
-        s.applied(8);
-        assert_eq!(s.live(8), Next::Duplicate);
-        assert_eq!(s.live(3), Next::Duplicate);
-        assert_eq!(s.live(12), Next::Gap { from: 9, to: 11 });
-        s.applied(9);
+        // A live number at or below the last live one: a restart.
+        assert_eq!(s.live(0), Next::Restart);
+        s.reset();
+        assert_eq!(s.live(0), Next::Apply);
+        s.seen_live(0);
+        s.applied(0);
         assert_eq!(
-            s.live(9 + MAX_GAP + 2),
+            s.live(MAX_GAP + 2),
             Next::Lost {
                 missing: MAX_GAP + 1
             }

@@ -58,6 +58,8 @@ pub struct Counts {
     pub unknown_medium: u64,
     /// Events of a type we do not know.
     pub unknown_event: u64,
+    /// Events that did not decode.
+    pub invalid_event: u64,
     /// Stores past [`MAX_TRACKED`].
     pub over_limit: u64,
 }
@@ -179,6 +181,11 @@ impl Translator {
                 self.skipped.unknown_event += 1;
                 Vec::new()
             }
+            EngineEvent::Invalid(why) => {
+                self.skipped.invalid_event += 1;
+                tracing::warn!(why, "KV event does not decode; skipped");
+                Vec::new()
+            }
         }
     }
 
@@ -212,6 +219,12 @@ impl Translator {
             let Some(block) = tokens.get(i * engine_bs..(i + 1) * engine_bs) else {
                 break; // the decoder checked the lengths
             };
+            if !self.blocks.contains_key(h) && self.blocks.len() >= MAX_TRACKED {
+                // Untracked blocks are never announced: they could not be
+                // taken back.
+                self.skipped.over_limit += 1;
+                break;
+            }
             let mut owns = Vec::new();
             at.tail.extend_from_slice(block);
             while at.tail.len() >= self.block_size {
@@ -228,10 +241,6 @@ impl Translator {
                     c.tiers |= bit(t);
                 }
                 None => {
-                    if self.blocks.len() >= MAX_TRACKED {
-                        self.skipped.over_limit += 1;
-                        break;
-                    }
                     self.blocks.insert(
                         *h,
                         Chain {
@@ -397,6 +406,7 @@ mod tests {
                 unknown_block: 1,
                 unknown_medium: 1,
                 unknown_event: 1,
+                invalid_event: 0,
                 over_limit: 0
             }
         );

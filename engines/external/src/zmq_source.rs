@@ -16,9 +16,11 @@
 //!
 //! Invariants: a bad frame (wrong part count, a sequence that is not 8
 //! bytes, a payload that does not decode) is counted and logged, never
-//! fatal; batches come out in sequence order, each once; a gap is filled
-//! from replay when it can be, and otherwise counted as lost; a replay
-//! waits at most `replay_timeout` between its messages.
+//! fatal; a socket error is counted and retried, never fatal; batches come
+//! out in sequence order, each once; a gap is filled from replay when it
+//! can be, and what replay cannot bring, or a publisher's restart, comes
+//! out as an [`Item::Discontinuity`] before the batches after it; a replay
+//! reads at most its gap's length, each message within `replay_timeout`.
 
 use crate::events::{decode_batch, EngineBatch};
 use crate::sequence::{Next, Sequence};
@@ -52,6 +54,25 @@ pub struct SourceStats {
     pub replayed: u64,
     /// Batches missed and not replayed.
     pub lost: u64,
+    /// Times the publisher started its numbering again.
+    pub restarts: u64,
+    /// Batches of another data-parallel rank (a port mix-up), skipped.
+    pub wrong_rank: u64,
+    /// Errors the sockets returned (each followed by a pause and a retry).
+    pub socket_errors: u64,
+}
+
+/// What the stream gives, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Item {
+    Batch(u64, EngineBatch),
+    /// Batches were lost, or the publisher restarted: what was built from
+    /// the earlier ones may be stale. The consumer starts again from
+    /// nothing (the router then sees only what is stored from here on:
+    /// incomplete, never wrong).
+    Discontinuity {
+        lost: u64,
+    },
 }
 
 #[derive(Debug, Error)]
@@ -83,11 +104,17 @@ pub fn offset_port(endpoint: &str, offset: u16) -> Result<String, SourceError> {
 
 /// The end-of-replay sequence number (−1 as 8 big-endian bytes).
 const END: [u8; 8] = [0xff; 8];
+/// Pause after a socket error.
+const ERROR_PAUSE: Duration = Duration::from_millis(100);
 
-/// One engine rank's event stream.
+/// One engine rank's event stream. Not cancel-safe: drop the future of
+/// [`ZmqSource::next`] only to drop the source.
 pub struct ZmqSource {
     cfg: ZmqConfig,
     sub: SubSocket,
+    replay_endpoint: Option<String>,
+    /// Connected lazily, and again after any failure (a DEALER does not
+    /// reconnect by itself, and one that timed out holds stale replies).
     replay: Option<DealerSocket>,
     seq: Sequence,
     pub stats: SourceStats,
@@ -99,25 +126,22 @@ fn seq_of(b: &Bytes) -> Option<u64> {
 }
 
 impl ZmqSource {
-    /// Connects to the rank's endpoints (a SUB connects before the
-    /// publisher is up, and reconnects when it restarts).
+    /// Connects to the rank's publisher (the SUB reconnects when it
+    /// restarts); the replay endpoint is connected when first needed.
     pub async fn connect(cfg: ZmqConfig) -> Result<Self, SourceError> {
         let mut sub = SubSocket::new();
         sub.connect(&offset_port(&cfg.endpoint, cfg.dp_rank)?)
             .await?;
         sub.subscribe(&cfg.topic).await?;
-        let replay = match &cfg.replay_endpoint {
-            Some(r) => {
-                let mut d = DealerSocket::new();
-                d.connect(&offset_port(r, cfg.dp_rank)?).await?;
-                Some(d)
-            }
+        let replay_endpoint = match &cfg.replay_endpoint {
+            Some(r) => Some(offset_port(r, cfg.dp_rank)?),
             None => None,
         };
         Ok(ZmqSource {
             cfg,
             sub,
-            replay,
+            replay_endpoint,
+            replay: None,
             seq: Sequence::default(),
             stats: SourceStats::default(),
         })
@@ -128,11 +152,20 @@ impl ZmqSource {
         self.seq.last()
     }
 
-    /// The next batches in order: one live batch, after any it revealed to
-    /// be missing and replay could fill. Only a socket failure is an error.
-    pub async fn next(&mut self) -> Result<Vec<(u64, EngineBatch)>, SourceError> {
+    /// The next items in order: one live batch, after whatever it revealed
+    /// to be missing (replayed, or a discontinuity). Socket errors are
+    /// counted and retried, never returned: the SUB reconnects by itself.
+    pub async fn next(&mut self) -> Vec<Item> {
         loop {
-            let msg = self.sub.recv().await?;
+            let msg = match self.sub.recv().await {
+                Ok(m) => m,
+                Err(e) => {
+                    self.stats.socket_errors = self.stats.socket_errors.saturating_add(1);
+                    tracing::warn!(error = %e, "KV event socket error; retrying");
+                    tokio::time::sleep(ERROR_PAUSE).await;
+                    continue;
+                }
+            };
             let parts = msg.into_vec();
             let (Some(seq), Some(payload), 3) =
                 (parts.get(1).and_then(seq_of), parts.get(2), parts.len())
@@ -145,76 +178,134 @@ impl ZmqSource {
                 continue;
             };
             let mut out = Vec::new();
-            match self.seq.live(seq) {
+            let next = self.seq.live(seq);
+            self.seq.seen_live(seq);
+            match next {
                 Next::Duplicate => {
                     self.stats.duplicates += 1;
                     continue;
                 }
                 Next::Apply => {}
+                Next::Restart => {
+                    self.stats.restarts += 1;
+                    tracing::warn!(
+                        seq,
+                        "KV event publisher restarted; starting again from nothing"
+                    );
+                    self.seq.reset();
+                    self.seq.seen_live(seq);
+                    out.push(Item::Discontinuity { lost: 0 });
+                    if seq > 0 {
+                        self.fill(0, seq - 1, &mut out).await;
+                    }
+                }
                 Next::Gap { from, to } => {
                     self.stats.gaps += 1;
-                    self.fill(from, &mut out).await;
-                    let next = self.seq.last().map_or(from, |l| l + 1);
-                    if next > seq {
-                        // The replay reached past this batch: it is in `out`.
-                        return Ok(out);
-                    }
-                    let still = seq - next;
-                    if still > 0 {
-                        self.stats.lost += still;
-                        tracing::warn!(
-                            from,
-                            to,
-                            missed = still,
-                            "KV event batches lost (replay did not cover them)"
-                        );
-                    }
+                    self.fill(from, to, &mut out).await;
                 }
-                Next::Lost { missing } => {
-                    self.stats.lost += missing;
-                    tracing::warn!(missing, seq, "KV event stream jumped; the index may be stale until blocks are stored or removed again");
-                }
+                Next::Lost { missing } => self.lose(missing, &mut out),
             }
-            self.seq.applied(seq);
-            match decode_batch(payload) {
-                Ok(b) => {
-                    self.stats.batches += 1;
-                    out.push((seq, b));
-                }
-                Err(e) => {
-                    self.stats.bad_frames += 1;
-                    tracing::warn!(seq, error = %e, "KV event batch does not decode; skipped");
-                }
+            // Whatever replay did not bring before this batch is lost.
+            let want = self.seq.last().map_or(0, |l| l + 1);
+            if seq > want {
+                self.lose(seq - want, &mut out);
             }
-            return Ok(out);
+            self.apply(seq, payload, &mut out, false);
+            return out;
         }
     }
 
-    /// Replays from `from` into `out`, in order, as far as the publisher
-    /// still has, to its end marker.
-    async fn fill(&mut self, from: u64, out: &mut Vec<(u64, EngineBatch)>) {
-        let Some(r) = self.replay.as_mut() else {
+    fn lose(&mut self, n: u64, out: &mut Vec<Item>) {
+        self.stats.lost = self.stats.lost.saturating_add(n);
+        tracing::warn!(
+            missed = n,
+            "KV event batches lost; starting again from nothing"
+        );
+        out.push(Item::Discontinuity { lost: n });
+    }
+
+    /// Applies batch `seq` (decoded, or counted when it does not decode).
+    fn apply(&mut self, seq: u64, payload: &[u8], out: &mut Vec<Item>, replayed: bool) {
+        self.seq.applied(seq);
+        match decode_batch(payload) {
+            Ok(b) if b.dp_rank.is_some_and(|r| r != self.cfg.dp_rank as i64) => {
+                self.stats.wrong_rank += 1;
+                tracing::warn!(seq, rank = ?b.dp_rank, want = self.cfg.dp_rank, "KV event batch of another rank; skipped");
+            }
+            Ok(b) => {
+                if replayed {
+                    self.stats.replayed += 1;
+                } else {
+                    self.stats.batches += 1;
+                }
+                out.push(Item::Batch(seq, b));
+            }
+            Err(e) => {
+                self.stats.bad_frames += 1;
+                tracing::warn!(seq, error = %e, "KV event batch does not decode; skipped");
+            }
+        }
+    }
+
+    /// Replays `from..=to` into `out`, in order, as far as the publisher
+    /// still has them. Reads at most the gap's length (plus a few bad
+    /// frames), each within `replay_timeout`; a replay that stops early
+    /// drops the DEALER, so its stale replies go with it.
+    async fn fill(&mut self, from: u64, to: u64, out: &mut Vec<Item>) {
+        let Some(endpoint) = self.replay_endpoint.clone() else {
             return;
         };
+        let mut r = match self.replay.take() {
+            Some(r) => r,
+            None => {
+                let mut d = DealerSocket::new();
+                match tokio::time::timeout(self.cfg.replay_timeout, d.connect(&endpoint)).await {
+                    Ok(Ok(())) => d,
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, endpoint, "KV event replay endpoint unreachable");
+                        return;
+                    }
+                    Err(_) => {
+                        tracing::warn!(endpoint, "KV event replay endpoint: connect timed out");
+                        return;
+                    }
+                }
+            }
+        };
+        if self.replay_once(&mut r, from, to, out).await {
+            self.replay = Some(r);
+        }
+    }
+
+    /// One replay request; whether it ended cleanly (at `to` or the end
+    /// marker, with nothing left unread but what a fresh DEALER drops).
+    async fn replay_once(
+        &mut self,
+        r: &mut DealerSocket,
+        from: u64,
+        to: u64,
+        out: &mut Vec<Item>,
+    ) -> bool {
         let mut ask = ZmqMessage::from(Bytes::new());
         ask.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
         if let Err(e) = r.send(ask).await {
             tracing::warn!(error = %e, "KV event replay request failed");
-            return;
+            return false;
         }
-        loop {
+        let budget = (to - from).saturating_add(17);
+        for _ in 0..budget {
             let m = match tokio::time::timeout(self.cfg.replay_timeout, r.recv()).await {
                 Ok(Ok(m)) => m.into_vec(),
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, "KV event replay failed");
-                    return;
+                    return false;
                 }
                 Err(_) => {
-                    tracing::warn!(from, "KV event replay timed out");
-                    return;
+                    tracing::warn!(from, to, "KV event replay timed out");
+                    return false;
                 }
             };
-            // ["", seq, payload]; a DEALER sees the ROUTER's empty delimiter.
+            // ["", seq, payload]: a DEALER sees the ROUTER's empty delimiter.
             let parts: &[Bytes] = match m.first() {
                 Some(d) if d.is_empty() && m.len() == 3 => &m[1..],
                 _ if m.len() == 2 => &m[..],
@@ -224,7 +315,7 @@ impl ZmqSource {
                 }
             };
             if parts[0].as_ref() == END || parts[1].is_empty() {
-                return;
+                return true;
             }
             let Some(seq) = seq_of(&parts[0]) else {
                 self.stats.bad_frames += 1;
@@ -232,24 +323,24 @@ impl ZmqSource {
             };
             match self.seq.last() {
                 Some(l) if seq <= l => continue,
-                Some(l) if seq > l + 1 => {
-                    // The publisher's buffer no longer reaches back that far.
-                    self.stats.lost += seq - l - 1;
+                last => {
+                    let want = last.map_or(0, |l| l + 1);
+                    if seq > want {
+                        // The publisher's buffer no longer reaches back that far.
+                        self.lose(seq - want, out);
+                    }
                 }
-                _ => {}
             }
-            self.seq.applied(seq);
-            match decode_batch(&parts[1]) {
-                Ok(b) => {
-                    self.stats.replayed += 1;
-                    out.push((seq, b));
-                }
-                Err(e) => {
-                    self.stats.bad_frames += 1;
-                    tracing::warn!(seq, error = %e, "replayed KV event batch does not decode; skipped");
-                }
+            if seq > to {
+                return false; // past the gap: the rest is stale for us
+            }
+            let payload = parts[1].clone();
+            self.apply(seq, &payload, out, true);
+            if seq == to {
+                return false; // the rest of the replay is not wanted
             }
         }
+        false
     }
 }
 

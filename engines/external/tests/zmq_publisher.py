@@ -4,11 +4,14 @@ PUB messages [topic, seq (8 bytes big-endian), payload] and a ROUTER replay
 socket that takes [b"", start seq] and answers [b"", seq, payload] per buffered
 batch, then [b"", -1, b""].
 
-Usage: zmq_publisher.py PUB_PORT REPLAY_PORT FIXTURE_DIR
+Usage: zmq_publisher.py FIXTURE_DIR
 
+It binds both sockets on free ports and prints "ready PUB_PORT REPLAY_PORT".
 It waits for a subscription, publishes batches 0..7 live with 3 and 4 left
 out (a gap), a two-part message that is not a batch, and garbage as batch 6;
-then serves replay until its stdin closes.
+then serves replay. A line "restart" on its stdin starts its numbering again,
+as a restarted engine would, and publishes batches 0 and 1; it stops when its
+stdin closes.
 """
 
 import os
@@ -18,15 +21,17 @@ import zmq
 
 
 def main():
-    pub_port, replay_port, fixtures = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    names = ["vllm_array", "vllm_map", "sglang_array", "vllm_array_extra"]
+    fixtures = sys.argv[1]
+    # Rank 0 or none: the batches of the rank the test listens to.
+    names = ["vllm_array", "vllm_bytes_hashes", "vllm_array_extra", "vllm_old_array"]
     payloads = [open(os.path.join(fixtures, f"{n}.msgpack"), "rb").read() for n in names]
     ctx = zmq.Context()
     pub = ctx.socket(zmq.XPUB)  # a PUB that also reports subscriptions
-    pub.bind(f"tcp://127.0.0.1:{pub_port}")
+    pub.bind("tcp://127.0.0.1:*")
     replay = ctx.socket(zmq.ROUTER)
-    replay.bind(f"tcp://127.0.0.1:{replay_port}")
-    print("ready", flush=True)
+    replay.bind("tcp://127.0.0.1:*")
+    port = lambda s: s.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
+    print("ready", port(pub), port(replay), flush=True)
     pub.recv()  # the first subscription
     topic = b"kv"
     buffer = []
@@ -44,8 +49,13 @@ def main():
     while True:
         ready = dict(poller.poll())
         if sys.stdin.fileno() in ready or sys.stdin in ready:
-            if not sys.stdin.readline():
+            line = sys.stdin.readline()
+            if not line:
                 break
+            if line.strip() == "restart":
+                buffer = [(seq, payloads[seq]) for seq in range(2)]
+                for seq, payload in buffer:
+                    pub.send_multipart([topic, seq.to_bytes(8, "big"), payload])
         if replay in ready:
             frame = replay.recv_multipart()
             if len(frame) != 3:
