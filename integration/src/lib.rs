@@ -496,7 +496,6 @@ pub async fn registrations_in(
     nats_url: &str,
     namespace: &str,
 ) -> Vec<dynamo_bus_schema::WorkerRegistration> {
-    use futures::StreamExt;
     let client = async_nats::connect(nats_url)
         .await
         .expect("connect to NATS");
@@ -504,14 +503,13 @@ pub async fn registrations_in(
         .get_key_value(format!("dynamo_{namespace}_workers"))
         .await
         .expect("workers bucket");
-    let mut keys = kv.keys().await.expect("keys");
-    let mut out = Vec::new();
-    while let Some(k) = keys.next().await {
-        if let Some(v) = kv.get(k.expect("key")).await.expect("get") {
-            out.push(dynamo_bus_schema::decode(&v).expect("registration decodes"));
-        }
-    }
-    out
+    // Keys from the stream's subjects: a `keys()` consumer may never end
+    // while heartbeats write the bucket.
+    dynamo_controller::read_all::<dynamo_bus_schema::WorkerRegistration>(&kv)
+        .await
+        .expect("read the worker registry")
+        .into_values()
+        .collect()
 }
 
 /// Number of blocks a worker itself says it holds (its KV dump).

@@ -7,11 +7,10 @@
 //! the gateway, so draining loses nothing.
 
 use dynamo_bus_schema::{
-    decode, DrainReply, DrainRequest, Namespace, Subjects, WorkerId, WorkerRegistration,
+    DrainReply, DrainRequest, Namespace, Subjects, WorkerId, WorkerRegistration,
 };
 use dynamo_runtime::bus::REGISTRY_MAX_AGE;
 use dynamo_runtime::Bus;
-use futures::StreamExt;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -29,18 +28,16 @@ async fn find_worker(bus: &Bus, name: &str) -> anyhow::Result<WorkerId> {
     let kv = bus
         .kv_bucket(&bus.subjects.workers_bucket(), REGISTRY_MAX_AGE)
         .await?;
-    let mut keys = kv.keys().await?;
-    let mut found = Vec::new();
-    while let Some(k) = keys.next().await {
-        let k = k?;
-        if let Some(v) = kv.get(&k).await? {
-            if let Ok(r) = decode::<WorkerRegistration>(&v) {
-                if r.worker_id.to_string().starts_with(name) {
-                    found.push(r.worker_id);
-                }
-            }
-        }
-    }
+    // Keys from the stream's subjects: a `keys()` consumer may not end
+    // while heartbeats write the bucket.
+    let regs = dynamo_controller::read_all::<WorkerRegistration>(&kv)
+        .await
+        .map_err(|e| anyhow::anyhow!("reading the worker registry: {e}"))?;
+    let found: Vec<WorkerId> = regs
+        .values()
+        .map(|r| r.worker_id)
+        .filter(|w| w.to_string().starts_with(name))
+        .collect();
     match found.as_slice() {
         [one] => Ok(*one),
         [] => anyhow::bail!("no registered worker matches {name:?} (see dynamoctl status)"),

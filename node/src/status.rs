@@ -2,12 +2,11 @@
 //! registry buckets on the bus.
 
 use dynamo_bus_schema::{
-    decode, unix_ms, Namespace, NodeInventory, NodeRegistration, RouterInfo, RouterInfoRequest,
-    Subjects, WireMessage, WorkerRegistration,
+    unix_ms, Namespace, NodeInventory, NodeRegistration, RouterInfo, RouterInfoRequest, Subjects,
+    WorkerRegistration,
 };
 use dynamo_runtime::bus::REGISTRY_MAX_AGE;
 use dynamo_runtime::Bus;
-use futures::StreamExt;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 
@@ -32,46 +31,27 @@ pub fn resolve_nats_url(flag: Option<String>, ns: &Namespace) -> anyhow::Result<
         })
 }
 
-/// The entries of a bucket holding several kinds: those of `kind`, decoded
-/// (undecodable ones are reported and skipped; other kinds are ignored).
-async fn read_entries<T: dynamo_bus_schema::WireMessage>(
-    bus: &Bus,
-    bucket: &str,
-    kind: dynamo_bus_schema::MessageKind,
-) -> anyhow::Result<Vec<T>> {
-    let kv = bus.kv_bucket(bucket, REGISTRY_MAX_AGE).await?;
-    let mut keys = kv.keys().await?;
-    let mut out = Vec::new();
-    while let Some(k) = keys.next().await {
-        let k = k?;
-        if let Some(v) = kv.get(&k).await? {
-            if dynamo_bus_schema::peek_kind(&v).is_ok_and(|(found, _)| found != kind) {
-                continue;
-            }
-            match decode::<T>(&v) {
-                Ok(t) => out.push(t),
-                Err(e) => eprintln!("warning: skipping undecodable entry {k:?} in {bucket}: {e}"),
-            }
-        }
-    }
-    Ok(out)
-}
-
+/// The entries of a bucket holding several kinds: those of `T`, decoded
+/// (undecodable ones are counted and skipped; other kinds are ignored).
+/// Keys come from the stream's subjects, so a read ends while the bucket
+/// is being written (heartbeats write it all the time).
 async fn read_bucket<T: dynamo_bus_schema::WireMessage>(
     bus: &Bus,
     bucket: &str,
 ) -> anyhow::Result<Vec<T>> {
-    read_entries(bus, bucket, T::KIND).await
+    let kv = bus.kv_bucket(bucket, REGISTRY_MAX_AGE).await?;
+    dynamo_controller::read_all::<T>(&kv)
+        .await
+        .map(|m| m.into_values().collect())
+        .map_err(|e| anyhow::anyhow!("reading {bucket}: {e}"))
 }
 
 /// Collects the cluster's status as JSON.
 pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
     let bus = Bus::connect(url, "dynamoctl", Subjects::new(ns.clone())).await?;
     // A node of a cluster (`--join`) writes its inventory; others their registration.
-    let inventories: Vec<NodeInventory> =
-        read_entries(&bus, &bus.subjects.nodes_bucket(), NodeInventory::KIND).await?;
-    let mut nodes: Vec<NodeRegistration> =
-        read_entries(&bus, &bus.subjects.nodes_bucket(), NodeRegistration::KIND).await?;
+    let inventories: Vec<NodeInventory> = read_bucket(&bus, &bus.subjects.nodes_bucket()).await?;
+    let mut nodes: Vec<NodeRegistration> = read_bucket(&bus, &bus.subjects.nodes_bucket()).await?;
     nodes.extend(inventories.iter().map(|i| i.registration.clone()));
     nodes.sort_by(|a, b| a.node_id.0.cmp(&b.node_id.0));
     let workers: Vec<WorkerRegistration> =
