@@ -17,10 +17,18 @@
 //!   few engine blocks;
 //! - any other size works the same way: our blocks straddle the engine's.
 //!
-//! An engine block *owns* the blocks of ours it completed. When it is
-//! removed from a tier, so are they. It is forgotten once it is on no tier.
-//! What is tracked is the engine's block table in our hashes, so a
-//! [`Translator::snapshot`] answers the router's dump requests.
+//! An engine block *owns* the blocks of ours it completed. A block of ours
+//! is counted per tier, once per copy of an engine block that owns it:
+//! engines may cache the same block twice (vLLM does not de-duplicate), and
+//! two engine hashes may cover the same tokens (a cache salt, extra keys).
+//! It is removed from a tier when its count there reaches zero. An engine
+//! block is forgotten once no copy of it is on any tier. The counts are
+//! the engine's block table in our hashes, so a [`Translator::snapshot`]
+//! answers the router's dump requests.
+//!
+//! A LoRA block is salted with the adapter's name, as the gateway salts
+//! it. An engine that gives only its process-local adapter id is skipped
+//! and counted: that id names different adapters on different workers.
 //!
 //! Invariants: an event refers only to engine blocks this translator has
 //! seen stored, or it is skipped and counted ([`Counts`]); at most
@@ -43,8 +51,8 @@ struct Chain {
     tail: Vec<u32>,
     /// Our blocks this engine block completed.
     owns: Vec<SequenceHash>,
-    /// Tiers it is on (bit per tier: device, host, disk).
-    tiers: u8,
+    /// Copies of it per tier (device, host, disk).
+    copies: [u32; 3],
 }
 
 /// What was skipped, by reason.
@@ -62,6 +70,11 @@ pub struct Counts {
     pub invalid_event: u64,
     /// Stores past [`MAX_TRACKED`].
     pub over_limit: u64,
+    /// LoRA stores with an adapter id and no adapter name.
+    pub unnamed_lora: u64,
+    /// Stores of a known engine block whose tokens chain differently from
+    /// its first store (the first is kept).
+    pub rechained: u64,
 }
 
 /// One engine's events → our [`KvCacheEvent`]s.
@@ -69,6 +82,8 @@ pub struct Translator {
     model: String,
     block_size: usize,
     blocks: HashMap<EngineHash, Chain>,
+    /// Copies per (tier, our block) of the engine blocks that own it.
+    refs: HashMap<(usize, SequenceHash), u32>,
     next_id: u64,
     pub skipped: Counts,
 }
@@ -83,11 +98,11 @@ pub fn tier(medium: Option<&str>) -> Option<KvTier> {
     }
 }
 
-fn bit(t: KvTier) -> u8 {
+fn slot(t: KvTier) -> usize {
     match t {
-        KvTier::Device => 1,
-        KvTier::Host => 2,
-        KvTier::Disk => 4,
+        KvTier::Device => 0,
+        KvTier::Host => 1,
+        KvTier::Disk => 2,
     }
 }
 
@@ -98,6 +113,7 @@ impl Translator {
             model: model.to_string(),
             block_size: block_size.max(1),
             blocks: HashMap::new(),
+            refs: HashMap::new(),
             next_id: 0,
             skipped: Counts::default(),
         }
@@ -125,12 +141,8 @@ impl Translator {
     /// The block table in our hashes, consistent with the events emitted.
     pub fn snapshot(&self) -> KvSnapshot {
         let mut tiers: [Vec<SequenceHash>; 3] = Default::default();
-        for c in self.blocks.values() {
-            for (i, t) in tiers.iter_mut().enumerate() {
-                if c.tiers & (1 << i) != 0 {
-                    t.extend_from_slice(&c.owns);
-                }
-            }
+        for (tier, h) in self.refs.keys() {
+            tiers[*tier].push(*h);
         }
         let [device, host, disk] = tiers;
         KvSnapshot {
@@ -160,10 +172,11 @@ impl Translator {
                     self.skipped.unknown_medium += 1;
                     return Vec::new();
                 };
-                let adapter = lora_name
-                    .clone()
-                    .or_else(|| lora_id.filter(|&i| i > 0).map(|i| format!("lora-{i}")));
-                let salt = hash_salt(&self.model, adapter.as_deref());
+                if lora_name.is_none() && lora_id.is_some_and(|i| i > 0) {
+                    self.skipped.unnamed_lora += 1;
+                    return Vec::new();
+                }
+                let salt = hash_salt(&self.model, lora_name.as_deref());
                 self.stored(hashes, *parent, token_ids, *block_size as usize, t, salt)
             }
             EngineEvent::Removed { hashes, medium } => {
@@ -175,6 +188,7 @@ impl Translator {
             }
             EngineEvent::Cleared => {
                 self.blocks.clear();
+                self.refs.clear();
                 vec![self.emit(KvTier::Device, KvCacheEventData::Cleared)]
             }
             EngineEvent::Unknown(_) => {
@@ -203,7 +217,7 @@ impl Translator {
                 last: None,
                 tail: Vec::new(),
                 owns: Vec::new(),
-                tiers: 0,
+                copies: [0; 3],
             },
             Some(p) => match self.blocks.get(&p) {
                 Some(c) => c.clone(),
@@ -234,24 +248,34 @@ impl Translator {
                 at.last = Some(ours_h);
                 owns.push(ours_h);
             }
-            ours.extend_from_slice(&owns);
             match self.blocks.get_mut(h) {
-                Some(c) => {
-                    // Stored again (on another tier, or after a miss of its removal).
-                    c.tiers |= bit(t);
+                Some(c) if c.owns != owns || c.last != at.last => {
+                    // The same engine hash over other tokens: keep the
+                    // first, and go on from it.
+                    self.skipped.rechained += 1;
+                    at.last = c.last;
+                    at.tail = c.tail.clone();
+                    continue;
                 }
+                Some(c) => c.copies[slot(t)] += 1,
                 None => {
+                    let mut copies = [0; 3];
+                    copies[slot(t)] = 1;
                     self.blocks.insert(
                         *h,
                         Chain {
                             last: at.last,
                             tail: at.tail.clone(),
-                            owns,
-                            tiers: bit(t),
+                            owns: owns.clone(),
+                            copies,
                         },
                     );
                 }
             }
+            for o in &owns {
+                *self.refs.entry((slot(t), *o)).or_insert(0) += 1;
+            }
+            ours.extend_from_slice(&owns);
         }
         if ours.is_empty() {
             return Vec::new();
@@ -272,12 +296,22 @@ impl Translator {
                 self.skipped.unknown_block += 1;
                 continue;
             };
-            if c.tiers & bit(t) == 0 {
+            let n = &mut c.copies[slot(t)];
+            if *n == 0 {
                 continue; // not on that tier: nothing of ours changes
             }
-            gone.extend_from_slice(&c.owns);
-            c.tiers &= !bit(t);
-            if c.tiers == 0 {
+            *n -= 1;
+            for o in &c.owns {
+                let key = (slot(t), *o);
+                if let Some(r) = self.refs.get_mut(&key) {
+                    *r -= 1;
+                    if *r == 0 {
+                        self.refs.remove(&key);
+                        gone.push(*o);
+                    }
+                }
+            }
+            if c.copies == [0; 3] {
                 self.blocks.remove(h);
             }
         }
@@ -407,7 +441,9 @@ mod tests {
                 unknown_medium: 1,
                 unknown_event: 1,
                 invalid_event: 0,
-                over_limit: 0
+                over_limit: 0,
+                unnamed_lora: 0,
+                rechained: 0,
             }
         );
         assert_eq!(tr.last_event_id(), 0);
@@ -435,5 +471,46 @@ mod tests {
         assert_eq!(tr.tracked(), 0);
         let cleared = tr.translate(&EngineEvent::Cleared);
         assert_eq!(cleared[0].data, KvCacheEventData::Cleared);
+    }
+
+    #[test]
+    fn a_block_held_twice_is_removed_when_both_copies_go() {
+        let mut tr = Translator::new("m", 16);
+        let t: Vec<u32> = (0..16).collect();
+        // The same engine block cached twice, and another engine hash over
+        // the same tokens (a cache salt): three copies of one block of ours.
+        let ours = stored_blocks(&tr.translate(&stored(&[1], None, &t, 16)));
+        tr.translate(&stored(&[1], None, &t, 16));
+        assert_eq!(
+            stored_blocks(&tr.translate(&stored(&[2], None, &t, 16))),
+            ours
+        );
+        let rm = |h: u64| EngineEvent::Removed {
+            hashes: vec![EngineHash(h)],
+            medium: None,
+        };
+        assert!(tr.translate(&rm(1)).is_empty());
+        assert!(tr.translate(&rm(2)).is_empty());
+        assert_eq!(tr.snapshot().blocks, ours);
+        let gone = tr.translate(&rm(1));
+        assert_eq!(gone[0].data, KvCacheEventData::Removed { blocks: ours });
+        assert_eq!((tr.tracked(), tr.snapshot().blocks.len()), (0, 0));
+        // A LoRA store named by its adapter is salted with the name; one
+        // with only a process-local id is skipped.
+        let mut named = stored(&[5], None, &t, 16);
+        if let EngineEvent::Stored {
+            lora_id, lora_name, ..
+        } = &mut named
+        {
+            (*lora_id, *lora_name) = (Some(3), Some("a".into()));
+        }
+        let want = sequence_hashes(&t, 16, hash_salt("m", Some("a")));
+        assert_eq!(stored_blocks(&tr.translate(&named)), want);
+        let mut unnamed = stored(&[6], None, &t, 16);
+        if let EngineEvent::Stored { lora_id, .. } = &mut unnamed {
+            *lora_id = Some(3);
+        }
+        assert!(tr.translate(&unnamed).is_empty());
+        assert_eq!(tr.skipped.unnamed_lora, 1);
     }
 }
