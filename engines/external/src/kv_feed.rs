@@ -19,7 +19,7 @@ use crate::zmq_source::{Item, SourceError, SourceStats, ZmqConfig, ZmqSource};
 use dynamo_engine::{KvEventStream, KvSnapshot};
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
-use tokio::task::JoinHandle;
+use tokio::task::JoinSet;
 
 /// Events queued for the worker at most.
 pub const EVENT_QUEUE: usize = 1024;
@@ -41,13 +41,8 @@ struct Shared {
 /// A running feed.
 pub struct KvFeed {
     shared: Arc<Mutex<Shared>>,
-    task: JoinHandle<()>,
-}
-
-impl Drop for KvFeed {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
+    /// The feed's one task; dropping the set aborts it.
+    task: JoinSet<()>,
 }
 
 impl KvFeed {
@@ -65,7 +60,8 @@ impl KvFeed {
         }));
         let (tx, rx) = mpsc::channel(EVENT_QUEUE);
         let s = shared.clone();
-        let task = tokio::spawn(async move {
+        let mut task = JoinSet::new();
+        task.spawn(async move {
             'feed: loop {
                 for item in source.next().await {
                     // One item at a time: the lock is held only to translate it.
@@ -98,9 +94,12 @@ impl KvFeed {
         Ok((KvFeed { shared, task }, rx))
     }
 
-    /// Whether the task has stopped (a socket failure, or the engine gone).
-    pub fn is_finished(&self) -> bool {
-        self.task.is_finished()
+    /// Resolves when the feed's task has ended (its consumer gone, or a
+    /// panic, which is logged): the owner then starts a new feed.
+    pub async fn ended(&mut self) {
+        if let Some(Err(e)) = self.task.join_next().await {
+            tracing::error!(error = %e, "KV feed task failed");
+        }
     }
 
     /// The block table in our hashes.
