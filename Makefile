@@ -5,7 +5,7 @@ APT_PACKAGES := nats-server libfabric-dev clang libclang-dev pkg-config curl
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CONFIG ?= cluster-config/examples/single-node.toml
 
-.PHONY: deps build run run-cluster run-ha run-disagg test lint unit integration bench fuzz clean
+.PHONY: deps build run run-cluster run-ha run-disagg test test-engines lint unit integration bench fuzz clean
 
 ## deps: install what is missing (apt packages, the SmolLM2 model package,
 ## pyzmq: the libzmq publisher the ZMQ KV event tests run against)
@@ -55,6 +55,15 @@ test: deps lint
 	$(CARGO) build --bins
 	$(CARGO) test --workspace --no-fail-fast
 
+## test-engines: workers fronting a real external engine, llama.cpp's
+## llama-server, built once (about 20 min on 2 cores) from the llama.cpp
+## source in the PyPI package llama-cpp-python and cached in
+## ~/.cache/dynamo/llama-server (DYNAMO_LLAMA_CACHE), outside target/
+test-engines: deps
+	$(CARGO) build --bins
+	LLAMA=$$(./scripts/build_llama_server.sh) && \
+	DYNAMO_LLAMA_SERVER=$$LLAMA $(CARGO) test -p dynamo-integration --test external_engine -- --ignored --test-threads 1
+
 ## fuzz: long fuzzing runs: wire decoders, HTTP bodies against a real
 ## gateway, bus messages against a real node (seed: DYNAMO_FUZZ_SEED)
 fuzz: deps
@@ -62,7 +71,7 @@ fuzz: deps
 	DYNAMO_FUZZ_CASES=$${DYNAMO_FUZZ_CASES:-200000} $(CARGO) test -p dynamo-bus-schema --test wire_snapshot
 	DYNAMO_FUZZ_CASES=$${DYNAMO_FUZZ_CASES:-50000} $(CARGO) test -p dynamo-integration --test fuzz -- --nocapture
 
-## bench: the benchmarks in BENCHMARKS.md (serving path, overload, KV index, KV routing replay, CPU engine, failover, transfer, placement, cluster timings, planner)
+## bench: the benchmarks in BENCHMARKS.md (serving path, overload, KV index, KV routing replay, CPU engine, failover, transfer, placement, cluster timings, planner, external engine overhead)
 bench: build
 	./scripts/bench.sh
 	./scripts/overload_bench.sh
@@ -75,6 +84,7 @@ bench: build
 	$(CARGO) run --release -q -p dynamo-cluster-config --example placement_bench
 	$(CARGO) test --release -q -p dynamo-integration --test cluster -- --ignored --nocapture cluster_timings
 	$(CARGO) test --release -q -p dynamo-integration --test planner_bench -- --ignored --nocapture planner_bench
+	DYNAMO_LLAMA_SERVER=$$(./scripts/build_llama_server.sh) $(CARGO) test --release -q -p dynamo-integration --test external_bench -- --ignored --nocapture external_overhead
 
 clean:
 	$(CARGO) clean

@@ -128,6 +128,9 @@ open_enum!(
         /// generation follows). Older routers read it as an unknown state,
         /// which is not routable either.
         Failed = 3,
+        /// Its engine is loading (an external engine's server is not
+        /// healthy yet): it takes nothing until it turns `Serving`.
+        Starting = 4,
     }
 );
 

@@ -13,6 +13,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+pub mod llama;
+
 pub const MODEL: &str = "smollm2-135m-instruct";
 /// The mocker's default output token range starts here (see `MockerConfig::token_lo`).
 pub const TOKEN_LO: u32 = 256;

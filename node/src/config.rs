@@ -4,6 +4,7 @@
 
 use dynamo_bus_schema::{Namespace, NodeId, WorkerRole};
 use dynamo_cpu_engine::CpuEngineConfig;
+use dynamo_external_engine::config::{ExternalConfig, RawExternal};
 use dynamo_gateway::GatewayConfig;
 use dynamo_mocker::MockerConfig;
 use dynamo_router::{DisaggPolicy, PolicyKind, RouterConfig};
@@ -143,7 +144,9 @@ pub struct RawTransfer {
 pub struct RawWorkers {
     #[serde(default = "one")]
     pub count: u32,
-    /// `cpu` (the real model on this machine's CPU) or `mocker` (simulated GPU).
+    /// `cpu` (the real model on this machine's CPU), `mocker` (simulated
+    /// GPU), or an engine server in another process: `llamacpp`, `vllm`,
+    /// `sglang`, `trtllm` (or `external` with `external.api`).
     pub engine: String,
     /// Public model name.
     #[serde(default = "default_model")]
@@ -166,6 +169,8 @@ pub struct RawWorkers {
     pub mocker: MockerConfig,
     #[serde(default)]
     pub cpu: CpuEngineConfig,
+    /// An external engine's server (`engine = "llamacpp"` and the like).
+    pub external: Option<RawExternal>,
 }
 
 fn one() -> u32 {
@@ -228,6 +233,12 @@ pub enum EngineSpec {
         config: CpuEngineConfig,
         block_size: u32,
     },
+    /// An engine server in another process, and the KV block size the
+    /// router hashes its prompts with.
+    External {
+        config: Box<ExternalConfig>,
+        block_size: u32,
+    },
 }
 
 impl EngineSpec {
@@ -235,7 +246,9 @@ impl EngineSpec {
     pub fn block_size(&self) -> u32 {
         match self {
             EngineSpec::Mocker(m) => m.block_size,
-            EngineSpec::Cpu { block_size, .. } => *block_size,
+            EngineSpec::Cpu { block_size, .. } | EngineSpec::External { block_size, .. } => {
+                *block_size
+            }
         }
     }
 }
@@ -605,10 +618,52 @@ impl NodeConfig {
                         block_size,
                     }
                 }
+                "external" | "llamacpp" | "vllm" | "sglang" | "trtllm" => {
+                    let mut raw = w.external.clone().ok_or_else(|| {
+                        invalid(
+                            &key("external"),
+                            "an external engine needs its server: external.url or external.launch",
+                        )
+                    })?;
+                    if w.engine != "external" {
+                        match &raw.api {
+                            None => raw.api = Some(w.engine.clone()),
+                            Some(a) if a != &w.engine => {
+                                return Err(invalid(
+                                    &key("external.api"),
+                                    format!("{a:?} contradicts engine = {:?}", w.engine),
+                                ))
+                            }
+                            Some(_) => {}
+                        }
+                    }
+                    let config = raw.validate().map_err(|e| match e {
+                        dynamo_external_engine::config::ConfigError::Invalid {
+                            field,
+                            message,
+                        } => invalid(&key(&format!("external.{field}")), message),
+                    })?;
+                    let block_size = w.block_size.unwrap_or(16);
+                    if block_size == 0 || block_size > 1024 {
+                        return Err(invalid(&key("block_size"), "must be 1-1024"));
+                    }
+                    if matches!(w.role.as_deref(), Some("prefill") | Some("decode")) {
+                        return Err(invalid(
+                            &key("role"),
+                            "an external engine runs aggregated (disaggregate with the engine's own connector)",
+                        ));
+                    }
+                    EngineSpec::External {
+                        config: Box::new(config),
+                        block_size,
+                    }
+                }
                 other => {
                     return Err(invalid(
                         &key("engine"),
-                        format!("unknown engine {other:?} (available: cpu, mocker)"),
+                        format!(
+                            "unknown engine {other:?} (available: cpu, mocker, llamacpp, vllm, sglang, trtllm, external)"
+                        ),
                     ))
                 }
             };
@@ -828,80 +883,4 @@ pub fn check_spec_settings(
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn parse(s: &str) -> Result<NodeConfig, ConfigError> {
-        NodeConfig::validate(toml::from_str(s).map_err(|e| ConfigError::Parse {
-            path: "t".into(),
-            message: e.to_string(),
-        })?)
-    }
-
-    #[test]
-    fn example_configs_validate() {
-        for f in [
-            "../cluster-config/examples/single-node.toml",
-            "../cluster-config/examples/mocker.toml",
-            "../cluster-config/examples/bench.toml",
-        ] {
-            let p = Path::new(env!("CARGO_MANIFEST_DIR")).join(f);
-            NodeConfig::load(&p).unwrap_or_else(|e| panic!("{f}: {e}"));
-        }
-    }
-
-    #[test]
-    fn errors_name_the_key() {
-        let base = "node_id = \"a\"\n[nats]\nurl = \"embedded\"\n";
-        let e = parse(&format!("{base}[gateway]\nlisten = \"nope\"\n"))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("gateway.listen"), "{e}");
-        let e = parse(&format!("{base}[[workers]]\nengine = \"vllm\"\n"))
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("workers[0].engine"), "{e}");
-        let e = parse(&format!(
-            "{base}[[workers]]\nengine = \"mocker\"\n[workers.mocker]\nspeedup = -1.0\n"
-        ))
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("workers[0].mocker"), "{e}");
-        let e = parse(&format!(
-            "{base}[[workers]]\nengine = \"cpu\"\n[workers.cpu]\nthreads = 0\n"
-        ))
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("workers[0].cpu"), "{e}");
-        let e = parse(&format!(
-            "{base}[[workers]]\nengine = \"cpu\"\nblock_size = 0\n"
-        ))
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("workers[0].block_size"), "{e}");
-        let e = parse(base).unwrap_err().to_string();
-        assert!(e.contains("gateway/workers"), "{e}");
-        let e = parse("node_id = \"a\"\nnamespace = \"a.b\"\n[nats]\nurl = \"embedded\"\n")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("namespace"), "{e}");
-        assert!(parse(&format!("{base}bogus = 1\n")).is_err());
-        let e = parse(&format!(
-            "{base}[[workers]]\nengine = \"cpu\"\nrole = \"decode\"\n[workers.transfer]\nfence_after = 0\n"
-        ))
-        .unwrap_err()
-        .to_string();
-        assert!(e.contains("workers[0].transfer.fence_after"), "{e}");
-    }
-
-    #[test]
-    fn the_retired_landing_region_size_still_loads() {
-        let c = parse(
-            "node_id = \"a\"\n[nats]\nurl = \"embedded\"\n[[workers]]\nengine = \"cpu\"\n\
-             role = \"decode\"\n[workers.transfer]\nlanding_blocks = 256\n",
-        )
-        .unwrap();
-        assert_eq!(c.workers[0].role, WorkerRole::Decode);
-        assert_eq!(c.workers[0].transfer, TransferConfig::default());
-    }
-}
+mod tests;

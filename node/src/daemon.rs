@@ -249,6 +249,8 @@ pub async fn load_group_model(group: &crate::config::WorkerGroup) -> anyhow::Res
                 .map_err(|e| anyhow::anyhow!("mocker config: {e}"))?;
             None
         }
+        // The engine server loads its own weights.
+        EngineSpec::External { .. } => None,
         EngineSpec::Cpu { .. } => {
             let started = std::time::Instant::now();
             let w = tokio::task::spawn_blocking(move || Weights::load(&path)).await??;

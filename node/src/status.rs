@@ -96,6 +96,10 @@ pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
                 "role": format!("{:?}", w.role).to_lowercase(),
                 "state": if age > stale_after { "stale".to_string() } else { format!("{:?}", w.state).to_lowercase() },
                 "engine": w.engine,
+                // Exact: the router indexes the engine's KV events; approximate:
+                // it tracks what it routed there (the engine emits none).
+                "kv_events": w.kv_events,
+                "routing": if w.kv_events { "exact" } else { "approximate" },
                 "model": w.model.name.0,
                 "generation": w.generation,
                 "block_size": w.model.block_size,
@@ -205,12 +209,13 @@ pub fn render(v: &Value) -> String {
         ));
     }
     s.push_str(&format!(
-        "\nWORKERS\n{:<18} {:<12} {:>8} {:<10} {:<7} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13} {:>9} {:>7}\n",
+        "\nWORKERS\n{:<18} {:<12} {:>8} {:<10} {:<8} {:<11} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13} {:>9} {:>7}\n",
         "WORKER",
         "NODE",
         "PID",
         "ROLE",
         "ENGINE",
+        "ROUTING",
         "STATE",
         "MODEL",
         "ACTIVE",
@@ -223,12 +228,13 @@ pub fn render(v: &Value) -> String {
     for w in v["workers"].as_array().into_iter().flatten() {
         let l = &w["load"];
         s.push_str(&format!(
-            "{:<18} {:<12} {:>8} {:<10} {:<7} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13} {:>9} {:>7}\n",
+            "{:<18} {:<12} {:>8} {:<10} {:<8} {:<11} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13} {:>9} {:>7}\n",
             w["worker_id"].as_str().unwrap_or(""),
             w["node_id"].as_str().unwrap_or(""),
             w["pid"].to_string(),
             w["role"].as_str().unwrap_or(""),
             w["engine"].as_str().unwrap_or(""),
+            w["routing"].as_str().unwrap_or(""),
             w["state"].as_str().unwrap_or(""),
             w["model"].as_str().unwrap_or(""),
             l["active_seqs"].to_string(),

@@ -15,6 +15,7 @@ use dynamo_bus_schema::{
 };
 use dynamo_cpu_engine::{CpuEngine, CpuModelInfo};
 use dynamo_engine::Engine;
+use dynamo_external_engine::engine::{ExternalEngine, ExternalModel};
 use dynamo_gateway::{GatewayActor, GatewayArgs, GatewayConfig, GatewayMsg};
 use dynamo_mocker::{MockerEngine, MockerModel};
 use dynamo_model::LoadedModel;
@@ -635,6 +636,21 @@ impl SupervisorState {
                     }
                     (EngineSpec::Cpu { .. }, None) => {
                         return Err("cpu engine without loaded weights".into())
+                    }
+                    (EngineSpec::External { config, .. }, _) => {
+                        let cfg = (**config).clone();
+                        let info = ExternalModel {
+                            name: model.loaded.card.name.0.clone(),
+                            vocab_size: model.loaded.card.vocab_size,
+                            block_size: model.loaded.card.block_size as usize,
+                            model_path: Some(model.loaded.path.clone()),
+                            worker: worker_id.to_string(),
+                        };
+                        Arc::new(move || {
+                            ExternalEngine::start(cfg.clone(), info.clone())
+                                .map(|e| Arc::new(e) as Arc<dyn Engine>)
+                                .map_err(|e| e.to_string())
+                        })
                     }
                 };
                 let mut artifacts = HashMap::new();

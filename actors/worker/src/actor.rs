@@ -28,7 +28,7 @@ use dynamo_bus_schema::{
     ErrorReply, FaultKind, GenerateAck, KvDumpRequest, ModelCard, NodeId, RequestId, WireError,
     WorkerId, WorkerRegistration, WorkerRole, WorkerState,
 };
-use dynamo_engine::{Engine, EngineFault, EngineLimits};
+use dynamo_engine::{Engine, EngineFault, EngineLimits, Readiness};
 use dynamo_runtime::{counters, Bus, Gate, Tasks, Ticket};
 use futures::StreamExt;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
@@ -81,6 +81,8 @@ pub enum WorkerMsg {
     InjectFault(FaultKind, String),
     /// The engine's driver stopped on its own.
     EngineDied,
+    /// An engine that was loading serves now (`Ok`), or never will.
+    EngineReady(Result<(), String>),
     /// A background task ended on its own (its input is gone).
     TaskEnded(String),
     /// Stop taking new requests; replies with the number still in flight.
@@ -111,6 +113,9 @@ pub struct WorkerRuntime {
     prefilling: HashMap<RequestId, tokio_util::sync::CancellationToken>,
     /// Timings measured around the engine (for the planner).
     stats: Arc<crate::stats::WorkerStats>,
+    /// Whether the engine serves yet (until then the registration says
+    /// `Starting`, and a resume leaves it so).
+    engine_ready: bool,
     tasks: Tasks,
 }
 
@@ -241,6 +246,21 @@ impl Actor for WorkerActor {
             std::future::pending::<()>().await
         });
 
+        // An engine still loading registers as `Starting`: routers skip it
+        // until it turns `Serving`.
+        let engine_ready = match engine.ready() {
+            Readiness::Now => true,
+            Readiness::Later(ready) => {
+                let me = myself.clone();
+                tasks.spawn("engine-ready", async move {
+                    let r = ready.await.map_err(|e| e.to_string());
+                    let _ = me.cast(WorkerMsg::EngineReady(r));
+                    std::future::pending::<()>().await
+                });
+                tracing::info!(worker = %id, "worker starting: its engine is loading");
+                false
+            }
+        };
         let now = unix_ms();
         let reg = WorkerRegistration {
             worker_id: id,
@@ -248,7 +268,11 @@ impl Actor for WorkerActor {
             node_id: args.config.node_id.clone(),
             pid: std::process::id(),
             role,
-            state: WorkerState::Serving,
+            state: if engine_ready {
+                WorkerState::Serving
+            } else {
+                WorkerState::Starting
+            },
             engine: engine.kind().to_string(),
             model: args.card.clone(),
             started_unix_ms: now,
@@ -271,8 +295,11 @@ impl Actor for WorkerActor {
             // Deregistered: nothing more to write until the actor stops.
             std::future::pending::<()>().await
         });
-        tracing::info!(worker = %id, generation = args.generation, "worker serving");
+        if engine_ready {
+            tracing::info!(worker = %id, generation = args.generation, "worker serving");
+        }
         Ok(WorkerRuntime {
+            engine_ready,
             limits,
             transfer,
             prefill,
@@ -313,6 +340,20 @@ impl Actor for WorkerActor {
             }
             WorkerMsg::InjectFault(fault, task) => rt.inject(fault, &task)?,
             WorkerMsg::EngineDied => return Err(rt.engine_died().await),
+            WorkerMsg::EngineReady(Ok(())) => {
+                rt.engine_ready = true;
+                if rt.registration.state() == WorkerState::Starting {
+                    rt.registration.set_state(WorkerState::Serving);
+                }
+                tracing::info!(worker = %rt.cfg.worker_id, "worker serving: its engine is ready");
+            }
+            WorkerMsg::EngineReady(Err(why)) => {
+                return Err(format!(
+                    "worker {}: its engine did not start: {why}",
+                    rt.cfg.worker_id
+                )
+                .into())
+            }
             // A task fed by the engine (its KV events) ends with it: the
             // engine's death is what to report.
             WorkerMsg::TaskEnded(_) if rt.engine.liveness().is_stopped() => {
@@ -326,7 +367,9 @@ impl Actor for WorkerActor {
                 let _ = reply.send(rt.inflight.len() as u32);
             }
             WorkerMsg::AdminDrain(resume, reply) => {
-                let state = if resume {
+                let state = if resume && !rt.engine_ready {
+                    WorkerState::Starting
+                } else if resume {
                     WorkerState::Serving
                 } else {
                     WorkerState::Draining

@@ -53,6 +53,12 @@ impl Admission<'_> {
             WorkerState::Draining => {
                 return Err(WireError::new(ErrorKind::Unavailable, "worker is draining"))
             }
+            WorkerState::Starting => {
+                return Err(WireError::new(
+                    ErrorKind::Unavailable,
+                    "worker is starting (its engine is loading)",
+                ))
+            }
             _ => {
                 return Err(WireError::new(
                     ErrorKind::Unavailable,

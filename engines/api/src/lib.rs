@@ -194,6 +194,13 @@ pub enum EngineError {
     BadKvData(String),
     #[error("internal engine error: {0}")]
     Internal(String),
+    /// The engine refused the request as invalid (an external engine's 4xx).
+    #[error("the engine refused the request: {0}")]
+    Rejected(String),
+    /// The engine failed while serving it (an external engine's server
+    /// went away or answered an error): another worker can take it over.
+    #[error("the engine failed: {0}")]
+    Failed(String),
 }
 
 impl EngineError {
@@ -201,10 +208,11 @@ impl EngineError {
     pub fn to_wire(&self) -> WireError {
         let kind = match self {
             EngineError::Overloaded(_) => ErrorKind::Overloaded,
-            EngineError::Stopped => ErrorKind::EngineFailed,
-            EngineError::Invalid(_) | EngineError::Duplicate(_) | EngineError::TooLarge { .. } => {
-                ErrorKind::InvalidRequest
-            }
+            EngineError::Stopped | EngineError::Failed(_) => ErrorKind::EngineFailed,
+            EngineError::Invalid(_)
+            | EngineError::Duplicate(_)
+            | EngineError::TooLarge { .. }
+            | EngineError::Rejected(_) => ErrorKind::InvalidRequest,
             EngineError::Internal(_) | EngineError::BadKvData(_) => ErrorKind::Internal,
         };
         WireError::new(kind, self.to_string())
@@ -316,8 +324,23 @@ pub fn ask<T>(
     }
 }
 
+/// Whether an engine serves yet ([`Engine::ready`]).
+pub enum Readiness {
+    /// It serves now.
+    Now,
+    /// It will once this resolves `Ok` (an external engine's server is
+    /// still loading), or never, with why.
+    Later(std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), EngineError>> + Send>>),
+}
+
 /// The engine seam.
 pub trait Engine: Send + Sync + 'static {
+    /// Whether the engine serves yet. The worker registers as `Starting`
+    /// (routers skip it) until it does. Engines in this process serve as
+    /// soon as they are started.
+    fn ready(&self) -> Readiness {
+        Readiness::Now
+    }
     /// Short engine kind for registration and logs (e.g. `mocker`).
     fn kind(&self) -> &'static str;
     /// Starts a request; its events arrive on the returned stream. Answers

@@ -1,5 +1,10 @@
 //! External engines behind our engine seam.
 //!
+//! - [`engine`]: [`engine::ExternalEngine`], a worker's engine that is a
+//!   server in another process, reached over its HTTP API ([`dialect`],
+//!   [`sse`]), its load read from its Prometheus metrics ([`prom`]), its
+//!   process started and watched when the config says so ([`launch`]),
+//!   configured by [`config`].
 //! - [`events`]: vLLM's and SGLang's KV event batches (msgpack, both
 //!   encodings), decoded tolerantly.
 //! - [`translate`]: their blocks in our block identity, so the router keeps
@@ -11,8 +16,14 @@
 //!
 //! NATS-free: the worker actor wires these to the bus.
 
+pub mod config;
+pub mod dialect;
+pub mod engine;
 pub mod events;
 pub mod kv_feed;
+pub mod launch;
+pub mod prom;
 pub mod sequence;
+pub mod sse;
 pub mod translate;
 pub mod zmq_source;

@@ -30,7 +30,7 @@ use thiserror::Error;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 /// Where an engine publishes.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct ZmqConfig {
     /// The engine's PUB endpoint (`tcp://host:5557`).
     pub endpoint: String,

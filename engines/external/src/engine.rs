@@ -1,0 +1,718 @@
+//! [`ExternalEngine`]: an engine server in another process (llama.cpp,
+//! vLLM, SGLang, TensorRT-LLM) behind our engine seam.
+//!
+//! One driver task owns everything the engine does: the launched process
+//! (if any) and its logs, the health and metrics loop, the KV event feed
+//! (if the engine publishes one), and one task per request. Dropping the
+//! handle aborts the driver, which kills the process. The driver ends, and
+//! [`Engine::liveness`] with it, when the process exits, when a ready
+//! engine fails `health_failures` checks in a row, when it never becomes
+//! healthy within `startup_timeout`, or when the KV feed ends: the worker
+//! then restarts with a fresh engine (and a fresh process).
+//!
+//! Invariants:
+//! - at most `max_inflight` requests are open against the server
+//!   ([`Admission`]); a request's slot is held by its task;
+//! - every request's stream ends with exactly one terminal event: cancel
+//!   answers `Finished { Cancelled }` and drops the HTTP stream, which
+//!   closes the connection so the server stops generating;
+//! - a connection lost or an error answered mid-stream is
+//!   [`EngineError::Failed`] (the gateway migrates the request); a 4xx is
+//!   [`EngineError::Rejected`]; a 429 or 503 is `Overloaded`;
+//! - no more than `max_tokens` tokens are handed out, and generation stops
+//!   after a stop token id even where the server cannot be told about them.
+
+use crate::config::{Api, ExternalConfig};
+use crate::dialect::{self, ChunkError, Decoder};
+use crate::kv_feed::KvFeed;
+use crate::launch::{self, Fill, Launched};
+use crate::prom::{self, EngineLoad};
+use crate::sse::SseDecoder;
+use dynamo_bus_schema::blocks::SequenceHash;
+use dynamo_bus_schema::{FinishReason, LoadMetrics, RequestId};
+use dynamo_engine::{
+    commands, kv_events, liveness, Admission, Alive, Commands, Engine, EngineError, EngineEvent,
+    EngineFault, KvArena, KvBlockData, KvEventSink, KvEventStream, KvSnapshot, Liveness, Queued,
+    Readiness, ReservationId, ReservationReceiver, ResponseStream, Slot, ValidRequest,
+};
+use futures::StreamExt;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// Bytes of an error answer kept for the message.
+const MAX_ERROR_BODY: usize = 4096;
+/// Work commands queued for the driver at most (past it: `Overloaded`).
+const COMMAND_QUEUE: usize = 1024;
+/// Snapshot requests waiting for the KV feed at most.
+const SNAPSHOT_QUEUE: usize = 16;
+/// How long the rest of a finished stream is read, so its connection can
+/// be reused.
+const DRAIN: Duration = Duration::from_millis(200);
+
+/// What the engine needs to know of the worker's model.
+#[derive(Clone, Debug)]
+pub struct ExternalModel {
+    /// Our model's name: sent as `model` unless `served_model` says
+    /// otherwise, and the salt of KV block hashes.
+    pub name: String,
+    pub vocab_size: u32,
+    /// Our KV block size (the router's hashing).
+    pub block_size: usize,
+    /// The model file, for a launch command's `{model_path}`.
+    pub model_path: Option<PathBuf>,
+    /// The worker this engine serves (for logs).
+    pub worker: String,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum State {
+    Starting,
+    Ready,
+    Failed(String),
+}
+
+enum Cmd {
+    Generate {
+        req: ValidRequest,
+        tx: mpsc::UnboundedSender<EngineEvent>,
+        slot: Slot,
+    },
+    Cancel(RequestId),
+    Snapshot(oneshot::Sender<KvSnapshot>),
+    Panic,
+}
+
+/// The handle.
+pub struct ExternalEngine {
+    cfg: Arc<ExternalConfig>,
+    admission: Arc<Admission>,
+    cmds: Commands<Cmd>,
+    load: Arc<Mutex<EngineLoad>>,
+    state: watch::Receiver<State>,
+    kv_events: Mutex<Option<KvEventStream>>,
+    liveness: Liveness,
+    arena: Arc<KvArena>,
+    /// The driver; dropping the set aborts it.
+    _driver: Mutex<JoinSet<()>>,
+}
+
+impl ExternalEngine {
+    /// Starts the driver (and, with `launch`, the engine's process). Must
+    /// be called inside a Tokio runtime.
+    pub fn start(cfg: ExternalConfig, model: ExternalModel) -> Result<Self, EngineError> {
+        let fill = Fill::for_config(&cfg, model.model_path.as_deref())
+            .map_err(|e| EngineError::Internal(e.to_string()))?;
+        let mut kv = cfg.kv_events.clone();
+        if let Some(k) = &mut kv {
+            k.endpoint = fill.apply(&k.endpoint);
+            k.replay_endpoint = k.replay_endpoint.as_deref().map(|r| fill.apply(r));
+        }
+        let base = fill.apply(&cfg.url);
+        let client = reqwest::Client::builder()
+            .connect_timeout(cfg.connect_timeout)
+            .tcp_nodelay(true)
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build()
+            .map_err(|e| EngineError::Internal(format!("HTTP client: {e}")))?;
+        let arena =
+            Arc::new(KvArena::new(1, 4096).map_err(|e| EngineError::Internal(e.to_string()))?);
+        let (cmds, rx) = commands(COMMAND_QUEUE);
+        let (alive, live) = liveness();
+        let (state_tx, state) = watch::channel(State::Starting);
+        let load = Arc::new(Mutex::new(EngineLoad::default()));
+        let (sink, stream) = kv_events();
+        let cfg = Arc::new(cfg);
+        let driver = Driver {
+            cfg: cfg.clone(),
+            model,
+            client,
+            base,
+            fill,
+            kv: kv.map(|k| (k, sink)),
+            state: state_tx,
+            load: load.clone(),
+        };
+        let emits = driver.kv.is_some();
+        let mut set = JoinSet::new();
+        set.spawn(driver.run(rx, alive));
+        Ok(ExternalEngine {
+            admission: Admission::new(cfg.max_inflight as usize),
+            cfg,
+            cmds,
+            load,
+            state,
+            kv_events: Mutex::new(emits.then_some(stream)),
+            liveness: live,
+            arena,
+            _driver: Mutex::new(set),
+        })
+    }
+
+    /// The API the engine is spoken to in.
+    pub fn api(&self) -> Api {
+        self.cfg.api
+    }
+}
+
+struct Driver {
+    cfg: Arc<ExternalConfig>,
+    model: ExternalModel,
+    client: reqwest::Client,
+    base: String,
+    fill: Fill,
+    kv: Option<(crate::zmq_source::ZmqConfig, KvEventSink)>,
+    state: watch::Sender<State>,
+    load: Arc<Mutex<EngineLoad>>,
+}
+
+/// Why a driver's helper task ended.
+enum Aux {
+    Exited(String),
+    Unhealthy(String),
+    FeedEnded,
+}
+
+impl Driver {
+    fn fail(&self, why: String) {
+        tracing::error!(worker = %self.model.worker, "external engine: {why}");
+        self.state.send_replace(State::Failed(why));
+    }
+
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Queued<Cmd>>, alive: Alive) {
+        let _alive = alive;
+        let mut aux: JoinSet<Aux> = JoinSet::new();
+        let mut logs: JoinSet<()> = JoinSet::new();
+        let mut requests: JoinSet<RequestId> = JoinSet::new();
+        let mut running: HashMap<RequestId, CancellationToken> = HashMap::new();
+        if let Some(l) = &self.cfg.launch {
+            match launch::launch(l, &self.fill, &self.model.worker, &mut logs) {
+                Ok(p) => {
+                    aux.spawn(watch_process(p));
+                }
+                Err(e) => return self.fail(e.to_string()),
+            }
+        }
+        aux.spawn(health(
+            self.client.clone(),
+            self.base.clone(),
+            self.cfg.clone(),
+            self.state.clone(),
+            self.load.clone(),
+        ));
+        let mut snapshots = None;
+        if let Some((zcfg, sink)) = self.kv.take() {
+            let (tx, srx) = mpsc::channel(SNAPSHOT_QUEUE);
+            snapshots = Some(tx);
+            aux.spawn(feed(
+                zcfg,
+                self.model.name.clone(),
+                self.model.block_size,
+                self.cfg.health_interval,
+                sink,
+                srx,
+            ));
+        }
+        tracing::info!(worker = %self.model.worker, url = %self.base, api = ?self.cfg.api, "external engine starting");
+        loop {
+            tokio::select! {
+                q = rx.recv() => {
+                    let Some(q) = q else { return };
+                    match q.cmd {
+                        Cmd::Generate { req, tx, slot } => {
+                            let id = req.id();
+                            if running.contains_key(&id) {
+                                let _ = tx.send(EngineEvent::Failed(EngineError::Duplicate(id)));
+                                continue;
+                            }
+                            let cancel = CancellationToken::new();
+                            running.insert(id, cancel.clone());
+                            let model = self.cfg.served_model.clone().unwrap_or_else(|| self.model.name.clone());
+                            let call = Call {
+                                client: self.client.clone(),
+                                base: self.base.clone(),
+                                api: self.cfg.api,
+                                model,
+                                vocab: self.model.vocab_size,
+                                response_timeout: self.cfg.response_timeout,
+                                idle_timeout: self.cfg.idle_timeout,
+                            };
+                            requests.spawn(async move {
+                                call.serve(req, tx, cancel).await;
+                                drop(slot);
+                                id
+                            });
+                        }
+                        Cmd::Cancel(id) => {
+                            if let Some(c) = running.get(&id) {
+                                c.cancel();
+                            }
+                        }
+                        Cmd::Snapshot(reply) => match &snapshots {
+                            Some(s) => {
+                                if s.try_send(reply).is_err() {
+                                    tracing::warn!(worker = %self.model.worker, "KV snapshot requests are queued too deep; one is refused");
+                                }
+                            }
+                            None => {
+                                let _ = reply.send(empty_snapshot());
+                            }
+                        },
+                        Cmd::Panic => panic!("fault injected: the external engine's driver panics"),
+                    }
+                }
+                Some(done) = requests.join_next(), if !requests.is_empty() => {
+                    match done {
+                        Ok(id) => { running.remove(&id); }
+                        Err(e) => {
+                            tracing::error!(worker = %self.model.worker, error = %e, "a request task failed");
+                            running.retain(|_, c| !c.is_cancelled());
+                        }
+                    }
+                }
+                Some(end) = aux.join_next() => {
+                    let why = match end {
+                        Ok(Aux::Exited(why)) | Ok(Aux::Unhealthy(why)) => why,
+                        Ok(Aux::FeedEnded) => "its KV event feed ended".to_string(),
+                        Err(e) => format!("a helper task failed: {e}"),
+                    };
+                    return self.fail(why);
+                }
+            }
+        }
+    }
+}
+
+fn empty_snapshot() -> KvSnapshot {
+    KvSnapshot {
+        last_event_id: 0,
+        blocks: Vec::new(),
+        offloaded: Vec::new(),
+    }
+}
+
+async fn watch_process(mut p: Launched) -> Aux {
+    let status = p.child.wait().await;
+    let tail = p.tail.lines();
+    let status = match status {
+        Ok(s) => s.to_string(),
+        Err(e) => format!("unknown status ({e})"),
+    };
+    Aux::Exited(format!(
+        "the engine process exited ({status}); its last output: {}",
+        if tail.is_empty() {
+            "(none)".to_string()
+        } else {
+            tail.join(" | ")
+        }
+    ))
+}
+
+/// Health checks and metrics scrapes, every `health_interval`.
+async fn health(
+    client: reqwest::Client,
+    base: String,
+    cfg: Arc<ExternalConfig>,
+    state: watch::Sender<State>,
+    load: Arc<Mutex<EngineLoad>>,
+) -> Aux {
+    let started = Instant::now();
+    let mut fails = 0u32;
+    let mut tick = tokio::time::interval(cfg.health_interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let timeout = cfg.health_interval.max(Duration::from_millis(500));
+    loop {
+        tick.tick().await;
+        let res = client
+            .get(format!("{base}{}", cfg.health_path))
+            .timeout(timeout)
+            .send()
+            .await;
+        let ok = match res {
+            Ok(r) if r.status().is_success() => Ok(()),
+            Ok(r) => Err(format!("health check answered {}", r.status())),
+            Err(e) => Err(format!("health check failed: {e}")),
+        };
+        let ready = *state.borrow() == State::Ready;
+        match ok {
+            Ok(()) => {
+                fails = 0;
+                if !ready {
+                    tracing::info!(url = %base, ms = started.elapsed().as_millis() as u64, "external engine ready");
+                    state.send_replace(State::Ready);
+                }
+            }
+            Err(why) if ready => {
+                fails += 1;
+                tracing::warn!(url = %base, fails, "{why}");
+                if fails >= cfg.health_failures {
+                    return Aux::Unhealthy(format!("{why} ({fails} times in a row)"));
+                }
+            }
+            Err(why) => {
+                if started.elapsed() > cfg.startup_timeout {
+                    return Aux::Unhealthy(format!(
+                        "not healthy within {} ms: {why}",
+                        cfg.startup_timeout.as_millis()
+                    ));
+                }
+            }
+        }
+        let ready = *state.borrow() == State::Ready;
+        if let (Some(p), true) = (&cfg.metrics_path, ready) {
+            if let Ok(r) = client
+                .get(format!("{base}{p}"))
+                .timeout(timeout)
+                .send()
+                .await
+            {
+                if r.status().is_success() {
+                    if let Ok(text) = r.text().await {
+                        let l = prom::parse(&text);
+                        if let Ok(mut g) = load.lock() {
+                            *g = l;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The KV event feed: connects (retrying while the engine starts), then
+/// forwards events and answers snapshots.
+async fn feed(
+    cfg: crate::zmq_source::ZmqConfig,
+    model: String,
+    block_size: usize,
+    retry: Duration,
+    mut sink: KvEventSink,
+    mut snapshots: mpsc::Receiver<oneshot::Sender<KvSnapshot>>,
+) -> Aux {
+    let (mut feed, mut events) = loop {
+        tokio::select! {
+            r = KvFeed::start(cfg.clone(), &model, block_size) => match r {
+                Ok(f) => break f,
+                Err(e) => {
+                    tracing::debug!(endpoint = %cfg.endpoint, error = %e, "KV event publisher not reachable yet");
+                    tokio::time::sleep(retry).await;
+                }
+            },
+            Some(reply) = snapshots.recv() => {
+                let _ = reply.send(empty_snapshot());
+            }
+        }
+    };
+    tracing::info!(endpoint = %cfg.endpoint, "KV event feed connected");
+    loop {
+        tokio::select! {
+            e = events.recv() => match e {
+                Some(e) => sink.send(e),
+                None => break,
+            },
+            Some(reply) = snapshots.recv() => {
+                let _ = reply.send(feed.snapshot().unwrap_or_else(empty_snapshot));
+            }
+            _ = feed.ended() => break,
+        }
+    }
+    Aux::FeedEnded
+}
+
+/// What one request needs to call the server.
+struct Call {
+    client: reqwest::Client,
+    base: String,
+    api: Api,
+    model: String,
+    vocab: u32,
+    response_timeout: Duration,
+    idle_timeout: Duration,
+}
+
+async fn error_body(r: reqwest::Response) -> String {
+    let mut body = Vec::new();
+    let mut s = r.bytes_stream();
+    while let Some(Ok(b)) = s.next().await {
+        body.extend_from_slice(&b);
+        if body.len() >= MAX_ERROR_BODY {
+            body.truncate(MAX_ERROR_BODY);
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&body).into_owned();
+    serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .or_else(|| v.get("message"))
+                .or_else(|| v.get("detail"))
+                .and_then(|m| m.as_str().map(str::to_string))
+        })
+        .unwrap_or(text)
+}
+
+impl Call {
+    async fn serve(
+        self,
+        req: ValidRequest,
+        tx: mpsc::UnboundedSender<EngineEvent>,
+        cancel: CancellationToken,
+    ) {
+        let out = tokio::select! {
+            r = self.stream(&req, &tx) => r,
+            _ = cancel.cancelled() => Ok(FinishReason::Cancelled),
+        };
+        let _ = tx.send(match out {
+            Ok(reason) => EngineEvent::Finished { reason },
+            Err(e) => EngineEvent::Failed(e),
+        });
+    }
+
+    /// Runs the request, sending its tokens; answers how it finished.
+    async fn stream(
+        &self,
+        req: &ValidRequest,
+        tx: &mpsc::UnboundedSender<EngineEvent>,
+    ) -> Result<FinishReason, EngineError> {
+        let (path, body) = dialect::request(self.api, &self.model, req);
+        let url = format!("{}{path}", self.base);
+        let send = self.client.post(&url).json(&body).send();
+        let resp = match tokio::time::timeout(self.response_timeout, send).await {
+            Err(_) => {
+                return Err(EngineError::Failed(format!(
+                    "no answer from {url} within {} ms",
+                    self.response_timeout.as_millis()
+                )))
+            }
+            Ok(Err(e)) => return Err(EngineError::Failed(format!("{url}: {e}"))),
+            Ok(Ok(r)) => r,
+        };
+        let status = resp.status();
+        if !status.is_success() {
+            let msg = error_body(resp).await;
+            let msg = format!("{status}: {msg}");
+            return Err(match status.as_u16() {
+                429 | 503 => EngineError::Overloaded(msg),
+                400..=499 => EngineError::Rejected(msg),
+                _ => EngineError::Failed(msg),
+            });
+        }
+        let _ = tx.send(EngineEvent::Started { cached_tokens: 0 });
+        let s = req.sampling();
+        let max = s.max_tokens as usize;
+        let mut sent = 0usize;
+        let mut decoder = Decoder::new(self.api, self.vocab);
+        let mut sse = SseDecoder::default();
+        let mut body = resp.bytes_stream();
+        let mut finish: Option<FinishReason> = None;
+        'read: loop {
+            let next = match tokio::time::timeout(self.idle_timeout, body.next()).await {
+                Err(_) => {
+                    return Err(EngineError::Failed(format!(
+                        "the engine sent nothing for {} ms",
+                        self.idle_timeout.as_millis()
+                    )))
+                }
+                Ok(n) => n,
+            };
+            let events = match next {
+                Some(Ok(bytes)) => sse
+                    .push(&bytes)
+                    .map_err(|e| EngineError::Failed(e.to_string()))?,
+                Some(Err(e)) => {
+                    return Err(EngineError::Failed(format!(
+                        "the engine's stream broke: {e}"
+                    )))
+                }
+                None => {
+                    let last = sse.finish();
+                    if last.is_none() {
+                        break 'read;
+                    }
+                    last.into_iter().collect()
+                }
+            };
+            for ev in events {
+                if ev.event == "error" {
+                    return Err(EngineError::Failed(format!(
+                        "the engine reported: {}",
+                        ev.data
+                    )));
+                }
+                let c = match decoder.chunk(&ev.data) {
+                    Ok(c) => c,
+                    Err(ChunkError::Malformed(m)) => return Err(EngineError::Failed(m)),
+                    Err(e) => return Err(EngineError::Failed(e.to_string())),
+                };
+                let mut toks = c.tokens;
+                let mut stop = None;
+                if let Some(i) = toks.iter().position(|t| s.stop_token_ids.contains(t)) {
+                    toks.truncate(i + 1);
+                    stop = Some(FinishReason::Stop);
+                }
+                if sent + toks.len() >= max {
+                    toks.truncate(max - sent);
+                    stop = stop.or(Some(FinishReason::Length));
+                }
+                if !toks.is_empty() {
+                    sent += toks.len();
+                    let _ = tx.send(EngineEvent::Tokens(toks));
+                }
+                if let Some(r) = stop.or(c.finish) {
+                    finish = Some(r);
+                    break 'read;
+                }
+                if c.done {
+                    break 'read;
+                }
+            }
+        }
+        match finish {
+            Some(r) => {
+                // Read the rest briefly, so the connection can be reused.
+                let _ = tokio::time::timeout(DRAIN, async {
+                    while let Some(Ok(_)) = body.next().await {}
+                })
+                .await;
+                Ok(r)
+            }
+            None => Err(EngineError::Failed(
+                "the engine's stream ended before the request finished".into(),
+            )),
+        }
+    }
+}
+
+impl Engine for ExternalEngine {
+    fn kind(&self) -> &'static str {
+        self.cfg.kind
+    }
+
+    fn ready(&self) -> Readiness {
+        let mut rx = self.state.clone();
+        if *rx.borrow() == State::Ready {
+            return Readiness::Now;
+        }
+        Readiness::Later(Box::pin(async move {
+            loop {
+                let now = rx.borrow_and_update().clone();
+                match now {
+                    State::Ready => return Ok(()),
+                    State::Failed(why) => return Err(EngineError::Failed(why)),
+                    State::Starting => {}
+                }
+                if rx.changed().await.is_err() {
+                    return Err(EngineError::Stopped);
+                }
+            }
+        }))
+    }
+
+    fn generate(&self, req: ValidRequest) -> Result<ResponseStream, EngineError> {
+        match &*self.state.borrow() {
+            State::Ready => {}
+            State::Starting => {
+                return Err(EngineError::Overloaded(
+                    "the engine's server is starting".into(),
+                ))
+            }
+            State::Failed(_) => return Err(EngineError::Stopped),
+        }
+        let slot = self.admission.try_admit()?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.cmds.work(Cmd::Generate { req, tx, slot })?;
+        Ok(rx)
+    }
+
+    fn cancel(&self, id: RequestId) {
+        let _ = self.cmds.control(Cmd::Cancel(id));
+    }
+
+    fn capacity(&self) -> usize {
+        self.admission.capacity()
+    }
+
+    fn load(&self) -> LoadMetrics {
+        let l = self.load.lock().map(|g| *g).unwrap_or_default();
+        let inflight = self.admission.held() as u32;
+        let (used, total) = match l.kv_usage {
+            Some(u) => ((u * 1000.0).round() as u32, 1000),
+            None => (0, 0),
+        };
+        LoadMetrics {
+            active_seqs: l.running.unwrap_or(inflight),
+            waiting_seqs: l.waiting.unwrap_or(0),
+            kv_used_blocks: used,
+            kv_total_blocks: total,
+            inflight_requests: inflight,
+        }
+    }
+
+    fn take_kv_events(&self) -> Option<KvEventStream> {
+        self.kv_events.lock().ok()?.take()
+    }
+
+    fn liveness(&self) -> Liveness {
+        self.liveness.clone()
+    }
+
+    fn inject(&self, fault: EngineFault) -> Result<(), EngineError> {
+        match fault {
+            EngineFault::PanicDriver => Ok(self.cmds.control(Cmd::Panic)?),
+        }
+    }
+
+    fn kv_snapshot(&self) -> Result<oneshot::Receiver<KvSnapshot>, EngineError> {
+        dynamo_engine::ask(|tx| self.cmds.control(Cmd::Snapshot(tx)).is_ok())
+    }
+
+    fn kv_block_bytes(&self) -> usize {
+        0
+    }
+
+    fn export_blocks(
+        &self,
+        _hashes: Vec<SequenceHash>,
+    ) -> Result<oneshot::Receiver<Vec<KvBlockData>>, EngineError> {
+        // The engine's KV stays in its own process: nothing to export.
+        dynamo_engine::ask(|tx| tx.send(Vec::new()).is_ok())
+    }
+
+    fn import_blocks(
+        &self,
+        _blocks: Vec<KvBlockData>,
+    ) -> Result<oneshot::Receiver<Result<usize, EngineError>>, EngineError> {
+        Err(unsupported())
+    }
+
+    fn kv_arena(&self) -> Arc<KvArena> {
+        self.arena.clone()
+    }
+
+    fn reserve_blocks(&self, _n: usize) -> Result<ReservationReceiver, EngineError> {
+        Err(unsupported())
+    }
+
+    fn commit_blocks(
+        &self,
+        _id: ReservationId,
+        _parent: Option<SequenceHash>,
+        _hashes: Vec<SequenceHash>,
+    ) -> Result<oneshot::Receiver<Result<usize, EngineError>>, EngineError> {
+        Err(unsupported())
+    }
+
+    fn release_blocks(&self, _id: ReservationId) {}
+}
+
+fn unsupported() -> EngineError {
+    EngineError::Internal(
+        "an external engine keeps its KV in its own process (disaggregate with the engine's own connector)"
+            .into(),
+    )
+}

@@ -1,0 +1,307 @@
+//! [`ExternalEngine`]'s edge cases over real HTTP: a server answering in
+//! llama.cpp's wire format, scripted to do what a real engine does only on
+//! a bad day (refuse, shed load, drop a stream mid-way, overrun
+//! `max_tokens`, keep generating after the client left), which a real
+//! server cannot be made to do on demand. The real llama.cpp server is
+//! tested in `integration/tests/external_engine.rs` (`make test-engines`).
+//!
+//! Scripts by the prompt's first token: 1 finishes normally, 2 is refused
+//! (400), 3 is shed (503), 4 breaks off after two tokens, 5 streams without
+//! end, 6 streams a stop token id mid-chunk.
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use dynamo_bus_schema::{ErrorKind, FinishReason, RequestId, SamplingParams};
+use dynamo_engine::{Engine, EngineError, EngineEvent, EngineLimits, Readiness, ValidRequest};
+use dynamo_external_engine::config::RawExternal;
+use dynamo_external_engine::engine::{ExternalEngine, ExternalModel};
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Default)]
+struct Script {
+    healthy: AtomicBool,
+    /// Streams the server is still writing.
+    open: AtomicUsize,
+}
+
+struct Open(Arc<Script>);
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn chunk(tokens: &[u32], stop: Option<&str>) -> String {
+    let v = match stop {
+        None => json!({"content": "x", "tokens": tokens, "stop": false}),
+        Some(t) => json!({"content": "", "tokens": [], "stop": true, "stop_type": t,
+                          "timings": {"cache_n": 3}}),
+    };
+    format!("data: {v}\n\n")
+}
+
+async fn health(State(s): State<Arc<Script>>) -> StatusCode {
+    if s.healthy.load(Ordering::SeqCst) {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+async fn completion(State(s): State<Arc<Script>>, Json(b): Json<Value>) -> Response {
+    let first = b["prompt"][0].as_u64().unwrap_or(0);
+    let frames: Vec<String> = match first {
+        2 => {
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({"error": {"code": 400, "message": "context too long"}})),
+            )
+                .into_response()
+        }
+        3 => return (StatusCode::SERVICE_UNAVAILABLE, "busy").into_response(),
+        1 => (10..15)
+            .map(|t| chunk(&[t], None))
+            .chain([chunk(&[], Some("eos"))])
+            .collect(),
+        4 => vec![chunk(&[10], None), chunk(&[11], None)],
+        6 => vec![chunk(&[10, 99, 12], None), chunk(&[13], None)],
+        _ => Vec::new(), // 5: endless
+    };
+    s.open.fetch_add(1, Ordering::SeqCst);
+    let guard = Open(s.clone());
+    let endless = first == 5;
+    let stream = futures::stream::unfold(
+        (frames.into_iter(), guard, 0u32),
+        move |(mut it, g, n)| async move {
+            let next = match it.next() {
+                Some(f) => f,
+                None if endless => {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    chunk(&[20 + n % 50], None)
+                }
+                None => return None,
+            };
+            Some((Ok::<_, std::io::Error>(next), (it, g, n + 1)))
+        },
+    );
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(stream))
+        .unwrap()
+}
+
+async fn server() -> (u16, Arc<Script>) {
+    let s = Arc::new(Script::default());
+    let app = Router::new()
+        .route("/health", get(health))
+        .route("/completion", post(completion))
+        .with_state(s.clone());
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    (port, s)
+}
+
+fn engine(port: u16) -> ExternalEngine {
+    let cfg = RawExternal {
+        url: Some(format!("http://127.0.0.1:{port}")),
+        api: Some("llamacpp".into()),
+        max_inflight: Some(2),
+        health_interval_ms: Some(20),
+        health_failures: Some(2),
+        metrics_path: Some(String::new()),
+        idle_timeout_ms: Some(2000),
+        ..Default::default()
+    }
+    .validate()
+    .unwrap();
+    ExternalEngine::start(
+        cfg,
+        ExternalModel {
+            name: "m".into(),
+            vocab_size: 1000,
+            block_size: 16,
+            model_path: None,
+            worker: "w".into(),
+        },
+    )
+    .unwrap()
+}
+
+fn req(id: u128, first: u32, max_tokens: u32, stop: Vec<u32>) -> ValidRequest {
+    let mut s = SamplingParams::greedy(max_tokens);
+    s.stop_token_ids = stop;
+    ValidRequest::from_parts(
+        RequestId(id),
+        vec![first, 7, 7],
+        &s,
+        EngineLimits {
+            context_length: 100_000,
+            vocab_size: 1000,
+        },
+    )
+    .unwrap()
+}
+
+/// Every event of a request, up to its terminal one.
+async fn events(e: &ExternalEngine, r: ValidRequest) -> (Vec<u32>, EngineEvent) {
+    let mut rx = e.generate(r).expect("admitted");
+    let mut toks = Vec::new();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("no event in 10 s")
+            .expect("stream ended without a terminal event")
+        {
+            EngineEvent::Started { .. } => {}
+            EngineEvent::Tokens(t) => toks.extend(t),
+            end => return (toks, end),
+        }
+    }
+}
+
+async fn ready(e: &ExternalEngine) {
+    if let Readiness::Later(f) = e.ready() {
+        tokio::time::timeout(Duration::from_secs(10), f)
+            .await
+            .expect("ready in time")
+            .expect("ready");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn not_ready_until_healthy_then_serves() {
+    let (port, s) = server().await;
+    let e = engine(port);
+    assert!(matches!(e.ready(), Readiness::Later(_)));
+    assert!(matches!(
+        e.generate(req(1, 1, 10, vec![])),
+        Err(EngineError::Overloaded(_))
+    ));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        matches!(e.ready(), Readiness::Later(_)),
+        "ready while the server says 503"
+    );
+    s.healthy.store(true, Ordering::SeqCst);
+    ready(&e).await;
+    assert_eq!(e.kind(), "llamacpp");
+    let (toks, end) = events(&e, req(1, 1, 10, vec![])).await;
+    assert_eq!(toks, vec![10, 11, 12, 13, 14]);
+    assert_eq!(
+        end,
+        EngineEvent::Finished {
+            reason: FinishReason::Stop
+        }
+    );
+    assert!(!e.liveness().is_stopped());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_map_onto_our_error_kinds() {
+    let (port, s) = server().await;
+    s.healthy.store(true, Ordering::SeqCst);
+    let e = engine(port);
+    ready(&e).await;
+    let kind = |end: EngineEvent| match end {
+        EngineEvent::Failed(err) => err.to_wire().kind,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        kind(events(&e, req(2, 2, 10, vec![])).await.1),
+        ErrorKind::InvalidRequest
+    );
+    assert_eq!(
+        kind(events(&e, req(3, 3, 10, vec![])).await.1),
+        ErrorKind::Overloaded
+    );
+    // Broken off mid-stream: the tokens so far, then a failure to migrate.
+    let (toks, end) = events(&e, req(4, 4, 10, vec![])).await;
+    assert_eq!(toks, vec![10, 11]);
+    assert_eq!(kind(end), ErrorKind::EngineFailed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_stops_and_cancellation_close_the_stream() {
+    let (port, s) = server().await;
+    s.healthy.store(true, Ordering::SeqCst);
+    let e = engine(port);
+    ready(&e).await;
+    // More than max_tokens offered: exactly max_tokens kept.
+    let (toks, end) = events(&e, req(5, 5, 7, vec![])).await;
+    assert_eq!(toks.len(), 7);
+    assert_eq!(
+        end,
+        EngineEvent::Finished {
+            reason: FinishReason::Length
+        }
+    );
+    // A stop token id the server was not told about ends it, kept.
+    let (toks, end) = events(&e, req(6, 6, 50, vec![99])).await;
+    assert_eq!(toks, vec![10, 99]);
+    assert_eq!(
+        end,
+        EngineEvent::Finished {
+            reason: FinishReason::Stop
+        }
+    );
+    // Cancel: one terminal event, and the server sees its stream closed.
+    let mut rx = e.generate(req(7, 5, 10_000, vec![])).unwrap();
+    let mut got = 0;
+    while got < 3 {
+        if let Some(EngineEvent::Tokens(t)) = rx.recv().await {
+            got += t.len();
+        }
+    }
+    e.cancel(RequestId(7));
+    let mut terminal = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        if !matches!(ev, EngineEvent::Tokens(_)) {
+            terminal.push(ev);
+        }
+    }
+    assert_eq!(
+        terminal,
+        vec![EngineEvent::Finished {
+            reason: FinishReason::Cancelled
+        }]
+    );
+    for _ in 0..100 {
+        if s.open.load(Ordering::SeqCst) == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(s.open.load(Ordering::SeqCst), 0, "the server still streams");
+    // Admission: two at once, the third is refused at once.
+    let _a = e.generate(req(8, 5, 10_000, vec![])).unwrap();
+    let _b = e.generate(req(9, 5, 10_000, vec![])).unwrap();
+    assert!(matches!(
+        e.generate(req(10, 5, 10, vec![])),
+        Err(EngineError::Overloaded(_))
+    ));
+    assert_eq!(e.load().inflight_requests, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_goes_away_ends_the_engine() {
+    let (port, s) = server().await;
+    s.healthy.store(true, Ordering::SeqCst);
+    let e = engine(port);
+    ready(&e).await;
+    s.healthy.store(false, Ordering::SeqCst);
+    tokio::time::timeout(Duration::from_secs(10), e.liveness().stopped())
+        .await
+        .expect("the engine noticed its server is gone");
+    assert!(matches!(
+        e.generate(req(1, 1, 10, vec![])),
+        Err(EngineError::Stopped)
+    ));
+}

@@ -1,0 +1,159 @@
+//! What the external-engine path costs: the same llama.cpp server called
+//! directly, and through our gateway and a worker fronting it, side by
+//! side in one run, at concurrency 1 and 8. TTFT and ITL p50/p99 for each
+//! (BENCHMARKS.md, "External engines"). A benchmark, not a test:
+//!
+//! ```text
+//! DYNAMO_LLAMA_SERVER=$(scripts/build_llama_server.sh) cargo test --release \
+//!   -p dynamo-integration --test external_bench -- --ignored --nocapture
+//! ```
+
+use dynamo_integration::llama::Server;
+use dynamo_integration::*;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+const MAX_TOKENS: u32 = 32;
+
+/// Arrival times of one stream's token events.
+async fn timed(client: &reqwest::Client, url: &str, body: &Value, direct: bool) -> (f64, Vec<f64>) {
+    let t0 = Instant::now();
+    let r = client.post(url).json(body).send().await.expect("request");
+    assert_eq!(r.status().as_u16(), 200);
+    let mut s = r.bytes_stream();
+    let mut buf = String::new();
+    let mut at = Vec::new();
+    while let Some(Ok(b)) = s.next().await {
+        buf.push_str(&String::from_utf8_lossy(&b));
+        while let Some(i) = buf.find("\n\n") {
+            let ev: String = buf.drain(..i + 2).collect();
+            let Some(data) = ev.trim().strip_prefix("data: ") else {
+                continue;
+            };
+            let Ok(v) = serde_json::from_str::<Value>(data) else {
+                continue;
+            };
+            let token = if direct {
+                v["tokens"].as_array().is_some_and(|t| !t.is_empty())
+            } else {
+                v["choices"][0]["text"]
+                    .as_str()
+                    .is_some_and(|t| !t.is_empty())
+            };
+            if token {
+                at.push(t0.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+    }
+    assert!(!at.is_empty(), "no tokens from {url}");
+    let itl = at.windows(2).map(|w| w[1] - w[0]).collect();
+    (at[0], itl)
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+#[derive(Default)]
+struct Samples {
+    ttft: Vec<f64>,
+    itl: Vec<f64>,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "benchmark: make bench"]
+async fn external_overhead() {
+    let server = Server::start_with(8).await;
+    let nats = Nats::start();
+    let port = free_port();
+    let extra = format!(
+        "[[workers]]\ncount = 1\nengine = \"llamacpp\"\nmodel = \"{MODEL}\"\n\n\
+         [workers.external]\nurl = \"http://127.0.0.1:{}\"\nmax_inflight = 8\n",
+        server.port
+    );
+    let mut node = Node::start(&node_config("n", &nats.url, Some(port), 0, &extra));
+    let http = Http::new(port);
+    http.wait_ready(1, &mut node).await;
+    let client = reqwest::Client::new();
+    let gateway_url = format!("http://127.0.0.1:{port}/v1/completions");
+    let direct_url = server.url("/completion");
+    let prompts: Vec<Vec<u32>> = (0..8)
+        .map(|i| chat_tokens(&format!("Tell me fact number {i} about the ocean.")))
+        .collect();
+    // The body our worker sends for such a request, sent directly.
+    let direct_body = |p: &[u32]| {
+        json!({"prompt": p, "n_predict": MAX_TOKENS, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+               "min_p": 0.0, "stream": true, "return_tokens": true, "cache_prompt": true,
+               "ignore_eos": true})
+    };
+    let gateway_body = |p: &[u32]| {
+        json!({"model": MODEL, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+               "ignore_eos": true, "stream": true})
+    };
+    // Warm both paths (and the server's prompt cache) with every prompt.
+    for p in &prompts {
+        timed(&client, &direct_url, &direct_body(p), true).await;
+        timed(&client, &gateway_url, &gateway_body(p), false).await;
+    }
+    let rounds: usize = std::env::var("EXTERNAL_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(24);
+    println!("external engine overhead: llama-server (1 thread, 8 slots), {MAX_TOKENS} tokens per stream, {rounds} rounds per path and concurrency, paths interleaved");
+    println!(
+        "{:<6} {:<8} {:>9} {:>9} {:>9} {:>9}",
+        "conc", "path", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"
+    );
+    for conc in [1usize, 8] {
+        let mut direct = Samples::default();
+        let mut gateway = Samples::default();
+        for round in 0..rounds {
+            // Alternate which path goes first, so neither always follows the other.
+            for first in [round % 2 == 0, round % 2 != 0] {
+                let runs = (0..conc).map(|i| {
+                    let p = &prompts[(round + i) % prompts.len()];
+                    let (url, body) = if first {
+                        (&direct_url, direct_body(p))
+                    } else {
+                        (&gateway_url, gateway_body(p))
+                    };
+                    let client = client.clone();
+                    async move { timed(&client, url, &body, first).await }
+                });
+                let out = futures::future::join_all(runs).await;
+                let s = if first { &mut direct } else { &mut gateway };
+                for (t, itl) in out {
+                    s.ttft.push(t);
+                    s.itl.extend(itl);
+                }
+            }
+        }
+        let row = |name: &str, s: &mut Samples| {
+            let r = [
+                pct(&mut s.ttft, 0.5),
+                pct(&mut s.ttft, 0.99),
+                pct(&mut s.itl, 0.5),
+                pct(&mut s.itl, 0.99),
+            ];
+            println!(
+                "{conc:<6} {name:<8} {:>9.2} {:>9.2} {:>9.2} {:>9.2}",
+                r[0], r[1], r[2], r[3]
+            );
+            r
+        };
+        let d = row("direct", &mut direct);
+        let g = row("gateway", &mut gateway);
+        println!(
+            "{conc:<6} {:<8} {:>+9.2} {:>+9.2} {:>+9.2} {:>+9.2}",
+            "added",
+            g[0] - d[0],
+            g[1] - d[1],
+            g[2] - d[2],
+            g[3] - d[3]
+        );
+        assert!(d[0] > 0.0 && g[0] > 0.0);
+    }
+    tokio::time::sleep(Duration::from_millis(10)).await;
+}

@@ -1,0 +1,382 @@
+//! Workers that front a real external engine: llama.cpp's `llama-server`,
+//! built from the llama.cpp source in the PyPI package `llama-cpp-python`
+//! (`scripts/build_llama_server.sh`), serving the same SmolLM2 GGUF as our
+//! tokenizer reads.
+//!
+//! The build is heavy, so these run in `make test-engines` (which builds
+//! the server once, caches it outside `target/`, and passes its path in
+//! `DYNAMO_LLAMA_SERVER`), not in `make test`:
+//!
+//! ```text
+//! DYNAMO_LLAMA_SERVER=$(scripts/build_llama_server.sh) \
+//!   cargo test -p dynamo-integration --test external_engine -- --ignored
+//! ```
+
+use dynamo_integration::llama::{llama_server, server_args, Server};
+use dynamo_integration::*;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+/// A worker group attached to a running server.
+fn attached(port: u16) -> String {
+    format!(
+        "[[workers]]\ncount = 1\nengine = \"llamacpp\"\nmodel = \"{MODEL}\"\nheartbeat_ms = 500\n\n\
+         [workers.external]\nurl = \"http://127.0.0.1:{port}\"\nmax_inflight = 8\n\
+         health_interval_ms = 200\nhealth_failures = 2\n\n"
+    )
+}
+
+struct Deployment {
+    nats: Nats,
+    node: Node,
+    http: Http,
+    port: u16,
+    servers: Vec<Server>,
+}
+
+/// A gateway and two workers, each fronting its own llama.cpp server.
+async fn two_servers() -> Deployment {
+    let servers = vec![Server::start().await, Server::start().await];
+    let nats = Nats::start();
+    let port = free_port();
+    let extra: String = servers.iter().map(|s| attached(s.port)).collect();
+    let mut node = Node::start(&node_config("n", &nats.url, Some(port), 0, &extra));
+    let http = Http::new(port);
+    http.wait_ready(2, &mut node).await;
+    wait_serving(&nats.url, 2).await;
+    Deployment {
+        nats,
+        node,
+        http,
+        port,
+        servers,
+    }
+}
+
+/// Waits until `n` workers are registered as serving.
+async fn wait_serving(nats_url: &str, n: usize) {
+    let t0 = Instant::now();
+    loop {
+        let regs = registrations(nats_url).await;
+        let serving = regs
+            .iter()
+            .filter(|r| r.state == dynamo_bus_schema::WorkerState::Serving)
+            .count();
+        if serving >= n {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{serving} of {n} workers serving: {regs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    [
+        "Write a haiku about the sea.",
+        "What is the capital of France?",
+        "List three prime numbers.",
+        "Explain what a compiler does in one sentence.",
+    ]
+    .iter()
+    .map(|p| chat_tokens(p))
+    .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs llama-server: make test-engines"]
+async fn greedy_answers_through_the_gateway_equal_llamacpps_own() {
+    let d = two_servers().await;
+    let mut served_by = std::collections::HashSet::new();
+    for p in prompts() {
+        let want = d.servers[0].direct(&p, 32).await;
+        assert!(!want.is_empty());
+        let r = d
+            .http
+            .post(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": p, "max_tokens": 32, "temperature": 0.0}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.json);
+        assert_eq!(r.json["choices"][0]["text"].as_str(), Some(want.as_str()));
+        served_by.extend(r.worker);
+        // Streamed, the same text arrives in pieces.
+        let (status, events) = d
+            .http
+            .stream(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": p, "max_tokens": 32, "temperature": 0.0, "stream": true}),
+            )
+            .await;
+        assert_eq!(status, 200);
+        let text: String = events
+            .iter()
+            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+            .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
+            .collect();
+        assert_eq!(text, want);
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    }
+    // A chat request: our template, then the server's greedy tokens.
+    let msg = "Name a colour.";
+    let want = d.servers[1].direct(&chat_tokens(msg), 16).await;
+    let r = d
+        .http
+        .post(
+            "/v1/chat/completions",
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": msg}],
+                    "max_tokens": 16, "temperature": 0.0}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    assert_eq!(
+        r.json["choices"][0]["message"]["content"].as_str(),
+        Some(want.trim_end_matches("<|im_end|>"))
+    );
+    assert!(!served_by.is_empty());
+
+    // Status names the engine kind and says routing is approximate.
+    let out = dynamoctl(&d.nats.url, &["status", "--json"]);
+    assert_success(&out);
+    let v: Value = serde_json::from_slice(&out.stdout).expect("status JSON");
+    let workers = v["workers"].as_array().expect("workers");
+    assert_eq!(workers.len(), 2, "{v}");
+    for w in workers {
+        assert_eq!(w["engine"], "llamacpp", "{w}");
+        assert_eq!(w["routing"], "approximate", "{w}");
+        assert_eq!(w["kv_events"], false, "{w}");
+    }
+    let out = dynamoctl(&d.nats.url, &["status"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("llamacpp") && text.contains("approximate"),
+        "{text}"
+    );
+    drop(d.node);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs llama-server: make test-engines"]
+async fn a_client_that_goes_away_stops_the_engines_generation() {
+    let d = two_servers().await;
+    let body = json!({"model": MODEL, "prompt": prompts()[0], "max_tokens": 4000,
+                      "ignore_eos": true, "temperature": 0.0, "stream": true});
+    let mut r = d.http.open("/v1/completions", &body).await;
+    assert_eq!(r.status().as_u16(), 200);
+    let worker = r
+        .headers()
+        .get("x-dynamo-worker")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let mut got = 0;
+    while got < 5 {
+        let c = r.chunk().await.expect("chunk").expect("stream open");
+        got += String::from_utf8_lossy(&c).matches("\"text\"").count();
+    }
+    // Which server runs it: the one whose slot is busy.
+    let mut busy = None;
+    for (i, s) in d.servers.iter().enumerate() {
+        if s.metric("llamacpp:requests_processing").await >= 1.0 {
+            busy = Some(i);
+        }
+    }
+    let busy = busy.unwrap_or_else(|| panic!("no server is generating (worker {worker:?})"));
+    drop(r);
+    let s = &d.servers[busy];
+    let t0 = Instant::now();
+    while s.metric("llamacpp:requests_processing").await > 0.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the server still generates after the client left"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // And it does no more decoding.
+    let before = s.metric("llamacpp:n_decode_total").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(s.metric("llamacpp:n_decode_total").await, before);
+    assert!(
+        before < 4000.0,
+        "the request ran to the end ({before} decode steps)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs llama-server: make test-engines"]
+async fn killing_an_engine_migrates_its_requests_to_the_other() {
+    let mut d = two_servers().await;
+    let n = 6;
+    let max_tokens = 120;
+    let body = |i: usize| {
+        json!({"model": MODEL, "prompt": prompts()[i % 4], "max_tokens": max_tokens,
+               "ignore_eos": true, "temperature": 0.0, "stream": true})
+    };
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let http = Http::new(d.port);
+        let b = body(i);
+        tasks.push(tokio::spawn(async move {
+            http.stream("/v1/completions", &b).await
+        }));
+    }
+    // Strike once both servers are generating.
+    let t0 = Instant::now();
+    loop {
+        let mut busy = 0;
+        for s in &d.servers {
+            if s.metric("llamacpp:requests_processing").await >= 1.0 {
+                busy += 1;
+            }
+        }
+        if busy == 2 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "servers never both busy"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    unsafe {
+        libc::kill(d.servers[0].child.id() as i32, libc::SIGKILL);
+    }
+    for t in tasks {
+        let (status, events) = t.await.expect("stream task");
+        assert_eq!(status, 200);
+        let mut finish = None;
+        for e in &events {
+            let Ok(v) = serde_json::from_str::<Value>(e) else {
+                continue;
+            };
+            assert!(v["error"].is_null(), "a stream failed: {v}");
+            if let Some(f) = v["choices"][0]["finish_reason"].as_str() {
+                finish = Some(f.to_string());
+            }
+        }
+        assert_eq!(finish.as_deref(), Some("length"), "{events:?}");
+        assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    }
+    let text = d.http.metrics_text().await;
+    assert!(
+        text.lines()
+            .filter(|l| l.starts_with("dynamo_gateway_migrations_total"))
+            .any(|l| !l.ends_with(" 0")),
+        "no request migrated:\n{text}"
+    );
+    // The worker whose server died is restarted and waits for it (attach
+    // mode): it is not routable, and new requests all succeed.
+    for p in prompts() {
+        let r = d
+            .http
+            .post(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": p, "max_tokens": 8}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.json);
+    }
+    assert!(d.node.alive());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs llama-server: make test-engines"]
+async fn a_launched_engine_is_started_supervised_and_restarted() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut cmd: Vec<String> = vec![llama_server()];
+    cmd.extend(server_args(0));
+    // The node picks the port.
+    let i = cmd.iter().position(|a| a == "--port").expect("--port") + 1;
+    cmd[i] = "{port}".into();
+    cmd[2] = "{model_path}".into();
+    let command = cmd
+        .iter()
+        .map(|a| format!("{a:?}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let extra = format!(
+        "[[workers]]\ncount = 1\nengine = \"llamacpp\"\nmodel = \"{MODEL}\"\nheartbeat_ms = 500\n\n\
+         [workers.external]\nhealth_interval_ms = 200\nhealth_failures = 2\n\n\
+         [workers.external.launch]\ncommand = [{command}]\n\n\
+         [supervision]\nrestart_base_ms = 100\nrestart_max_ms = 1000\n"
+    );
+    let mut node = Node::start(&node_config("n", &nats.url, Some(port), 0, &extra));
+    let http = Http::new(port);
+    http.wait_ready(1, &mut node).await;
+    wait_serving(&nats.url, 1).await;
+    let ask = || async {
+        Http::new(port)
+            .post(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": prompts()[1], "max_tokens": 12, "temperature": 0.0}),
+            )
+            .await
+    };
+    let first = ask().await;
+    assert_eq!(first.status, 200, "{}", first.json);
+    // The server's output is in the node's log.
+    let pid_of = |log: &str| -> Vec<u32> {
+        log.lines()
+            .filter(|l| l.contains("engine process started"))
+            .filter_map(|l| l.split("pid=").nth(1))
+            .filter_map(|p| p.split_whitespace().next()?.parse().ok())
+            .collect()
+    };
+    let log = node.log_text();
+    let pids = pid_of(&log);
+    assert_eq!(pids.len(), 1, "{log}");
+    assert!(
+        log.contains("target=\"engine\"") || log.contains("engine:"),
+        "no engine output logged"
+    );
+    unsafe {
+        libc::kill(pids[0] as i32, libc::SIGKILL);
+    }
+    // A new process, a new generation, serving the same answer.
+    let t0 = Instant::now();
+    while pid_of(&node.log_text()).len() < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "engine never restarted:\n{}",
+            node.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    wait_serving(&nats.url, 1).await;
+    let t0 = Instant::now();
+    let again = loop {
+        let r = ask().await;
+        if r.status == 200 || t0.elapsed() > Duration::from_secs(30) {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(again.status, 200, "{}", again.json);
+    assert_eq!(
+        again.json["choices"][0]["text"],
+        first.json["choices"][0]["text"]
+    );
+    assert!(
+        node.log_text().contains("exited"),
+        "the exit was not logged"
+    );
+    // Stopping the node stops its engine.
+    let last = *pid_of(&node.log_text()).last().unwrap();
+    node.signal(libc::SIGTERM);
+    node.wait(Duration::from_secs(20));
+    let t0 = Instant::now();
+    while std::path::Path::new(&format!("/proc/{last}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{last}/stat"))
+            .unwrap_or_default()
+            .contains(") Z")
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the engine outlived its node"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

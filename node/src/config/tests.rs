@@ -1,0 +1,128 @@
+//! Config validation: every key checked, errors naming it.
+
+use super::*;
+
+fn parse(s: &str) -> Result<NodeConfig, ConfigError> {
+    NodeConfig::validate(toml::from_str(s).map_err(|e| ConfigError::Parse {
+        path: "t".into(),
+        message: e.to_string(),
+    })?)
+}
+
+#[test]
+fn example_configs_validate() {
+    for f in [
+        "../cluster-config/examples/single-node.toml",
+        "../cluster-config/examples/mocker.toml",
+        "../cluster-config/examples/bench.toml",
+        "../cluster-config/examples/llamacpp.toml",
+    ] {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join(f);
+        NodeConfig::load(&p).unwrap_or_else(|e| panic!("{f}: {e}"));
+    }
+}
+
+#[test]
+fn external_engines_are_checked() {
+    let base = "node_id = \"a\"\n[nats]\nurl = \"embedded\"\n[[workers]]\n";
+    let c = parse(&format!(
+        "{base}engine = \"vllm\"\n[workers.external]\nurl = \"http://10.0.0.5:8000\"\nserved_model = \"m\"\n[workers.external.kv_events]\nendpoint = \"tcp://10.0.0.5:5557\"\nreplay_endpoint = \"tcp://10.0.0.5:5558\"\n"
+    ))
+    .unwrap();
+    match &c.workers[0].engine {
+        EngineSpec::External { config, block_size } => {
+            assert_eq!(*block_size, 16);
+            assert_eq!(config.api, dynamo_external_engine::config::Api::OpenAi);
+            assert!(config.kv_events.is_some());
+        }
+        other => panic!("{other:?}"),
+    }
+    for (text, key) in [
+        (
+            "engine = \"llamacpp\"\n[workers.external]\n",
+            "workers[0].external.url",
+        ),
+        (
+            "engine = \"llamacpp\"\n[workers.external]\nurl = \"http://h:1\"\napi = \"vllm\"\n",
+            "workers[0].external.api",
+        ),
+        (
+            "engine = \"external\"\n[workers.external]\nurl = \"http://h:1\"\n",
+            "workers[0].external.api",
+        ),
+        (
+            "engine = \"llamacpp\"\nrole = \"prefill\"\n[workers.external]\nurl = \"http://h:1\"\n",
+            "workers[0].role",
+        ),
+        (
+            "engine = \"sglang\"\n[workers.external]\nurl = \"http://h:1\"\nmax_inflight = 0\n",
+            "workers[0].external.max_inflight",
+        ),
+        (
+            "engine = \"sglang\"\n[workers.external]\nurl = \"http://h:1\"\nbogus = 1\n",
+            "bogus",
+        ),
+    ] {
+        let e = parse(&format!("{base}{text}")).unwrap_err().to_string();
+        assert!(e.contains(key), "{text}: {e}");
+    }
+}
+
+#[test]
+fn errors_name_the_key() {
+    let base = "node_id = \"a\"\n[nats]\nurl = \"embedded\"\n";
+    let e = parse(&format!("{base}[gateway]\nlisten = \"nope\"\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("gateway.listen"), "{e}");
+    let e = parse(&format!("{base}[[workers]]\nengine = \"tgi\"\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("workers[0].engine"), "{e}");
+    let e = parse(&format!("{base}[[workers]]\nengine = \"vllm\"\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("workers[0].external"), "{e}");
+    let e = parse(&format!(
+        "{base}[[workers]]\nengine = \"mocker\"\n[workers.mocker]\nspeedup = -1.0\n"
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("workers[0].mocker"), "{e}");
+    let e = parse(&format!(
+        "{base}[[workers]]\nengine = \"cpu\"\n[workers.cpu]\nthreads = 0\n"
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("workers[0].cpu"), "{e}");
+    let e = parse(&format!(
+        "{base}[[workers]]\nengine = \"cpu\"\nblock_size = 0\n"
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("workers[0].block_size"), "{e}");
+    let e = parse(base).unwrap_err().to_string();
+    assert!(e.contains("gateway/workers"), "{e}");
+    let e = parse("node_id = \"a\"\nnamespace = \"a.b\"\n[nats]\nurl = \"embedded\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("namespace"), "{e}");
+    assert!(parse(&format!("{base}bogus = 1\n")).is_err());
+    let e = parse(&format!(
+        "{base}[[workers]]\nengine = \"cpu\"\nrole = \"decode\"\n[workers.transfer]\nfence_after = 0\n"
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("workers[0].transfer.fence_after"), "{e}");
+}
+
+#[test]
+fn the_retired_landing_region_size_still_loads() {
+    let c = parse(
+        "node_id = \"a\"\n[nats]\nurl = \"embedded\"\n[[workers]]\nengine = \"cpu\"\n\
+         role = \"decode\"\n[workers.transfer]\nlanding_blocks = 256\n",
+    )
+    .unwrap();
+    assert_eq!(c.workers[0].role, WorkerRole::Decode);
+    assert_eq!(c.workers[0].transfer, TransferConfig::default());
+}
