@@ -399,7 +399,7 @@ async fn bad_specs_are_refused_or_pending_with_the_reason() {
     );
     let bad_engine = c.write(
         "engine.yaml",
-        &spec(0.0).replace("engine: mocker, model", "engine: vllm, model"),
+        &spec(0.0).replace("engine: mocker, model", "engine: tgi, model"),
     );
     let out = c.ctl(&["apply", "-f", &bad_engine]);
     assert!(!out.status.success());

@@ -56,16 +56,40 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
 
+/// Pins the calling thread (and so what it spawns) to `cpus`.
+fn pin(cpus: std::ops::Range<usize>) {
+    // SAFETY: a zeroed cpu_set_t is empty; the call reads only `set`.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for c in cpus {
+            libc::CPU_SET(c, &mut set);
+        }
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
 #[derive(Default)]
 struct Samples {
     ttft: Vec<f64>,
     itl: Vec<f64>,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+// One thread: the client runs where it is pinned.
+#[tokio::test]
 #[ignore = "benchmark: make bench"]
 async fn external_overhead() {
+    // With EXTERNAL_BENCH_PIN=1 the server gets core 0 to itself, and NATS,
+    // the node and the client share the others: what our path costs when
+    // it does not take CPU from the engine (engines run on GPUs).
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pinned = std::env::var("EXTERNAL_BENCH_PIN").is_ok_and(|v| v == "1") && cores >= 2;
+    if pinned {
+        pin(0..1);
+    }
     let server = Server::start_with(8).await;
+    if pinned {
+        pin(1..cores);
+    }
     let nats = Nats::start();
     let port = free_port();
     let extra = format!(
@@ -101,7 +125,8 @@ async fn external_overhead() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(24);
-    println!("external engine overhead: llama-server (1 thread, 8 slots), {MAX_TOKENS} tokens per stream, {rounds} rounds per path and concurrency, paths interleaved");
+    println!("external engine overhead: llama-server (1 thread, 8 slots), {MAX_TOKENS} tokens per stream, {rounds} rounds per path and concurrency, paths interleaved{}",
+        if pinned { ", server pinned to core 0, the rest to the other cores" } else { "" });
     println!(
         "{:<6} {:<8} {:>9} {:>9} {:>9} {:>9}",
         "conc", "path", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"

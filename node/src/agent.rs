@@ -121,8 +121,9 @@ pub struct AgentState {
     revision: u64,
     /// The newest assignment the watch saw, not yet taken.
     latest: Latest,
-    /// The supervisor's live workers (id → generation) and frontend.
-    live: (HashMap<WorkerId, u64>, bool),
+    /// The supervisor's live workers (id → generation), frontend, and
+    /// workers whose engine is still loading.
+    live: crate::supervisor::Live,
     assignments: Option<async_nats::jetstream::kv::Store>,
     tasks: Tasks,
 }
@@ -220,7 +221,7 @@ impl Actor for NodeAgentActor {
             epoch: (0, Instant::now()),
             revision: 0,
             latest,
-            live: (HashMap::new(), false),
+            live: (HashMap::new(), false, Default::default()),
             assignments: None,
             tasks,
         })
@@ -440,10 +441,10 @@ impl AgentState {
             rec.free_memory_mib = self.join.memory_mib.saturating_sub(used_mem);
             rec.registration.http_addr = http;
             // Ready: its actors run now (a crashed one waiting for its
-            // restart is not).
+            // restart is not), and a worker's engine serves.
             let up = |r: &Running| match r.runs {
                 Runs::Frontend => self.live.1,
-                Runs::Worker(id) => self.live.0.contains_key(&id),
+                Runs::Worker(id) => self.live.0.contains_key(&id) && !self.live.2.contains(&id),
             };
             rec.replicas = self
                 .running

@@ -25,7 +25,7 @@ use dynamo_worker::{EngineFactory, WorkerActor, WorkerArgs, WorkerConfig, Worker
 use ractor::{
     Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent,
 };
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -82,6 +82,10 @@ pub struct GroupModel {
     pub weights: Option<Arc<dynamo_cpu_engine::Model>>,
 }
 
+/// What runs on a node: workers (id → generation), whether a frontend
+/// runs, and the workers whose engine is still loading.
+pub type Live = (HashMap<WorkerId, u64>, bool, HashSet<WorkerId>);
+
 pub enum SupervisorMsg {
     Start(ChildKind),
     InjectFault(FaultInjection, RpcReplyPort<FaultAck>),
@@ -116,8 +120,9 @@ pub enum SupervisorMsg {
         router: Box<RouterConfig>,
         reply: RpcReplyPort<Result<(), String>>,
     },
-    /// The workers running now (id → generation) and whether a frontend runs.
-    Live(RpcReplyPort<(HashMap<WorkerId, u64>, bool)>),
+    /// The workers running now (id → generation), whether a frontend
+    /// runs, and the running workers whose engine is still loading.
+    Live(RpcReplyPort<Live>),
     /// A worker whose (simulated) cold start is over: spawn it, unless it
     /// was removed or started again since (`token` tells).
     SpawnLater {
@@ -348,7 +353,22 @@ impl Actor for NodeSupervisor {
                     .keys()
                     .map(|w| (*w, st.generations.get(w).copied().unwrap_or(0)))
                     .collect();
-                let _ = reply.send((live, st.gateway.is_some()));
+                // An external engine's server may load for minutes: its
+                // worker runs, but is not ready until the engine is.
+                let asks = st.workers.iter().map(|(id, w)| async move {
+                    let ready = matches!(
+                        w.call(WorkerMsg::EngineReadyNow, Some(Duration::from_millis(500)))
+                            .await,
+                        Ok(ractor::rpc::CallResult::Success(true))
+                    );
+                    (!ready).then_some(*id)
+                });
+                let loading = futures::future::join_all(asks)
+                    .await
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                let _ = reply.send((live, st.gateway.is_some(), loading));
             }
             SupervisorMsg::Remove { worker, grace, key } => {
                 let done = move || {
@@ -639,12 +659,17 @@ impl SupervisorState {
                     }
                     (EngineSpec::External { config, .. }, _) => {
                         let cfg = (**config).clone();
+                        let tok = dynamo_model::Tokenizer::from_json(&model.loaded.tokenizer_json)
+                            .map_err(|e| format!("tokenizer: {e}"))?;
+                        let retokenize: dynamo_external_engine::engine::Retokenize =
+                            Arc::new(move |text: &str| tok.encode(text).ok());
                         let info = ExternalModel {
                             name: model.loaded.card.name.0.clone(),
                             vocab_size: model.loaded.card.vocab_size,
                             block_size: model.loaded.card.block_size as usize,
                             model_path: Some(model.loaded.path.clone()),
                             worker: worker_id.to_string(),
+                            retokenize: Some(retokenize),
                         };
                         Arc::new(move || {
                             ExternalEngine::start(cfg.clone(), info.clone())

@@ -83,6 +83,8 @@ pub enum WorkerMsg {
     EngineDied,
     /// An engine that was loading serves now (`Ok`), or never will.
     EngineReady(Result<(), String>),
+    /// Whether the engine serves yet.
+    EngineReadyNow(RpcReplyPort<bool>),
     /// A background task ended on its own (its input is gone).
     TaskEnded(String),
     /// Stop taking new requests; replies with the number still in flight.
@@ -346,6 +348,9 @@ impl Actor for WorkerActor {
                     rt.registration.set_state(WorkerState::Serving);
                 }
                 tracing::info!(worker = %rt.cfg.worker_id, "worker serving: its engine is ready");
+            }
+            WorkerMsg::EngineReadyNow(reply) => {
+                let _ = reply.send(rt.engine_ready);
             }
             WorkerMsg::EngineReady(Err(why)) => {
                 return Err(format!(

@@ -197,24 +197,34 @@ fn path(field: &'static str, p: &str) -> Result<String, ConfigError> {
     Ok(p.to_string())
 }
 
-/// Checks placeholders: only known ones, and only where they can be filled.
+/// Checks placeholders: only known ones, and only where they can be
+/// filled. A placeholder is `{name}` with a lowercase name; other braces
+/// (the JSON of `--kv-events-config`) are left alone.
 fn check_placeholders(field: &'static str, s: &str, launched: bool) -> Result<(), ConfigError> {
     let mut rest = s;
     while let Some(i) = rest.find('{') {
-        let tail = &rest[i..];
-        let Some(p) = PLACEHOLDERS.iter().find(|p| tail.starts_with(**p)) else {
+        let tail = &rest[i + 1..];
+        let name_len = tail
+            .find(|c: char| !(c.is_ascii_lowercase() || c == '_'))
+            .unwrap_or(tail.len());
+        if name_len == 0 || !tail[name_len..].starts_with('}') {
+            rest = tail;
+            continue;
+        }
+        let p = &rest[i..i + name_len + 2];
+        if !PLACEHOLDERS.contains(&p) {
             return Err(invalid(
                 field,
                 format!(
-                    "unknown placeholder in {s:?} (known: {})",
+                    "unknown placeholder {p} in {s:?} (known: {})",
                     PLACEHOLDERS.join(", ")
                 ),
             ));
-        };
+        }
         if !launched {
             return Err(invalid(field, format!("{p} is filled only with `launch`")));
         }
-        rest = &tail[p.len()..];
+        rest = &tail[name_len + 1..];
     }
     Ok(())
 }
@@ -459,6 +469,14 @@ mod tests {
         let mut bad = r.clone();
         bad.launch.as_mut().unwrap().command.push("{gpu}".into());
         assert!(bad.validate().is_err());
+        // JSON braces are not placeholders.
+        let mut json = r.clone();
+        json.launch
+            .as_mut()
+            .unwrap()
+            .command
+            .push(r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:{kv_port}"}"#.into());
+        assert!(json.validate().is_ok());
         let mut bad = r.clone();
         bad.launch.as_mut().unwrap().command = vec![];
         assert!(bad.validate().is_err());

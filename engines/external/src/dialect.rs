@@ -31,6 +31,11 @@ pub struct Chunk {
     pub cached_tokens: Option<u32>,
     /// The stream's end marker (`[DONE]`).
     pub done: bool,
+    /// Tokens the engine says it generated so far (llama.cpp's
+    /// `tokens_predicted`), to catch ids it did not stream.
+    pub generated: Option<usize>,
+    /// The text the chunk carries (llama.cpp's `content`).
+    pub text: Option<String>,
 }
 
 #[derive(Clone, Debug, Error, PartialEq)]
@@ -239,6 +244,15 @@ impl Decoder {
             finish,
             cached_tokens: cached(v.pointer("/timings/cache_n")),
             done: false,
+            // The final chunk counts the end-of-sequence token it may not send.
+            text: v.get("content").and_then(Value::as_str).map(str::to_string),
+            generated: if stop {
+                None
+            } else {
+                v.get("tokens_predicted")
+                    .and_then(Value::as_u64)
+                    .map(|n| n as usize)
+            },
         })
     }
 
@@ -263,6 +277,8 @@ impl Decoder {
             finish,
             cached_tokens,
             done: false,
+            generated: None,
+            text: None,
         })
     }
 
@@ -294,6 +310,8 @@ impl Decoder {
             finish,
             cached_tokens: cached(meta.and_then(|m| m.get("cached_tokens"))),
             done: false,
+            generated: None,
+            text: None,
         })
     }
 }

@@ -54,8 +54,11 @@ const SNAPSHOT_QUEUE: usize = 16;
 /// be reused.
 const DRAIN: Duration = Duration::from_millis(200);
 
+/// Our tokenizer, for text an engine streamed without all its token ids.
+pub type Retokenize = Arc<dyn Fn(&str) -> Option<Vec<u32>> + Send + Sync>;
+
 /// What the engine needs to know of the worker's model.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ExternalModel {
     /// Our model's name: sent as `model` unless `served_model` says
     /// otherwise, and the salt of KV block hashes.
@@ -67,6 +70,10 @@ pub struct ExternalModel {
     pub model_path: Option<PathBuf>,
     /// The worker this engine serves (for logs).
     pub worker: String,
+    /// Our tokenizer: where llama.cpp streams no ids for tokens that split
+    /// a UTF-8 character, the chunk's text is encoded again (the same text;
+    /// its ids may differ from the engine's). None: such a request fails.
+    pub retokenize: Option<Retokenize>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -189,6 +196,8 @@ impl Driver {
         let mut logs: JoinSet<()> = JoinSet::new();
         let mut requests: JoinSet<RequestId> = JoinSet::new();
         let mut running: HashMap<RequestId, CancellationToken> = HashMap::new();
+        // Which request each task serves (a panicked task names only its id).
+        let mut task_of: HashMap<tokio::task::Id, RequestId> = HashMap::new();
         if let Some(l) = &self.cfg.launch {
             match launch::launch(l, &self.fill, &self.model.worker, &mut logs) {
                 Ok(p) => {
@@ -197,12 +206,17 @@ impl Driver {
                 Err(e) => return self.fail(e.to_string()),
             }
         }
+        // Without a feed, nothing to wait for; with one, the engine is ready
+        // only once its publisher is connected (else the router would index
+        // nothing, quietly).
+        let (feed_tx, feed_up) = watch::channel(self.kv.is_none());
         aux.spawn(health(
             self.client.clone(),
             self.base.clone(),
             self.cfg.clone(),
             self.state.clone(),
             self.load.clone(),
+            feed_up,
         ));
         let mut snapshots = None;
         if let Some((zcfg, sink)) = self.kv.take() {
@@ -215,6 +229,7 @@ impl Driver {
                 self.cfg.health_interval,
                 sink,
                 srx,
+                feed_tx,
             ));
         }
         tracing::info!(worker = %self.model.worker, url = %self.base, api = ?self.cfg.api, "external engine starting");
@@ -240,12 +255,13 @@ impl Driver {
                                 vocab: self.model.vocab_size,
                                 response_timeout: self.cfg.response_timeout,
                                 idle_timeout: self.cfg.idle_timeout,
+                                retokenize: self.model.retokenize.clone(),
                             };
-                            requests.spawn(async move {
-                                call.serve(req, tx, cancel).await;
-                                drop(slot);
+                            let h = requests.spawn(async move {
+                                call.serve(req, tx, cancel, slot).await;
                                 id
                             });
+                            task_of.insert(h.id(), id);
                         }
                         Cmd::Cancel(id) => {
                             if let Some(c) = running.get(&id) {
@@ -265,13 +281,16 @@ impl Driver {
                         Cmd::Panic => panic!("fault injected: the external engine's driver panics"),
                     }
                 }
-                Some(done) = requests.join_next(), if !requests.is_empty() => {
-                    match done {
-                        Ok(id) => { running.remove(&id); }
+                Some(done) = requests.join_next_with_id(), if !requests.is_empty() => {
+                    let task = match done {
+                        Ok((task, _)) => task,
                         Err(e) => {
                             tracing::error!(worker = %self.model.worker, error = %e, "a request task failed");
-                            running.retain(|_, c| !c.is_cancelled());
+                            e.id()
                         }
+                    };
+                    if let Some(id) = task_of.remove(&task) {
+                        running.remove(&id);
                     }
                 }
                 Some(end) = aux.join_next() => {
@@ -296,7 +315,7 @@ fn empty_snapshot() -> KvSnapshot {
 }
 
 async fn watch_process(mut p: Launched) -> Aux {
-    let status = p.child.wait().await;
+    let status = p.wait().await;
     let tail = p.tail.lines();
     let status = match status {
         Ok(s) => s.to_string(),
@@ -319,6 +338,7 @@ async fn health(
     cfg: Arc<ExternalConfig>,
     state: watch::Sender<State>,
     load: Arc<Mutex<EngineLoad>>,
+    feed_up: watch::Receiver<bool>,
 ) -> Aux {
     let started = Instant::now();
     let mut fails = 0u32;
@@ -338,6 +358,12 @@ async fn health(
             Err(e) => Err(format!("health check failed: {e}")),
         };
         let ready = *state.borrow() == State::Ready;
+        let ok = match ok {
+            Ok(()) if !ready && !*feed_up.borrow() => {
+                Err("its KV event publisher is not connected yet".to_string())
+            }
+            ok => ok,
+        };
         match ok {
             Ok(()) => {
                 fails = 0;
@@ -392,13 +418,20 @@ async fn feed(
     retry: Duration,
     mut sink: KvEventSink,
     mut snapshots: mpsc::Receiver<oneshot::Sender<KvSnapshot>>,
+    up: watch::Sender<bool>,
 ) -> Aux {
+    let started = Instant::now();
+    let mut warned = Duration::ZERO;
     let (mut feed, mut events) = loop {
         tokio::select! {
             r = KvFeed::start(cfg.clone(), &model, block_size) => match r {
                 Ok(f) => break f,
                 Err(e) => {
-                    tracing::debug!(endpoint = %cfg.endpoint, error = %e, "KV event publisher not reachable yet");
+                    // Loud every 30 s: the worker stays `Starting` meanwhile.
+                    if started.elapsed() >= warned + Duration::from_secs(30) {
+                        warned = started.elapsed();
+                        tracing::warn!(endpoint = %cfg.endpoint, error = %e, secs = warned.as_secs(), "KV event publisher not reachable");
+                    }
                     tokio::time::sleep(retry).await;
                 }
             },
@@ -408,6 +441,7 @@ async fn feed(
         }
     };
     tracing::info!(endpoint = %cfg.endpoint, "KV event feed connected");
+    up.send_replace(true);
     loop {
         tokio::select! {
             e = events.recv() => match e {
@@ -423,6 +457,9 @@ async fn feed(
     Aux::FeedEnded
 }
 
+/// A response body being read.
+type Body = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
+
 /// What one request needs to call the server.
 struct Call {
     client: reqwest::Client,
@@ -432,6 +469,7 @@ struct Call {
     vocab: u32,
     response_timeout: Duration,
     idle_timeout: Duration,
+    retokenize: Option<Retokenize>,
 }
 
 async fn error_body(r: reqwest::Response) -> String {
@@ -462,23 +500,37 @@ impl Call {
         req: ValidRequest,
         tx: mpsc::UnboundedSender<EngineEvent>,
         cancel: CancellationToken,
+        slot: Slot,
     ) {
         let out = tokio::select! {
             r = self.stream(&req, &tx) => r,
-            _ = cancel.cancelled() => Ok(FinishReason::Cancelled),
+            _ = cancel.cancelled() => Ok((FinishReason::Cancelled, None)),
         };
-        let _ = tx.send(match out {
-            Ok(reason) => EngineEvent::Finished { reason },
-            Err(e) => EngineEvent::Failed(e),
-        });
+        match out {
+            Ok((reason, rest)) => {
+                let _ = tx.send(EngineEvent::Finished { reason });
+                drop(slot);
+                // Then read the rest briefly, so the connection can be reused.
+                if let Some(mut body) = rest {
+                    let _ = tokio::time::timeout(DRAIN, async {
+                        while let Some(Ok(_)) = body.next().await {}
+                    })
+                    .await;
+                }
+            }
+            Err(e) => {
+                let _ = tx.send(EngineEvent::Failed(e));
+            }
+        }
     }
 
-    /// Runs the request, sending its tokens; answers how it finished.
+    /// Runs the request, sending its tokens; answers how it finished, and
+    /// the rest of the body when it finished before the body ended.
     async fn stream(
         &self,
         req: &ValidRequest,
         tx: &mpsc::UnboundedSender<EngineEvent>,
-    ) -> Result<FinishReason, EngineError> {
+    ) -> Result<(FinishReason, Option<Body>), EngineError> {
         let (path, body) = dialect::request(self.api, &self.model, req);
         let url = format!("{}{path}", self.base);
         let send = self.client.post(&url).json(&body).send();
@@ -498,6 +550,11 @@ impl Call {
             let msg = format!("{status}: {msg}");
             return Err(match status.as_u16() {
                 429 | 503 => EngineError::Overloaded(msg),
+                // A wrong path or model name: this worker's setup, not the
+                // request (another worker may be set up right).
+                404 => EngineError::Failed(format!(
+                    "{url} answered {msg} (are `api` and `served_model` right?)"
+                )),
                 400..=499 => EngineError::Rejected(msg),
                 _ => EngineError::Failed(msg),
             });
@@ -506,9 +563,11 @@ impl Call {
         let s = req.sampling();
         let max = s.max_tokens as usize;
         let mut sent = 0usize;
+        // Tokens the engine counted so far (it may count more than it sent).
+        let mut counted = 0usize;
         let mut decoder = Decoder::new(self.api, self.vocab);
         let mut sse = SseDecoder::default();
-        let mut body = resp.bytes_stream();
+        let mut body: Body = Box::pin(resp.bytes_stream());
         let mut finish: Option<FinishReason> = None;
         'read: loop {
             let next = match tokio::time::timeout(self.idle_timeout, body.next()).await {
@@ -550,20 +609,46 @@ impl Call {
                     Err(e) => return Err(EngineError::Failed(e.to_string())),
                 };
                 let mut toks = c.tokens;
-                let mut stop = None;
+                if let Some(n) = c.generated {
+                    if n > counted + toks.len() {
+                        // llama.cpp streams no id for a token that ends
+                        // inside a UTF-8 character; the chunk's text holds
+                        // it and the token that completed the character.
+                        let again = match (&self.retokenize, &c.text) {
+                            (Some(re), Some(text)) => re(text).filter(|ids| {
+                                !ids.is_empty() && ids.iter().all(|&t| t < self.vocab)
+                            }),
+                            _ => None,
+                        };
+                        match again {
+                            Some(ids) => toks = ids,
+                            None => {
+                                return Err(EngineError::Internal(format!(
+                                    "the engine generated {n} tokens but streamed the ids of {} (llama.cpp sends none for a token that splits a UTF-8 character)",
+                                    counted + toks.len()
+                                )))
+                            }
+                        }
+                    }
+                    counted = n;
+                }
+                let mut stop_token = None;
                 if let Some(i) = toks.iter().position(|t| s.stop_token_ids.contains(t)) {
                     toks.truncate(i + 1);
-                    stop = Some(FinishReason::Stop);
+                    stop_token = Some(FinishReason::Stop);
                 }
-                if sent + toks.len() >= max {
-                    toks.truncate(max - sent);
-                    stop = stop.or(Some(FinishReason::Length));
-                }
+                let full = sent + toks.len() >= max;
+                toks.truncate(max - sent);
                 if !toks.is_empty() {
                     sent += toks.len();
                     let _ = tx.send(EngineEvent::Tokens(toks));
                 }
-                if let Some(r) = stop.or(c.finish) {
+                // A stop token, else the engine's own reason (it may come on
+                // the chunk of the last allowed token), else the limit.
+                let end = stop_token
+                    .or(c.finish)
+                    .or(full.then_some(FinishReason::Length));
+                if let Some(r) = end {
                     finish = Some(r);
                     break 'read;
                 }
@@ -573,14 +658,7 @@ impl Call {
             }
         }
         match finish {
-            Some(r) => {
-                // Read the rest briefly, so the connection can be reused.
-                let _ = tokio::time::timeout(DRAIN, async {
-                    while let Some(Ok(_)) = body.next().await {}
-                })
-                .await;
-                Ok(r)
-            }
+            Some(r) => Ok((r, Some(body))),
             None => Err(EngineError::Failed(
                 "the engine's stream ended before the request finished".into(),
             )),

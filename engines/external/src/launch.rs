@@ -2,10 +2,13 @@
 //! filled with free ports and the model file, its output in our logs, its
 //! exit reported to the engine's driver.
 //!
-//! Invariants: the process is killed when its [`Launched`] is dropped (the
-//! engine handle, hence the worker, went away), and when the node process
-//! dies (`PR_SET_PDEATHSIG`); its last [`TAIL_LINES`] lines of output are
-//! kept, so an exit during start-up says why.
+//! Invariants: the process leads a process group of its own, and the whole
+//! group (the processes an engine like vLLM starts, or a wrapper's child)
+//! is killed when its [`Launched`] is dropped (the engine handle, hence the
+//! worker, went away) and after the process exits. When the node process
+//! dies, the process itself gets `SIGKILL` (`PR_SET_PDEATHSIG`); what it
+//! started is then its own to stop. Its last [`TAIL_LINES`] lines of
+//! output are kept, so an exit during start-up says why.
 
 use crate::config::{ExternalConfig, Launch};
 use std::collections::VecDeque;
@@ -130,6 +133,30 @@ impl Tail {
 pub struct Launched {
     pub child: Child,
     pub tail: Tail,
+    /// Its process group (its own pid).
+    pgid: Option<i32>,
+}
+
+impl Launched {
+    /// Waits for the process to exit, then kills what is left of its group.
+    pub async fn wait(&mut self) -> std::io::Result<std::process::ExitStatus> {
+        let st = self.child.wait().await;
+        self.kill_group();
+        st
+    }
+
+    fn kill_group(&mut self) {
+        if let Some(g) = self.pgid.take() {
+            // SAFETY: signals a process group we created; ESRCH (gone) is fine.
+            unsafe { libc::killpg(g, libc::SIGKILL) };
+        }
+    }
+}
+
+impl Drop for Launched {
+    fn drop(&mut self) {
+        self.kill_group();
+    }
 }
 
 async fn pump(
@@ -166,7 +193,8 @@ pub fn launch(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .kill_on_drop(true);
+        .kill_on_drop(true)
+        .process_group(0);
     #[cfg(target_os = "linux")]
     // SAFETY: prctl is async-signal-safe and touches only the child's own
     // state, between fork and exec.
@@ -190,7 +218,8 @@ pub fn launch(
     if let Some(e) = child.stderr.take() {
         tasks.spawn(pump(e, worker.to_string(), "stderr", tail.clone()));
     }
-    Ok(Launched { child, tail })
+    let pgid = child.id().map(|p| p as i32);
+    Ok(Launched { child, tail, pgid })
 }
 
 #[cfg(test)]
@@ -239,12 +268,41 @@ mod tests {
         };
         let mut tasks = JoinSet::new();
         let mut p = launch(&l, &Fill::default(), "w", &mut tasks).unwrap();
-        let st = p.child.wait().await.unwrap();
+        let st = p.wait().await.unwrap();
         assert_eq!(st.code(), Some(3));
         while tasks.join_next().await.is_some() {}
         let mut lines = p.tail.lines();
         lines.sort();
         assert_eq!(lines, ["one", "two"]);
+        // Dropped, the whole group goes: a grandchild included.
+        let l = Launch {
+            command: vec!["sh".into(), "-c".into(), "sleep 30 & echo $!; wait".into()],
+            env: Default::default(),
+        };
+        let p = launch(&l, &Fill::default(), "w", &mut tasks).unwrap();
+        let t0 = std::time::Instant::now();
+        let grandchild: i32 = loop {
+            if let Some(pid) = p.tail.lines().first().and_then(|l| l.trim().parse().ok()) {
+                break pid;
+            }
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(5),
+                "no pid printed"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        };
+        drop(p);
+        let gone = |pid: i32| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .map_or(true, |s| s.contains(") Z "))
+        };
+        while !gone(grandchild) {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(5),
+                "the grandchild survived"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
         let bad = Launch {
             command: vec!["/nonexistent/engine".into()],
             env: Default::default(),

@@ -66,6 +66,11 @@ impl SseDecoder {
             match field {
                 "data" => self.data.push(value.to_string()),
                 "event" => self.event = value.to_string(),
+                // Older llama.cpp servers stream an error as its own field.
+                "error" => {
+                    self.event = "error".into();
+                    self.data.push(value.to_string());
+                }
                 _ => {} // id, retry: not used
             }
         }
@@ -102,7 +107,7 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const STREAM: &str = "data: {\"a\":1}\n\n: keep-alive\n\nevent: error\ndata: {\"b\":\"é\"}\r\n\r\ndata: x\ndata: y\n\ndata: [DONE]\n\n";
+    const STREAM: &str = "data: {\"a\":1}\n\n: keep-alive\n\nevent: error\ndata: {\"b\":\"é\"}\r\n\r\ndata: x\ndata: y\n\nerror: {\"c\":2}\n\ndata: [DONE]\n\n";
 
     fn all(chunks: &[&[u8]]) -> Vec<SseEvent> {
         let mut d = SseDecoder::default();
@@ -118,8 +123,12 @@ mod tests {
     fn events_and_their_names() {
         let evs = all(&[STREAM.as_bytes()]);
         let data: Vec<&str> = evs.iter().map(|e| e.data.as_str()).collect();
-        assert_eq!(data, ["{\"a\":1}", "{\"b\":\"é\"}", "x\ny", "[DONE]"]);
+        assert_eq!(
+            data,
+            ["{\"a\":1}", "{\"b\":\"é\"}", "x\ny", "{\"c\":2}", "[DONE]"]
+        );
         assert_eq!(evs[1].event, "error");
+        assert_eq!(evs[3].event, "error");
         assert_eq!(evs[0].event, "");
     }
 

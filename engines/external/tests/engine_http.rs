@@ -7,7 +7,7 @@
 //!
 //! Scripts by the prompt's first token: 1 finishes normally, 2 is refused
 //! (400), 3 is shed (503), 4 breaks off after two tokens, 5 streams without
-//! end, 6 streams a stop token id mid-chunk.
+//! end, 6 streams a stop token id mid-chunk, 7 skips a token's id.
 
 use axum::body::Body;
 use axum::extract::State;
@@ -72,6 +72,11 @@ async fn completion(State(s): State<Arc<Script>>, Json(b): Json<Value>) -> Respo
             .collect(),
         4 => vec![chunk(&[10], None), chunk(&[11], None)],
         6 => vec![chunk(&[10, 99, 12], None), chunk(&[13], None)],
+        // llama.cpp's own counter says a token went by without its id.
+        7 => vec![
+            "data: {\"content\":\"a\",\"tokens\":[10],\"stop\":false,\"tokens_predicted\":1}\n\n".into(),
+            "data: {\"content\":\"\u{e9}\",\"tokens\":[12],\"stop\":false,\"tokens_predicted\":3}\n\n".into(),
+        ],
         _ => Vec::new(), // 5: endless
     };
     s.open.fetch_add(1, Ordering::SeqCst);
@@ -110,6 +115,13 @@ async fn server() -> (u16, Arc<Script>) {
 }
 
 fn engine(port: u16) -> ExternalEngine {
+    engine_with(port, None)
+}
+
+fn engine_with(
+    port: u16,
+    retokenize: Option<dynamo_external_engine::engine::Retokenize>,
+) -> ExternalEngine {
     let cfg = RawExternal {
         url: Some(format!("http://127.0.0.1:{port}")),
         api: Some("llamacpp".into()),
@@ -130,6 +142,7 @@ fn engine(port: u16) -> ExternalEngine {
             block_size: 16,
             model_path: None,
             worker: "w".into(),
+            retokenize,
         },
     )
     .unwrap()
@@ -226,6 +239,23 @@ async fn answers_map_onto_our_error_kinds() {
     let (toks, end) = events(&e, req(4, 4, 10, vec![])).await;
     assert_eq!(toks, vec![10, 11]);
     assert_eq!(kind(end), ErrorKind::EngineFailed);
+    // Token ids missing from the stream: an error, never wrong output.
+    let (toks, end) = events(&e, req(5, 7, 10, vec![])).await;
+    assert_eq!(toks, vec![10]);
+    assert_eq!(kind(end), ErrorKind::Internal);
+    // With our tokenizer, the chunk's text is encoded again instead.
+    let e = engine_with(
+        port,
+        Some(Arc::new(|t: &str| (t == "é").then(|| vec![500, 501]))),
+    );
+    ready(&e).await;
+    let (toks, end) = events(&e, req(6, 7, 10, vec![])).await;
+    assert_eq!(toks, vec![10, 500, 501]);
+    assert_eq!(
+        kind(end),
+        ErrorKind::EngineFailed,
+        "then the stream breaks off"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -256,8 +286,10 @@ async fn limits_stops_and_cancellation_close_the_stream() {
     let mut rx = e.generate(req(7, 5, 10_000, vec![])).unwrap();
     let mut got = 0;
     while got < 3 {
-        if let Some(EngineEvent::Tokens(t)) = rx.recv().await {
-            got += t.len();
+        match rx.recv().await {
+            Some(EngineEvent::Tokens(t)) => got += t.len(),
+            Some(EngineEvent::Started { .. }) => {}
+            other => panic!("the stream ended early: {other:?}"),
         }
     }
     e.cancel(RequestId(7));
