@@ -84,7 +84,7 @@ bench: build
 	$(CARGO) run --release -q -p dynamo-cluster-config --example placement_bench
 	$(CARGO) test --release -q -p dynamo-integration --test cluster -- --ignored --nocapture cluster_timings
 	$(CARGO) test --release -q -p dynamo-integration --test planner_bench -- --ignored --nocapture planner_bench
-	DYNAMO_LLAMA_SERVER=$$(./scripts/build_llama_server.sh) $(CARGO) test --release -q -p dynamo-integration --test external_bench -- --ignored --nocapture external_overhead
+	EXTERNAL_BENCH_PIN=1 DYNAMO_LLAMA_SERVER=$$(./scripts/build_llama_server.sh) $(CARGO) test --release -q -p dynamo-integration --test external_bench -- --ignored --nocapture external_overhead
 
 clean:
 	$(CARGO) clean
