@@ -114,13 +114,16 @@ async fn server() -> (u16, Arc<Script>) {
     (port, s)
 }
 
+mod common;
+
 fn engine(port: u16) -> ExternalEngine {
-    engine_with(port, None)
+    engine_with(port, None, None)
 }
 
 fn engine_with(
     port: u16,
     retokenize: Option<dynamo_external_engine::engine::Retokenize>,
+    kv: Option<dynamo_external_engine::config::RawKvEvents>,
 ) -> ExternalEngine {
     let cfg = RawExternal {
         url: Some(format!("http://127.0.0.1:{port}")),
@@ -130,6 +133,7 @@ fn engine_with(
         health_failures: Some(2),
         metrics_path: Some(String::new()),
         idle_timeout_ms: Some(2000),
+        kv_events: kv,
         ..Default::default()
     }
     .validate()
@@ -247,6 +251,7 @@ async fn answers_map_onto_our_error_kinds() {
     let e = engine_with(
         port,
         Some(Arc::new(|t: &str| (t == "é").then(|| vec![500, 501]))),
+        None,
     );
     ready(&e).await;
     let (toks, end) = events(&e, req(6, 7, 10, vec![])).await;
@@ -336,4 +341,52 @@ async fn a_server_that_goes_away_ends_the_engine() {
         e.generate(req(1, 1, 10, vec![])),
         Err(EngineError::Stopped)
     ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_kv_events_it_is_ready_once_its_publisher_is_connected() {
+    let (port, s) = server().await;
+    s.healthy.store(true, Ordering::SeqCst);
+    // Healthy, but nothing publishes where it is told to listen.
+    let nobody = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let kv = |pub_port: u16, replay: Option<u16>| dynamo_external_engine::config::RawKvEvents {
+        endpoint: format!("tcp://127.0.0.1:{pub_port}"),
+        replay_endpoint: replay.map(|p| format!("tcp://127.0.0.1:{p}")),
+        topic: Some("kv".into()),
+        ..Default::default()
+    };
+    let lonely = engine_with(port, None, Some(kv(nobody, None)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        matches!(lonely.ready(), Readiness::Later(_)),
+        "ready without its KV event publisher"
+    );
+    drop(lonely);
+    // The real libzmq publisher: ready, and its events come out translated.
+    let (mut child, pub_port, replay_port) = common::publisher();
+    let e = engine_with(port, None, Some(kv(pub_port, Some(replay_port))));
+    let mut events = e
+        .take_kv_events()
+        .expect("an engine with kv_events emits them");
+    ready(&e).await;
+    let first = tokio::time::timeout(Duration::from_secs(30), events.recv())
+        .await
+        .expect("an event within 30 s")
+        .expect("the feed runs");
+    assert_eq!(first.event_id, 1);
+    assert!(
+        matches!(first.data, dynamo_engine::KvCacheEventData::Stored { .. }),
+        "{first:?}"
+    );
+    let snap = tokio::time::timeout(Duration::from_secs(5), e.kv_snapshot().unwrap())
+        .await
+        .expect("a snapshot in time")
+        .expect("answered");
+    assert!(snap.last_event_id >= 1);
+    drop(child.stdin.take());
+    let _ = child.wait();
 }
