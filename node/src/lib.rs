@@ -21,6 +21,7 @@ pub mod configure;
 pub mod daemon;
 pub mod drain;
 pub mod embedded_nats;
+pub mod engines;
 pub mod env;
 pub mod planner_cli;
 pub mod replay;

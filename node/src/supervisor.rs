@@ -13,15 +13,11 @@ use dynamo_bus_schema::{
     decode_payload, peek_kind, unix_ms, ActorFault, ErrorKind, ErrorReply, FaultAck,
     FaultInjection, WireError, WireMessage, WorkerId,
 };
-use dynamo_cpu_engine::{CpuEngine, CpuModelInfo};
-use dynamo_engine::Engine;
-use dynamo_external_engine::engine::{ExternalEngine, ExternalModel};
 use dynamo_gateway::{GatewayActor, GatewayArgs, GatewayConfig, GatewayMsg};
-use dynamo_mocker::{MockerEngine, MockerModel};
 use dynamo_model::LoadedModel;
 use dynamo_router::{RouterActor, RouterArgs, RouterConfig, ROUTER_ACTOR_NAME};
 use dynamo_runtime::{Backoff, Bus};
-use dynamo_worker::{EngineFactory, WorkerActor, WorkerArgs, WorkerConfig, WorkerMsg};
+use dynamo_worker::{WorkerActor, WorkerArgs, WorkerConfig, WorkerMsg};
 use ractor::{
     Actor, ActorCell, ActorId, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent,
 };
@@ -627,57 +623,7 @@ impl SupervisorState {
                 let prev = self.generations.get(worker_id).copied().unwrap_or(0);
                 let generation = unix_ms().max(prev + 1);
                 self.generations.insert(*worker_id, generation);
-                let engine: EngineFactory = match (&grp.engine, &model.weights) {
-                    (EngineSpec::Mocker(cfg), _) => {
-                        let cfg = cfg.clone();
-                        let mocker_model = MockerModel {
-                            vocab_size: model.loaded.card.vocab_size,
-                            eos_token_ids: model.loaded.card.eos_token_ids.clone(),
-                            hash_salt: model.loaded.card.hash_salt,
-                        };
-                        Arc::new(move || {
-                            MockerEngine::start(cfg.clone(), mocker_model.clone())
-                                .map(|e| Arc::new(e) as Arc<dyn Engine>)
-                                .map_err(|e| e.to_string())
-                        })
-                    }
-                    (EngineSpec::Cpu { config, block_size }, Some(weights)) => {
-                        let (cfg, weights) = (config.clone(), weights.clone());
-                        let info = CpuModelInfo {
-                            block_size: *block_size,
-                            hash_salt: model.loaded.card.hash_salt,
-                            eos_token_ids: model.loaded.card.eos_token_ids.clone(),
-                        };
-                        Arc::new(move || {
-                            CpuEngine::start(cfg.clone(), weights.clone(), info.clone())
-                                .map(|e| Arc::new(e) as Arc<dyn Engine>)
-                                .map_err(|e| e.to_string())
-                        })
-                    }
-                    (EngineSpec::Cpu { .. }, None) => {
-                        return Err("cpu engine without loaded weights".into())
-                    }
-                    (EngineSpec::External { config, .. }, _) => {
-                        let cfg = (**config).clone();
-                        let tok = dynamo_model::Tokenizer::from_json(&model.loaded.tokenizer_json)
-                            .map_err(|e| format!("tokenizer: {e}"))?;
-                        let retokenize: dynamo_external_engine::engine::Retokenize =
-                            Arc::new(move |text: &str| tok.encode(text).ok());
-                        let info = ExternalModel {
-                            name: model.loaded.card.name.0.clone(),
-                            vocab_size: model.loaded.card.vocab_size,
-                            block_size: model.loaded.card.block_size as usize,
-                            model_path: Some(model.loaded.path.clone()),
-                            worker: worker_id.to_string(),
-                            retokenize: Some(retokenize),
-                        };
-                        Arc::new(move || {
-                            ExternalEngine::start(cfg.clone(), info.clone())
-                                .map(|e| Arc::new(e) as Arc<dyn Engine>)
-                                .map_err(|e| e.to_string())
-                        })
-                    }
-                };
+                let engine = crate::engines::factory(grp, &model, worker_id)?;
                 let mut artifacts = HashMap::new();
                 artifacts.insert(
                     model.loaded.card.tokenizer.name.clone(),
