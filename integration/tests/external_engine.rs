@@ -214,13 +214,11 @@ async fn killing_an_engine_migrates_its_requests_to_the_other() {
         json!({"model": MODEL, "prompt": prompts()[i % 4], "max_tokens": max_tokens,
                "ignore_eos": true, "temperature": 0.0, "stream": true})
     };
-    let mut tasks = Vec::new();
+    let mut tasks = tokio::task::JoinSet::new();
     for i in 0..n {
         let http = Http::new(d.port);
         let b = body(i);
-        tasks.push(tokio::spawn(async move {
-            http.stream("/v1/completions", &b).await
-        }));
+        tasks.spawn(async move { http.stream("/v1/completions", &b).await });
     }
     // Strike once both servers are generating.
     let t0 = Instant::now();
@@ -243,8 +241,8 @@ async fn killing_an_engine_migrates_its_requests_to_the_other() {
     unsafe {
         libc::kill(d.servers[0].child.id() as i32, libc::SIGKILL);
     }
-    for t in tasks {
-        let (status, events) = t.await.expect("stream task");
+    while let Some(t) = tasks.join_next().await {
+        let (status, events) = t.expect("stream task");
         assert_eq!(status, 200);
         let mut finish = None;
         for e in &events {

@@ -702,6 +702,8 @@ impl Engine for ExternalEngine {
             State::Failed(_) => return Err(EngineError::Stopped),
         }
         let slot = self.admission.try_admit()?;
+        // Unbounded by the seam's type (`ResponseStream`): the request task
+        // sends at most `max_tokens` (it truncates to it) + 2 events.
         let (tx, rx) = mpsc::unbounded_channel();
         self.cmds.work(Cmd::Generate { req, tx, slot })?;
         Ok(rx)

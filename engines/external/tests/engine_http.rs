@@ -102,7 +102,8 @@ async fn completion(State(s): State<Arc<Script>>, Json(b): Json<Value>) -> Respo
         .unwrap()
 }
 
-async fn server() -> (u16, Arc<Script>) {
+/// The server, its script, and its task (aborted when the set drops).
+async fn server() -> (u16, Arc<Script>, tokio::task::JoinSet<()>) {
     let s = Arc::new(Script::default());
     let app = Router::new()
         .route("/health", get(health))
@@ -110,8 +111,11 @@ async fn server() -> (u16, Arc<Script>) {
         .with_state(s.clone());
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
-    tokio::spawn(async move { axum::serve(l, app).await });
-    (port, s)
+    let mut task = tokio::task::JoinSet::new();
+    task.spawn(async move {
+        axum::serve(l, app).await.expect("the scripted server runs");
+    });
+    (port, s, task)
 }
 
 mod common;
@@ -195,7 +199,7 @@ async fn ready(e: &ExternalEngine) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn not_ready_until_healthy_then_serves() {
-    let (port, s) = server().await;
+    let (port, s, _server) = server().await;
     let e = engine(port);
     assert!(matches!(e.ready(), Readiness::Later(_)));
     assert!(matches!(
@@ -223,7 +227,7 @@ async fn not_ready_until_healthy_then_serves() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_map_onto_our_error_kinds() {
-    let (port, s) = server().await;
+    let (port, s, _server) = server().await;
     s.healthy.store(true, Ordering::SeqCst);
     let e = engine(port);
     ready(&e).await;
@@ -265,7 +269,7 @@ async fn answers_map_onto_our_error_kinds() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limits_stops_and_cancellation_close_the_stream() {
-    let (port, s) = server().await;
+    let (port, s, _server) = server().await;
     s.healthy.store(true, Ordering::SeqCst);
     let e = engine(port);
     ready(&e).await;
@@ -329,7 +333,7 @@ async fn limits_stops_and_cancellation_close_the_stream() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_goes_away_ends_the_engine() {
-    let (port, s) = server().await;
+    let (port, s, _server) = server().await;
     s.healthy.store(true, Ordering::SeqCst);
     let e = engine(port);
     ready(&e).await;
@@ -345,7 +349,7 @@ async fn a_server_that_goes_away_ends_the_engine() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_kv_events_it_is_ready_once_its_publisher_is_connected() {
-    let (port, s) = server().await;
+    let (port, s, _server) = server().await;
     s.healthy.store(true, Ordering::SeqCst);
     // Healthy, but nothing publishes where it is told to listen.
     let nobody = std::net::TcpListener::bind("127.0.0.1:0")
@@ -353,13 +357,17 @@ async fn with_kv_events_it_is_ready_once_its_publisher_is_connected() {
         .local_addr()
         .unwrap()
         .port();
-    let kv = |pub_port: u16, replay: Option<u16>| dynamo_external_engine::config::RawKvEvents {
-        endpoint: format!("tcp://127.0.0.1:{pub_port}"),
-        replay_endpoint: replay.map(|p| format!("tcp://127.0.0.1:{p}")),
-        topic: Some("kv".into()),
-        ..Default::default()
+    // The tests' publisher config, as a worker config's `kv_events`.
+    let kv = |pub_port: u16, replay: u16| {
+        let z = common::config(pub_port, replay);
+        dynamo_external_engine::config::RawKvEvents {
+            endpoint: z.endpoint,
+            replay_endpoint: z.replay_endpoint,
+            topic: Some(z.topic),
+            ..Default::default()
+        }
     };
-    let lonely = engine_with(port, None, Some(kv(nobody, None)));
+    let lonely = engine_with(port, None, Some(kv(nobody, nobody)));
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
         matches!(lonely.ready(), Readiness::Later(_)),
@@ -368,7 +376,7 @@ async fn with_kv_events_it_is_ready_once_its_publisher_is_connected() {
     drop(lonely);
     // The real libzmq publisher: ready, and its events come out translated.
     let (mut child, pub_port, replay_port) = common::publisher();
-    let e = engine_with(port, None, Some(kv(pub_port, Some(replay_port))));
+    let e = engine_with(port, None, Some(kv(pub_port, replay_port)));
     let mut events = e
         .take_kv_events()
         .expect("an engine with kv_events emits them");

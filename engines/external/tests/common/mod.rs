@@ -1,5 +1,4 @@
 //! The pyzmq publisher the ZMQ tests run against (`zmq_publisher.py`).
-#![allow(dead_code)]
 
 use dynamo_external_engine::zmq_source::ZmqConfig;
 use std::io::{BufRead, BufReader};
