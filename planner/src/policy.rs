@@ -793,13 +793,17 @@ impl PlannerState {
         }
         // Burst: queues the prediction did not see, against every desired
         // replica (pending ones count as coming).
-        let (burst, why) = self.burst(t, fast, &cap, isl);
+        let (burst, why) = self.burst(t, fast, &cap, isl, 1.0);
         nums.insert("need_burst".into(), burst as f64);
-        if burst > 0 {
-            // What the queues asked for counts in the shrink window too, so
-            // a lasting queue does not shrink and burst back in turns.
+        // What the queues would ask for with every replica below the band
+        // counts in the shrink window, so a lasting queue does not shrink a
+        // target and burst it back in turns (the same hysteresis as the
+        // sizing's `down_to`).
+        let (keep, _) = self.burst(t, fast, &cap, isl, DOWN_UTILISATION);
+        nums.insert("burst_keeps".into(), keep as f64);
+        if keep > 0 {
             let m = self.memory.targets.entry(t.name.clone()).or_default();
-            push_recent(&mut m.recent, now, burst, interval_ms);
+            push_recent(&mut m.recent, now, keep.max(burst), interval_ms);
         }
         if burst > n {
             n = burst;

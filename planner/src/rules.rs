@@ -11,13 +11,17 @@ use crate::policy::{
 use std::collections::BTreeMap;
 
 impl PlannerState {
-    /// Replicas the queues ask for now (0 when they ask for nothing).
+    /// Replicas the queues ask for now (0 when they ask for nothing), with
+    /// each replica filled to `headroom` of its limit: 1 for growth, and
+    /// `DOWN_UTILISATION` for what a shrink must leave, so a target shrunk
+    /// under a lasting queue is not one the same queue grows back.
     pub(crate) fn burst(
         &self,
         t: &Target,
         w: &Window,
         cap: &TargetCapacity,
         isl: f64,
+        headroom: f64,
     ) -> (u32, String) {
         let mine: Vec<&WorkerSample> = w.workers.iter().filter(|s| s.target == t.name).collect();
         let (pf, dc, per_group) = match t.kind {
@@ -53,7 +57,7 @@ impl PlannerState {
                 (q / batch).ceil() * t.timing.prefill(q.min(batch)) * factor
             };
             // A new arrival waits for the queue ahead of it, then its own.
-            let budget = ttft - cap.prefill.service_ms;
+            let budget = (ttft - cap.prefill.service_ms) * headroom;
             let q = queued as f64;
             if queued > 0 && budget > 0.0 && drain_ms(q / t.desired.max(1) as f64) > budget {
                 let mut n = t.desired.max(1);
@@ -78,7 +82,7 @@ impl PlannerState {
                 .filter(|s| matches!(s.phase, Some(Phase::Decode) | Some(Phase::Aggregated)))
                 .map(|s| s.active.saturating_add(s.waiting))
                 .fold(0u32, u32::saturating_add);
-            let per = cap.decode_seqs.max(1.0);
+            let per = (cap.decode_seqs * headroom).max(1.0);
             let n = ceil_u32(seqs as f64 / per).div_ceil(per_group.1);
             if n > best.0 && seqs > 0 {
                 best = (
@@ -100,14 +104,15 @@ impl PlannerState {
                 .filter(|s| matches!(s.phase, Some(Phase::Decode) | Some(Phase::Aggregated)))
                 .map(|s| s.kv_util.clamp(0.0, 1.0))
                 .sum();
-            let n = ceil_u32(held / cap.decode_util - 1e-9).div_ceil(per_group.1);
+            let limit = cap.decode_util * headroom;
+            let n = ceil_u32(held / limit - 1e-9).div_ceil(per_group.1);
             if n > best.0 && held > 0.0 {
                 best = (
                     n,
                     format!(
                         "KV held by decoding sequences adds up to {:.0}% of a replica: {n} replicas hold it within the {:.0}% where a step meets ITL {:.0} ms",
                         held * 100.0,
-                        cap.decode_util * 100.0,
+                        limit * 100.0,
                         self.itl_ms()
                     ),
                 );

@@ -603,3 +603,51 @@ fn decode_is_learned_only_near_the_loads_sizing_is_for() {
     let l = p.memory.targets["decode"].learned.decode;
     assert!(l > 1.0 && l < (at + 2.0) / at + 1e-9, "{l}");
 }
+
+/// A lasting decode queue whose KV grows a little as replicas go (each
+/// step is slower, so sequences live longer): a shrink the queue would
+/// undo is not made, so the target neither shrinks nor grows back.
+#[test]
+fn a_lasting_queue_near_a_band_edge_neither_shrinks_nor_bursts_back() {
+    let u = crate::capacity::utilisation_at(&EngineTiming::mocker_default(), 1.0, 20.0);
+    // KV held in all, as a share of one replica's: 1.9 of the limit with
+    // three replicas, 2.05 with two (the queue asks for three again).
+    let held = |n: u32| u * if n >= 3 { 1.9 } else { 2.05 };
+    let mut p = PlannerState::new(spec(BASE));
+    let mut ts = pd(1, 3);
+    let mut changes = Vec::new();
+    for s in 0..600u64 {
+        let n = ts[1].desired;
+        let sample = |w: &mut Window| {
+            w.workers = (0..n)
+                .map(|_| WorkerSample {
+                    target: "decode".into(),
+                    phase: Some(Phase::Decode),
+                    windows: 5,
+                    active: 2,
+                    kv_util: held(n) / n as f64,
+                    ..WorkerSample::default()
+                })
+                .collect();
+        };
+        let mut fast = window(s, 1.0, 0.5, 1000.0, 200.0);
+        sample(&mut fast);
+        let slow = (s % 10 == 9).then(|| {
+            let mut w = window(s, 10.0, 0.5, 1000.0, 200.0);
+            sample(&mut w);
+            w
+        });
+        for c in p.evaluate(&ts, &fast, slow.as_ref()).changes {
+            let t = ts.iter_mut().find(|t| t.name == c.target).unwrap();
+            t.desired = c.to;
+            t.ready = c.to;
+            changes.push(c);
+        }
+    }
+    let decode: Vec<&Change> = changes.iter().filter(|c| c.target == "decode").collect();
+    assert!(decode.is_empty(), "{decode:?}");
+    // The light rate alone would have shrunk it: the queue holds it.
+    let w = window(600, 10.0, 0.5, 1000.0, 200.0);
+    let e = p.evaluate(&ts, &w, Some(&w));
+    assert!(e.notes[1].numbers["need"] < 3.0, "{:?}", e.notes[1]);
+}
