@@ -101,10 +101,18 @@ impl Server {
 
     /// llama.cpp's own greedy answer for a prompt of token ids.
     pub async fn direct(&self, prompt: &[u32], n: u32) -> String {
+        self.direct_with(prompt, n, false).await
+    }
+
+    /// The same, with `ignore_eos` as asked.
+    pub async fn direct_with(&self, prompt: &[u32], n: u32, ignore_eos: bool) -> String {
         let v: Value = self
             .http
             .post(self.url("/completion"))
-            .json(&json!({"prompt": prompt, "n_predict": n, "temperature": 0.0}))
+            .json(
+                &json!({"prompt": prompt, "n_predict": n, "temperature": 0.0,
+                          "ignore_eos": ignore_eos}),
+            )
             .send()
             .await
             .expect("direct request")

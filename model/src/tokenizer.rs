@@ -132,6 +132,14 @@ impl Tokenizer {
             .map_err(|e| TokenizerError::Decode(e.to_string()))
     }
 
+    /// Decodes ids to text, special tokens written out (`<|im_start|>`),
+    /// so that [`Tokenizer::encode`] reads them back as special tokens.
+    pub fn decode_with_special(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| TokenizerError::Decode(e.to_string()))
+    }
+
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }

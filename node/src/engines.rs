@@ -49,8 +49,12 @@ pub fn factory(
             let cfg = (**config).clone();
             let tok = dynamo_model::Tokenizer::from_json(&model.loaded.tokenizer_json)
                 .map_err(|e| format!("tokenizer: {e}"))?;
+            let tok = Arc::new(tok);
+            let t = tok.clone();
             let retokenize: dynamo_external_engine::engine::Retokenize =
-                Arc::new(move |text: &str| tok.encode(text).ok());
+                Arc::new(move |text: &str| t.encode(text).ok());
+            let detokenize: dynamo_external_engine::engine::Detokenize =
+                Arc::new(move |ids: &[u32]| tok.decode_with_special(ids).ok());
             let info = ExternalModel {
                 name: model.loaded.card.name.0.clone(),
                 vocab_size: model.loaded.card.vocab_size,
@@ -58,6 +62,7 @@ pub fn factory(
                 model_path: Some(model.loaded.path.clone()),
                 worker: worker_id.to_string(),
                 retokenize: Some(retokenize),
+                detokenize: Some(detokenize),
             };
             Arc::new(move || {
                 ExternalEngine::start(cfg.clone(), info.clone())

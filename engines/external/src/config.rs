@@ -104,6 +104,11 @@ pub struct RawExternal {
     /// The engine's KV event publisher (vLLM, SGLang); none: the router
     /// tracks this worker approximately.
     pub kv_events: Option<RawKvEvents>,
+    /// `tokens` (default): prompts go as our token ids and output comes
+    /// back as the engine's. `text`, for a server that takes or returns
+    /// only text: prompts go as our text (special tokens written out), and
+    /// output text without ids is encoded again with our tokenizer.
+    pub prompt: Option<String>,
 }
 
 /// `[workers.external.launch]`.
@@ -142,6 +147,17 @@ pub struct Launch {
     pub env: BTreeMap<String, String>,
 }
 
+/// How a prompt goes to the engine.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PromptForm {
+    /// Our token ids; output as the engine's token ids.
+    #[default]
+    Tokens,
+    /// Our detokenized text; output ids where the engine streams them,
+    /// else its text encoded with our tokenizer.
+    Text,
+}
+
 /// The checked configuration.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ExternalConfig {
@@ -166,6 +182,7 @@ pub struct ExternalConfig {
     pub launch: Option<Launch>,
     /// Endpoints may hold `{kv_port}` / `{replay_port}` when launched.
     pub kv_events: Option<ZmqConfig>,
+    pub prompt: PromptForm,
 }
 
 const PLACEHOLDERS: [&str; 4] = ["{port}", "{model_path}", "{kv_port}", "{replay_port}"];
@@ -376,6 +393,16 @@ impl RawExternal {
             )?,
             launch,
             kv_events,
+            prompt: match self.prompt.as_deref() {
+                None | Some("tokens") => PromptForm::Tokens,
+                Some("text") => PromptForm::Text,
+                Some(o) => {
+                    return Err(invalid(
+                        "prompt",
+                        format!("unknown prompt form {o:?} (tokens or text)"),
+                    ))
+                }
+            },
         })
     }
 }
@@ -390,6 +417,18 @@ mod tests {
             api: Some("llamacpp".into()),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_prompt_goes_as_tokens_unless_text_is_asked_for() {
+        let c = attach("http://h:1").validate().unwrap();
+        assert_eq!(c.prompt, PromptForm::Tokens);
+        let mut r = attach("http://h:1");
+        r.prompt = Some("text".into());
+        assert_eq!(r.validate().unwrap().prompt, PromptForm::Text);
+        r.prompt = Some("words".into());
+        let e = r.validate().unwrap_err().to_string();
+        assert!(e.contains("`prompt`") && e.contains("words"), "{e}");
     }
 
     #[test]

@@ -13,8 +13,14 @@
 //!   `output_ids` are cumulative unless the server streams increments,
 //!   which `meta_info.completion_tokens` tells apart.
 //!
-//! Invariants: every token handed out is inside the vocabulary; a chunk
-//! that carries text but no token ids is an error, never re-tokenized.
+//! With `prompt = "text"` ([`crate::config::PromptForm::Text`]) the prompt
+//! goes as our text instead (`prompt: "…"`, SGLang's `text`; vLLM is told
+//! `add_special_tokens: false`, since the text already holds them), and a
+//! chunk's text without ids is handed to the engine task to encode again.
+//!
+//! Invariants: every token handed out is inside the vocabulary; with token
+//! prompts, a chunk that carries text but no token ids is an error, never
+//! re-tokenized.
 
 use crate::config::Api;
 use dynamo_bus_schema::FinishReason;
@@ -50,10 +56,19 @@ pub enum ChunkError {
     Malformed(String),
 }
 
-/// The path and JSON body of a streaming request.
-pub fn request(api: Api, model: &str, req: &ValidRequest) -> (&'static str, Value) {
+/// The path and JSON body of a streaming request: the prompt is `text`
+/// when given, else the request's token ids.
+pub fn request(
+    api: Api,
+    model: &str,
+    req: &ValidRequest,
+    text: Option<&str>,
+) -> (&'static str, Value) {
     let s = req.sampling();
-    let prompt = req.prompt();
+    let prompt = match text {
+        Some(t) => json!(t),
+        None => json!(req.prompt()),
+    };
     match api {
         Api::LlamaCpp => {
             let mut b = json!({
@@ -67,6 +82,8 @@ pub fn request(api: Api, model: &str, req: &ValidRequest) -> (&'static str, Valu
                 "stream": true,
                 "return_tokens": true,
                 "cache_prompt": true,
+                // Timings (and `cache_n`) on every chunk, not only the last.
+                "timings_per_token": true,
                 "ignore_eos": s.ignore_eos,
             });
             if let Some(seed) = s.seed {
@@ -83,7 +100,8 @@ pub fn request(api: Api, model: &str, req: &ValidRequest) -> (&'static str, Valu
                 "temperature": s.temperature,
                 "top_p": s.top_p,
                 "stream": true,
-                "stream_options": {"include_usage": true},
+                // Usage (and its cached tokens) on every chunk.
+                "stream_options": {"include_usage": true, "continuous_usage_stats": true},
                 "return_token_ids": true,
                 "ignore_eos": s.ignore_eos,
             });
@@ -95,6 +113,9 @@ pub fn request(api: Api, model: &str, req: &ValidRequest) -> (&'static str, Valu
             }
             if let Some(seed) = s.seed {
                 b["seed"] = json!(seed % (i64::MAX as u64));
+            }
+            if text.is_some() {
+                b["add_special_tokens"] = json!(false);
             }
             ("/v1/completions", b)
         }
@@ -112,10 +133,11 @@ pub fn request(api: Api, model: &str, req: &ValidRequest) -> (&'static str, Valu
                 sp["stop_token_ids"] = json!(s.stop_token_ids);
             }
             let mut b = json!({
-                "input_ids": prompt,
                 "sampling_params": sp,
                 "stream": true,
             });
+            let key = if text.is_some() { "text" } else { "input_ids" };
+            b[key] = prompt;
             if let Some(seed) = s.seed {
                 b["sampling_params"]["sampling_seed"] = json!(seed % (i64::MAX as u64));
             }
@@ -131,6 +153,10 @@ pub struct Decoder {
     vocab: u32,
     /// Output tokens handed out so far.
     seen: usize,
+    /// Text without ids is accepted (handed out as `Chunk::text`).
+    text_ok: bool,
+    /// SGLang's text so far (its `text` is cumulative).
+    text_seen: String,
 }
 
 fn tokens(v: &Value, vocab: u32) -> Result<Vec<u32>, ChunkError> {
@@ -148,18 +174,19 @@ fn tokens(v: &Value, vocab: u32) -> Result<Vec<u32>, ChunkError> {
 }
 
 /// The token ids of `ids` (absent or null: none); text without them is an
-/// error naming `hint`.
+/// error naming `hint`, unless `text_ok`.
 fn ids_of(
     ids: Option<&Value>,
     text: Option<&Value>,
     vocab: u32,
     hint: &str,
+    text_ok: bool,
 ) -> Result<Vec<u32>, ChunkError> {
     let toks = match ids {
         None | Some(Value::Null) => Vec::new(),
         Some(t) => tokens(t, vocab)?,
     };
-    if toks.is_empty() && text.and_then(Value::as_str).is_some_and(|t| !t.is_empty()) {
+    if !text_ok && toks.is_empty() && text.and_then(Value::as_str).is_some_and(|t| !t.is_empty()) {
         return Err(ChunkError::Malformed(format!(
             "text without token ids: {hint}"
         )));
@@ -197,11 +224,15 @@ fn cached(v: Option<&Value>) -> Option<u32> {
 }
 
 impl Decoder {
-    pub fn new(api: Api, vocab: u32) -> Self {
+    /// `text_ok`: the request went as text, and output text without ids
+    /// is handed out to be encoded again.
+    pub fn new(api: Api, vocab: u32, text_ok: bool) -> Self {
         Decoder {
             api,
             vocab,
             seen: 0,
+            text_ok,
+            text_seen: String::new(),
         }
     }
 
@@ -233,6 +264,7 @@ impl Decoder {
             v.get("content"),
             self.vocab,
             "the server ignored return_tokens",
+            self.text_ok,
         )?;
         let stop = v.get("stop").and_then(Value::as_bool).unwrap_or(false);
         let finish = stop.then(|| match v.get("stop_type").and_then(Value::as_str) {
@@ -269,7 +301,8 @@ impl Decoder {
             choice.get("token_ids"),
             choice.get("text"),
             self.vocab,
-            "the server needs return_token_ids (vLLM >= 0.10.2)",
+            "the server needs return_token_ids (vLLM >= 0.10.2), or `prompt = \"text\"`",
+            self.text_ok,
         )?;
         let finish = finish_of(choice.get("finish_reason").and_then(Value::as_str))?;
         Ok(Chunk {
@@ -278,18 +311,31 @@ impl Decoder {
             cached_tokens,
             done: false,
             generated: None,
-            text: None,
+            text: choice
+                .get("text")
+                .and_then(Value::as_str)
+                .map(str::to_string),
         })
     }
 
-    fn sglang(&self, v: &Value) -> Result<Chunk, ChunkError> {
+    fn sglang(&mut self, v: &Value) -> Result<Chunk, ChunkError> {
         let meta = v.get("meta_info");
         let ids = ids_of(
             v.get("output_ids"),
             v.get("text"),
             self.vocab,
             "SGLang's /generate sent no output_ids",
+            self.text_ok,
         )?;
+        // Its text is the whole output so far, unless it streams increments.
+        let text = v.get("text").and_then(Value::as_str).map(|t| {
+            let new = t
+                .strip_prefix(self.text_seen.as_str())
+                .unwrap_or(t)
+                .to_string();
+            self.text_seen = t.to_string();
+            new
+        });
         let total = meta
             .and_then(|m| m.get("completion_tokens"))
             .and_then(Value::as_u64);
@@ -311,7 +357,7 @@ impl Decoder {
             cached_tokens: cached(meta.and_then(|m| m.get("cached_tokens"))),
             done: false,
             generated: None,
-            text: None,
+            text,
         })
     }
 }
@@ -341,20 +387,20 @@ mod tests {
 
     #[test]
     fn bodies_carry_token_ids_and_sampling() {
-        let (p, b) = request(Api::LlamaCpp, "m", &req());
+        let (p, b) = request(Api::LlamaCpp, "m", &req(), None);
         assert_eq!(p, "/completion");
         assert_eq!(b["prompt"], json!([1, 2, 3]));
         assert_eq!(b["n_predict"], 5);
         assert_eq!(b["return_tokens"], true);
         assert!(b["seed"].as_u64().unwrap() < u32::MAX as u64);
-        let (p, b) = request(Api::OpenAi, "m", &req());
+        let (p, b) = request(Api::OpenAi, "m", &req(), None);
         assert_eq!(p, "/v1/completions");
         assert_eq!(b["model"], "m");
         assert_eq!(b["prompt"], json!([1, 2, 3]));
         assert_eq!(b["stop_token_ids"], json!([7]));
         assert_eq!(b["top_k"], 3);
         assert_eq!(b["return_token_ids"], true);
-        let (p, b) = request(Api::Sglang, "m", &req());
+        let (p, b) = request(Api::Sglang, "m", &req(), None);
         assert_eq!(p, "/generate");
         assert_eq!(b["input_ids"], json!([1, 2, 3]));
         assert_eq!(b["sampling_params"]["max_new_tokens"], 5);
@@ -362,7 +408,7 @@ mod tests {
 
     #[test]
     fn llamacpp_chunks() {
-        let mut d = Decoder::new(Api::LlamaCpp, 100);
+        let mut d = Decoder::new(Api::LlamaCpp, 100, false);
         let c = d
             .chunk(r#"{"index":0,"content":"Hi","tokens":[42],"stop":false,"id_slot":0,"tokens_predicted":1}"#)
             .unwrap();
@@ -393,7 +439,7 @@ mod tests {
 
     #[test]
     fn openai_chunks() {
-        let mut d = Decoder::new(Api::OpenAi, 100);
+        let mut d = Decoder::new(Api::OpenAi, 100, false);
         let c = d
             .chunk(r#"{"id":"c","object":"text_completion","choices":[{"index":0,"text":"Hi","token_ids":[5,6],"finish_reason":null}]}"#)
             .unwrap();
@@ -423,7 +469,7 @@ mod tests {
 
     #[test]
     fn sglang_cumulative_and_incremental_output() {
-        let mut d = Decoder::new(Api::Sglang, 100);
+        let mut d = Decoder::new(Api::Sglang, 100, false);
         let a = d
             .chunk(r#"{"text":"a","output_ids":[1],"meta_info":{"completion_tokens":1,"finish_reason":null}}"#)
             .unwrap();
@@ -436,12 +482,46 @@ mod tests {
             (b.finish, b.cached_tokens),
             (Some(FinishReason::Stop), Some(4))
         );
-        let mut d = Decoder::new(Api::Sglang, 100);
+        let mut d = Decoder::new(Api::Sglang, 100, false);
         d.chunk(r#"{"output_ids":[1,2],"meta_info":{"completion_tokens":2}}"#)
             .unwrap();
         let c = d
             .chunk(r#"{"output_ids":[3],"meta_info":{"completion_tokens":3,"finish_reason":{"type":"length"}}}"#)
             .unwrap();
         assert_eq!((c.tokens, c.finish), (vec![3], Some(FinishReason::Length)));
+    }
+
+    #[test]
+    fn a_text_prompt_goes_as_text_and_text_output_is_handed_out() {
+        let (_, b) = request(Api::LlamaCpp, "m", &req(), Some("<|im_start|>hi"));
+        assert_eq!(b["prompt"], "<|im_start|>hi");
+        let (_, b) = request(Api::OpenAi, "m", &req(), Some("hi"));
+        assert_eq!(
+            (&b["prompt"], &b["add_special_tokens"]),
+            (&json!("hi"), &json!(false))
+        );
+        let (_, b) = request(Api::Sglang, "m", &req(), Some("hi"));
+        assert_eq!(b["text"], "hi");
+        assert!(b.get("input_ids").is_none());
+        // A server that returns only text: the text is handed out.
+        let mut d = Decoder::new(Api::OpenAi, 100, true);
+        let c = d
+            .chunk(r#"{"choices":[{"text":"Hi","finish_reason":null}]}"#)
+            .unwrap();
+        assert_eq!((c.tokens.len(), c.text.as_deref()), (0, Some("Hi")));
+        // SGLang's cumulative text, as increments.
+        let mut d = Decoder::new(Api::Sglang, 100, true);
+        let a = d.chunk(r#"{"text":"He","meta_info":{}}"#).unwrap();
+        let b = d.chunk(r#"{"text":"Hello","meta_info":{}}"#).unwrap();
+        assert_eq!(
+            (a.text.as_deref(), b.text.as_deref()),
+            (Some("He"), Some("llo"))
+        );
+        // Ids, where they come, are still the engine's.
+        let mut d = Decoder::new(Api::LlamaCpp, 100, true);
+        let c = d
+            .chunk(r#"{"content":"x","tokens":[9],"stop":false}"#)
+            .unwrap();
+        assert_eq!(c.tokens, vec![9]);
     }
 }

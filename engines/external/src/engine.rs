@@ -22,20 +22,18 @@
 //! - no more than `max_tokens` tokens are handed out, and generation stops
 //!   after a stop token id even where the server cannot be told about them.
 
-use crate::config::{Api, ExternalConfig};
-use crate::dialect::{self, ChunkError, Decoder};
+use crate::call::Call;
+use crate::config::{Api, ExternalConfig, PromptForm};
 use crate::kv_feed::KvFeed;
 use crate::launch::{self, Fill, Launched};
 use crate::prom::{self, EngineLoad};
-use crate::sse::SseDecoder;
 use dynamo_bus_schema::blocks::SequenceHash;
-use dynamo_bus_schema::{FinishReason, LoadMetrics, RequestId};
+use dynamo_bus_schema::{LoadMetrics, RequestId};
 use dynamo_engine::{
     commands, kv_events, liveness, Admission, Alive, Commands, Engine, EngineError, EngineEvent,
     EngineFault, KvArena, KvBlockData, KvEventSink, KvEventStream, KvSnapshot, Liveness, Queued,
     Readiness, ReservationId, ReservationReceiver, ResponseStream, Slot, ValidRequest,
 };
-use futures::StreamExt;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -44,18 +42,16 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-/// Bytes of an error answer kept for the message.
-const MAX_ERROR_BODY: usize = 4096;
 /// Work commands queued for the driver at most (past it: `Overloaded`).
 const COMMAND_QUEUE: usize = 1024;
 /// Snapshot requests waiting for the KV feed at most.
 const SNAPSHOT_QUEUE: usize = 16;
-/// How long the rest of a finished stream is read, so its connection can
-/// be reused.
-const DRAIN: Duration = Duration::from_millis(200);
 
 /// Our tokenizer, for text an engine streamed without all its token ids.
 pub type Retokenize = Arc<dyn Fn(&str) -> Option<Vec<u32>> + Send + Sync>;
+/// Our detokenizer, special tokens written out: a prompt's text for an
+/// engine set to `prompt = "text"`.
+pub type Detokenize = Arc<dyn Fn(&[u32]) -> Option<String> + Send + Sync>;
 
 /// What the engine needs to know of the worker's model.
 #[derive(Clone)]
@@ -74,6 +70,8 @@ pub struct ExternalModel {
     /// a UTF-8 character, the chunk's text is encoded again (the same text;
     /// its ids may differ from the engine's). None: such a request fails.
     pub retokenize: Option<Retokenize>,
+    /// Our detokenizer, for `prompt = "text"` (which needs both).
+    pub detokenize: Option<Detokenize>,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -112,6 +110,13 @@ impl ExternalEngine {
     /// Starts the driver (and, with `launch`, the engine's process). Must
     /// be called inside a Tokio runtime.
     pub fn start(cfg: ExternalConfig, model: ExternalModel) -> Result<Self, EngineError> {
+        if cfg.prompt == PromptForm::Text
+            && (model.detokenize.is_none() || model.retokenize.is_none())
+        {
+            return Err(EngineError::Internal(
+                "`prompt = \"text\"` needs our tokenizer, which this worker has not".into(),
+            ));
+        }
         let fill = Fill::for_config(&cfg, model.model_path.as_deref())
             .map_err(|e| EngineError::Internal(e.to_string()))?;
         let mut kv = cfg.kv_events.clone();
@@ -256,6 +261,9 @@ impl Driver {
                                 response_timeout: self.cfg.response_timeout,
                                 idle_timeout: self.cfg.idle_timeout,
                                 retokenize: self.model.retokenize.clone(),
+                                detokenize: (self.cfg.prompt == PromptForm::Text)
+                                    .then(|| self.model.detokenize.clone())
+                                    .flatten(),
                             };
                             let h = requests.spawn(async move {
                                 call.serve(req, tx, cancel, slot).await;
@@ -455,215 +463,6 @@ async fn feed(
         }
     }
     Aux::FeedEnded
-}
-
-/// A response body being read.
-type Body = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
-
-/// What one request needs to call the server.
-struct Call {
-    client: reqwest::Client,
-    base: String,
-    api: Api,
-    model: String,
-    vocab: u32,
-    response_timeout: Duration,
-    idle_timeout: Duration,
-    retokenize: Option<Retokenize>,
-}
-
-async fn error_body(r: reqwest::Response) -> String {
-    let mut body = Vec::new();
-    let mut s = r.bytes_stream();
-    while let Some(Ok(b)) = s.next().await {
-        body.extend_from_slice(&b);
-        if body.len() >= MAX_ERROR_BODY {
-            body.truncate(MAX_ERROR_BODY);
-            break;
-        }
-    }
-    let text = String::from_utf8_lossy(&body).into_owned();
-    serde_json::from_str::<serde_json::Value>(&text)
-        .ok()
-        .and_then(|v| {
-            v.pointer("/error/message")
-                .or_else(|| v.get("message"))
-                .or_else(|| v.get("detail"))
-                .and_then(|m| m.as_str().map(str::to_string))
-        })
-        .unwrap_or(text)
-}
-
-impl Call {
-    async fn serve(
-        self,
-        req: ValidRequest,
-        tx: mpsc::UnboundedSender<EngineEvent>,
-        cancel: CancellationToken,
-        slot: Slot,
-    ) {
-        let out = tokio::select! {
-            r = self.stream(&req, &tx) => r,
-            _ = cancel.cancelled() => Ok((FinishReason::Cancelled, None)),
-        };
-        match out {
-            Ok((reason, rest)) => {
-                let _ = tx.send(EngineEvent::Finished { reason });
-                drop(slot);
-                // Then read the rest briefly, so the connection can be reused.
-                if let Some(mut body) = rest {
-                    let _ = tokio::time::timeout(DRAIN, async {
-                        while let Some(Ok(_)) = body.next().await {}
-                    })
-                    .await;
-                }
-            }
-            Err(e) => {
-                let _ = tx.send(EngineEvent::Failed(e));
-            }
-        }
-    }
-
-    /// Runs the request, sending its tokens; answers how it finished, and
-    /// the rest of the body when it finished before the body ended.
-    async fn stream(
-        &self,
-        req: &ValidRequest,
-        tx: &mpsc::UnboundedSender<EngineEvent>,
-    ) -> Result<(FinishReason, Option<Body>), EngineError> {
-        let (path, body) = dialect::request(self.api, &self.model, req);
-        let url = format!("{}{path}", self.base);
-        let send = self.client.post(&url).json(&body).send();
-        let resp = match tokio::time::timeout(self.response_timeout, send).await {
-            Err(_) => {
-                return Err(EngineError::Failed(format!(
-                    "no answer from {url} within {} ms",
-                    self.response_timeout.as_millis()
-                )))
-            }
-            Ok(Err(e)) => return Err(EngineError::Failed(format!("{url}: {e}"))),
-            Ok(Ok(r)) => r,
-        };
-        let status = resp.status();
-        if !status.is_success() {
-            let msg = error_body(resp).await;
-            let msg = format!("{status}: {msg}");
-            return Err(match status.as_u16() {
-                429 | 503 => EngineError::Overloaded(msg),
-                // A wrong path or model name: this worker's setup, not the
-                // request (another worker may be set up right).
-                404 => EngineError::Failed(format!(
-                    "{url} answered {msg} (are `api` and `served_model` right?)"
-                )),
-                400..=499 => EngineError::Rejected(msg),
-                _ => EngineError::Failed(msg),
-            });
-        }
-        let _ = tx.send(EngineEvent::Started { cached_tokens: 0 });
-        let s = req.sampling();
-        let max = s.max_tokens as usize;
-        let mut sent = 0usize;
-        // Tokens the engine counted so far (it may count more than it sent).
-        let mut counted = 0usize;
-        let mut decoder = Decoder::new(self.api, self.vocab);
-        let mut sse = SseDecoder::default();
-        let mut body: Body = Box::pin(resp.bytes_stream());
-        let mut finish: Option<FinishReason> = None;
-        'read: loop {
-            let next = match tokio::time::timeout(self.idle_timeout, body.next()).await {
-                Err(_) => {
-                    return Err(EngineError::Failed(format!(
-                        "the engine sent nothing for {} ms",
-                        self.idle_timeout.as_millis()
-                    )))
-                }
-                Ok(n) => n,
-            };
-            let events = match next {
-                Some(Ok(bytes)) => sse
-                    .push(&bytes)
-                    .map_err(|e| EngineError::Failed(e.to_string()))?,
-                Some(Err(e)) => {
-                    return Err(EngineError::Failed(format!(
-                        "the engine's stream broke: {e}"
-                    )))
-                }
-                None => {
-                    let last = sse.finish();
-                    if last.is_none() {
-                        break 'read;
-                    }
-                    last.into_iter().collect()
-                }
-            };
-            for ev in events {
-                if ev.event == "error" {
-                    return Err(EngineError::Failed(format!(
-                        "the engine reported: {}",
-                        ev.data
-                    )));
-                }
-                let c = match decoder.chunk(&ev.data) {
-                    Ok(c) => c,
-                    Err(ChunkError::Malformed(m)) => return Err(EngineError::Failed(m)),
-                    Err(e) => return Err(EngineError::Failed(e.to_string())),
-                };
-                let mut toks = c.tokens;
-                if let Some(n) = c.generated {
-                    if n > counted + toks.len() {
-                        // llama.cpp streams no id for a token that ends
-                        // inside a UTF-8 character; the chunk's text holds
-                        // it and the token that completed the character.
-                        let again = match (&self.retokenize, &c.text) {
-                            (Some(re), Some(text)) => re(text).filter(|ids| {
-                                !ids.is_empty() && ids.iter().all(|&t| t < self.vocab)
-                            }),
-                            _ => None,
-                        };
-                        match again {
-                            Some(ids) => toks = ids,
-                            None => {
-                                return Err(EngineError::Internal(format!(
-                                    "the engine generated {n} tokens but streamed the ids of {} (llama.cpp sends none for a token that splits a UTF-8 character)",
-                                    counted + toks.len()
-                                )))
-                            }
-                        }
-                    }
-                    counted = n;
-                }
-                let mut stop_token = None;
-                if let Some(i) = toks.iter().position(|t| s.stop_token_ids.contains(t)) {
-                    toks.truncate(i + 1);
-                    stop_token = Some(FinishReason::Stop);
-                }
-                let full = sent + toks.len() >= max;
-                toks.truncate(max - sent);
-                if !toks.is_empty() {
-                    sent += toks.len();
-                    let _ = tx.send(EngineEvent::Tokens(toks));
-                }
-                // A stop token, else the engine's own reason (it may come on
-                // the chunk of the last allowed token), else the limit.
-                let end = stop_token
-                    .or(c.finish)
-                    .or(full.then_some(FinishReason::Length));
-                if let Some(r) = end {
-                    finish = Some(r);
-                    break 'read;
-                }
-                if c.done {
-                    break 'read;
-                }
-            }
-        }
-        match finish {
-            Some(r) => Ok((r, Some(body))),
-            None => Err(EngineError::Failed(
-                "the engine's stream ended before the request finished".into(),
-            )),
-        }
-    }
 }
 
 impl Engine for ExternalEngine {

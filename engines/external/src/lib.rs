@@ -4,7 +4,7 @@
 //!   server in another process, reached over its HTTP API ([`dialect`],
 //!   [`sse`]), its load read from its Prometheus metrics ([`prom`]), its
 //!   process started and watched when the config says so ([`launch`]),
-//!   configured by [`config`].
+//!   configured by [`config`]; each request's call is in `call`.
 //! - [`events`]: vLLM's and SGLang's KV event batches (msgpack, both
 //!   encodings), decoded tolerantly.
 //! - [`translate`]: their blocks in our block identity, so the router keeps
@@ -16,6 +16,7 @@
 //!
 //! NATS-free: the worker actor wires these to the bus.
 
+mod call;
 pub mod config;
 pub mod dialect;
 pub mod engine;

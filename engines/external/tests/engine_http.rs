@@ -7,7 +7,8 @@
 //!
 //! Scripts by the prompt's first token: 1 finishes normally, 2 is refused
 //! (400), 3 is shed (503), 4 breaks off after two tokens, 5 streams without
-//! end, 6 streams a stop token id mid-chunk, 7 skips a token's id.
+//! end, 6 streams a stop token id mid-chunk, 7 skips a token's id; a text
+//! prompt is answered in text alone.
 
 use axum::body::Body;
 use axum::extract::State;
@@ -29,6 +30,8 @@ struct Script {
     healthy: AtomicBool,
     /// Streams the server is still writing.
     open: AtomicUsize,
+    /// The last text prompt received.
+    text: std::sync::Mutex<Option<String>>,
 }
 
 struct Open(Arc<Script>);
@@ -40,7 +43,8 @@ impl Drop for Open {
 
 fn chunk(tokens: &[u32], stop: Option<&str>) -> String {
     let v = match stop {
-        None => json!({"content": "x", "tokens": tokens, "stop": false}),
+        None => json!({"content": "x", "tokens": tokens, "stop": false,
+                       "timings": {"cache_n": 2, "prompt_n": 1}}),
         Some(t) => json!({"content": "", "tokens": [], "stop": true, "stop_type": t,
                           "timings": {"cache_n": 3}}),
     };
@@ -57,7 +61,20 @@ async fn health(State(s): State<Arc<Script>>) -> StatusCode {
 
 async fn completion(State(s): State<Arc<Script>>, Json(b): Json<Value>) -> Response {
     let first = b["prompt"][0].as_u64().unwrap_or(0);
+    if let Some(t) = b["prompt"].as_str() {
+        *s.text.lock().unwrap() = Some(t.to_string());
+    }
+    let first = if b["prompt"].is_string() { 8 } else { first };
     let frames: Vec<String> = match first {
+        // Text in, text out (a server that returns no ids).
+        8 => ["H\u{e9}", "llo", ""]
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let v = json!({"content": t, "stop": i == 2, "stop_type": "eos"});
+                format!("data: {v}\n\n")
+            })
+            .collect(),
         2 => {
             return (
                 StatusCode::BAD_REQUEST,
@@ -129,6 +146,15 @@ fn engine_with(
     retokenize: Option<dynamo_external_engine::engine::Retokenize>,
     kv: Option<dynamo_external_engine::config::RawKvEvents>,
 ) -> ExternalEngine {
+    engine_full(port, retokenize, None, kv)
+}
+
+fn engine_full(
+    port: u16,
+    retokenize: Option<dynamo_external_engine::engine::Retokenize>,
+    detokenize: Option<dynamo_external_engine::engine::Detokenize>,
+    kv: Option<dynamo_external_engine::config::RawKvEvents>,
+) -> ExternalEngine {
     let cfg = RawExternal {
         url: Some(format!("http://127.0.0.1:{port}")),
         api: Some("llamacpp".into()),
@@ -138,6 +164,7 @@ fn engine_with(
         metrics_path: Some(String::new()),
         idle_timeout_ms: Some(2000),
         kv_events: kv,
+        prompt: detokenize.is_some().then(|| "text".into()),
         ..Default::default()
     }
     .validate()
@@ -151,6 +178,7 @@ fn engine_with(
             model_path: None,
             worker: "w".into(),
             retokenize,
+            detokenize,
         },
     )
     .unwrap()
@@ -173,17 +201,34 @@ fn req(id: u128, first: u32, max_tokens: u32, stop: Vec<u32>) -> ValidRequest {
 
 /// Every event of a request, up to its terminal one.
 async fn events(e: &ExternalEngine, r: ValidRequest) -> (Vec<u32>, EngineEvent) {
+    let (_, toks, end) = events_started(e, r).await;
+    (toks, end)
+}
+
+/// Every event of a request, and the cached tokens its `Started` said,
+/// which comes once and before any token.
+async fn events_started(
+    e: &ExternalEngine,
+    r: ValidRequest,
+) -> (Option<u32>, Vec<u32>, EngineEvent) {
     let mut rx = e.generate(r).expect("admitted");
     let mut toks = Vec::new();
+    let mut started = None;
     loop {
         match tokio::time::timeout(Duration::from_secs(10), rx.recv())
             .await
             .expect("no event in 10 s")
             .expect("stream ended without a terminal event")
         {
-            EngineEvent::Started { .. } => {}
-            EngineEvent::Tokens(t) => toks.extend(t),
-            end => return (toks, end),
+            EngineEvent::Started { cached_tokens } => {
+                assert!(started.is_none(), "Started twice");
+                started = Some(cached_tokens);
+            }
+            EngineEvent::Tokens(t) => {
+                assert!(started.is_some(), "tokens before Started");
+                toks.extend(t)
+            }
+            end => return (started, toks, end),
         }
     }
 }
@@ -214,8 +259,10 @@ async fn not_ready_until_healthy_then_serves() {
     s.healthy.store(true, Ordering::SeqCst);
     ready(&e).await;
     assert_eq!(e.kind(), "llamacpp");
-    let (toks, end) = events(&e, req(1, 1, 10, vec![])).await;
+    let (cached, toks, end) = events_started(&e, req(1, 1, 10, vec![])).await;
     assert_eq!(toks, vec![10, 11, 12, 13, 14]);
+    // What the engine's prefix cache served, from its first chunk.
+    assert_eq!(cached, Some(2));
     assert_eq!(
         end,
         EngineEvent::Finished {
@@ -397,4 +444,52 @@ async fn with_kv_events_it_is_ready_once_its_publisher_is_connected() {
     assert!(snap.last_event_id >= 1);
     drop(child.stdin.take());
     let _ = child.wait();
+}
+
+/// `prompt = "text"`: the prompt goes as our text (special tokens written
+/// out), and a server that answers only in text has its text encoded with
+/// our tokenizer (here one id per character).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_prompt_goes_as_text_and_text_output_comes_back_as_our_ids() {
+    let (port, s, _server) = server().await;
+    s.healthy.store(true, Ordering::SeqCst);
+    let re: dynamo_external_engine::engine::Retokenize =
+        Arc::new(|t: &str| Some(t.chars().map(|c| c as u32).collect()));
+    let de: dynamo_external_engine::engine::Detokenize = Arc::new(|ids: &[u32]| {
+        ids.iter()
+            .map(|&i| char::from_u32(i + 64))
+            .collect::<Option<String>>()
+    });
+    let e = engine_full(port, Some(re), Some(de), None);
+    ready(&e).await;
+    let (toks, end) = events(&e, req(1, 1, 10, vec![])).await;
+    assert_eq!(s.text.lock().unwrap().as_deref(), Some("AGG"));
+    let text: String = toks.iter().map(|&t| char::from_u32(t).unwrap()).collect();
+    assert_eq!(text, "H\u{e9}llo");
+    assert_eq!(
+        end,
+        EngineEvent::Finished {
+            reason: FinishReason::Stop
+        }
+    );
+    // Without our tokenizer, text is refused at start, not mid-request.
+    let cfg = RawExternal {
+        url: Some(format!("http://127.0.0.1:{port}")),
+        api: Some("llamacpp".into()),
+        prompt: Some("text".into()),
+        ..Default::default()
+    }
+    .validate()
+    .unwrap();
+    let model = ExternalModel {
+        name: "m".into(),
+        vocab_size: 1000,
+        block_size: 16,
+        model_path: None,
+        worker: "w".into(),
+        retokenize: None,
+        detokenize: None,
+    };
+    let err = ExternalEngine::start(cfg, model).err().expect("refused");
+    assert!(err.to_string().contains("tokenizer"), "{err}");
 }

@@ -1,0 +1,267 @@
+//! One request against an external engine's server: the HTTP call, its
+//! streamed chunks decoded ([`crate::dialect`]) and handed out as engine
+//! events, and its end.
+//!
+//! Invariants: `Started` goes once, before any token, with the cached
+//! prompt tokens the first chunk reports; no more than `max_tokens`
+//! tokens are handed out; generation ends after a stop token id even where
+//! the server cannot be told about them; exactly one terminal event
+//! (`Finished` or `Failed`) ends every request.
+
+use crate::config::Api;
+use crate::dialect::{self, ChunkError, Decoder};
+use crate::engine::{Detokenize, Retokenize};
+use crate::sse::SseDecoder;
+use dynamo_bus_schema::FinishReason;
+use dynamo_engine::{EngineError, EngineEvent, Slot, ValidRequest};
+use futures::StreamExt;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// Bytes of an error answer kept for the message.
+const MAX_ERROR_BODY: usize = 4096;
+/// How long the rest of a finished stream is read, so its connection can
+/// be reused.
+const DRAIN: Duration = Duration::from_millis(200);
+
+/// A response body being read.
+type Body = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
+
+/// What one request needs to call the server.
+pub(crate) struct Call {
+    pub(crate) client: reqwest::Client,
+    pub(crate) base: String,
+    pub(crate) api: Api,
+    pub(crate) model: String,
+    pub(crate) vocab: u32,
+    pub(crate) response_timeout: Duration,
+    pub(crate) idle_timeout: Duration,
+    pub(crate) retokenize: Option<Retokenize>,
+    /// `prompt = "text"`: the prompt goes as this detokenizer's text.
+    pub(crate) detokenize: Option<Detokenize>,
+}
+
+async fn error_body(r: reqwest::Response) -> String {
+    let mut body = Vec::new();
+    let mut s = r.bytes_stream();
+    while let Some(Ok(b)) = s.next().await {
+        body.extend_from_slice(&b);
+        if body.len() >= MAX_ERROR_BODY {
+            body.truncate(MAX_ERROR_BODY);
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&body).into_owned();
+    serde_json::from_str::<serde_json::Value>(&text)
+        .ok()
+        .and_then(|v| {
+            v.pointer("/error/message")
+                .or_else(|| v.get("message"))
+                .or_else(|| v.get("detail"))
+                .and_then(|m| m.as_str().map(str::to_string))
+        })
+        .unwrap_or(text)
+}
+
+impl Call {
+    pub(crate) async fn serve(
+        self,
+        req: ValidRequest,
+        tx: mpsc::UnboundedSender<EngineEvent>,
+        cancel: CancellationToken,
+        slot: Slot,
+    ) {
+        let out = tokio::select! {
+            r = self.stream(&req, &tx) => r,
+            _ = cancel.cancelled() => Ok((FinishReason::Cancelled, None)),
+        };
+        match out {
+            Ok((reason, rest)) => {
+                let _ = tx.send(EngineEvent::Finished { reason });
+                drop(slot);
+                // Then read the rest briefly, so the connection can be reused.
+                if let Some(mut body) = rest {
+                    let _ = tokio::time::timeout(DRAIN, async {
+                        while let Some(Ok(_)) = body.next().await {}
+                    })
+                    .await;
+                }
+            }
+            Err(e) => {
+                let _ = tx.send(EngineEvent::Failed(e));
+            }
+        }
+    }
+
+    /// Runs the request, sending its tokens; answers how it finished, and
+    /// the rest of the body when it finished before the body ended.
+    async fn stream(
+        &self,
+        req: &ValidRequest,
+        tx: &mpsc::UnboundedSender<EngineEvent>,
+    ) -> Result<(FinishReason, Option<Body>), EngineError> {
+        let text = match &self.detokenize {
+            None => None,
+            Some(d) => Some(d(req.prompt()).ok_or_else(|| {
+                EngineError::Internal("the prompt's token ids do not detokenize".into())
+            })?),
+        };
+        let (path, body) = dialect::request(self.api, &self.model, req, text.as_deref());
+        let url = format!("{}{path}", self.base);
+        let send = self.client.post(&url).json(&body).send();
+        let resp = match tokio::time::timeout(self.response_timeout, send).await {
+            Err(_) => {
+                return Err(EngineError::Failed(format!(
+                    "no answer from {url} within {} ms",
+                    self.response_timeout.as_millis()
+                )))
+            }
+            Ok(Err(e)) => return Err(EngineError::Failed(format!("{url}: {e}"))),
+            Ok(Ok(r)) => r,
+        };
+        let status = resp.status();
+        if !status.is_success() {
+            let msg = error_body(resp).await;
+            let msg = format!("{status}: {msg}");
+            return Err(match status.as_u16() {
+                429 | 503 => EngineError::Overloaded(msg),
+                // A wrong path or model name: this worker's setup, not the
+                // request (another worker may be set up right).
+                404 => EngineError::Failed(format!(
+                    "{url} answered {msg} (are `api` and `served_model` right?)"
+                )),
+                400..=499 => EngineError::Rejected(msg),
+                _ => EngineError::Failed(msg),
+            });
+        }
+        // Started goes with the first chunk, which says how much of the
+        // prompt the engine's prefix cache served (llama.cpp's
+        // `timings_per_token`, vLLM's `continuous_usage_stats`, SGLang's
+        // `meta_info`).
+        let mut started = false;
+        let s = req.sampling();
+        let max = s.max_tokens as usize;
+        let mut sent = 0usize;
+        // Tokens the engine counted so far (it may count more than it sent).
+        let mut counted = 0usize;
+        let mut decoder = Decoder::new(self.api, self.vocab, text.is_some());
+        let mut sse = SseDecoder::default();
+        let mut body: Body = Box::pin(resp.bytes_stream());
+        let mut finish: Option<FinishReason> = None;
+        'read: loop {
+            let next = match tokio::time::timeout(self.idle_timeout, body.next()).await {
+                Err(_) => {
+                    return Err(EngineError::Failed(format!(
+                        "the engine sent nothing for {} ms",
+                        self.idle_timeout.as_millis()
+                    )))
+                }
+                Ok(n) => n,
+            };
+            let events = match next {
+                Some(Ok(bytes)) => sse
+                    .push(&bytes)
+                    .map_err(|e| EngineError::Failed(e.to_string()))?,
+                Some(Err(e)) => {
+                    return Err(EngineError::Failed(format!(
+                        "the engine's stream broke: {e}"
+                    )))
+                }
+                None => {
+                    let last = sse.finish();
+                    if last.is_none() {
+                        break 'read;
+                    }
+                    last.into_iter().collect()
+                }
+            };
+            for ev in events {
+                if ev.event == "error" {
+                    return Err(EngineError::Failed(format!(
+                        "the engine reported: {}",
+                        ev.data
+                    )));
+                }
+                let c = match decoder.chunk(&ev.data) {
+                    Ok(c) => c,
+                    Err(ChunkError::Malformed(m)) => return Err(EngineError::Failed(m)),
+                    Err(e) => return Err(EngineError::Failed(e.to_string())),
+                };
+                if !started {
+                    started = true;
+                    let cached_tokens = c.cached_tokens.unwrap_or(0).min(req.prompt().len() as u32);
+                    let _ = tx.send(EngineEvent::Started { cached_tokens });
+                }
+                let mut toks = c.tokens;
+                if toks.is_empty() && text.is_some() {
+                    // A server that streams only text: our ids for it.
+                    if let Some(t) = c.text.as_deref().filter(|t| !t.is_empty()) {
+                        toks = self
+                            .retokenize
+                            .as_ref()
+                            .and_then(|re| re(t))
+                            .filter(|ids| ids.iter().all(|&i| i < self.vocab))
+                            .ok_or_else(|| {
+                                EngineError::Internal(format!(
+                                    "the engine's text {t:?} does not encode in our vocabulary"
+                                ))
+                            })?;
+                    }
+                }
+                if let Some(n) = c.generated {
+                    if n > counted + toks.len() {
+                        // llama.cpp streams no id for a token that ends
+                        // inside a UTF-8 character; the chunk's text holds
+                        // it and the token that completed the character.
+                        let again = match (&self.retokenize, &c.text) {
+                            (Some(re), Some(text)) => re(text).filter(|ids| {
+                                !ids.is_empty() && ids.iter().all(|&t| t < self.vocab)
+                            }),
+                            _ => None,
+                        };
+                        match again {
+                            Some(ids) => toks = ids,
+                            None => {
+                                return Err(EngineError::Internal(format!(
+                                    "the engine generated {n} tokens but streamed the ids of {} (llama.cpp sends none for a token that splits a UTF-8 character)",
+                                    counted + toks.len()
+                                )))
+                            }
+                        }
+                    }
+                    counted = n;
+                }
+                let mut stop_token = None;
+                if let Some(i) = toks.iter().position(|t| s.stop_token_ids.contains(t)) {
+                    toks.truncate(i + 1);
+                    stop_token = Some(FinishReason::Stop);
+                }
+                let full = sent + toks.len() >= max;
+                toks.truncate(max - sent);
+                if !toks.is_empty() {
+                    sent += toks.len();
+                    let _ = tx.send(EngineEvent::Tokens(toks));
+                }
+                // A stop token, else the engine's own reason (it may come on
+                // the chunk of the last allowed token), else the limit.
+                let end = stop_token
+                    .or(c.finish)
+                    .or(full.then_some(FinishReason::Length));
+                if let Some(r) = end {
+                    finish = Some(r);
+                    break 'read;
+                }
+                if c.done {
+                    break 'read;
+                }
+            }
+        }
+        match finish {
+            Some(r) => Ok((r, Some(body))),
+            None => Err(EngineError::Failed(
+                "the engine's stream ended before the request finished".into(),
+            )),
+        }
+    }
+}
