@@ -535,10 +535,33 @@ impl Agent {
     /// the source regions hands them to [`Self::bury`] instead (the
     /// provider may still read them).
     pub fn write_all(&mut self, ops: &[WriteOp<'_>], timeout: Duration) -> Result<(), FabricError> {
+        self.rma_all(false, ops, timeout)
+    }
+
+    /// Posts every read of `ops` (from any peers) before waiting for any,
+    /// then waits for all their completions (at most `timeout` in all).
+    /// On an error, the local regions may still be written by reads that
+    /// were abandoned: a caller that drops them hands them to
+    /// [`Self::bury`].
+    pub fn read_all(&mut self, ops: &[WriteOp<'_>], timeout: Duration) -> Result<(), FabricError> {
+        self.rma_all(true, ops, timeout)
+    }
+
+    fn rma_all(
+        &mut self,
+        read: bool,
+        ops: &[WriteOp<'_>],
+        timeout: Duration,
+    ) -> Result<(), FabricError> {
         let deadline = Instant::now() + timeout;
         let mut tags = Vec::with_capacity(ops.len());
         for op in ops {
-            match self.post(Rma::Write(op.notify), op, timeout, deadline) {
+            let kind = if read {
+                Rma::Read
+            } else {
+                Rma::Write(op.notify)
+            };
+            match self.post(kind, op, timeout, deadline) {
                 Ok(tag) => tags.push((tag, op.local.remote.key)),
                 Err(e) => {
                     self.abandon(&tags);

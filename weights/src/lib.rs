@@ -1,0 +1,25 @@
+//! `dynamo-weights`: getting a model's weights onto a node that lacks them,
+//! and handing them on.
+//!
+//! - [`manifest`]: a file named by its content (the SHA-256 of its bytes),
+//!   cut into chunks each with a hash of its own, so a torn or wrong chunk
+//!   is found and fetched again without reading the rest twice.
+//! - [`source`]: where chunks come from: a peer's registered memory read
+//!   over libfabric, or any byte source (a local file, a cache).
+//! - [`loader`]: a load in the configured order of sources, in parallel
+//!   across peers, every chunk verified before it counts and the whole
+//!   file verified before a byte is handed out; a source that fails is
+//!   dropped and the rest carry on.
+//! - [`serve`]: weights held in registered memory that peers may read.
+//!
+//! NATS-free: the node advertises sources and finds them on the bus.
+
+pub mod loader;
+pub mod manifest;
+pub mod serve;
+pub mod source;
+
+pub use loader::{load, LoadError, LoadOptions, LoadProgress, Loaded, Source, Tried};
+pub use manifest::{ContentHash, Manifest, ManifestError};
+pub use serve::{PeerDescriptor, ServeError, WeightServer};
+pub use source::{ByteSource, FileSource, PeerSource, SourceError};

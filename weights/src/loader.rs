@@ -1,0 +1,409 @@
+//! A verified load from an ordered list of sources.
+//!
+//! Chunks go in windows of [`LoadOptions::window`]. Each chunk goes to the
+//! first source in order that is still alive and has not failed it; where
+//! that is a peer, the window's chunks are spread over every live peer
+//! that has not failed them, and all their reads are in flight at once.
+//!
+//! Invariants:
+//! - a chunk counts as loaded only once its bytes match its hash in the
+//!   manifest; a chunk that does not is fetched again from another source
+//!   (the source that gave it is not asked for it again);
+//! - a source that is gone (a dead peer, a missing file, a file of
+//!   another size) is dropped for the rest of the load;
+//! - before anything is handed out, the whole file's SHA-256 equals the
+//!   manifest's content hash;
+//! - with no source left for a chunk, the load fails naming every source
+//!   tried and why.
+
+use crate::manifest::{ContentHash, Manifest};
+use crate::source::{ByteSource, PeerSource, SourceError};
+use dynamo_transfer::{Agent, FabricError, Peer, Region, RemoteRegion, WriteOp};
+use sha2::{Digest, Sha256};
+use std::collections::{HashSet, VecDeque};
+use std::fmt;
+use std::time::{Duration, Instant};
+use thiserror::Error;
+
+/// One source of a load.
+pub enum Source {
+    Peer(PeerSource),
+    Bytes(Box<dyn ByteSource>),
+}
+
+impl Source {
+    pub fn name(&self) -> String {
+        match self {
+            Source::Peer(p) => format!("peer {}", p.name),
+            Source::Bytes(b) => b.name(),
+        }
+    }
+}
+
+/// How a load runs.
+#[derive(Clone, Debug)]
+pub struct LoadOptions {
+    /// The libfabric provider peers are read over (theirs must match).
+    pub provider: String,
+    /// Chunks fetched at once.
+    pub window: usize,
+    /// Longest wait for one window of peer reads.
+    pub peer_timeout: Duration,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            provider: "tcp;ofi_rxm".into(),
+            window: 8,
+            peer_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Progress of a load, after each verified chunk.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoadProgress {
+    pub done: u64,
+    pub total: u64,
+    /// The source of the chunk just verified.
+    pub source: String,
+}
+
+/// One source a failed load tried, and why it gave nothing usable.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tried {
+    pub source: String,
+    pub why: String,
+}
+
+/// The list of what was tried, for an error message.
+pub struct TriedList<'a>(pub &'a [Tried]);
+
+impl fmt::Display for TriedList<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("no source was configured or advertised");
+        }
+        for (i, t) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "{}: {}", t.source, t.why)?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum LoadError {
+    #[error("no source could provide {model} (sha256 {sha}): {}", TriedList(.tried))]
+    NoSource {
+        model: String,
+        sha: String,
+        tried: Vec<Tried>,
+    },
+    #[error("the chunks match the manifest but the file's SHA-256 is {got}, not {want}: the manifest is wrong")]
+    Mismatch { got: String, want: String },
+    #[error("fabric endpoint for peer reads: {0}")]
+    Fabric(#[from] FabricError),
+}
+
+/// Where the bytes land.
+enum Dest {
+    /// Registered memory (peers can read into it, and it can be served).
+    Region(Box<(Agent, Region)>),
+    Heap(Vec<u8>),
+}
+
+impl Dest {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Dest::Region(ar) => ar.1.bytes(),
+            Dest::Heap(v) => v,
+        }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Dest::Region(ar) => ar.1.bytes_mut(),
+            Dest::Heap(v) => v,
+        }
+    }
+}
+
+/// A finished, verified load.
+pub struct Loaded {
+    pub manifest: Manifest,
+    dest: Dest,
+    /// Bytes each source gave (verified), in the order of the sources.
+    pub by_source: Vec<(String, u64)>,
+    /// Chunks fetched again after a wrong or failed read.
+    pub refetched: usize,
+    pub elapsed: Duration,
+}
+
+impl Loaded {
+    pub fn bytes(&self) -> &[u8] {
+        &self.dest.bytes()[..self.manifest.size as usize]
+    }
+
+    /// The endpoint and registered memory the bytes are in, to serve them
+    /// ([`crate::WeightServer::new`]); `None` for a load without peers
+    /// that landed in ordinary memory.
+    pub fn into_registered(self) -> Result<(Agent, Region, Manifest), Box<Loaded>> {
+        match self.dest {
+            Dest::Region(ar) => {
+                let (a, r) = *ar;
+                Ok((a, r, self.manifest))
+            }
+            dest => Err(Box::new(Loaded { dest, ..self })),
+        }
+    }
+}
+
+/// Loads `manifest`'s file from `sources`, in their order of preference.
+///
+/// `reuse` is registered memory of an earlier load (its agent and region)
+/// to land in again if it is large enough, instead of registering anew.
+pub fn load(
+    manifest: &Manifest,
+    mut sources: Vec<Source>,
+    opts: &LoadOptions,
+    reuse: Option<(Agent, Region)>,
+    progress: &mut dyn FnMut(&LoadProgress),
+) -> Result<Loaded, LoadError> {
+    let t0 = Instant::now();
+    let n = manifest.chunks.len();
+    let size = manifest.size as usize;
+    let mut why: Vec<Vec<String>> = vec![Vec::new(); sources.len()];
+    let mut dead = vec![false; sources.len()];
+    // A byte source holding something of another size is not this file.
+    for (i, s) in sources.iter_mut().enumerate() {
+        if let Source::Bytes(b) = s {
+            match b.size() {
+                Ok(len) if len == manifest.size => {}
+                Ok(len) => {
+                    dead[i] = true;
+                    why[i].push(format!(
+                        "holds {len} bytes, not the {} of sha256 {}",
+                        manifest.size,
+                        manifest.sha256.short()
+                    ));
+                }
+                Err(e) => {
+                    dead[i] = true;
+                    why[i].push(e.to_string());
+                }
+            }
+        }
+    }
+    let has_peers = sources.iter().any(|s| matches!(s, Source::Peer(_)));
+    let mut dest = match reuse {
+        Some((a, r)) if r.bytes().len() >= size && a.provider() == opts.provider => {
+            Dest::Region(Box::new((a, r)))
+        }
+        other => {
+            drop(other);
+            if has_peers {
+                let mut a = Agent::new(&opts.provider)?;
+                let r = a.register(size)?;
+                Dest::Region(Box::new((a, r)))
+            } else {
+                Dest::Heap(vec![0u8; size])
+            }
+        }
+    };
+    // Peers in the endpoint's address vector (one that cannot be is gone).
+    let mut peers: Vec<Option<Peer>> = vec![None; sources.len()];
+    if let Dest::Region(ar) = &mut dest {
+        let a = &mut ar.0;
+        for (i, s) in sources.iter().enumerate() {
+            if let Source::Peer(p) = s {
+                if p.region.len < manifest.size {
+                    dead[i] = true;
+                    why[i].push(format!(
+                        "advertises {} bytes, not {}",
+                        p.region.len, manifest.size
+                    ));
+                    continue;
+                }
+                match a.insert_peer(&p.address) {
+                    Ok(h) => peers[i] = Some(h),
+                    Err(e) => {
+                        dead[i] = true;
+                        why[i].push(e.to_string());
+                    }
+                }
+            }
+        }
+    }
+    let mut failed: Vec<HashSet<usize>> = vec![HashSet::new(); n];
+    let mut given = vec![0u64; sources.len()];
+    let mut pending: VecDeque<usize> = (0..n).collect();
+    let mut done_bytes = 0u64;
+    let mut refetched = 0usize;
+    while !pending.is_empty() {
+        let window: Vec<usize> = (0..opts.window.max(1))
+            .map_while(|_| pending.pop_front())
+            .collect();
+        // Assign each chunk a source.
+        let mut plan: Vec<(usize, usize)> = Vec::with_capacity(window.len());
+        for &c in &window {
+            let ok = |i: usize| !dead[i] && !failed[c].contains(&i);
+            let Some(first) = (0..sources.len()).find(|&i| ok(i)) else {
+                return Err(no_source(manifest, &sources, &why));
+            };
+            let s = if matches!(sources[first], Source::Peer(_)) {
+                let live: Vec<usize> = (0..sources.len())
+                    .filter(|&i| ok(i) && matches!(sources[i], Source::Peer(_)))
+                    .collect();
+                live[c % live.len()]
+            } else {
+                first
+            };
+            plan.push((c, s));
+        }
+        // Peer reads, all in flight at once.
+        let reads: Vec<(usize, usize)> = plan
+            .iter()
+            .copied()
+            .filter(|&(_, s)| peers[s].is_some())
+            .collect();
+        let mut fetched: Vec<(usize, usize)> = Vec::new();
+        if !reads.is_empty() {
+            let Dest::Region(ar) = &mut dest else {
+                unreachable!("peers are inserted only with registered memory");
+            };
+            let (agent, region) = &mut **ar;
+            let op = |&(c, s): &(usize, usize)| {
+                let Source::Peer(p) = &sources[s] else {
+                    unreachable!("only peers have handles")
+                };
+                let (off, len) = manifest.chunk(c);
+                (off, len, peers[s].expect("a peer's handle"), p.region)
+            };
+            let specs: Vec<_> = reads.iter().map(op).collect();
+            let region: &Region = region;
+            let ops: Vec<WriteOp<'_>> = specs.iter().map(|sp| read_op(region, sp)).collect();
+            let all = agent.read_all(&ops, opts.peer_timeout);
+            drop(ops);
+            match all {
+                Ok(()) => fetched.extend(reads.iter().copied()),
+                Err(_) => {
+                    // One at a time, to find who failed.
+                    for (&(c, s), spec) in reads.iter().zip(&specs) {
+                        if dead[s] {
+                            pending.push_front(c);
+                            continue;
+                        }
+                        match agent.read(read_op(region, spec), opts.peer_timeout) {
+                            Ok(()) => fetched.push((c, s)),
+                            Err(e) => {
+                                tracing::warn!(source = %sources[s].name(), chunk = c, error = %e, "weights: a peer read failed; trying another source");
+                                dead[s] = true;
+                                why[s].push(format!("read of chunk {c} failed: {e}"));
+                                pending.push_front(c);
+                                refetched += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // Byte sources, in turn.
+        for &(c, s) in plan.iter().filter(|&&(_, s)| peers[s].is_none()) {
+            let (off, len) = manifest.chunk(c);
+            let Source::Bytes(b) = &mut sources[s] else {
+                unreachable!("a peer without a handle is dead");
+            };
+            let out = &mut dest.bytes_mut()[off as usize..off as usize + len];
+            match b.read_at(off, out) {
+                Ok(()) => fetched.push((c, s)),
+                Err(e) => {
+                    tracing::warn!(source = %b.name(), chunk = c, error = %e, "weights: a read failed; trying another source");
+                    match e {
+                        SourceError::Io(_) => {
+                            failed[c].insert(s);
+                        }
+                        _ => dead[s] = true,
+                    }
+                    why[s].push(format!("chunk {c}: {e}"));
+                    pending.push_front(c);
+                    refetched += 1;
+                }
+            }
+        }
+        // Verify what came.
+        fetched.sort_unstable();
+        for (c, s) in fetched {
+            let (off, len) = manifest.chunk(c);
+            let bytes = &dest.bytes()[off as usize..off as usize + len];
+            if manifest.chunk_ok(c, bytes) {
+                given[s] += len as u64;
+                done_bytes += len as u64;
+                progress(&LoadProgress {
+                    done: done_bytes,
+                    total: manifest.size,
+                    source: sources[s].name(),
+                });
+            } else {
+                tracing::warn!(source = %sources[s].name(), chunk = c, "weights: a chunk does not match its hash; fetching it again elsewhere");
+                failed[c].insert(s);
+                why[s].push(format!("chunk {c} does not match its SHA-256"));
+                pending.push_front(c);
+                refetched += 1;
+            }
+        }
+    }
+    let got = ContentHash(Sha256::digest(&dest.bytes()[..size]).into());
+    if got != manifest.sha256 {
+        return Err(LoadError::Mismatch {
+            got: got.hex(),
+            want: manifest.sha256.hex(),
+        });
+    }
+    Ok(Loaded {
+        manifest: manifest.clone(),
+        dest,
+        by_source: sources.iter().map(Source::name).zip(given).collect(),
+        refetched,
+        elapsed: t0.elapsed(),
+    })
+}
+
+/// The read of one chunk (`offset`, `len`, `peer`, `remote`) into the same
+/// offset of `region`.
+fn read_op<'a>(region: &'a Region, spec: &'a (u64, usize, Peer, RemoteRegion)) -> WriteOp<'a> {
+    let (off, len, peer, remote) = spec;
+    WriteOp {
+        local: region,
+        offset: *off as usize,
+        len: *len,
+        peer: *peer,
+        remote,
+        remote_offset: *off,
+        notify: None,
+    }
+}
+
+fn no_source(manifest: &Manifest, sources: &[Source], why: &[Vec<String>]) -> LoadError {
+    LoadError::NoSource {
+        model: manifest.model.clone(),
+        sha: manifest.sha256.short(),
+        tried: sources
+            .iter()
+            .zip(why)
+            .map(|(s, w)| Tried {
+                source: s.name(),
+                why: if w.is_empty() {
+                    "gave nothing".into()
+                } else {
+                    let mut w = w.clone();
+                    w.dedup();
+                    w.truncate(3);
+                    w.join(", ")
+                },
+            })
+            .collect(),
+    }
+}
