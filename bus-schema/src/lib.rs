@@ -25,6 +25,7 @@ pub mod ids;
 pub mod messages;
 pub mod planner;
 pub mod subjects;
+pub mod weights;
 
 pub use cluster::*;
 pub use codec::{

@@ -161,6 +161,18 @@ impl Subjects {
     pub fn pins_bucket(&self) -> String {
         format!("dynamo_{}_pins", self.ns.0)
     }
+    /// JetStream KV bucket of weights: `manifest.<sha256>`
+    /// ([`crate::weights::WeightManifest`], kept) and
+    /// `source.<sha256>.<node>` ([`crate::weights::WeightSource`]s, reaped
+    /// by age unless rewritten).
+    pub fn weights_bucket(&self) -> String {
+        format!("dynamo_{}_weights", self.ns.0)
+    }
+    /// JetStream object store of the in-cluster weight cache: objects
+    /// `<sha256>.<chunk>`, one per manifest chunk.
+    pub fn weights_objects(&self) -> String {
+        format!("dynamo_{}_weight_cache", self.ns.0)
+    }
     /// JetStream KV bucket holding [`crate::DeploymentStatus`]es keyed by deployment.
     pub fn deploy_status_bucket(&self) -> String {
         format!("dynamo_{}_deploy_status", self.ns.0)
@@ -169,7 +181,13 @@ impl Subjects {
 
 /// Node ids come from configs and flags; keep only subject-safe characters.
 fn subject_safe(n: &NodeId) -> String {
-    n.0.chars()
+    subject_token(&n.0)
+}
+
+/// `s` with every character but ASCII letters, digits, `-` and `_` made `_`
+/// (one subject or key token).
+pub fn subject_token(s: &str) -> String {
+    s.chars()
         .map(|c| {
             if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
                 c

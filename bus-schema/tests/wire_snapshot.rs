@@ -567,6 +567,33 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                 unix_ms: 12,
             })),
         ),
+        (
+            "WeightManifest",
+            enc(encode(&weights::WeightManifest {
+                model: "m".into(),
+                sha256: weights::ContentHash([7; 32]),
+                layout: "gguf".into(),
+                size: 5 << 20,
+                chunk_size: 4 << 20,
+                chunks: vec![weights::ContentHash([1; 32]), weights::ContentHash([2; 32])],
+            })),
+        ),
+        (
+            "WeightSource",
+            enc(encode(&weights::WeightSource {
+                node: NodeId("n1".into()),
+                model: "m".into(),
+                sha256: weights::ContentHash([7; 32]),
+                layout: "gguf".into(),
+                size: 5 << 20,
+                state: weights::WeightSourceState::Ready,
+                provider: "tcp;ofi_rxm".into(),
+                address: vec![1, 2, 3],
+                region_key: 9,
+                region_base: 0,
+                updated_unix_ms: 12,
+            })),
+        ),
     ]
 }
 

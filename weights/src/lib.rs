@@ -19,6 +19,7 @@ pub mod manifest;
 pub mod serve;
 pub mod source;
 
+pub use dynamo_bus_schema::weights::{WeightSource, WeightSourceState};
 pub use loader::{load, LoadError, LoadOptions, LoadProgress, Loaded, Source, Tried};
 pub use manifest::{ContentHash, Manifest, ManifestError};
 pub use serve::{PeerDescriptor, ServeError, WeightServer};

@@ -16,7 +16,7 @@
 //! - with no source left for a chunk, the load fails naming every source
 //!   tried and why.
 
-use crate::manifest::{ContentHash, Manifest};
+use crate::manifest::{chunk_ok, ContentHash, Manifest};
 use crate::source::{ByteSource, PeerSource, SourceError};
 use dynamo_transfer::{Agent, FabricError, Peer, Region, RemoteRegion, WriteOp};
 use sha2::{Digest, Sha256};
@@ -338,7 +338,7 @@ pub fn load(
         for (c, s) in fetched {
             let (off, len) = manifest.chunk(c);
             let bytes = &dest.bytes()[off as usize..off as usize + len];
-            if manifest.chunk_ok(c, bytes) {
+            if chunk_ok(manifest, c, bytes) {
                 given[s] += len as u64;
                 done_bytes += len as u64;
                 progress(&LoadProgress {

@@ -5,7 +5,7 @@
 //! and its endpoint progressed, for as long as the server lives, so an
 //! advertised descriptor is readable until the server is dropped.
 
-use crate::manifest::{ContentHash, Manifest};
+use crate::manifest::{hash, Manifest};
 use crate::source::PeerSource;
 use dynamo_transfer::{Agent, FabricError, Progress, Region, RemoteRegion};
 use serde::{Deserialize, Serialize};
@@ -82,7 +82,7 @@ impl WeightServer {
         }
         f.read_exact(&mut region.bytes_mut()[..len as usize])
             .map_err(io)?;
-        let got = ContentHash::of(&region.bytes()[..len as usize]);
+        let got = hash(&region.bytes()[..len as usize]);
         if got != manifest.sha256 {
             return Err(ServeError::Mismatch {
                 path: path.display().to_string(),

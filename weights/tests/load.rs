@@ -2,7 +2,7 @@
 //! peers serving registered memory, and from files.
 
 use dynamo_weights::source::{ByteSource, FileSource};
-use dynamo_weights::{load, LoadError, LoadOptions, Manifest, Source, WeightServer};
+use dynamo_weights::{load, LoadError, LoadOptions, Source, WeightServer};
 use std::io::Write;
 use std::time::Duration;
 
@@ -34,7 +34,7 @@ fn peer(s: &WeightServer, name: &str) -> Source {
 fn from_peers(provider: &str) {
     let b = content(19 << 20, 1);
     let f = file(&b);
-    let m = Manifest::of_file(f.path(), "m", "gguf").unwrap();
+    let m = dynamo_weights::manifest::of_file(f.path(), "m", "gguf").unwrap();
     let a = WeightServer::from_file(f.path(), m.clone(), provider).unwrap();
     let c = WeightServer::from_file(f.path(), m.clone(), provider).unwrap();
     let mut seen = Vec::new();
@@ -89,7 +89,7 @@ fn a_corrupted_chunk_is_fetched_again_from_another_source() {
     let provider = "tcp;ofi_rxm";
     let b = content(13 << 20, 2);
     let f = file(&b);
-    let m = Manifest::of_file(f.path(), "m", "gguf").unwrap();
+    let m = dynamo_weights::manifest::of_file(f.path(), "m", "gguf").unwrap();
     // A peer whose memory has one byte wrong in chunk 1.
     let mut bad = b.clone();
     bad[(5 << 20) + 7] ^= 0xff;
@@ -134,7 +134,7 @@ fn a_corrupted_chunk_is_fetched_again_from_another_source() {
     );
     // A manifest whose chunks are right but whose content hash is not.
     let mut lie = m.clone();
-    lie.sha256 = dynamo_weights::ContentHash::of(b"other");
+    lie.sha256 = dynamo_weights::manifest::hash(b"other");
     let e = load(
         &lie,
         vec![Source::Bytes(Box::new(FileSource::new(f.path())))],
@@ -152,7 +152,7 @@ fn a_peer_that_goes_away_mid_load_is_replaced_by_the_next_source() {
     let provider = "tcp;ofi_rxm";
     let b = content(33 << 20, 3);
     let f = file(&b);
-    let m = Manifest::of_file(f.path(), "m", "gguf").unwrap();
+    let m = dynamo_weights::manifest::of_file(f.path(), "m", "gguf").unwrap();
     let gone = WeightServer::from_file(f.path(), m.clone(), provider).unwrap();
     let src = vec![
         peer(&gone, "gone"),
@@ -199,7 +199,7 @@ impl ByteSource for Empty {
 #[test]
 fn with_no_source_the_error_names_each_one_tried() {
     let b = content(3 << 20, 4);
-    let m = Manifest::of_bytes(&b, "smollm2", "gguf");
+    let m = dynamo_weights::manifest::of_bytes(&b, "smollm2", "gguf");
     let e = load(
         &m,
         vec![
@@ -231,7 +231,7 @@ fn registered_memory_is_reused_by_the_next_load() {
     let provider = "tcp;ofi_rxm";
     let b = content(6 << 20, 5);
     let f = file(&b);
-    let m = Manifest::of_file(f.path(), "m", "gguf").unwrap();
+    let m = dynamo_weights::manifest::of_file(f.path(), "m", "gguf").unwrap();
     let s = WeightServer::from_file(f.path(), m.clone(), provider).unwrap();
     let first = load(&m, vec![peer(&s, "s")], &opts(provider), None, &mut |_| {}).unwrap();
     let at = first.bytes().as_ptr();
