@@ -197,6 +197,8 @@ pub struct WeightSource {
     pub layout: String,
     pub size: u64,
     pub state: WeightSourceState,
+    /// Bytes verified so far (`size` once ready).
+    pub loaded_bytes: u64,
     /// The libfabric provider its endpoint is on.
     pub provider: String,
     /// Its endpoint address.

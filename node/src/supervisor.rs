@@ -68,6 +68,8 @@ pub struct SupervisorArgs {
     pub config: NodeConfig,
     /// One loaded model per worker group.
     pub models: Vec<Arc<GroupModel>>,
+    /// What the node serves of its weights, and how it finds more.
+    pub weights: Arc<crate::weights::NodeWeights>,
 }
 
 /// What a worker group's engines share: the model card and tokenizer, and
@@ -130,6 +132,7 @@ pub enum SupervisorMsg {
 pub struct NodeSupervisor;
 
 pub struct SupervisorState {
+    weights: Arc<crate::weights::NodeWeights>,
     bus: Bus,
     cfg: NodeConfig,
     models: Vec<Arc<GroupModel>>,
@@ -168,6 +171,7 @@ impl Actor for NodeSupervisor {
             bus: args.bus,
             cfg: args.config,
             models: args.models,
+            weights: args.weights,
             children: HashMap::new(),
             gateway: None,
             workers: HashMap::new(),
@@ -567,6 +571,7 @@ impl SupervisorState {
                     bus: self.bus.clone(),
                     config: self.cfg.clone(),
                     supervisor: ActorRef::<SupervisorMsg>::from(sup.clone()),
+                    weights: self.weights.clone(),
                 };
                 let (a, _) = Actor::spawn_linked(
                     Some(crate::agent::AGENT_NAME.to_string()),

@@ -49,6 +49,9 @@ pub struct LoadOptions {
     pub window: usize,
     /// Longest wait for one window of peer reads.
     pub peer_timeout: Duration,
+    /// At most this many bytes a second on average (None: as fast as the
+    /// sources go), so a load does not crowd out a serving node's traffic.
+    pub max_bytes_per_sec: Option<u64>,
 }
 
 impl Default for LoadOptions {
@@ -57,6 +60,7 @@ impl Default for LoadOptions {
             provider: "tcp;ofi_rxm".into(),
             window: 8,
             peer_timeout: Duration::from_secs(30),
+            max_bytes_per_sec: None,
         }
     }
 }
@@ -243,6 +247,12 @@ pub fn load(
     let mut done_bytes = 0u64;
     let mut refetched = 0usize;
     while !pending.is_empty() {
+        if let Some(rate) = opts.max_bytes_per_sec.filter(|r| *r > 0) {
+            let due = Duration::from_secs_f64(done_bytes as f64 / rate as f64);
+            if let Some(wait) = due.checked_sub(t0.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
         let window: Vec<usize> = (0..opts.window.max(1))
             .map_while(|_| pending.pop_front())
             .collect();

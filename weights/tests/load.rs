@@ -24,6 +24,7 @@ fn opts(provider: &str) -> LoadOptions {
         provider: provider.into(),
         window: 4,
         peer_timeout: Duration::from_secs(5),
+        max_bytes_per_sec: None,
     }
 }
 

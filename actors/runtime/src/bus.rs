@@ -294,6 +294,41 @@ impl Bus {
             .map_err(|e| err(e.to_string()))
     }
 
+    /// Opens (creating if needed) an object store kept on the server's
+    /// disk. As with KV buckets, `create_object_store` fails against
+    /// nats-server 2.9.10, so its backing stream `OBJ_<bucket>` is created
+    /// here with the settings an object store has.
+    pub async fn object_store(
+        &self,
+        bucket: &str,
+    ) -> Result<async_nats::jetstream::object_store::ObjectStore, BusError> {
+        let err = |reason: String| BusError::Bucket {
+            bucket: bucket.into(),
+            reason,
+        };
+        let stream_name = format!("OBJ_{bucket}");
+        if self.js.get_stream(&stream_name).await.is_err() {
+            let cfg = stream::Config {
+                name: stream_name.clone(),
+                subjects: vec![format!("$O.{bucket}.C.>"), format!("$O.{bucket}.M.>")],
+                allow_rollup: true,
+                allow_direct: true,
+                discard: stream::DiscardPolicy::New,
+                storage: stream::StorageType::File,
+                ..Default::default()
+            };
+            if let Err(e) = self.js.create_stream(cfg).await {
+                if self.js.get_stream(&stream_name).await.is_err() {
+                    return Err(err(e.to_string()));
+                }
+            }
+        }
+        self.js
+            .get_object_store(bucket)
+            .await
+            .map_err(|e| err(e.to_string()))
+    }
+
     /// Makes sure the stream capturing every worker's KV events exists
     /// (memory storage, bounded by age and size, oldest dropped first).
     pub async fn ensure_kv_events_stream(&self) -> Result<(), BusError> {

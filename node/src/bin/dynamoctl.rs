@@ -3,7 +3,9 @@
 
 use clap::{Parser, Subcommand};
 use dynamo_bus_schema::Namespace;
-use dynamo_node::{bench, calibrate, cluster, configure, drain, env, planner_cli, replay, status};
+use dynamo_node::{
+    bench, calibrate, cluster, configure, drain, env, models_cli, planner_cli, replay, status,
+};
 
 #[derive(Parser)]
 #[command(
@@ -65,6 +67,30 @@ enum PlannerCmd {
 }
 
 #[derive(Subcommand)]
+enum ModelsCmd {
+    /// The weight files the cluster knows: content hash, size, whether the
+    /// cache holds them, and the nodes serving them.
+    Ls {
+        #[command(flatten)]
+        bus: Bus,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put a model file in the in-cluster cache (a JetStream object store),
+    /// for nodes without it.
+    Push {
+        file: std::path::PathBuf,
+        /// The model's served name.
+        #[arg(long, default_value = "smollm2-135m-instruct")]
+        model: String,
+        #[command(flatten)]
+        bus: Bus,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
 enum Cmd {
     /// Store a deployment spec (YAML) as the cluster's desired state; the
     /// placement controller places it on the joined nodes.
@@ -108,6 +134,11 @@ enum Cmd {
     Planner {
         #[command(subcommand)]
         cmd: PlannerCmd,
+    },
+    /// Model weights: `models ls`, `models push FILE`.
+    Models {
+        #[command(subcommand)]
+        cmd: ModelsCmd,
     },
     /// Set the replicas of a service or scaling group:
     /// `scale DEPLOYMENT/SERVICE N`. Only that service's replicas change;
@@ -388,6 +419,45 @@ fn main() {
                     println!("{}", serde_json::to_string_pretty(&v)?);
                 } else {
                     print!("{}", planner_cli::render(&v));
+                }
+                Ok(())
+            }
+            Cmd::Models {
+                cmd: ModelsCmd::Ls { bus, json },
+            } => {
+                let (url, ns) = bus.resolve()?;
+                let v = tokio::time::timeout(limit, models_cli::ls(&url, ns))
+                    .await
+                    .map_err(timed(url.clone()))??;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&v)?);
+                } else {
+                    print!("{}", models_cli::render(&v));
+                }
+                Ok(())
+            }
+            Cmd::Models {
+                cmd:
+                    ModelsCmd::Push {
+                        file,
+                        model,
+                        bus,
+                        json,
+                    },
+            } => {
+                let (url, ns) = bus.resolve()?;
+                // No time limit: a large file takes what it takes.
+                let v = models_cli::push(&url, ns, &file, &model).await?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&v)?);
+                } else {
+                    println!(
+                        "pushed {} ({} bytes, sha256 {}) in {:.1} s",
+                        v["model"].as_str().unwrap_or("?"),
+                        v["size"],
+                        v["sha256"].as_str().unwrap_or("?"),
+                        v["seconds"].as_f64().unwrap_or(0.0)
+                    );
                 }
                 Ok(())
             }

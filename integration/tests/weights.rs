@@ -1,0 +1,215 @@
+//! Weights from the cluster (issue 18): real node daemons, real NATS,
+//! real libfabric endpoints (`tcp;ofi_rxm`). A node started without the
+//! model file (`DYNAMO_MODEL_GGUF` unset, the package hidden with
+//! `DYNAMO_MODEL_PACKAGE=0`) gets it from a peer, or from the in-cluster
+//! cache, verified, and serves it on.
+
+use dynamo_integration::*;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// The environment of a node that has no model file of its own.
+fn bare(dir: &std::path::Path) -> (Vec<(&'static str, String)>, &'static [&'static str]) {
+    (
+        vec![
+            ("DYNAMO_MODEL_PACKAGE", "0".to_string()),
+            ("DYNAMO_WEIGHTS_DIR", dir.display().to_string()),
+        ],
+        &["DYNAMO_MODEL_GGUF"],
+    )
+}
+
+fn start_bare(cfg: &str, dir: &std::path::Path, more: &[(&str, &str)]) -> Node {
+    let (set, unset) = bare(dir);
+    let mut env: Vec<(&str, &str)> = set.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    env.extend_from_slice(more);
+    Node::start_with_env(cfg, &env, unset)
+}
+
+fn cpu_worker() -> String {
+    format!(
+        "[[workers]]\ncount = 1\nengine = \"cpu\"\nmodel = \"{MODEL}\"\nheartbeat_ms = 500\n\n\
+         [workers.cpu]\nthreads = 1\nnum_blocks = 128\n\n"
+    )
+}
+
+fn models_ls(nats: &str) -> Value {
+    let out = dynamoctl(nats, &["models", "ls", "--json"]);
+    assert_success(&out);
+    serde_json::from_slice(&out.stdout).expect("models ls JSON")
+}
+
+/// Waits until `node` advertises the model as ready to peers.
+async fn wait_served(nats: &str, node: &str) {
+    let t0 = std::time::Instant::now();
+    loop {
+        let v = models_ls(nats);
+        let served = v["models"].as_array().into_iter().flatten().any(|m| {
+            m["sources"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|s| s["node"] == node && s["state"] == "ready")
+        });
+        if served {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{node} never served the model: {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_the_model_loads_it_from_a_peer_and_answers_the_same() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut a = Node::start(&node_config("a", &nats.url, Some(port), 0, &cpu_worker()));
+    let http = Http::new(port);
+    http.wait_ready(1, &mut a).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = start_bare(
+        &node_config("b", &nats.url, None, 0, &cpu_worker()),
+        dir.path(),
+        &[],
+    );
+    http.wait_ready(2, &mut a).await;
+    let log = b.log_text();
+    assert!(log.contains("weights: loaded and verified"), "{log}");
+    assert!(log.contains("peer a"), "{log}");
+    // The file it wrote is the same file.
+    let want = std::fs::read(dynamo_integration::llama::gguf()).unwrap();
+    let got: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .collect();
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert!(std::fs::read(got[0].path()).unwrap() == want);
+    // Both nodes serve it now.
+    let v = models_ls(&nats.url);
+    let m = &v["models"][0];
+    assert_eq!(m["model"], MODEL, "{v}");
+    let nodes: Vec<&str> = m["sources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["state"] == "ready")
+        .filter_map(|s| s["node"].as_str())
+        .collect();
+    assert!(nodes.contains(&"a") && nodes.contains(&"b"), "{v}");
+    // Greedy answers from either worker are byte-identical.
+    let body = json!({"model": MODEL, "prompt": chat_tokens("Name three colours."),
+                      "max_tokens": 16, "temperature": 0.0});
+    let mut by_worker = std::collections::BTreeMap::new();
+    for _ in 0..6 {
+        let (x, y) = tokio::join!(
+            http.post("/v1/completions", &body),
+            http.post("/v1/completions", &body)
+        );
+        for r in [x, y] {
+            assert_eq!(r.status, 200, "{}", r.json);
+            let text = r.json["choices"][0]["text"].as_str().unwrap().to_string();
+            by_worker.insert(r.worker.clone().unwrap_or_default(), text);
+        }
+    }
+    assert_eq!(
+        by_worker.len(),
+        2,
+        "one worker served everything: {by_worker:?}"
+    );
+    let texts: std::collections::BTreeSet<&String> = by_worker.values().collect();
+    assert_eq!(texts.len(), 1, "{by_worker:?}");
+    assert!(b.alive());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_killed_mid_load_is_replaced_by_the_cache() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut a = Node::start(&node_config("a", &nats.url, Some(port), 1, ""));
+    let http = Http::new(port);
+    http.wait_ready(1, &mut a).await;
+    wait_served(&nats.url, "a").await;
+    // The file is in the cache as well.
+    let out = dynamoctl(
+        &nats.url,
+        &[
+            "models",
+            "push",
+            &dynamo_integration::llama::gguf(),
+            "--model",
+            MODEL,
+        ],
+    );
+    assert_success(&out);
+    let v = models_ls(&nats.url);
+    assert_eq!(v["models"][0]["cached"], true, "{v}");
+    // A slow load (20 MB/s), so the peer can die in the middle of it.
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = start_bare(
+        &node_config("b", &nats.url, None, 1, ""),
+        dir.path(),
+        &[("DYNAMO_WEIGHTS_MAX_MBPS", "20")],
+    );
+    wait_log(
+        &mut b,
+        Duration::from_secs(30),
+        "a first part from the peer",
+        |l| l.contains("% loaded") && l.contains("peer a"),
+    )
+    .await;
+    a.signal(libc::SIGKILL);
+    wait_log(
+        &mut b,
+        Duration::from_secs(120),
+        "the load finishing",
+        |l| l.contains("weights: loaded and verified"),
+    )
+    .await;
+    let log = b.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("loaded and verified"))
+        .unwrap();
+    assert!(line.contains("peer a") && line.contains("cache"), "{line}");
+    assert!(
+        !log.contains("\"cache (object store)\", 0)"),
+        "the cache gave nothing: {line}"
+    );
+    // Its worker comes up on the verified file.
+    let t0 = std::time::Instant::now();
+    while !registrations(&nats.url)
+        .await
+        .iter()
+        .any(|r| r.node_id.0 == "b")
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "b's worker never registered:\n{}",
+            b.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(b.alive());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_source_at_all_the_node_fails_naming_each_source_tried() {
+    let nats = Nats::start();
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = start_bare(&node_config("c", &nats.url, None, 1, ""), dir.path(), &[]);
+    let code = c.wait(Duration::from_secs(60)).expect("the node exits");
+    assert_ne!(code, 0);
+    let log = c.log_text();
+    for want in [
+        "no source for model smollm2-135m-instruct",
+        "file: no model file given",
+        "$DYNAMO_MODEL_GGUF is unset",
+        "peer: none advertises it",
+        "cache: does not hold it",
+    ] {
+        assert!(log.contains(want), "{want:?} not in:\n{log}");
+    }
+}

@@ -1,0 +1,466 @@
+//! Model weights across the cluster (issue 18): a node that holds a model
+//! file serves it to peers from registered memory and advertises it in the
+//! weights bucket; a node without the file loads it from peers, then the
+//! in-cluster cache (a JetStream object store), then a local file, every
+//! path verified against the content hash before the engine reads a byte.
+//!
+//! Invariants:
+//! - a source record is rewritten every [`HEARTBEAT`] while its node
+//!   serves; one older than [`STALE`] is reaped by whoever reads it;
+//! - a model file written to the local cache directory is complete and
+//!   verified (written to a temporary name, then renamed);
+//! - the cache holds a file only once `cache.<sha256>` names it, written
+//!   after its last chunk.
+
+use dynamo_bus_schema::weights::{ContentHash, WeightManifest, WeightSource, WeightSourceState};
+use dynamo_bus_schema::{encode, unix_ms, NodeId};
+use dynamo_runtime::bus::Bus;
+use dynamo_weights::source::{ByteSource, FileSource, SourceError};
+use dynamo_weights::{load, LoadOptions, LoadProgress, Source, WeightServer};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::AsyncReadExt;
+use tokio::task::JoinSet;
+
+/// How often a serving node rewrites its source record.
+pub const HEARTBEAT: Duration = Duration::from_secs(3);
+/// A source record not rewritten for this long is gone.
+pub const STALE: Duration = Duration::from_secs(15);
+/// The layout every GGUF file is served as.
+pub const GGUF: &str = "gguf";
+
+/// Where a node looks for weights, in order (`DYNAMO_WEIGHTS_ORDER`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    Peer,
+    Cache,
+    File,
+}
+
+/// The weights settings of a node, from the environment (names in
+/// [`crate::env`]), validated at start.
+#[derive(Clone, Debug)]
+pub struct WeightsConfig {
+    /// Sources in order of preference (default peer, cache, file).
+    pub order: Vec<Step>,
+    /// The libfabric provider weights are served and read over.
+    pub provider: String,
+    /// Where loaded files are kept.
+    pub cache_dir: PathBuf,
+    /// Whether this node serves the weights it holds to peers.
+    pub serve: bool,
+    /// Longest wait for one window of peer reads.
+    pub peer_timeout: Duration,
+    /// A load's rate limit (`DYNAMO_WEIGHTS_MAX_MBPS`, MB/s; none by default).
+    pub max_bytes_per_sec: Option<u64>,
+}
+
+impl WeightsConfig {
+    pub fn from_env() -> anyhow::Result<Self> {
+        let order = match std::env::var(crate::env::WEIGHTS_ORDER) {
+            Err(_) => vec![Step::Peer, Step::Cache, Step::File],
+            Ok(s) => s
+                .split(',')
+                .map(|p| match p.trim() {
+                    "peer" => Ok(Step::Peer),
+                    "cache" => Ok(Step::Cache),
+                    "file" => Ok(Step::File),
+                    o => Err(anyhow::anyhow!(
+                        "${}: unknown source {o:?} (peer, cache, file)",
+                        crate::env::WEIGHTS_ORDER
+                    )),
+                })
+                .collect::<anyhow::Result<_>>()?,
+        };
+        let serve = match std::env::var(crate::env::WEIGHTS_SERVE).as_deref() {
+            Err(_) | Ok("1") | Ok("true") => true,
+            Ok("0") | Ok("false") => false,
+            Ok(o) => anyhow::bail!("${}: {o:?} is not 0 or 1", crate::env::WEIGHTS_SERVE),
+        };
+        Ok(WeightsConfig {
+            order,
+            provider: std::env::var(crate::env::WEIGHTS_PROVIDER)
+                .unwrap_or_else(|_| "tcp;ofi_rxm".into()),
+            cache_dir: std::env::var_os(crate::env::WEIGHTS_DIR)
+                .map(PathBuf::from)
+                .unwrap_or_else(|| crate::env::state_dir().join("weights")),
+            serve,
+            peer_timeout: Duration::from_secs(30),
+            max_bytes_per_sec: match std::env::var(crate::env::WEIGHTS_MAX_MBPS) {
+                Err(_) => None,
+                Ok(v) => match v.parse::<u64>() {
+                    Ok(n) if n > 0 => Some(n * 1_000_000),
+                    _ => anyhow::bail!(
+                        "${}: {v:?} is not a positive number of MB/s",
+                        crate::env::WEIGHTS_MAX_MBPS
+                    ),
+                },
+            },
+        })
+    }
+}
+
+/// A node's weights: what it serves, and how it finds what it lacks.
+pub struct NodeWeights {
+    bus: Bus,
+    node: NodeId,
+    cfg: WeightsConfig,
+    /// Served files by content hash (kept alive while the node runs).
+    served: Mutex<BTreeMap<ContentHash, Arc<Mutex<WeightServer>>>>,
+    /// Heartbeats of the source records.
+    tasks: Mutex<JoinSet<()>>,
+}
+
+async fn bucket(bus: &Bus) -> anyhow::Result<async_nats::jetstream::kv::Store> {
+    Ok(bus
+        .kv_bucket_durable(&bus.subjects.weights_bucket())
+        .await?)
+}
+
+/// Every manifest, cache entry and live source, by content hash.
+#[derive(Debug, Default)]
+pub struct Catalog {
+    pub manifests: BTreeMap<ContentHash, WeightManifest>,
+    pub cached: std::collections::BTreeSet<ContentHash>,
+    pub sources: BTreeMap<ContentHash, Vec<WeightSource>>,
+}
+
+/// Reads the weights bucket, reaping stale sources.
+pub async fn catalog(bus: &Bus) -> anyhow::Result<Catalog> {
+    let kv = bucket(bus).await?;
+    let mut c = Catalog::default();
+    for (k, m) in dynamo_controller::read_all::<WeightManifest>(&kv)
+        .await
+        .map_err(|e| anyhow::anyhow!("weights bucket: {e}"))?
+    {
+        if m.validate().is_err() {
+            tracing::warn!(key = %k, "weights: an invalid manifest is ignored");
+            continue;
+        }
+        if k.starts_with("cache.") {
+            c.cached.insert(m.sha256);
+        }
+        c.manifests.insert(m.sha256, m);
+    }
+    let now = unix_ms();
+    for (k, s) in dynamo_controller::read_all::<WeightSource>(&kv)
+        .await
+        .map_err(|e| anyhow::anyhow!("weights bucket: {e}"))?
+    {
+        if now.saturating_sub(s.updated_unix_ms) > STALE.as_millis() as u64 {
+            tracing::info!(key = %k, "weights: reaping a stale source");
+            let _ = kv.purge(&k).await;
+            continue;
+        }
+        if s.validate().is_ok() {
+            c.sources.entry(s.sha256).or_default().push(s);
+        }
+    }
+    Ok(c)
+}
+
+async fn put<T: dynamo_bus_schema::WireMessage>(
+    kv: &async_nats::jetstream::kv::Store,
+    key: &str,
+    v: &T,
+) -> anyhow::Result<()> {
+    kv.put(key, encode(v)?.into())
+        .await
+        .map_err(|e| anyhow::anyhow!("writing {key}: {e}"))?;
+    Ok(())
+}
+
+/// The name of chunk `i` of `sha` in the object store.
+fn object(sha: &ContentHash, i: usize) -> String {
+    format!("{}.{i}", sha.hex())
+}
+
+/// Puts `path` in the in-cluster cache, chunk by chunk; `progress` gets
+/// the bytes stored so far. Answers its manifest.
+pub async fn push(
+    bus: &Bus,
+    path: &Path,
+    model: &str,
+    progress: &mut (dyn FnMut(u64, u64) + Send),
+) -> anyhow::Result<WeightManifest> {
+    let p = path.to_path_buf();
+    let m_model = model.to_string();
+    let m =
+        tokio::task::spawn_blocking(move || dynamo_weights::manifest::of_file(&p, &m_model, GGUF))
+            .await??;
+    let store = bus.object_store(&bus.subjects.weights_objects()).await?;
+    let mut f = tokio::fs::File::open(path).await?;
+    let mut done = 0u64;
+    for i in 0..m.chunks.len() {
+        let (_, len) = m.chunk(i);
+        let mut buf = vec![0u8; len];
+        f.read_exact(&mut buf).await?;
+        if dynamo_weights::manifest::hash(&buf) != m.chunks[i] {
+            anyhow::bail!("{} changed while it was read", path.display());
+        }
+        store
+            .put(object(&m.sha256, i).as_str(), &mut buf.as_slice())
+            .await
+            .map_err(|e| anyhow::anyhow!("storing chunk {i}: {e}"))?;
+        done += len as u64;
+        progress(done, m.size);
+    }
+    let kv = bucket(bus).await?;
+    put(&kv, &WeightManifest::key(&m.sha256), &m).await?;
+    put(&kv, &format!("cache.{}", m.sha256.hex()), &m).await?;
+    Ok(m)
+}
+
+/// The in-cluster cache as a loader's source.
+struct CacheSource {
+    store: async_nats::jetstream::object_store::ObjectStore,
+    manifest: WeightManifest,
+    cached: bool,
+    rt: tokio::runtime::Handle,
+}
+
+impl ByteSource for CacheSource {
+    fn name(&self) -> String {
+        "cache (object store)".into()
+    }
+    fn size(&mut self) -> Result<u64, SourceError> {
+        if self.cached {
+            Ok(self.manifest.size)
+        } else {
+            Err(SourceError::Gone("does not hold this file".into()))
+        }
+    }
+    fn read_at(&mut self, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
+        let i = (offset / self.manifest.chunk_size) as usize;
+        let name = object(&self.manifest.sha256, i);
+        let store = self.store.clone();
+        let want = out.len();
+        let bytes = self.rt.block_on(async move {
+            let mut o = store
+                .get(name.as_str())
+                .await
+                .map_err(|e| SourceError::Io(format!("{name}: {e}")))?;
+            let mut v = Vec::with_capacity(want);
+            o.read_to_end(&mut v)
+                .await
+                .map_err(|e| SourceError::Io(format!("{name}: {e}")))?;
+            Ok::<_, SourceError>(v)
+        })?;
+        if bytes.len() != out.len() {
+            return Err(SourceError::Io(format!(
+                "chunk {i} has {} bytes, not {}",
+                bytes.len(),
+                out.len()
+            )));
+        }
+        out.copy_from_slice(&bytes);
+        Ok(())
+    }
+}
+
+impl NodeWeights {
+    pub fn new(bus: Bus, node: NodeId, cfg: WeightsConfig) -> Arc<Self> {
+        Arc::new(NodeWeights {
+            bus,
+            node,
+            cfg,
+            served: Mutex::new(BTreeMap::new()),
+            tasks: Mutex::new(JoinSet::new()),
+        })
+    }
+
+    /// The file of `model`: `local` if it is there (served to peers from
+    /// then on), else loaded from the cluster into the cache directory.
+    pub async fn model_file(
+        self: &Arc<Self>,
+        model: &str,
+        local: Result<PathBuf, String>,
+    ) -> anyhow::Result<PathBuf> {
+        match local {
+            Ok(p) => {
+                if self.cfg.serve {
+                    // In the background: hashing and registering the file
+                    // is off the worker's start.
+                    let (me, file, model) = (self.clone(), p.clone(), model.to_string());
+                    self.tasks.lock().expect("tasks lock").spawn(async move {
+                        if let Err(e) = me.serve_file(&file, &model).await {
+                            tracing::warn!(error = %e, file = %file.display(), "weights: not served to peers");
+                        }
+                    });
+                }
+                Ok(p)
+            }
+            Err(why) => self.fetch(model, why).await,
+        }
+    }
+
+    async fn serve_file(self: &Arc<Self>, path: &Path, model: &str) -> anyhow::Result<()> {
+        let (p, name, provider) = (
+            path.to_path_buf(),
+            model.to_string(),
+            self.cfg.provider.clone(),
+        );
+        let server = tokio::task::spawn_blocking(move || {
+            let m = dynamo_weights::manifest::of_file(&p, &name, GGUF)?;
+            Ok::<_, anyhow::Error>(WeightServer::from_file(&p, m, &provider)?)
+        })
+        .await??;
+        self.advertise(server).await
+    }
+
+    /// Publishes the manifest and keeps the source record fresh.
+    async fn advertise(self: &Arc<Self>, server: WeightServer) -> anyhow::Result<()> {
+        let m = server.manifest().clone();
+        let d = server.descriptor();
+        let kv = bucket(&self.bus).await?;
+        put(&kv, &WeightManifest::key(&m.sha256), &m).await?;
+        let address = hex::decode(&d.address)?;
+        let rec = WeightSource {
+            node: self.node.clone(),
+            model: m.model.clone(),
+            sha256: m.sha256,
+            layout: m.layout.clone(),
+            size: m.size,
+            state: WeightSourceState::Ready,
+            loaded_bytes: m.size,
+            provider: d.provider.clone(),
+            address,
+            region_key: d.region.key,
+            region_base: d.region.base,
+            updated_unix_ms: unix_ms(),
+        };
+        put(&kv, &rec.key(), &rec).await?;
+        tracing::info!(model = %m.model, sha256 = %m.sha256.short(), provider = %d.provider, "weights: serving to peers");
+        self.served
+            .lock()
+            .expect("served lock")
+            .insert(m.sha256, Arc::new(Mutex::new(server)));
+        let mut tasks = self.tasks.lock().expect("tasks lock");
+        tasks.spawn(async move {
+            let mut beat = tokio::time::interval(HEARTBEAT);
+            beat.tick().await;
+            loop {
+                beat.tick().await;
+                let mut r = rec.clone();
+                r.updated_unix_ms = unix_ms();
+                if let Err(e) = put(&kv, &r.key(), &r).await {
+                    tracing::warn!(error = %e, "weights: source heartbeat failed");
+                }
+            }
+        });
+        Ok(())
+    }
+
+    /// Loads `model` from the cluster; `local_why` says why there is no
+    /// local file.
+    async fn fetch(self: &Arc<Self>, model: &str, local_why: String) -> anyhow::Result<PathBuf> {
+        let cat = catalog(&self.bus).await?;
+        // The content most nodes serve, else any cached one.
+        let mut candidates: Vec<&WeightManifest> = cat
+            .manifests
+            .values()
+            .filter(|m| m.model == model && m.layout == GGUF)
+            .collect();
+        let ready = |m: &WeightManifest| {
+            cat.sources.get(&m.sha256).map_or(0, |v| {
+                v.iter()
+                    .filter(|s| s.state == WeightSourceState::Ready && s.node != self.node)
+                    .count()
+            })
+        };
+        candidates.sort_by_key(|m| {
+            std::cmp::Reverse((ready(m), cat.cached.contains(&m.sha256) as usize))
+        });
+        let Some(m) = candidates.first().map(|m| (*m).clone()) else {
+            anyhow::bail!(
+                "no source for model {model}: file: {local_why}; peer: none advertises it; cache: does not hold it"
+            );
+        };
+        let path = self.cfg.cache_dir.join(format!("{}.gguf", m.sha256.hex()));
+        let mut sources = Vec::new();
+        for step in &self.cfg.order {
+            match step {
+                Step::Peer => {
+                    for s in cat.sources.get(&m.sha256).into_iter().flatten() {
+                        if s.state != WeightSourceState::Ready
+                            || s.node == self.node
+                            || s.provider != self.cfg.provider
+                        {
+                            continue;
+                        }
+                        sources.push(Source::Peer(dynamo_weights::source::PeerSource {
+                            name: s.node.0.clone(),
+                            address: s.address.clone(),
+                            region: dynamo_transfer::RemoteRegion {
+                                key: s.region_key,
+                                base: s.region_base,
+                                len: s.size,
+                            },
+                        }));
+                    }
+                }
+                Step::Cache => {
+                    let store = self
+                        .bus
+                        .object_store(&self.bus.subjects.weights_objects())
+                        .await?;
+                    sources.push(Source::Bytes(Box::new(CacheSource {
+                        store,
+                        manifest: m.clone(),
+                        cached: cat.cached.contains(&m.sha256),
+                        rt: tokio::runtime::Handle::current(),
+                    })));
+                }
+                Step::File => sources.push(Source::Bytes(Box::new(FileSource::new(&path)))),
+            }
+        }
+        tracing::info!(model, sha256 = %m.sha256.short(), sources = sources.len(), "weights: loading from the cluster");
+        let opts = LoadOptions {
+            provider: self.cfg.provider.clone(),
+            window: 8,
+            peer_timeout: self.cfg.peer_timeout,
+            max_bytes_per_sec: self.cfg.max_bytes_per_sec,
+        };
+        let (m2, dir) = (m.clone(), self.cfg.cache_dir.clone());
+        let target = path.clone();
+        let loaded = tokio::task::spawn_blocking(move || {
+            let mut last = 0u64;
+            let mut log = |p: &LoadProgress| {
+                let pct = p.done * 100 / p.total.max(1);
+                if pct >= last + 10 || p.done == p.total {
+                    last = pct;
+                    tracing::info!(done = p.done, total = p.total, source = %p.source, "weights: {pct}% loaded");
+                }
+            };
+            let loaded = load(&m2, sources, &opts, None, &mut log)?;
+            std::fs::create_dir_all(&dir)?;
+            let tmp = target.with_extension("gguf.part");
+            std::fs::write(&tmp, loaded.bytes())?;
+            std::fs::rename(&tmp, &target)?;
+            Ok::<_, anyhow::Error>(loaded)
+        })
+        .await??;
+        tracing::info!(
+            model,
+            ms = loaded.elapsed.as_millis() as u64,
+            by_source = ?loaded.by_source,
+            refetched = loaded.refetched,
+            "weights: loaded and verified"
+        );
+        if self.cfg.serve {
+            match loaded.into_registered() {
+                Ok((agent, region, manifest)) => {
+                    let server = tokio::task::spawn_blocking(move || {
+                        WeightServer::new(agent, region, manifest)
+                    })
+                    .await??;
+                    self.advertise(server).await?;
+                }
+                Err(_) => self.serve_file(&path, model).await?,
+            }
+        }
+        Ok(path)
+    }
+}
