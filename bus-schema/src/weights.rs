@@ -188,7 +188,8 @@ pub enum WeightSourceState {
 
 /// A node's advertisement of weights it serves (key
 /// `source.<sha256>.<node>` in the weights bucket, rewritten every
-/// heartbeat; the bucket's age limit reaps a node that stops).
+/// heartbeat; a reader reaps a record that stopped being rewritten, and a
+/// node that stops withdraws its records).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WeightSource {
     pub node: NodeId,
@@ -214,22 +215,29 @@ wire!(WeightSource = 121);
 impl WeightSource {
     /// Its key in the weights bucket.
     pub fn key(&self) -> String {
+        Self::key_of(&self.sha256, &self.node)
+    }
+
+    /// The key of `node`'s record for `sha256`.
+    pub fn key_of(sha256: &ContentHash, node: &NodeId) -> String {
         format!(
             "source.{}.{}",
-            self.sha256.hex(),
-            crate::subjects::subject_token(&self.node.0)
+            sha256.hex(),
+            crate::subjects::subject_token(&node.0)
         )
     }
 
     /// Checks what a receiver relies on.
     pub fn validate(&self) -> Result<(), ManifestError> {
-        if self.address.is_empty() || self.address.len() > MAX_FABRIC_ADDRESS {
+        // A loading node has no readable region yet, so no address.
+        let need = self.state == WeightSourceState::Ready;
+        if (need && self.address.is_empty()) || self.address.len() > MAX_FABRIC_ADDRESS {
             return Err(invalid(
                 "address",
                 format!("{} bytes (1-{MAX_FABRIC_ADDRESS})", self.address.len()),
             ));
         }
-        if self.provider.is_empty() || self.provider.len() > 64 {
+        if (need && self.provider.is_empty()) || self.provider.len() > 64 {
             return Err(invalid("provider", "must be 1-64 bytes"));
         }
         Ok(())

@@ -145,6 +145,10 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
         std::process::exit(130);
     });
     tracing::info!("shutting down: draining in-flight requests");
+    // Peers stop reading weights from here first.
+    if bus.is_connected() {
+        let _ = tokio::time::timeout(Duration::from_secs(2), weights.withdraw()).await;
+    }
     if let Some(agent) = ractor::registry::where_is(crate::agent::AGENT_NAME) {
         let agent = ractor::ActorRef::<crate::agent::AgentMsg>::from(agent);
         let _ = agent

@@ -15,6 +15,9 @@ pub const WEIGHTS_ORDER: &str = "DYNAMO_WEIGHTS_ORDER";
 pub const WEIGHTS_PROVIDER: &str = "DYNAMO_WEIGHTS_PROVIDER";
 /// Directory where loaded model files are kept (default `<state dir>/weights`).
 pub const WEIGHTS_DIR: &str = "DYNAMO_WEIGHTS_DIR";
+/// Directory of cached manifests of local model files (default
+/// `~/.cache/dynamo/manifests`).
+pub const MANIFEST_CACHE: &str = "DYNAMO_MANIFEST_CACHE";
 /// A weight load's rate limit in MB/s (default: none).
 pub const WEIGHTS_MAX_MBPS: &str = "DYNAMO_WEIGHTS_MAX_MBPS";
 /// `0`: do not serve the weights this node holds to peers (default `1`).

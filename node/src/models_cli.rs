@@ -12,7 +12,12 @@ use std::path::Path;
 /// nodes serving it.
 pub async fn ls(url: &str, ns: Namespace) -> anyhow::Result<Value> {
     let bus = Bus::connect(url, "dynamoctl", Subjects::new(ns)).await?;
-    let cat = catalog(&bus).await?;
+    catalog_json(&bus).await
+}
+
+/// [`ls`] on a connected bus.
+pub async fn catalog_json(bus: &Bus) -> anyhow::Result<Value> {
+    let cat = catalog(bus).await?;
     let models: Vec<Value> = cat
         .manifests
         .values()
@@ -80,7 +85,10 @@ pub fn render(v: &Value) -> String {
         out.push_str(&format!(
             "{:<28} {:<14} {:>10} {:<7} {}\n",
             m["model"].as_str().unwrap_or("?"),
-            &m["sha256"].as_str().unwrap_or("?")[..12],
+            m["sha256"]
+                .as_str()
+                .and_then(|h| h.get(..12))
+                .unwrap_or("?"),
             human(m["size"].as_u64().unwrap_or(0)),
             if m["cached"] == true { "yes" } else { "no" },
             if sources.is_empty() {

@@ -168,6 +168,12 @@ pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
         "nodes": nodes_json,
         "workers": workers_json,
         "models": models.into_values().collect::<Vec<_>>(),
+        // Weight files, their cache state and the nodes serving or loading
+        // them (a cluster without the bucket yet shows none).
+        "weights": crate::models_cli::catalog_json(&bus)
+            .await
+            .map(|w| w["models"].clone())
+            .unwrap_or_else(|e| json!({"error": e.to_string()})),
     }))
 }
 
@@ -260,6 +266,10 @@ pub fn render(v: &Value) -> String {
                 w["hash_salt"].as_str().unwrap_or("")
             ));
         }
+    }
+    if let Some(w) = v["weights"].as_array().filter(|w| !w.is_empty()) {
+        s.push_str("\nWEIGHTS\n");
+        s.push_str(&crate::models_cli::render(&json!({ "models": w })));
     }
     s.push_str("\nMODELS\n");
     for m in v["models"].as_array().into_iter().flatten() {

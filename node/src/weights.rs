@@ -49,6 +49,11 @@ pub struct WeightsConfig {
     pub provider: String,
     /// Where loaded files are kept.
     pub cache_dir: PathBuf,
+    /// Where manifests of local files are kept, by path, size and
+    /// modification time (`DYNAMO_MANIFEST_CACHE`, default
+    /// `~/.cache/dynamo/manifests`): machine-wide, so each file is hashed
+    /// once.
+    pub manifest_dir: PathBuf,
     /// Whether this node serves the weights it holds to peers.
     pub serve: bool,
     /// Longest wait for one window of peer reads.
@@ -86,6 +91,17 @@ impl WeightsConfig {
             cache_dir: std::env::var_os(crate::env::WEIGHTS_DIR)
                 .map(PathBuf::from)
                 .unwrap_or_else(|| crate::env::state_dir().join("weights")),
+            manifest_dir: std::env::var_os(crate::env::MANIFEST_CACHE)
+                .map(PathBuf::from)
+                .or_else(|| {
+                    std::env::var_os("XDG_CACHE_HOME")
+                        .map(PathBuf::from)
+                        .or_else(|| {
+                            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache"))
+                        })
+                        .map(|c| c.join("dynamo").join("manifests"))
+                })
+                .unwrap_or_else(|| crate::env::state_dir().join("manifests")),
             serve,
             peer_timeout: Duration::from_secs(30),
             max_bytes_per_sec: match std::env::var(crate::env::WEIGHTS_MAX_MBPS) {
@@ -108,7 +124,10 @@ pub struct NodeWeights {
     node: NodeId,
     cfg: WeightsConfig,
     /// Served files by content hash (kept alive while the node runs).
-    served: Mutex<BTreeMap<ContentHash, Arc<Mutex<WeightServer>>>>,
+    served: Mutex<BTreeMap<ContentHash, WeightServer>>,
+    /// Files being or already served, so a second group on the same file
+    /// does not hash and register it again.
+    serving: Mutex<std::collections::BTreeSet<PathBuf>>,
     /// Heartbeats of the source records.
     tasks: Mutex<JoinSet<()>>,
 }
@@ -172,6 +191,49 @@ async fn put<T: dynamo_bus_schema::WireMessage>(
     Ok(())
 }
 
+/// The manifest of `path` as `model`: from the manifest cache when it
+/// holds one for this path, size and modification time, else computed
+/// (hashing the whole file) and kept there, so a file is hashed once per
+/// machine, not at every start.
+pub fn known_manifest(dir: &Path, path: &Path, model: &str) -> anyhow::Result<WeightManifest> {
+    let meta = std::fs::metadata(path)?;
+    let mtime = meta
+        .modified()?
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let canonical = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    let key = dynamo_weights::manifest::hash(
+        format!(
+            "{}\n{}\n{mtime}\n{model}\n{GGUF}",
+            canonical.display(),
+            meta.len()
+        )
+        .as_bytes(),
+    );
+    let file = dir.join(format!("{}.json", key.hex()));
+    if let Ok(bytes) = std::fs::read(&file) {
+        match serde_json::from_slice::<WeightManifest>(&bytes) {
+            Ok(m) if m.size == meta.len() && m.model == model && m.validate().is_ok() => {
+                return Ok(m)
+            }
+            _ => {
+                tracing::warn!(file = %file.display(), "weights: a cached manifest is unreadable; hashing again")
+            }
+        }
+    }
+    let m = dynamo_weights::manifest::of_file(path, model, GGUF)?;
+    // Best effort: a cache that cannot be written costs a hash next time.
+    let tmp = file.with_extension(format!("{}.part", std::process::id()));
+    let wrote = std::fs::create_dir_all(dir)
+        .and_then(|_| std::fs::write(&tmp, serde_json::to_vec(&m).unwrap_or_default()))
+        .and_then(|_| std::fs::rename(&tmp, &file));
+    if let Err(e) = wrote {
+        tracing::debug!(error = %e, "weights: manifest not cached");
+    }
+    Ok(m)
+}
+
 /// The name of chunk `i` of `sha` in the object store.
 fn object(sha: &ContentHash, i: usize) -> String {
     format!("{}.{i}", sha.hex())
@@ -211,6 +273,24 @@ pub async fn push(
     put(&kv, &WeightManifest::key(&m.sha256), &m).await?;
     put(&kv, &format!("cache.{}", m.sha256.hex()), &m).await?;
     Ok(m)
+}
+
+/// A source that could not be opened, so the load's error names it.
+struct Unavailable {
+    name: String,
+    why: String,
+}
+
+impl ByteSource for Unavailable {
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+    fn size(&mut self) -> Result<u64, SourceError> {
+        Err(SourceError::Gone(self.why.clone()))
+    }
+    fn read_at(&mut self, _: u64, _: &mut [u8]) -> Result<(), SourceError> {
+        Err(SourceError::Gone(self.why.clone()))
+    }
 }
 
 /// The in-cluster cache as a loader's source.
@@ -267,6 +347,7 @@ impl NodeWeights {
             node,
             cfg,
             served: Mutex::new(BTreeMap::new()),
+            serving: Mutex::new(Default::default()),
             tasks: Mutex::new(JoinSet::new()),
         })
     }
@@ -280,7 +361,12 @@ impl NodeWeights {
     ) -> anyhow::Result<PathBuf> {
         match local {
             Ok(p) => {
-                if self.cfg.serve {
+                let first = self
+                    .serving
+                    .lock()
+                    .expect("serving lock")
+                    .insert(p.canonicalize().unwrap_or_else(|_| p.clone()));
+                if self.cfg.serve && first {
                     // In the background: hashing and registering the file
                     // is off the worker's start.
                     let (me, file, model) = (self.clone(), p.clone(), model.to_string());
@@ -302,9 +388,10 @@ impl NodeWeights {
             model.to_string(),
             self.cfg.provider.clone(),
         );
+        let dir = self.cfg.manifest_dir.clone();
         let server = tokio::task::spawn_blocking(move || {
-            let m = dynamo_weights::manifest::of_file(&p, &name, GGUF)?;
-            Ok::<_, anyhow::Error>(WeightServer::from_file(&p, m, &provider)?)
+            let m = known_manifest(&dir, &p, &name)?;
+            Ok::<_, anyhow::Error>(WeightServer::from_known_file(&p, m, &provider)?)
         })
         .await??;
         self.advertise(server).await
@@ -313,6 +400,15 @@ impl NodeWeights {
     /// Publishes the manifest and keeps the source record fresh.
     async fn advertise(self: &Arc<Self>, server: WeightServer) -> anyhow::Result<()> {
         let m = server.manifest().clone();
+        if self
+            .served
+            .lock()
+            .expect("served lock")
+            .contains_key(&m.sha256)
+        {
+            // Already served (and heartbeated) from other memory.
+            return Ok(());
+        }
         let d = server.descriptor();
         let kv = bucket(&self.bus).await?;
         put(&kv, &WeightManifest::key(&m.sha256), &m).await?;
@@ -332,11 +428,11 @@ impl NodeWeights {
             updated_unix_ms: unix_ms(),
         };
         put(&kv, &rec.key(), &rec).await?;
-        tracing::info!(model = %m.model, sha256 = %m.sha256.short(), provider = %d.provider, "weights: serving to peers");
         self.served
             .lock()
             .expect("served lock")
-            .insert(m.sha256, Arc::new(Mutex::new(server)));
+            .insert(m.sha256, server);
+        tracing::info!(model = %m.model, sha256 = %m.sha256.short(), provider = %d.provider, "weights: serving to peers");
         let mut tasks = self.tasks.lock().expect("tasks lock");
         tasks.spawn(async move {
             let mut beat = tokio::time::interval(HEARTBEAT);
@@ -351,6 +447,66 @@ impl NodeWeights {
             }
         });
         Ok(())
+    }
+
+    /// Stops serving: the heartbeats end and the source records go, so
+    /// peers stop reading from here (before the node exits).
+    pub async fn withdraw(&self) {
+        self.tasks.lock().expect("tasks lock").abort_all();
+        let served: Vec<ContentHash> = self
+            .served
+            .lock()
+            .expect("served lock")
+            .keys()
+            .copied()
+            .collect();
+        let Ok(kv) = bucket(&self.bus).await else {
+            return;
+        };
+        for sha in served {
+            let key = WeightSource::key_of(&sha, &self.node);
+            if let Err(e) = kv.purge(&key).await {
+                tracing::warn!(key, error = %e, "weights: source record not withdrawn");
+            }
+        }
+    }
+
+    /// Writes a `loading` source record with the bytes verified so far,
+    /// every second until `done` closes (the load ended either way).
+    async fn report_loading(
+        self: Arc<Self>,
+        m: WeightManifest,
+        mut done: tokio::sync::watch::Receiver<u64>,
+    ) {
+        let Ok(kv) = bucket(&self.bus).await else {
+            return;
+        };
+        let mut rec = WeightSource {
+            node: self.node.clone(),
+            model: m.model.clone(),
+            sha256: m.sha256,
+            layout: m.layout.clone(),
+            size: m.size,
+            state: WeightSourceState::Loading,
+            loaded_bytes: 0,
+            provider: self.cfg.provider.clone(),
+            address: Vec::new(),
+            region_key: 0,
+            region_base: 0,
+            updated_unix_ms: unix_ms(),
+        };
+        let mut beat = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = beat.tick() => {}
+                r = done.changed() => if r.is_err() { return },
+            }
+            rec.loaded_bytes = *done.borrow();
+            rec.updated_unix_ms = unix_ms();
+            if let Err(e) = put(&kv, &rec.key(), &rec).await {
+                tracing::debug!(error = %e, "weights: progress record not written");
+            }
+        }
     }
 
     /// Loads `model` from the cluster; `local_why` says why there is no
@@ -401,18 +557,22 @@ impl NodeWeights {
                         }));
                     }
                 }
-                Step::Cache => {
-                    let store = self
-                        .bus
-                        .object_store(&self.bus.subjects.weights_objects())
-                        .await?;
-                    sources.push(Source::Bytes(Box::new(CacheSource {
+                Step::Cache => match self
+                    .bus
+                    .object_store(&self.bus.subjects.weights_objects())
+                    .await
+                {
+                    Ok(store) => sources.push(Source::Bytes(Box::new(CacheSource {
                         store,
                         manifest: m.clone(),
                         cached: cat.cached.contains(&m.sha256),
                         rt: tokio::runtime::Handle::current(),
-                    })));
-                }
+                    }))),
+                    Err(e) => sources.push(Source::Bytes(Box::new(Unavailable {
+                        name: "cache (object store)".into(),
+                        why: e.to_string(),
+                    }))),
+                },
                 Step::File => sources.push(Source::Bytes(Box::new(FileSource::new(&path)))),
             }
         }
@@ -425,9 +585,15 @@ impl NodeWeights {
         };
         let (m2, dir) = (m.clone(), self.cfg.cache_dir.clone());
         let target = path.clone();
+        // Progress on the bus while it loads (`dynamoctl models ls`,
+        // `status`): a `loading` record, rewritten every second.
+        let (done_tx, done_rx) = tokio::sync::watch::channel(0u64);
+        let mut reporter = JoinSet::new();
+        reporter.spawn(self.clone().report_loading(m.clone(), done_rx));
         let loaded = tokio::task::spawn_blocking(move || {
             let mut last = 0u64;
             let mut log = |p: &LoadProgress| {
+                done_tx.send_replace(p.done);
                 let pct = p.done * 100 / p.total.max(1);
                 if pct >= last + 10 || p.done == p.total {
                     last = pct;
@@ -441,7 +607,24 @@ impl NodeWeights {
             std::fs::rename(&tmp, &target)?;
             Ok::<_, anyhow::Error>(loaded)
         })
-        .await??;
+        .await;
+        // The load is over (its sender dropped): the reporter ends.
+        if let Some(Err(e)) = reporter.join_next().await {
+            tracing::warn!(error = %e, "weights: the progress reporter failed");
+        }
+        let loaded = match loaded.map_err(anyhow::Error::from).and_then(|r| r) {
+            Ok(l) => l,
+            Err(e) => {
+                // No `loading` record outlives a failed load.
+                if let Ok(kv) = bucket(&self.bus).await {
+                    let key = WeightSource::key_of(&m.sha256, &self.node);
+                    if let Err(e) = kv.purge(&key).await {
+                        tracing::warn!(key, error = %e, "weights: loading record not removed");
+                    }
+                }
+                return Err(e);
+            }
+        };
         tracing::info!(
             model,
             ms = loaded.elapsed.as_millis() as u64,

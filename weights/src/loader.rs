@@ -111,6 +111,8 @@ pub enum LoadError {
     Mismatch { got: String, want: String },
     #[error("fabric endpoint for peer reads: {0}")]
     Fabric(#[from] FabricError),
+    #[error("the manifest: {0}")]
+    Manifest(crate::manifest::ManifestError),
 }
 
 /// Where the bytes land.
@@ -177,6 +179,8 @@ pub fn load(
     progress: &mut dyn FnMut(&LoadProgress),
 ) -> Result<Loaded, LoadError> {
     let t0 = Instant::now();
+    // A manifest off the bus is untrusted: its chunks must cover its size.
+    manifest.validate().map_err(LoadError::Manifest)?;
     let n = manifest.chunks.len();
     let size = manifest.size as usize;
     let mut why: Vec<Vec<String>> = vec![Vec::new(); sources.len()];
@@ -295,7 +299,12 @@ pub fn load(
             let specs: Vec<_> = reads.iter().map(op).collect();
             let region: &Region = region;
             let ops: Vec<WriteOp<'_>> = specs.iter().map(|sp| read_op(region, sp)).collect();
-            let all = agent.read_all(&ops, opts.peer_timeout);
+            // The window's budget grows with its bytes (at 50 MB/s).
+            let bytes: usize = specs.iter().map(|sp| sp.1).sum();
+            let budget = opts
+                .peer_timeout
+                .max(Duration::from_secs_f64(bytes as f64 / 50e6));
+            let all = agent.read_all(&ops, budget);
             drop(ops);
             match all {
                 Ok(()) => fetched.extend(reads.iter().copied()),
@@ -306,7 +315,10 @@ pub fn load(
                             pending.push_front(c);
                             continue;
                         }
-                        match agent.read(read_op(region, spec), opts.peer_timeout) {
+                        let budget = opts
+                            .peer_timeout
+                            .max(Duration::from_secs_f64(spec.1 as f64 / 50e6));
+                        match agent.read(read_op(region, spec), budget) {
                             Ok(()) => fetched.push((c, s)),
                             Err(e) => {
                                 tracing::warn!(source = %sources[s].name(), chunk = c, error = %e, "weights: a peer read failed; trying another source");
@@ -357,12 +369,34 @@ pub fn load(
                     source: sources[s].name(),
                 });
             } else {
+                // A source that gave wrong bytes is not trusted again.
                 tracing::warn!(source = %sources[s].name(), chunk = c, "weights: a chunk does not match its hash; fetching it again elsewhere");
                 failed[c].insert(s);
+                dead[s] = true;
                 why[s].push(format!("chunk {c} does not match its SHA-256"));
                 pending.push_front(c);
                 refetched += 1;
             }
+        }
+    }
+    // Reads given up on may still land: wait for them, and if some never
+    // complete, move the verified bytes to fresh memory and leave the old
+    // region to the agent until they do, so nothing writes under them.
+    if let Dest::Region(ar) = &mut dest {
+        let deadline = Instant::now() + opts.peer_timeout;
+        while ar.0.abandoned_ops() > 0 && Instant::now() < deadline {
+            ar.0.progress()?;
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if ar.0.abandoned_ops() > 0 {
+            tracing::warn!(
+                pending = ar.0.abandoned_ops(),
+                "weights: reads given up on never completed; copying to fresh memory"
+            );
+            let mut fresh = ar.0.register(size)?;
+            fresh.bytes_mut()[..size].copy_from_slice(&ar.1.bytes()[..size]);
+            let old = std::mem::replace(&mut ar.1, fresh);
+            ar.0.bury(old);
         }
     }
     let got = ContentHash(Sha256::digest(&dest.bytes()[..size]).into());

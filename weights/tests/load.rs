@@ -225,6 +225,14 @@ fn with_no_source_the_error_names_each_one_tried() {
         .err()
         .unwrap();
     assert!(e.to_string().contains("no source was configured"), "{e}");
+    // A manifest whose chunks do not cover its size (as off the bus) is an
+    // error, not a panic.
+    let mut bad = m.clone();
+    bad.size = 1 << 40;
+    let e = load(&bad, vec![], &opts("tcp;ofi_rxm"), None, &mut |_| {})
+        .err()
+        .unwrap();
+    assert!(matches!(e, LoadError::Manifest(_)), "{e}");
 }
 
 #[test]
