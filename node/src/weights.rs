@@ -191,49 +191,6 @@ async fn put<T: dynamo_bus_schema::WireMessage>(
     Ok(())
 }
 
-/// The manifest of `path` as `model`: from the manifest cache when it
-/// holds one for this path, size and modification time, else computed
-/// (hashing the whole file) and kept there, so a file is hashed once per
-/// machine, not at every start.
-pub fn known_manifest(dir: &Path, path: &Path, model: &str) -> anyhow::Result<WeightManifest> {
-    let meta = std::fs::metadata(path)?;
-    let mtime = meta
-        .modified()?
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let canonical = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
-    let key = dynamo_weights::manifest::hash(
-        format!(
-            "{}\n{}\n{mtime}\n{model}\n{GGUF}",
-            canonical.display(),
-            meta.len()
-        )
-        .as_bytes(),
-    );
-    let file = dir.join(format!("{}.json", key.hex()));
-    if let Ok(bytes) = std::fs::read(&file) {
-        match serde_json::from_slice::<WeightManifest>(&bytes) {
-            Ok(m) if m.size == meta.len() && m.model == model && m.validate().is_ok() => {
-                return Ok(m)
-            }
-            _ => {
-                tracing::warn!(file = %file.display(), "weights: a cached manifest is unreadable; hashing again")
-            }
-        }
-    }
-    let m = dynamo_weights::manifest::of_file(path, model, GGUF)?;
-    // Best effort: a cache that cannot be written costs a hash next time.
-    let tmp = file.with_extension(format!("{}.part", std::process::id()));
-    let wrote = std::fs::create_dir_all(dir)
-        .and_then(|_| std::fs::write(&tmp, serde_json::to_vec(&m).unwrap_or_default()))
-        .and_then(|_| std::fs::rename(&tmp, &file));
-    if let Err(e) = wrote {
-        tracing::debug!(error = %e, "weights: manifest not cached");
-    }
-    Ok(m)
-}
-
 /// The name of chunk `i` of `sha` in the object store.
 fn object(sha: &ContentHash, i: usize) -> String {
     format!("{}.{i}", sha.hex())
@@ -390,7 +347,7 @@ impl NodeWeights {
         );
         let dir = self.cfg.manifest_dir.clone();
         let server = tokio::task::spawn_blocking(move || {
-            let m = known_manifest(&dir, &p, &name)?;
+            let m = dynamo_weights::manifest::of_file_cached(&dir, &p, &name, GGUF)?;
             Ok::<_, anyhow::Error>(WeightServer::from_known_file(&p, m, &provider)?)
         })
         .await??;

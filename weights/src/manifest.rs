@@ -64,6 +64,64 @@ pub fn of_file(path: &Path, model: &str, layout: &str) -> Result<Manifest, FileE
     Ok(m)
 }
 
+/// The manifest of `path` as `model` in `layout`: from the manifest cache when it
+/// holds one for this path, size and modification time, else computed
+/// (hashing the whole file) and kept there, so a file is hashed once per
+/// machine, not at every start.
+pub fn of_file_cached(
+    dir: &Path,
+    path: &Path,
+    model: &str,
+    layout: &str,
+) -> Result<Manifest, FileError> {
+    let io = |source| FileError::Io {
+        path: path.display().to_string(),
+        source,
+    };
+    let meta = std::fs::metadata(path).map_err(io)?;
+    let mtime = meta
+        .modified()
+        .map_err(io)?
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let canonical = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    let key = hash(
+        format!(
+            "{}\n{}\n{mtime}\n{model}\n{layout}",
+            canonical.display(),
+            meta.len()
+        )
+        .as_bytes(),
+    );
+    let file = dir.join(format!("{}.json", key.hex()));
+    if let Ok(bytes) = std::fs::read(&file) {
+        match serde_json::from_slice::<Manifest>(&bytes) {
+            Ok(m)
+                if m.size == meta.len()
+                    && m.model == model
+                    && m.layout == layout
+                    && m.validate().is_ok() =>
+            {
+                return Ok(m)
+            }
+            _ => {
+                tracing::warn!(file = %file.display(), "weights: a cached manifest is unreadable; hashing again")
+            }
+        }
+    }
+    let m = of_file(path, model, layout)?;
+    // Best effort: a cache that cannot be written costs a hash next time.
+    let tmp = file.with_extension(format!("{}.part", std::process::id()));
+    let wrote = std::fs::create_dir_all(dir)
+        .and_then(|_| std::fs::write(&tmp, serde_json::to_vec(&m).unwrap_or_default()))
+        .and_then(|_| std::fs::rename(&tmp, &file));
+    if let Err(e) = wrote {
+        tracing::debug!(error = %e, "weights: manifest not cached");
+    }
+    Ok(m)
+}
+
 /// The manifest of bytes in memory.
 pub fn of_bytes(bytes: &[u8], model: &str, layout: &str) -> Manifest {
     let chunk_size = chunk_size_for(bytes.len() as u64);
@@ -101,6 +159,18 @@ mod tests {
         let j = serde_json::to_string(&m).unwrap();
         assert!(j.contains(&m.sha256.hex()));
         assert_eq!(serde_json::from_str::<Manifest>(&j).unwrap(), m);
+    }
+
+    #[test]
+    fn a_cached_manifest_is_the_files_own() {
+        let b = bytes(2 << 20);
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&b).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let first = of_file_cached(dir.path(), f.path(), "m", "gguf").unwrap();
+        assert_eq!(first, of_bytes(&b, "m", "gguf"));
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        assert_eq!(of_file_cached(dir.path(), f.path(), "m", "gguf").unwrap(), first);
     }
 
     #[test]
