@@ -170,7 +170,10 @@ mod tests {
         let first = of_file_cached(dir.path(), f.path(), "m", "gguf").unwrap();
         assert_eq!(first, of_bytes(&b, "m", "gguf"));
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
-        assert_eq!(of_file_cached(dir.path(), f.path(), "m", "gguf").unwrap(), first);
+        assert_eq!(
+            of_file_cached(dir.path(), f.path(), "m", "gguf").unwrap(),
+            first
+        );
     }
 
     #[test]
