@@ -62,6 +62,22 @@ async fn wait_served(nats: &str, node: &str) {
     }
 }
 
+/// Waits until `node`'s load ends; answers its log and the line that
+/// says what each source gave.
+async fn load_finished(node: &mut Node) -> (String, String) {
+    wait_log(node, Duration::from_secs(120), "the load finishing", |l| {
+        l.contains("weights: loaded and verified")
+    })
+    .await;
+    let log = node.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("loaded and verified"))
+        .expect("the line just waited for")
+        .to_string();
+    (log, line)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_without_the_model_loads_it_from_a_peer_and_answers_the_same() {
     let nats = Nats::start();
@@ -161,18 +177,7 @@ async fn a_peer_killed_mid_load_is_replaced_by_the_cache() {
     )
     .await;
     a.signal(libc::SIGKILL);
-    wait_log(
-        &mut b,
-        Duration::from_secs(120),
-        "the load finishing",
-        |l| l.contains("weights: loaded and verified"),
-    )
-    .await;
-    let log = b.log_text();
-    let line = log
-        .lines()
-        .find(|l| l.contains("loaded and verified"))
-        .unwrap();
+    let (log, line) = load_finished(&mut b).await;
     assert!(line.contains("peer a") && line.contains("cache"), "{line}");
     assert!(
         !log.contains("\"cache (object store)\", 0)"),
@@ -212,4 +217,93 @@ async fn with_no_source_at_all_the_node_fails_naming_each_source_tried() {
     ] {
         assert!(log.contains(want), "{want:?} not in:\n{log}");
     }
+}
+
+fn pinned_mocker(sha: &str) -> String {
+    format!(
+        "[[workers]]\ncount = 1\nengine = \"mocker\"\nmodel = \"{MODEL}\"\nmodel_sha256 = \"{sha}\"\n\
+         heartbeat_ms = 500\n\n[workers.mocker]\nspeedup = 0.0\n\n"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupted_chunk_is_fetched_again_and_other_content_is_refused() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut a = Node::start(&node_config("a", &nats.url, Some(port), 1, ""));
+    Http::new(port).wait_ready(1, &mut a).await;
+    wait_served(&nats.url, "a").await;
+    let gguf = dynamo_integration::llama::gguf();
+    assert_success(&dynamoctl(
+        &nats.url,
+        &["models", "push", &gguf, "--model", MODEL],
+    ));
+    let sha = models_ls(&nats.url)["models"][0]["sha256"]
+        .as_str()
+        .expect("a sha256")
+        .to_string();
+    // One chunk in the cache goes bad: same length, one byte flipped.
+    let js = async_nats::jetstream::new(async_nats::connect(&nats.url).await.unwrap());
+    let store = js.get_object_store("dynamo_it_weight_cache").await.unwrap();
+    let name = format!("{sha}.3");
+    let mut chunk = Vec::new();
+    {
+        use tokio::io::AsyncReadExt;
+        let mut o = store.get(name.as_str()).await.unwrap();
+        o.read_to_end(&mut chunk).await.unwrap();
+    }
+    chunk[1000] ^= 0xff;
+    store
+        .put(name.as_str(), &mut chunk.as_slice())
+        .await
+        .unwrap();
+
+    // The cache first, then the peer; the hash pinned in the config.
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = start_bare(
+        &node_config("b", &nats.url, None, 0, &pinned_mocker(&sha)),
+        dir.path(),
+        &[("DYNAMO_WEIGHTS_ORDER", "cache,peer")],
+    );
+    let (log, line) = load_finished(&mut b).await;
+    assert!(
+        log.contains("chunk=3") && log.contains("does not match its hash"),
+        "{log}"
+    );
+    assert!(line.contains("refetched=1"), "{line}");
+    assert!(line.contains("peer a"), "{line}");
+    let want = std::fs::read(&gguf).unwrap();
+    let got = std::fs::read(dir.path().join(format!("{sha}.gguf"))).unwrap();
+    assert!(got == want, "the loaded file differs from the original");
+
+    // A local file of other content than the pinned hash is refused...
+    let mut other = sha.clone().into_bytes();
+    other[0] = if other[0] == b'0' { b'1' } else { b'0' };
+    let other = String::from_utf8(other).unwrap();
+    let mut c = Node::start(&node_config(
+        "c",
+        &nats.url,
+        None,
+        0,
+        &pinned_mocker(&other),
+    ));
+    assert_ne!(c.wait(Duration::from_secs(60)).expect("c exits"), 0);
+    let log = c.log_text();
+    let want = format!("its sha256 is {sha}, not the pinned {other} (model_sha256)");
+    assert!(
+        log.contains("refused") && log.contains(&want),
+        "{want:?} not in:\n{log}"
+    );
+    // ... and so is every cluster source of it.
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = start_bare(
+        &node_config("d", &nats.url, None, 0, &pinned_mocker(&other)),
+        dir.path(),
+        &[],
+    );
+    assert_ne!(d.wait(Duration::from_secs(60)).expect("d exits"), 0);
+    let log = d.log_text();
+    let want = format!("no source for model {MODEL} with the pinned sha256 {other}");
+    assert!(log.contains(&want), "{want:?} not in:\n{log}");
+    assert!(a.alive() && b.alive());
 }

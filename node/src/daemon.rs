@@ -252,7 +252,9 @@ pub async fn load_group_model(
         Some(p) => Err(format!("{} is not a file", p.display())),
         None => locate_default_gguf().map_err(|e| e.to_string()),
     };
-    let path = weights.model_file(&group.model, local).await?;
+    let path = weights
+        .model_file(&group.model, local, group.model_sha256)
+        .await?;
     let (name, bs) = (group.model.clone(), group.engine.block_size());
     let p = path.clone();
     let mut m =

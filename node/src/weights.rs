@@ -311,31 +311,82 @@ impl NodeWeights {
 
     /// The file of `model`: `local` if it is there (served to peers from
     /// then on), else loaded from the cluster into the cache directory.
+    /// With `pin`, a file of any other content is refused.
     pub async fn model_file(
         self: &Arc<Self>,
         model: &str,
         local: Result<PathBuf, String>,
+        pin: Option<ContentHash>,
     ) -> anyhow::Result<PathBuf> {
         match local {
             Ok(p) => {
-                let first = self
-                    .serving
-                    .lock()
-                    .expect("serving lock")
-                    .insert(p.canonicalize().unwrap_or_else(|_| p.clone()));
-                if self.cfg.serve && first {
-                    // In the background: hashing and registering the file
-                    // is off the worker's start.
-                    let (me, file, model) = (self.clone(), p.clone(), model.to_string());
-                    self.tasks.lock().expect("tasks lock").spawn(async move {
-                        if let Err(e) = me.serve_file(&file, &model).await {
-                            tracing::warn!(error = %e, file = %file.display(), "weights: not served to peers");
-                        }
-                    });
+                if let Some(want) = pin {
+                    let got = self.manifest_of(&p, model).await?.sha256;
+                    if got != want {
+                        anyhow::bail!(
+                            "model file {} refused: its sha256 is {}, not the pinned {} (model_sha256)",
+                            p.display(),
+                            got.hex(),
+                            want.hex()
+                        );
+                    }
                 }
+                self.serve_local(&p, model);
                 Ok(p)
             }
-            Err(why) => self.fetch(model, why).await,
+            Err(why) => self.fetch(model, why, pin).await,
+        }
+    }
+
+    /// The manifest of a local file (from the machine's manifest cache
+    /// when it has one).
+    async fn manifest_of(&self, path: &Path, model: &str) -> anyhow::Result<WeightManifest> {
+        let (dir, p, model) = (
+            self.cfg.manifest_dir.clone(),
+            path.to_path_buf(),
+            model.to_string(),
+        );
+        Ok(tokio::task::spawn_blocking(move || {
+            dynamo_weights::manifest::of_file_cached(&dir, &p, &model, GGUF)
+        })
+        .await??)
+    }
+
+    /// Serves a local file to peers, in the background (hashing and
+    /// registering it is off the worker's start), once per path.
+    fn serve_local(self: &Arc<Self>, p: &Path, model: &str) {
+        let first = self
+            .serving
+            .lock()
+            .expect("serving lock")
+            .insert(p.canonicalize().unwrap_or_else(|_| p.to_path_buf()));
+        if self.cfg.serve && first {
+            let (me, file, model) = (self.clone(), p.to_path_buf(), model.to_string());
+            self.tasks.lock().expect("tasks lock").spawn(async move {
+                if let Err(e) = me.serve_file(&file, &model).await {
+                    tracing::warn!(error = %e, file = %file.display(), "weights: not served to peers");
+                }
+            });
+        }
+    }
+
+    /// The copy of `sha` an earlier load left in the cache directory, if
+    /// it is there and still has that content.
+    async fn local_copy(&self, model: &str, sha: &ContentHash) -> Option<PathBuf> {
+        let path = self.cfg.cache_dir.join(format!("{}.gguf", sha.hex()));
+        if !path.is_file() {
+            return None;
+        }
+        match self.manifest_of(&path, model).await {
+            Ok(m) if m.sha256 == *sha => Some(path),
+            Ok(m) => {
+                tracing::warn!(file = %path.display(), sha256 = %m.sha256.short(), "weights: a local copy has other content; loading again");
+                None
+            }
+            Err(e) => {
+                tracing::warn!(file = %path.display(), error = %e, "weights: a local copy is unreadable; loading again");
+                None
+            }
         }
     }
 
@@ -468,13 +519,27 @@ impl NodeWeights {
 
     /// Loads `model` from the cluster; `local_why` says why there is no
     /// local file.
-    async fn fetch(self: &Arc<Self>, model: &str, local_why: String) -> anyhow::Result<PathBuf> {
+    async fn fetch(
+        self: &Arc<Self>,
+        model: &str,
+        local_why: String,
+        pin: Option<ContentHash>,
+    ) -> anyhow::Result<PathBuf> {
+        // A verified copy from an earlier start comes first.
+        if let Some(sha) = &pin {
+            if let Some(p) = self.local_copy(model, sha).await {
+                tracing::info!(model, file = %p.display(), "weights: using the verified local copy");
+                self.serve_local(&p, model);
+                return Ok(p);
+            }
+        }
         let cat = catalog(&self.bus).await?;
         // The content most nodes serve, else any cached one.
         let mut candidates: Vec<&WeightManifest> = cat
             .manifests
             .values()
             .filter(|m| m.model == model && m.layout == GGUF)
+            .filter(|m| pin.is_none_or(|p| p == m.sha256))
             .collect();
         let ready = |m: &WeightManifest| {
             cat.sources.get(&m.sha256).map_or(0, |v| {
@@ -487,10 +552,20 @@ impl NodeWeights {
             std::cmp::Reverse((ready(m), cat.cached.contains(&m.sha256) as usize))
         });
         let Some(m) = candidates.first().map(|m| (*m).clone()) else {
+            let pinned = pin.map_or(String::new(), |p| {
+                format!(" with the pinned sha256 {}", p.hex())
+            });
             anyhow::bail!(
-                "no source for model {model}: file: {local_why}; peer: none advertises it; cache: does not hold it"
+                "no source for model {model}{pinned}: file: {local_why}; peer: none advertises it; cache: does not hold it"
             );
         };
+        if pin.is_none() {
+            if let Some(p) = self.local_copy(model, &m.sha256).await {
+                tracing::info!(model, file = %p.display(), "weights: using the verified local copy");
+                self.serve_local(&p, model);
+                return Ok(p);
+            }
+        }
         let path = self.cfg.cache_dir.join(format!("{}.gguf", m.sha256.hex()));
         let mut sources = Vec::new();
         for step in &self.cfg.order {
@@ -541,6 +616,7 @@ impl NodeWeights {
             max_bytes_per_sec: self.cfg.max_bytes_per_sec,
         };
         let (m2, dir) = (m.clone(), self.cfg.cache_dir.clone());
+        let manifests = self.cfg.manifest_dir.clone();
         let target = path.clone();
         // Progress on the bus while it loads (`dynamoctl models ls`,
         // `status`): a `loading` record, rewritten every second.
@@ -562,6 +638,10 @@ impl NodeWeights {
             let tmp = target.with_extension("gguf.part");
             std::fs::write(&tmp, loaded.bytes())?;
             std::fs::rename(&tmp, &target)?;
+            // Every byte was just verified: not hashed again at the next start.
+            if let Err(e) = dynamo_weights::manifest::remember(&manifests, &target, &m2) {
+                tracing::debug!(error = %e, "weights: manifest of the loaded file not kept");
+            }
             Ok::<_, anyhow::Error>(loaded)
         })
         .await;

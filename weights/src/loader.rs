@@ -137,6 +137,58 @@ impl Dest {
     }
 }
 
+/// The start of a load's destination, shared by the thread that fetches
+/// and checks chunks and the thread that hashes the verified prefix; each
+/// makes slices of disjoint ranges only (see [`load`]).
+#[derive(Clone, Copy)]
+struct Base(*mut u8);
+
+// SAFETY: a plain address; the ranges each thread touches are disjoint
+// (see `load`'s invariants) and the memory outlives both threads.
+unsafe impl Send for Base {}
+
+impl Base {
+    /// # Safety
+    /// `off + len` is within the destination, and no other thread uses
+    /// the range while the slice lives.
+    unsafe fn slice<'a>(self, off: usize, len: usize) -> &'a [u8] {
+        std::slice::from_raw_parts(self.0.add(off), len)
+    }
+    /// # Safety
+    /// As [`Base::slice`], and nothing else reads the range meanwhile.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice_mut<'a>(self, off: usize, len: usize) -> &'a mut [u8] {
+        std::slice::from_raw_parts_mut(self.0.add(off), len)
+    }
+}
+
+/// The whole file's SHA-256, computed on a second thread over the
+/// verified prefix as it grows, so hashing the file overlaps fetching and
+/// checking the chunks after it.
+struct InOrder {
+    tx: Option<std::sync::mpsc::SyncSender<(usize, usize)>>,
+    verified: Vec<bool>,
+    next: usize,
+}
+
+impl InOrder {
+    /// Marks chunk `c` verified and hands the hasher every chunk now
+    /// contiguous with what it has.
+    fn verified(&mut self, m: &Manifest, c: usize) {
+        self.verified[c] = true;
+        while self.next < self.verified.len() && self.verified[self.next] {
+            let (off, len) = m.chunk(self.next);
+            if let Some(tx) = &self.tx {
+                // A hasher that ended early only costs the final pass.
+                if tx.send((off as usize, len)).is_err() {
+                    self.tx = None;
+                }
+            }
+            self.next += 1;
+        }
+    }
+}
+
 /// A finished, verified load.
 pub struct Loaded {
     pub manifest: Manifest,
@@ -245,6 +297,107 @@ pub fn load(
             }
         }
     }
+    let base = Base(dest.bytes_mut().as_mut_ptr());
+    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, usize)>(n.max(1));
+    let mut whole = InOrder {
+        tx: Some(tx),
+        verified: vec![false; n],
+        next: 0,
+    };
+    let (given, refetched, streamed) = std::thread::scope(|sc| {
+        let hasher = sc.spawn(move || {
+            let mut h = Sha256::new();
+            let mut upto = 0usize;
+            for (off, len) in rx {
+                // SAFETY: a verified chunk, which nothing writes again
+                // while the hasher runs (a load whose reads were given up
+                // on stops feeding it).
+                h.update(unsafe { base.slice(off, len) });
+                upto = off + len;
+            }
+            (upto, ContentHash(h.finalize().into()))
+        });
+        let r = fetch_all(
+            manifest,
+            &mut sources,
+            opts,
+            &mut dest,
+            &peers,
+            &mut dead,
+            &mut why,
+            base,
+            &mut whole,
+            progress,
+            t0,
+        );
+        whole.tx = None;
+        let hashed = hasher.join();
+        r.map(|(g, rf)| {
+            let streamed = match hashed {
+                Ok((upto, h)) if upto == size && whole.next == n => Some(h),
+                _ => None,
+            };
+            (g, rf, streamed)
+        })
+    })?;
+    // Reads given up on may still land: wait for them, and if some never
+    // complete, move the verified bytes to fresh memory and leave the old
+    // region to the agent until they do, so nothing writes under them.
+    if let Dest::Region(ar) = &mut dest {
+        let deadline = Instant::now() + opts.peer_timeout;
+        while ar.0.abandoned_ops() > 0 && Instant::now() < deadline {
+            ar.0.progress()?;
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        if ar.0.abandoned_ops() > 0 {
+            tracing::warn!(
+                pending = ar.0.abandoned_ops(),
+                "weights: reads given up on never completed; copying to fresh memory"
+            );
+            let mut fresh = ar.0.register(size)?;
+            fresh.bytes_mut()[..size].copy_from_slice(&ar.1.bytes()[..size]);
+            let old = std::mem::replace(&mut ar.1, fresh);
+            ar.0.bury(old);
+        }
+    }
+    // The hash streamed during the load, else (reads were given up on, or
+    // the hasher did not finish) one pass now, over the final bytes.
+    let got = match streamed {
+        Some(h) => h,
+        None => ContentHash(Sha256::digest(&dest.bytes()[..size]).into()),
+    };
+    if got != manifest.sha256 {
+        return Err(LoadError::Mismatch {
+            got: got.hex(),
+            want: manifest.sha256.hex(),
+        });
+    }
+    Ok(Loaded {
+        manifest: manifest.clone(),
+        dest,
+        by_source: sources.iter().map(Source::name).zip(given).collect(),
+        refetched,
+        elapsed: t0.elapsed(),
+    })
+}
+
+/// Fetches and checks every chunk (the body of [`load`]); answers the
+/// bytes each source gave and the chunks fetched again.
+#[allow(clippy::too_many_arguments)]
+fn fetch_all(
+    manifest: &Manifest,
+    sources: &mut [Source],
+    opts: &LoadOptions,
+    dest: &mut Dest,
+    peers: &[Option<Peer>],
+    dead: &mut [bool],
+    why: &mut [Vec<String>],
+    base: Base,
+    whole: &mut InOrder,
+    progress: &mut dyn FnMut(&LoadProgress),
+    t0: Instant,
+) -> Result<(Vec<u64>, usize), LoadError> {
+    let n = manifest.chunks.len();
     let mut failed: Vec<HashSet<usize>> = vec![HashSet::new(); n];
     let mut given = vec![0u64; sources.len()];
     let mut pending: VecDeque<usize> = (0..n).collect();
@@ -265,7 +418,7 @@ pub fn load(
         for &c in &window {
             let ok = |i: usize| !dead[i] && !failed[c].contains(&i);
             let Some(first) = (0..sources.len()).find(|&i| ok(i)) else {
-                return Err(no_source(manifest, &sources, &why));
+                return Err(no_source(manifest, sources, why));
             };
             let s = if matches!(sources[first], Source::Peer(_)) {
                 let live: Vec<usize> = (0..sources.len())
@@ -285,7 +438,7 @@ pub fn load(
             .collect();
         let mut fetched: Vec<(usize, usize)> = Vec::new();
         if !reads.is_empty() {
-            let Dest::Region(ar) = &mut dest else {
+            let Dest::Region(ar) = dest else {
                 unreachable!("peers are inserted only with registered memory");
             };
             let (agent, region) = &mut **ar;
@@ -309,6 +462,10 @@ pub fn load(
             match all {
                 Ok(()) => fetched.extend(reads.iter().copied()),
                 Err(_) => {
+                    // Reads given up on may land later, over bytes
+                    // already handed to the hasher: the file is hashed
+                    // again at the end instead.
+                    whole.tx = None;
                     // One at a time, to find who failed.
                     for (&(c, s), spec) in reads.iter().zip(&specs) {
                         if dead[s] {
@@ -338,7 +495,8 @@ pub fn load(
             let Source::Bytes(b) = &mut sources[s] else {
                 unreachable!("a peer without a handle is dead");
             };
-            let out = &mut dest.bytes_mut()[off as usize..off as usize + len];
+            // SAFETY: chunk `c` is not verified, so the hasher never reads it.
+            let out = unsafe { base.slice_mut(off as usize, len) };
             match b.read_at(off, out) {
                 Ok(()) => fetched.push((c, s)),
                 Err(e) => {
@@ -359,8 +517,10 @@ pub fn load(
         fetched.sort_unstable();
         for (c, s) in fetched {
             let (off, len) = manifest.chunk(c);
-            let bytes = &dest.bytes()[off as usize..off as usize + len];
+            // SAFETY: nothing writes chunk `c` while it is checked.
+            let bytes = unsafe { base.slice(off as usize, len) };
             if chunk_ok(manifest, c, bytes) {
+                whole.verified(manifest, c);
                 given[s] += len as u64;
                 done_bytes += len as u64;
                 progress(&LoadProgress {
@@ -379,40 +539,7 @@ pub fn load(
             }
         }
     }
-    // Reads given up on may still land: wait for them, and if some never
-    // complete, move the verified bytes to fresh memory and leave the old
-    // region to the agent until they do, so nothing writes under them.
-    if let Dest::Region(ar) = &mut dest {
-        let deadline = Instant::now() + opts.peer_timeout;
-        while ar.0.abandoned_ops() > 0 && Instant::now() < deadline {
-            ar.0.progress()?;
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        if ar.0.abandoned_ops() > 0 {
-            tracing::warn!(
-                pending = ar.0.abandoned_ops(),
-                "weights: reads given up on never completed; copying to fresh memory"
-            );
-            let mut fresh = ar.0.register(size)?;
-            fresh.bytes_mut()[..size].copy_from_slice(&ar.1.bytes()[..size]);
-            let old = std::mem::replace(&mut ar.1, fresh);
-            ar.0.bury(old);
-        }
-    }
-    let got = ContentHash(Sha256::digest(&dest.bytes()[..size]).into());
-    if got != manifest.sha256 {
-        return Err(LoadError::Mismatch {
-            got: got.hex(),
-            want: manifest.sha256.hex(),
-        });
-    }
-    Ok(Loaded {
-        manifest: manifest.clone(),
-        dest,
-        by_source: sources.iter().map(Source::name).zip(given).collect(),
-        refetched,
-        elapsed: t0.elapsed(),
-    })
+    Ok((given, refetched))
 }
 
 /// The read of one chunk (`offset`, `len`, `peer`, `remote`) into the same

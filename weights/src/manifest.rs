@@ -41,20 +41,50 @@ pub fn of_file(path: &Path, model: &str, layout: &str) -> Result<Manifest, FileE
     let mut f = std::fs::File::open(path).map_err(io)?;
     let size = f.metadata().map_err(io)?.len();
     let chunk_size = chunk_size_for(size);
-    let mut whole = Sha256::new();
     let mut chunks = Vec::new();
-    let mut buf = vec![0u8; chunk_size.min(size.max(1)) as usize];
-    let mut left = size;
-    while left > 0 {
-        let n = left.min(chunk_size) as usize;
-        f.read_exact(&mut buf[..n]).map_err(io)?;
-        whole.update(&buf[..n]);
-        chunks.push(hash(&buf[..n]));
-        left -= n as u64;
+    // The whole file is hashed on a second thread while this one reads
+    // and hashes chunks; buffers go round between the two (bounded: two
+    // in flight).
+    let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<(Vec<u8>, usize)>(2);
+    let (free_tx, free_rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(3);
+    let buf_len = chunk_size.min(size.max(1)) as usize;
+    for _ in 0..3 {
+        let _ = free_tx.send(vec![0u8; buf_len]);
     }
+    let whole = std::thread::scope(|sc| {
+        let hasher = sc.spawn(move || {
+            let mut whole = Sha256::new();
+            for (buf, n) in full_rx {
+                whole.update(&buf[..n]);
+                let _ = free_tx.send(buf);
+            }
+            whole.finalize()
+        });
+        let mut left = size;
+        let read = (|| {
+            while left > 0 {
+                let n = left.min(chunk_size) as usize;
+                let mut buf = free_rx.recv().unwrap_or_else(|_| vec![0u8; buf_len]);
+                f.read_exact(&mut buf[..n]).map_err(io)?;
+                chunks.push(hash(&buf[..n]));
+                if full_tx.send((buf, n)).is_err() {
+                    break;
+                }
+                left -= n as u64;
+            }
+            Ok::<_, FileError>(())
+        })();
+        drop(full_tx);
+        let whole = hasher.join();
+        read?;
+        whole.map_err(|_| FileError::Io {
+            path: path.display().to_string(),
+            source: std::io::Error::other("the hashing thread failed"),
+        })
+    })?;
     let m = Manifest {
         model: model.to_string(),
-        sha256: ContentHash(whole.finalize().into()),
+        sha256: ContentHash(whole.into()),
         layout: layout.to_string(),
         size,
         chunk_size,
@@ -74,6 +104,50 @@ pub fn of_file_cached(
     model: &str,
     layout: &str,
 ) -> Result<Manifest, FileError> {
+    let (file, len) = cache_entry(dir, path, model, layout)?;
+    if let Ok(bytes) = std::fs::read(&file) {
+        match serde_json::from_slice::<Manifest>(&bytes) {
+            Ok(m)
+                if m.size == len
+                    && m.model == model
+                    && m.layout == layout
+                    && m.validate().is_ok() =>
+            {
+                return Ok(m)
+            }
+            _ => {
+                tracing::warn!(file = %file.display(), "weights: a cached manifest is unreadable; hashing again")
+            }
+        }
+    }
+    let m = of_file(path, model, layout)?;
+    keep(&file, &m);
+    Ok(m)
+}
+
+/// Records `m` as the manifest of `path` in the manifest cache `dir`,
+/// for a file whose every byte was just verified against `m` (a load's
+/// output), so it is not hashed again at the next start.
+pub fn remember(dir: &Path, path: &Path, m: &Manifest) -> Result<(), FileError> {
+    let (file, len) = cache_entry(dir, path, &m.model, &m.layout)?;
+    if len != m.size {
+        return Err(FileError::Io {
+            path: path.display().to_string(),
+            source: std::io::Error::other(format!("holds {len} bytes, not {}", m.size)),
+        });
+    }
+    keep(&file, m);
+    Ok(())
+}
+
+/// The cache entry of `path` (named by its canonical path, size,
+/// modification time, model and layout) and the file's size.
+fn cache_entry(
+    dir: &Path,
+    path: &Path,
+    model: &str,
+    layout: &str,
+) -> Result<(std::path::PathBuf, u64), FileError> {
     let io = |source| FileError::Io {
         path: path.display().to_string(),
         source,
@@ -94,32 +168,18 @@ pub fn of_file_cached(
         )
         .as_bytes(),
     );
-    let file = dir.join(format!("{}.json", key.hex()));
-    if let Ok(bytes) = std::fs::read(&file) {
-        match serde_json::from_slice::<Manifest>(&bytes) {
-            Ok(m)
-                if m.size == meta.len()
-                    && m.model == model
-                    && m.layout == layout
-                    && m.validate().is_ok() =>
-            {
-                return Ok(m)
-            }
-            _ => {
-                tracing::warn!(file = %file.display(), "weights: a cached manifest is unreadable; hashing again")
-            }
-        }
-    }
-    let m = of_file(path, model, layout)?;
-    // Best effort: a cache that cannot be written costs a hash next time.
+    Ok((dir.join(format!("{}.json", key.hex())), meta.len()))
+}
+
+/// Best effort: a cache that cannot be written costs a hash next time.
+fn keep(file: &Path, m: &Manifest) {
     let tmp = file.with_extension(format!("{}.part", std::process::id()));
-    let wrote = std::fs::create_dir_all(dir)
-        .and_then(|_| std::fs::write(&tmp, serde_json::to_vec(&m).unwrap_or_default()))
-        .and_then(|_| std::fs::rename(&tmp, &file));
+    let wrote = std::fs::create_dir_all(file.parent().unwrap_or(Path::new(".")))
+        .and_then(|_| std::fs::write(&tmp, serde_json::to_vec(m).unwrap_or_default()))
+        .and_then(|_| std::fs::rename(&tmp, file));
     if let Err(e) = wrote {
         tracing::debug!(error = %e, "weights: manifest not cached");
     }
-    Ok(m)
 }
 
 /// The manifest of bytes in memory.
@@ -174,6 +234,29 @@ mod tests {
             of_file_cached(dir.path(), f.path(), "m", "gguf").unwrap(),
             first
         );
+    }
+
+    #[test]
+    fn a_remembered_manifest_is_answered_without_hashing_again() {
+        let b = bytes(2 << 20);
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(&b).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        // What a load verified is taken as is: a marker hash shows that
+        // the file was not read again.
+        let mut m = of_bytes(&b, "m", "gguf");
+        m.sha256 = ContentHash([7; 32]);
+        remember(dir.path(), f.path(), &m).unwrap();
+        assert_eq!(
+            of_file_cached(dir.path(), f.path(), "m", "gguf").unwrap(),
+            m
+        );
+        // A manifest of another size is not this file's.
+        let other = of_bytes(&b[..1 << 20], "m", "gguf");
+        let e = remember(dir.path(), f.path(), &other)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("not 1048576"), "{e}");
     }
 
     #[test]

@@ -126,3 +126,16 @@ fn the_retired_landing_region_size_still_loads() {
     assert_eq!(c.workers[0].role, WorkerRole::Decode);
     assert_eq!(c.workers[0].transfer, TransferConfig::default());
 }
+
+#[test]
+fn a_pinned_model_hash_is_64_hex_digits() {
+    let base = "node_id = \"a\"\n[nats]\nurl = \"embedded\"\n[[workers]]\nengine = \"mocker\"\n";
+    let sha = "ab".repeat(32);
+    let c = parse(&format!("{base}model_sha256 = \"{sha}\"\n")).unwrap();
+    assert_eq!(c.workers[0].model_sha256.map(|h| h.hex()), Some(sha));
+    assert_eq!(parse(base).unwrap().workers[0].model_sha256, None);
+    let e = parse(&format!("{base}model_sha256 = \"abc\"\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("workers[0].model_sha256"), "{e}");
+}
