@@ -8,8 +8,8 @@ use dynamo_kv_index::KvIndex;
 use std::hint::black_box;
 
 fn bench(c: &mut Criterion) {
-    // 1M blocks: 4,096 chains of 256 blocks, each held by 2 of 128 workers.
-    let w = build(4096, 256, 128, 2, 7);
+    // 1M blocks: 4,096 chains of 256 blocks, each held by 2 of 1,024 workers.
+    let w = build(4096, 256, 1024, 2, 7);
     let mut rng = Rng(9);
     c.bench_function("find_matches/256 blocks, full hit, 1M-block index", |b| {
         b.iter(|| {
@@ -23,13 +23,13 @@ fn bench(c: &mut Criterion) {
             .collect();
         b.iter(|| black_box(w.index.find_matches(&miss)))
     });
-    let events = stored_events(10_000, 4, 128, 3);
-    c.bench_function("apply/10k Stored events of 4 blocks", |b| {
+    let events = stored_events(10_000, 4, 1024, 3);
+    c.bench_function("apply_batch/10k Stored events of 4 blocks", |b| {
         b.iter_batched(
             KvIndex::new,
             |mut idx| {
-                for e in &events {
-                    idx.apply(e).expect("apply");
+                for batch in events.chunks(64) {
+                    idx.apply_batch(batch).expect("apply");
                 }
                 idx
             },

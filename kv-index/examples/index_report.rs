@@ -1,16 +1,20 @@
-//! Prints the KV index figures quoted in BENCHMARKS.md as JSON:
-//! `cargo run --release -p dynamo-kv-index --example index_report`.
+//! Prints the KV index figures quoted in BENCHMARKS.md, one JSON line per
+//! (index, worker count): `cargo run --release -p dynamo-kv-index --example index_report`.
 //!
 //! - find_matches latency (p50/p99/max) for 256-block queries against an
-//!   index of 1M blocks (4,096 chains × 256) held by 2 of 128 workers each,
-//!   one thread, full hits (the worst case: every block is probed);
-//! - apply throughput: Stored events of 4 blocks into an empty index, and a
-//!   steady state of Stored + Removed at 1M blocks;
-//! - heap bytes per indexed block.
+//!   index of 1M blocks (4,096 chains × 256) held by 2 workers each, one
+//!   thread, full hits (the worst case: every block is matched);
+//! - apply throughput, one thread: 1M Stored events of 4 blocks into an empty
+//!   index (one at a time, and through `apply_batch` in batches of 64), and a
+//!   steady state of 1M events (tail evictions and new branches) at 1M blocks;
+//! - heap bytes per indexed block, and runs.
+//!
+//! The run index (`KvIndex`) and the flat oracle (`FlatIndex`) run side by
+//! side on the same workload, at 128 and at 1,024 workers.
 
-use dynamo_bus_schema::blocks::SequenceHash;
-use dynamo_kv_index::workload::{build, stored_events, Rng};
-use dynamo_kv_index::{IndexEvent, IndexEventData, KvIndex, Tier};
+use dynamo_kv_index::flat::FlatIndex;
+use dynamo_kv_index::workload::{build, steady_events, stored_events, Rng};
+use dynamo_kv_index::KvIndex;
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -19,64 +23,74 @@ fn pct(v: &mut [u64], p: f64) -> u64 {
     v[((v.len() - 1) as f64 * p) as usize]
 }
 
-fn main() {
-    let t = Instant::now();
-    let mut w = build(4096, 256, 128, 2, 7);
-    let build_s = t.elapsed().as_secs_f64();
-    let blocks = w.index.len();
-    let bytes_per_block = w.index.heap_bytes() as f64 / blocks as f64;
-
+fn latency<F: Fn(usize) -> usize>(n: usize, chains: usize, q: F) -> (u64, u64, u64) {
     let mut rng = Rng(1);
-    let mut lat = Vec::with_capacity(200_000);
-    for _ in 0..200_000 {
-        let q = &w.chains[(rng.next_u64() % 4096) as usize];
+    let mut lat = Vec::with_capacity(n);
+    for _ in 0..n {
+        let c = (rng.next_u64() % chains as u64) as usize;
         let t = Instant::now();
-        let m = black_box(w.index.find_matches(q));
+        let m = black_box(q(c));
         lat.push(t.elapsed().as_nanos() as u64);
-        assert!(!m.is_empty());
+        assert!(m > 0);
     }
-    let (p50, p99, max) = (pct(&mut lat, 0.5), pct(&mut lat, 0.99), pct(&mut lat, 1.0));
+    (pct(&mut lat, 0.5), pct(&mut lat, 0.99), pct(&mut lat, 1.0))
+}
 
-    let events = stored_events(1_000_000, 4, 128, 3);
-    let mut idx = KvIndex::new();
+fn eps(n: usize, f: impl FnOnce()) -> f64 {
     let t = Instant::now();
-    for e in &events {
-        idx.apply(e).expect("apply");
-    }
-    let fresh_eps = events.len() as f64 / t.elapsed().as_secs_f64();
-    drop(idx);
+    f();
+    n as f64 / t.elapsed().as_secs_f64()
+}
 
-    // Steady state: evict the oldest 4 blocks of a chain, store 4 new ones.
-    let mut steady = Vec::with_capacity(1_000_000);
-    for i in 0..500_000u64 {
-        let c = &w.chains[(i % 4096) as usize];
-        let off = ((i / 4096) as usize * 4) % 256;
-        let worker = dynamo_bus_schema::WorkerId(i % 128);
-        steady.push(IndexEvent {
-            worker,
-            data: IndexEventData::Removed {
-                tier: Tier::Device,
-                blocks: c[off..off + 4].to_vec(),
-            },
-        });
-        steady.push(IndexEvent {
-            worker,
-            data: IndexEventData::Stored {
-                tier: Tier::Device,
-                parent: None,
-                blocks: (0..4).map(|_| SequenceHash(rng.next_u64())).collect(),
-            },
-        });
-    }
-    let t = Instant::now();
-    for e in &steady {
-        w.index.apply(e).expect("apply");
-    }
-    let steady_eps = steady.len() as f64 / t.elapsed().as_secs_f64();
+fn main() {
+    const CHAINS: usize = 4096;
+    for workers in [128u64, 1024] {
+        let mut w = build(CHAINS, 256, workers, 2, 7);
+        let blocks = w.index.len();
+        let steady = steady_events(&w, 500_000, 5);
+        let fresh = stored_events(1_000_000, 4, workers, 3);
 
-    println!(
-        "{{\"indexed_blocks\":{blocks},\"workers\":128,\"build_s\":{build_s:.2},\"heap_bytes_per_block\":{bytes_per_block:.1},\
+        // The run index.
+        let bytes = w.index.heap_bytes() as f64 / blocks as f64;
+        let runs = w.index.runs();
+        let (p50, p99, max) = latency(200_000, CHAINS, |c| {
+            w.index.find_matches(&w.chains[c]).len()
+        });
+        let mut idx = KvIndex::new();
+        let fresh_eps = eps(fresh.len(), || {
+            fresh.iter().for_each(|e| idx.apply(e).expect("apply"))
+        });
+        let mut idx = KvIndex::new();
+        let fresh_batch = eps(fresh.len(), || {
+            fresh
+                .chunks(64)
+                .for_each(|b| idx.apply_batch(b).expect("apply"))
+        });
+        drop(idx);
+        let steady_eps = eps(steady.len(), || {
+            steady
+                .chunks(64)
+                .for_each(|b| w.index.apply_batch(b).expect("apply"))
+        });
+        println!(
+            "{{\"index\":\"runs\",\"workers\":{workers},\"indexed_blocks\":{blocks},\"runs\":{runs},\"heap_bytes_per_block\":{bytes:.1},\
 \"find_matches_256_p50_ns\":{p50},\"find_matches_256_p99_ns\":{p99},\"find_matches_256_max_ns\":{max},\
+\"apply_events_per_s_fresh_4_blocks\":{fresh_eps:.0},\"apply_batch_events_per_s_fresh_4_blocks\":{fresh_batch:.0},\
+\"apply_batch_events_per_s_steady_1m\":{steady_eps:.0}}}"
+        );
+        drop(w.index);
+
+        // The flat oracle, same workload.
+        let mut flat = FlatIndex::new();
+        w.events.iter().for_each(|e| flat.apply(e));
+        let (p50, p99, max) = latency(50_000, CHAINS, |c| flat.find_matches(&w.chains[c]).len());
+        let mut f2 = FlatIndex::new();
+        let fresh_eps = eps(fresh.len(), || fresh.iter().for_each(|e| f2.apply(e)));
+        drop(f2);
+        let steady_eps = eps(steady.len(), || steady.iter().for_each(|e| flat.apply(e)));
+        println!(
+            "{{\"index\":\"flat\",\"workers\":{workers},\"find_matches_256_p50_ns\":{p50},\"find_matches_256_p99_ns\":{p99},\"find_matches_256_max_ns\":{max},\
 \"apply_events_per_s_fresh_4_blocks\":{fresh_eps:.0},\"apply_events_per_s_steady_1m\":{steady_eps:.0}}}"
-    );
+        );
+    }
 }

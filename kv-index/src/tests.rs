@@ -1,4 +1,5 @@
-//! Seeded property tests against a naive reference model.
+//! Seeded property tests of the run index against the flat oracle
+//! ([`flat::FlatIndex`]) and a naive set model, with more than 128 workers.
 
 use super::*;
 use proptest::prelude::*;
@@ -62,18 +63,48 @@ fn chain(len: usize, branch: u64) -> Vec<SequenceHash> {
         .collect()
 }
 
+/// Workers 0..6 are the ones events are about; 6..6+FILLERS share the first
+/// blocks of every branch, so that slots past 128 are in use.
+const FILLERS: u64 = 200;
+const WATCHED: [u64; 6] = [0, 1, 2, 3, 4, 3 * FILLERS];
+
+fn fillers() -> Vec<IndexEvent> {
+    (6..6 + FILLERS)
+        .map(|w| IndexEvent {
+            worker: WorkerId(w),
+            data: IndexEventData::Stored {
+                tier: if w % 3 == 0 { Tier::Host } else { Tier::Device },
+                parent: None,
+                blocks: chain(2 + (w % 3) as usize, w % 4),
+            },
+        })
+        .collect()
+}
+
 fn event() -> impl Strategy<Value = IndexEvent> {
     let tier = prop_oneof![4 => Just(Tier::Device), 1 => Just(Tier::Host), 1 => Just(Tier::Disk)];
-    let worker = 0u64..6;
-    let blocks = (0u64..4, 0usize..12, 1usize..8)
-        .prop_map(|(branch, start, n)| chain(start + n, branch)[start..].to_vec());
+    let worker = (0usize..6).prop_map(|i| WATCHED[i]);
+    // With its parent (the chain's previous block) or without, as engines may send either.
+    let blocks = (0u64..4, 0usize..12, 1usize..8, any::<bool>()).prop_map(
+        |(branch, start, n, with_parent)| {
+            let c = chain(start + n, branch);
+            (
+                c[start..].to_vec(),
+                (with_parent && start > 0).then(|| c[start - 1]),
+            )
+        },
+    );
     prop_oneof![
-        8 => (worker.clone(), tier.clone(), blocks.clone()).prop_map(|(w, tier, blocks)| IndexEvent {
-            worker: WorkerId(w), data: IndexEventData::Stored { tier, parent: None, blocks } }),
-        4 => (worker.clone(), tier, blocks).prop_map(|(w, tier, blocks)| IndexEvent {
+        8 => (worker.clone(), tier.clone(), blocks.clone()).prop_map(|(w, tier, (blocks, parent))| IndexEvent {
+            worker: WorkerId(w), data: IndexEventData::Stored { tier, parent, blocks } }),
+        4 => (worker.clone(), tier, blocks).prop_map(|(w, tier, (blocks, _))| IndexEvent {
             worker: WorkerId(w), data: IndexEventData::Removed { tier, blocks } }),
         1 => worker.prop_map(|w| IndexEvent { worker: WorkerId(w), data: IndexEventData::Cleared }),
     ]
+}
+
+fn sorted(v: Vec<(WorkerId, Overlap)>) -> BTreeMap<u64, Overlap> {
+    v.into_iter().map(|(w, o)| (w.0, o)).collect()
 }
 
 proptest! {
@@ -82,20 +113,30 @@ proptest! {
     fn matches_agree_with_the_naive_model(events in proptest::collection::vec(event(), 1..60),
                                          queries in proptest::collection::vec((0u64..4, 1usize..20), 1..8)) {
         let mut idx = KvIndex::new();
+        let mut flat = flat::FlatIndex::new();
         let mut naive = Naive::default();
+        for ev in &fillers() {
+            idx.apply(ev).unwrap();
+            flat.apply(ev);
+            naive.apply(ev);
+        }
         for ev in &events {
             idx.apply(ev).unwrap();
+            flat.apply(ev);
             naive.apply(ev);
             // Every query after every event.
             for (branch, len) in &queries {
                 let q = chain(*len, *branch);
-                let got: BTreeMap<u64, Overlap> = idx.find_matches(&q).into_iter().map(|(w, o)| (w.0, o)).collect();
-                prop_assert_eq!(got, naive.find(&q, &[0, 1, 2, 3, 4, 5]));
+                let got = sorted(idx.find_matches(&q));
+                prop_assert_eq!(&got, &sorted(flat.find_matches(&q)));
+                let watched: BTreeMap<u64, Overlap> = got.into_iter().filter(|(w, _)| WATCHED.contains(w)).collect();
+                prop_assert_eq!(watched, naive.find(&q, &WATCHED));
             }
-            for w in 0..6u64 {
+            for w in WATCHED {
                 let mut want = [0u64; 3];
                 for (x, t, _) in &naive.held { if *x == w { want[*t] += 1; } }
                 prop_assert_eq!(idx.blocks_of(WorkerId(w)), want);
+                prop_assert_eq!(flat.blocks_of(WorkerId(w)), want);
             }
         }
     }
@@ -103,8 +144,9 @@ proptest! {
 
 #[test]
 fn removing_a_worker_frees_its_slot_and_blocks() {
-    let mut idx = KvIndex::new();
-    for w in 0..MAX_WORKERS as u64 {
+    const MAX: usize = 200;
+    let mut idx = KvIndex::with_max_workers(MAX);
+    for w in 0..MAX as u64 {
         idx.apply(&IndexEvent {
             worker: WorkerId(w),
             data: IndexEventData::Stored {
@@ -125,10 +167,13 @@ fn removing_a_worker_frees_its_slot_and_blocks() {
     };
     assert_eq!(
         idx.apply(&extra),
-        Err(IndexError::TooManyWorkers(WorkerId(999)))
+        Err(IndexError::TooManyWorkers {
+            worker: WorkerId(999),
+            max: MAX
+        })
     );
-    // All 128 share the first half (2 blocks) of every chain.
-    assert_eq!(idx.find_matches(&chain(4, 0)).len(), MAX_WORKERS);
+    // All of them share the first half (2 blocks) of every chain.
+    assert_eq!(idx.find_matches(&chain(4, 0)).len(), MAX);
     idx.remove_worker(WorkerId(5));
     assert!(idx
         .find_matches(&chain(4, 5))
@@ -136,7 +181,7 @@ fn removing_a_worker_frees_its_slot_and_blocks() {
         .all(|(w, _)| *w != WorkerId(5)));
     assert_eq!(idx.blocks_of(WorkerId(5)), [0, 0, 0]);
     idx.apply(&extra).unwrap();
-    assert_eq!(idx.find_matches(&chain(2, 0)).len(), MAX_WORKERS);
+    assert_eq!(idx.find_matches(&chain(2, 0)).len(), MAX);
 }
 
 #[test]
@@ -155,4 +200,129 @@ fn an_event_whose_parent_is_unknown_is_counted() {
     assert_eq!(idx.orphans(), 1);
     // A query from the root does not match a worker lacking the first block.
     assert!(idx.find_matches(&c).is_empty());
+}
+
+/// A long seeded run at fleet scale: 1,024 workers storing and evicting
+/// branching chains (with parents, tails evicted first, some host offload),
+/// checked against the flat oracle on the way.
+#[test]
+fn a_thousand_workers_agree_with_the_flat_oracle() {
+    use crate::workload::Rng;
+    let mut rng = Rng(42);
+    let mut idx = KvIndex::new();
+    let mut flat = flat::FlatIndex::new();
+    // 64 conversations of up to 96 blocks; branch points shared between them.
+    let convs: Vec<Vec<SequenceHash>> = (0..64u64)
+        .map(|c| {
+            (0..96u64)
+                .map(|i| {
+                    SequenceHash(if i < 8 {
+                        7 + i
+                    } else {
+                        c / 4 * 1_000 + (c % 4) * 100_000_000 + i
+                    })
+                })
+                .collect()
+        })
+        .collect();
+    let mut held: Vec<(u64, usize, usize)> = Vec::new(); // (worker, conv, len)
+    for step in 0..6_000u64 {
+        let w = rng.next_u64() % 1_024;
+        let c = (rng.next_u64() % 64) as usize;
+        let ev = match rng.next_u64() % 10 {
+            0..=5 => {
+                let start = (rng.next_u64() % 64) as usize;
+                let n = 1 + (rng.next_u64() % 32) as usize;
+                held.push((w, c, start + n));
+                IndexEvent {
+                    worker: WorkerId(w),
+                    data: IndexEventData::Stored {
+                        tier: if rng.next_u64().is_multiple_of(8) {
+                            Tier::Host
+                        } else {
+                            Tier::Device
+                        },
+                        parent: (start > 0).then(|| convs[c][start - 1]),
+                        blocks: convs[c][start..start + n].to_vec(),
+                    },
+                }
+            }
+            6..=8 if !held.is_empty() => {
+                // Evict a tail.
+                let (w, c, len) = held.swap_remove((rng.next_u64() % held.len() as u64) as usize);
+                let from = (rng.next_u64() % len as u64) as usize;
+                IndexEvent {
+                    worker: WorkerId(w),
+                    data: IndexEventData::Removed {
+                        tier: Tier::Device,
+                        blocks: convs[c][from..len].iter().rev().copied().collect(),
+                    },
+                }
+            }
+            _ => IndexEvent {
+                worker: WorkerId(w),
+                data: IndexEventData::Cleared,
+            },
+        };
+        idx.apply(&ev).unwrap();
+        flat.apply(&ev);
+        if step % 50 == 0 {
+            for q in convs.iter().step_by(7) {
+                assert_eq!(
+                    sorted(idx.find_matches(q)),
+                    sorted(flat.find_matches(q)),
+                    "step {step}"
+                );
+            }
+            for w in (0..1_024).step_by(97) {
+                assert_eq!(idx.blocks_of(WorkerId(w)), flat.blocks_of(WorkerId(w)));
+            }
+        }
+    }
+    assert!(
+        idx.workers().count() > 128,
+        "the test should exercise more than 128 workers"
+    );
+}
+
+#[test]
+fn a_chain_stored_whole_by_the_same_workers_is_one_run_however_it_was_split() {
+    let c: Vec<SequenceHash> = (0..256u64).map(|i| SequenceHash(i * 7 + 1)).collect();
+    let mut idx = KvIndex::new();
+    let store = |idx: &mut KvIndex, w: u64, from: usize, to: usize| {
+        idx.apply(&IndexEvent {
+            worker: WorkerId(w),
+            data: IndexEventData::Stored {
+                tier: Tier::Device,
+                parent: (from > 0).then(|| c[from - 1]),
+                blocks: c[from..to].to_vec(),
+            },
+        })
+        .unwrap()
+    };
+    // Worker 1 in chunks of 64, worker 2 in uneven chunks.
+    for k in 0..4 {
+        store(&mut idx, 1, k * 64, k * 64 + 64);
+    }
+    assert_eq!(idx.runs(), 1);
+    for (from, to) in [(0, 10), (10, 100), (100, 101), (101, 256)] {
+        store(&mut idx, 2, from, to);
+    }
+    assert_eq!(idx.runs(), 1, "equal holders along the chain merge back");
+    // Worker 2 evicts its tail: two runs, {1,2} then {1}.
+    idx.apply(&IndexEvent {
+        worker: WorkerId(2),
+        data: IndexEventData::Removed {
+            tier: Tier::Device,
+            blocks: c[200..].to_vec(),
+        },
+    })
+    .unwrap();
+    assert_eq!(idx.runs(), 2);
+    let m = sorted(idx.find_matches(&c));
+    assert_eq!(m[&1].blocks, 256);
+    assert_eq!(m[&2].blocks, 200);
+    // And stores it again: one run.
+    store(&mut idx, 2, 200, 256);
+    assert_eq!(idx.runs(), 1);
 }
