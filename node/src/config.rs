@@ -7,8 +7,9 @@ use dynamo_cpu_engine::CpuEngineConfig;
 use dynamo_external_engine::config::{ExternalConfig, RawExternal};
 use dynamo_gateway::GatewayConfig;
 use dynamo_mocker::MockerConfig;
-use dynamo_router::{DisaggPolicy, PolicyKind, RouterConfig};
+use dynamo_router::RouterConfig;
 use dynamo_worker::TransferConfig;
+pub use router::RawRouter;
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -95,29 +96,6 @@ pub struct RawGateway {
     pub max_held_requests: Option<u32>,
     /// Period of the traffic summaries published for the planner.
     pub metrics_interval_ms: Option<u64>,
-}
-
-#[derive(Debug, Deserialize, Default)]
-#[serde(deny_unknown_fields)]
-pub struct RawRouter {
-    pub policy: Option<String>,
-    pub worker_ttl_ms: Option<u64>,
-    /// kv_aware: weight of prefill blocks against decode blocks.
-    pub overlap_weight: Option<f64>,
-    /// kv_aware: share of prefill cost still paid for a host-tier hit.
-    pub host_hit_cost: Option<f64>,
-    /// kv_aware: share of prefill cost still paid for a disk-tier hit.
-    pub disk_hit_cost: Option<f64>,
-    /// kv_aware: softmax temperature (0 = deterministic).
-    pub temperature: Option<f64>,
-    /// Disaggregated serving: uncached prompt tokens below which the decode
-    /// worker prefills itself.
-    pub min_remote_prefill_tokens: Option<u64>,
-    /// Disaggregated serving: a prefill worker with this many requests
-    /// waiting is skipped.
-    pub max_prefill_queue: Option<u32>,
-    /// How long a worker that refused a request as overloaded is avoided.
-    pub overload_backoff_ms: Option<u64>,
 }
 
 /// `[workers.transfer]`: the KV transfer endpoint of prefill/decode workers.
@@ -362,10 +340,13 @@ impl NodeConfig {
                     format!("is `env` but ${} is not set", crate::env::NATS_URL),
                 )
             })?)
-        } else if nats_url.starts_with("nats://") {
+        } else if nats_urls_ok(nats_url) {
             NatsSpec::Url(nats_url.to_string())
         } else {
-            return Err(invalid("--join", "must be a nats:// URL or `env`"));
+            return Err(invalid(
+                "--join",
+                "must be nats:// URLs (comma-separated for a cluster) or `env`",
+            ));
         };
         if join.slots > 1024 {
             return Err(invalid("--slots", "must be 0-1024"));
@@ -389,6 +370,15 @@ impl NodeConfig {
             join: Some(join),
         })
     }
+}
+
+/// One `nats://` URL, or several comma-separated (every server of a cluster).
+fn nats_urls_ok(s: &str) -> bool {
+    s.split(',').all(|u| {
+        u.trim()
+            .strip_prefix("nats://")
+            .is_some_and(|h| !h.is_empty())
+    })
 }
 
 fn ms(v: Option<u64>, default: Duration) -> Duration {
@@ -418,7 +408,7 @@ impl NodeConfig {
             NatsSpec::Embedded {
                 port: raw.nats.port,
             }
-        } else if raw.nats.url.starts_with("nats://") {
+        } else if nats_urls_ok(&raw.nats.url) {
             NatsSpec::Url(raw.nats.url.clone())
         } else if raw.nats.url == "env" {
             NatsSpec::Url(std::env::var(crate::env::NATS_URL).map_err(|_| {
@@ -430,7 +420,7 @@ impl NodeConfig {
         } else {
             return Err(invalid(
                 "nats.url",
-                "must be `embedded`, `env` or a nats:// URL",
+                "must be `embedded`, `env` or nats:// URLs (comma-separated for a cluster)",
             ));
         };
         let gateway = match raw.gateway {
@@ -524,76 +514,7 @@ impl NodeConfig {
                 Some(cfg)
             }
         };
-        let r = raw.router.unwrap_or_default();
-        let d = RouterConfig::default();
-        let router = RouterConfig {
-            worker_ttl: ms(r.worker_ttl_ms, d.worker_ttl),
-            policy: match r.policy {
-                None => PolicyKind::default(),
-                Some(p) => p.parse().map_err(|e: String| invalid("router.policy", e))?,
-            },
-            disagg: DisaggPolicy {
-                min_remote_prefill_tokens: r
-                    .min_remote_prefill_tokens
-                    .unwrap_or(d.disagg.min_remote_prefill_tokens),
-                max_prefill_queue: r.max_prefill_queue.unwrap_or(d.disagg.max_prefill_queue),
-            },
-            overload_backoff: ms(r.overload_backoff_ms, d.overload_backoff),
-        };
-        if router.disagg.max_prefill_queue == 0 {
-            return Err(invalid("router.max_prefill_queue", "must be at least 1"));
-        }
-        let mut router = router;
-        if let PolicyKind::KvAware(w) = &mut router.policy {
-            // The same ranges a request's `routing` extension has.
-            for (key, v, slot, hi) in [
-                (
-                    "router.overlap_weight",
-                    r.overlap_weight,
-                    &mut w.overlap_weight,
-                    dynamo_gateway::openai::MAX_OVERLAP_WEIGHT,
-                ),
-                (
-                    "router.host_hit_cost",
-                    r.host_hit_cost,
-                    &mut w.host_hit_cost,
-                    1.0,
-                ),
-                (
-                    "router.disk_hit_cost",
-                    r.disk_hit_cost,
-                    &mut w.disk_hit_cost,
-                    1.0,
-                ),
-                (
-                    "router.temperature",
-                    r.temperature,
-                    &mut w.temperature,
-                    dynamo_gateway::openai::MAX_ROUTING_TEMPERATURE,
-                ),
-            ] {
-                if let Some(v) = v {
-                    if !(v.is_finite() && (0.0..=hi).contains(&v)) {
-                        return Err(invalid(key, format!("must be between 0 and {hi}")));
-                    }
-                    *slot = v;
-                }
-            }
-        } else if r
-            .overlap_weight
-            .or(r.host_hit_cost)
-            .or(r.disk_hit_cost)
-            .or(r.temperature)
-            .is_some()
-        {
-            return Err(invalid(
-                "router.policy",
-                "cost weights are only used by policy = \"kv_aware\"",
-            ));
-        }
-        if router.worker_ttl < Duration::from_millis(100) {
-            return Err(invalid("router.worker_ttl_ms", "must be at least 100"));
-        }
+        let router = router::parse(raw.router.unwrap_or_default())?;
         let mut workers = Vec::new();
         for (i, w) in raw.workers.into_iter().enumerate() {
             let key = |k: &str| format!("workers[{i}].{k}");
@@ -897,3 +818,5 @@ pub fn check_spec_settings(
 
 #[cfg(test)]
 mod tests;
+
+mod router;

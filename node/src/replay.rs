@@ -7,6 +7,13 @@
 //! mapped into `[256, vocab)`); the prompt is the concatenation, truncated to
 //! `input_length`. Requests are sent open-loop at `timestamp / speedup`,
 //! streaming with `include_usage`, so TTFT and `cached_tokens` are measured.
+//!
+//! `token_scale` K shrinks the trace: every length is divided by K, so a
+//! trace block becomes `512 / K` tokens (K must divide 512). The report also
+//! gives the oracle: the share of prompt tokens whose trace block appeared in
+//! an earlier request of the slice (what a router with one infinite cache
+//! shared by all workers would reuse), and the measured cached tokens as a
+//! fraction of it.
 
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -27,6 +34,8 @@ pub struct ReplaySpec {
     pub max_output: Option<u32>,
     /// Token ids are drawn below this.
     pub vocab: u32,
+    /// Divide every length by this (a trace block becomes 512 / K tokens); K divides 512.
+    pub token_scale: u32,
 }
 
 #[derive(Debug, Serialize)]
@@ -41,6 +50,12 @@ pub struct ReplayReport {
     pub req_per_s: f64,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
+    /// Prompt tokens whose trace block appeared in an earlier request (sent requests only).
+    pub oracle_cached_tokens: u64,
+    pub oracle_cached_fraction: f64,
+    /// `cached_tokens / oracle_cached_tokens`.
+    pub cached_vs_oracle: f64,
+    pub token_scale: u32,
     pub duration_s: f64,
     pub first_error: Option<String>,
 }
@@ -49,6 +64,8 @@ struct TraceRequest {
     at: Duration,
     prompt: Vec<u32>,
     output: u32,
+    /// The trace block ids the prompt is made of, in order.
+    blocks: Vec<u64>,
 }
 
 fn splitmix(mut z: u64) -> u64 {
@@ -58,36 +75,64 @@ fn splitmix(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// The 512 tokens of trace block `h`.
-pub fn block_tokens(h: u64, vocab: u32) -> impl Iterator<Item = u32> {
+/// The `len` tokens of trace block `h`.
+pub fn block_tokens(h: u64, vocab: u32, len: usize) -> impl Iterator<Item = u32> {
     let span = (vocab.max(257) - 256) as u64;
-    (0..TRACE_BLOCK as u64)
-        .map(move |j| 256 + (splitmix(h.wrapping_mul(1 << 20) ^ j) % span) as u32)
+    (0..len as u64).map(move |j| 256 + (splitmix(h.wrapping_mul(1 << 20) ^ j) % span) as u32)
 }
 
-fn parse_line(line: &str, n: usize, vocab: u32) -> anyhow::Result<TraceRequest> {
+/// Checks a token scale: ≥ 1 and dividing the trace block.
+pub fn check_token_scale(k: u32) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        k >= 1 && TRACE_BLOCK.is_multiple_of(k as usize),
+        "--token-scale must divide {TRACE_BLOCK} (1, 2, 4, …, 512), not {k}"
+    );
+    Ok(())
+}
+
+/// Prompt tokens (per request, summed) whose trace block appeared in an earlier request.
+fn oracle_tokens(reqs: &[TraceRequest], block: usize) -> u64 {
+    let mut seen = std::collections::HashSet::new();
+    let mut total = 0u64;
+    for r in reqs {
+        for (i, h) in r.blocks.iter().enumerate() {
+            let len = block.min(r.prompt.len().saturating_sub(i * block));
+            if seen.contains(h) {
+                total += len as u64;
+            }
+        }
+        seen.extend(r.blocks.iter().copied());
+    }
+    total
+}
+
+fn parse_line(line: &str, n: usize, vocab: u32, scale: u32) -> anyhow::Result<TraceRequest> {
     let v: Value = serde_json::from_str(line).map_err(|e| anyhow::anyhow!("line {n}: {e}"))?;
     let field = |k: &str| {
         v[k].as_u64()
             .ok_or_else(|| anyhow::anyhow!("line {n}: `{k}` missing or not a number"))
     };
+    let scale = scale.max(1);
+    let block = TRACE_BLOCK / scale as usize;
     let (ts, input, output) = (
         field("timestamp")?,
-        field("input_length")? as usize,
-        field("output_length")? as u32,
+        field("input_length")? as usize / scale as usize,
+        field("output_length")? as u32 / scale,
     );
     let ids = v["hash_ids"]
         .as_array()
         .ok_or_else(|| anyhow::anyhow!("line {n}: `hash_ids` missing"))?;
     let mut prompt = Vec::with_capacity(input);
+    let mut blocks = Vec::new();
     for id in ids {
-        let h = id
-            .as_u64()
-            .ok_or_else(|| anyhow::anyhow!("line {n}: bad hash id {id}"))?;
-        prompt.extend(block_tokens(h, vocab));
         if prompt.len() >= input {
             break;
         }
+        let h = id
+            .as_u64()
+            .ok_or_else(|| anyhow::anyhow!("line {n}: bad hash id {id}"))?;
+        prompt.extend(block_tokens(h, vocab, block));
+        blocks.push(h);
     }
     prompt.truncate(input);
     anyhow::ensure!(!prompt.is_empty(), "line {n}: empty prompt");
@@ -95,6 +140,7 @@ fn parse_line(line: &str, n: usize, vocab: u32) -> anyhow::Result<TraceRequest> 
         at: Duration::from_millis(ts),
         prompt,
         output: output.max(1),
+        blocks,
     })
 }
 
@@ -158,6 +204,15 @@ async fn one(
     Ok((p, c, ttft, t0.elapsed()))
 }
 
+/// `a / b` to 4 decimals (0 when `b` is 0).
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        (a as f64 / b as f64 * 10_000.0).round() / 10_000.0
+    }
+}
+
 fn pct(v: &mut [f64], p: f64) -> Option<f64> {
     if v.is_empty() {
         return None;
@@ -171,6 +226,7 @@ pub async fn run(spec: ReplaySpec) -> anyhow::Result<ReplayReport> {
         spec.speedup > 0.0 && spec.speedup.is_finite(),
         "--speedup must be positive"
     );
+    check_token_scale(spec.token_scale)?;
     let text = std::fs::read_to_string(&spec.trace)
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", spec.trace.display()))?;
     let mut reqs = Vec::new();
@@ -182,9 +238,10 @@ pub async fn run(spec: ReplaySpec) -> anyhow::Result<ReplayReport> {
         if spec.max_requests.is_some_and(|m| reqs.len() >= m) {
             break;
         }
-        reqs.push(parse_line(line, n + 1, spec.vocab)?);
+        reqs.push(parse_line(line, n + 1, spec.vocab, spec.token_scale)?);
     }
     anyhow::ensure!(!reqs.is_empty(), "the trace has no requests");
+    let oracle = oracle_tokens(&reqs, TRACE_BLOCK / spec.token_scale as usize);
     let base = reqs[0].at;
     // Bodies are built before the clock starts so the client's cost does not skew timing.
     let bodies: Vec<(Duration, String)> = reqs
@@ -226,17 +283,17 @@ pub async fn run(spec: ReplaySpec) -> anyhow::Result<ReplayReport> {
         requests: results.len(),
         ok: ok.len(),
         errors: results.len() - ok.len(),
-        cached_token_fraction: if prompt_tokens == 0 {
-            0.0
-        } else {
-            (cached_tokens as f64 / prompt_tokens as f64 * 10_000.0).round() / 10_000.0
-        },
+        cached_token_fraction: ratio(cached_tokens, prompt_tokens),
         ttft_p50_ms: pct(&mut ttft, 0.5),
         ttft_p99_ms: pct(&mut ttft, 0.99),
         e2e_p50_ms: pct(&mut e2e, 0.5),
         req_per_s: (ok.len() as f64 / dur * 100.0).round() / 100.0,
         prompt_tokens,
         cached_tokens,
+        oracle_cached_tokens: oracle,
+        oracle_cached_fraction: ratio(oracle, prompt_tokens),
+        cached_vs_oracle: ratio(cached_tokens, oracle),
+        token_scale: spec.token_scale,
         duration_s: (dur * 1000.0).round() / 1000.0,
         first_error: results.iter().find_map(|r| r.as_ref().err().cloned()),
     })
@@ -252,12 +309,14 @@ mod tests {
             r#"{"timestamp": 5, "input_length": 700, "output_length": 3, "hash_ids": [7, 8]}"#,
             1,
             49152,
+            1,
         )
         .unwrap();
         let b = parse_line(
             r#"{"timestamp": 9, "input_length": 600, "output_length": 0, "hash_ids": [7, 9]}"#,
             2,
             49152,
+            1,
         )
         .unwrap();
         assert_eq!(a.prompt.len(), 700);
@@ -266,7 +325,32 @@ mod tests {
         assert_ne!(a.prompt[512..600], b.prompt[512..600]);
         assert!(a.prompt.iter().all(|&t| (256..49152).contains(&t)));
         assert_eq!(b.output, 1);
-        assert!(parse_line("{}", 3, 49152).is_err());
-        assert!(parse_line("not json", 4, 49152).is_err());
+        assert!(parse_line("{}", 3, 49152, 1).is_err());
+        assert!(parse_line("not json", 4, 49152, 1).is_err());
+    }
+
+    #[test]
+    fn a_token_scale_shrinks_blocks_and_the_oracle_counts_earlier_blocks() {
+        let line = |ts, input, ids: &str| {
+            format!(
+                r#"{{"timestamp": {ts}, "input_length": {input}, "output_length": 80, "hash_ids": {ids}}}"#
+            )
+        };
+        let a = parse_line(&line(0, 1100, "[1, 2, 3]"), 1, 49152, 8).unwrap();
+        let b = parse_line(&line(5, 1024, "[1, 2]"), 2, 49152, 8).unwrap();
+        let c = parse_line(&line(9, 700, "[1, 9]"), 3, 49152, 8).unwrap();
+        // 1100 / 8 = 137 tokens: blocks of 64, 64 and 9.
+        assert_eq!(a.prompt.len(), 137);
+        assert_eq!(a.blocks, [1, 2, 3]);
+        assert_eq!(a.output, 10);
+        assert_eq!(a.prompt[..128], b.prompt[..128]);
+        assert_eq!(c.prompt.len(), 87);
+        assert_eq!(a.prompt[..64], c.prompt[..64]);
+        assert_ne!(a.prompt[64..87], c.prompt[64..87]);
+        // b reuses 1 and 2 (128 tokens), c reuses 1 (64): 9 is new.
+        assert_eq!(oracle_tokens(&[a, b, c], 64), 192);
+        assert!(check_token_scale(8).is_ok());
+        assert!(check_token_scale(0).is_err());
+        assert!(check_token_scale(3).is_err());
     }
 }

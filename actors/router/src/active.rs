@@ -24,6 +24,8 @@ pub struct WorkerLoad {
     pub prefill_tokens: u64,
     /// KV blocks of the requests in flight there (all replicas).
     pub active_blocks: u64,
+    /// Requests in flight there past their prefill (decoding).
+    pub decoding: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -33,6 +35,8 @@ struct Entry {
     prefill_tokens: u64,
     blocks: u64,
     added: Instant,
+    /// Its prefill is done (it counts in `decoding`).
+    prefilled: bool,
 }
 
 pub struct ActiveLoad {
@@ -82,6 +86,9 @@ impl ActiveLoad {
             l.inflight = l.inflight.saturating_sub(1);
             l.prefill_tokens = l.prefill_tokens.saturating_sub(e.prefill_tokens);
             l.active_blocks = l.active_blocks.saturating_sub(e.blocks);
+            if e.prefilled {
+                l.decoding = l.decoding.saturating_sub(1);
+            }
         }
         Some(e)
     }
@@ -90,8 +97,12 @@ impl ActiveLoad {
         let e = self.entries.get_mut(key)?;
         if let Some(l) = self.per_worker.get_mut(&e.worker) {
             l.prefill_tokens = l.prefill_tokens.saturating_sub(e.prefill_tokens);
+            if !e.prefilled {
+                l.decoding = l.decoding.saturating_add(1);
+            }
         }
         e.prefill_tokens = 0;
+        e.prefilled = true;
         Some(e)
     }
 
@@ -122,6 +133,7 @@ impl ActiveLoad {
             prefill_tokens,
             blocks,
             added: now,
+            prefilled: false,
         };
         let ev = self.event(id, &e, ActiveLoadKind::Added);
         self.insert((self.me, id), e);
@@ -160,6 +172,7 @@ impl ActiveLoad {
                     prefill_tokens: ev.prefill_tokens,
                     blocks: ev.blocks,
                     added: now,
+                    prefilled: false,
                 },
             ),
             ActiveLoadKind::PrefillDone => {
@@ -222,14 +235,19 @@ impl ActiveLoad {
     pub fn snapshot(&self) -> Vec<ActiveLoadEvent> {
         self.entries
             .iter()
-            .map(|((r, id), e)| ActiveLoadEvent {
-                router_id: *r,
-                request_id: *id,
-                worker_id: e.worker,
-                generation: e.generation,
-                kind: ActiveLoadKind::Added,
-                prefill_tokens: e.prefill_tokens,
-                blocks: e.blocks,
+            .flat_map(|((r, id), e)| {
+                let ev = |kind| ActiveLoadEvent {
+                    router_id: *r,
+                    request_id: *id,
+                    worker_id: e.worker,
+                    generation: e.generation,
+                    kind,
+                    prefill_tokens: e.prefill_tokens,
+                    blocks: e.blocks,
+                };
+                // A prefilled entry is sent as added, then prefilled.
+                let done = e.prefilled.then(|| ev(ActiveLoadKind::PrefillDone));
+                std::iter::once(ev(ActiveLoadKind::Added)).chain(done)
             })
             .collect()
     }
@@ -262,6 +280,7 @@ mod tests {
                 inflight: 1,
                 prefill_tokens: 500,
                 active_blocks: 40,
+                decoding: 0,
             }
         );
         let ev = ra.prefill_done_own(RequestId(1)).unwrap();
@@ -272,6 +291,7 @@ mod tests {
                 inflight: 1,
                 prefill_tokens: 0,
                 active_blocks: 40,
+                decoding: 1,
             }
         );
         // A late replica C loads B's snapshot and agrees.

@@ -388,6 +388,7 @@ impl RouterState {
                     overlap: Overlap::default(),
                     pending_prefill_tokens: l.prefill_tokens,
                     active_blocks: l.active_blocks,
+                    decoding: l.decoding,
                     block_size: e.reg.model.block_size,
                 }
             })
@@ -439,6 +440,21 @@ impl RouterState {
         let entry = eligible[chosen_at];
         let wid = chosen.worker_id;
         let overlap_blocks = chosen.overlap.blocks;
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            // Why a request did not go to the worker holding the most of it.
+            let best = candidates
+                .iter()
+                .max_by_key(|c| c.overlap.blocks)
+                .unwrap_or(chosen);
+            tracing::debug!(
+                request = %id, worker = %wid, overlap = overlap_blocks,
+                pending = chosen.pending_prefill_tokens, inflight = chosen.router_inflight,
+                decoding = chosen.decoding, best_decoding = best.decoding,
+                best_worker = %best.worker_id, best_overlap = best.overlap.blocks,
+                best_pending = best.pending_prefill_tokens, best_inflight = best.router_inflight,
+                prompt_tokens = token_ids.len(), "routed"
+            );
+        }
         let prefill_tokens = (token_ids.len() as u64)
             .saturating_sub(overlap_blocks as u64 * chosen.block_size as u64);
         let (generation, card_digest, kv_events) =

@@ -174,7 +174,7 @@ fn a_replayed_record_of_a_dead_worker_is_not_routable() {
 #[test]
 fn workers_without_kv_events_are_tracked_approximately() {
     let t0 = Instant::now();
-    let policy = crate::policy::build(crate::policy::PolicyKind::KvAware(KvCostWeights::default()));
+    let policy = crate::policy::build("kv_aware".parse().expect("policy"));
     let mut s = RouterState::new(Duration::from_secs(3), policy);
     let m = ModelName("a".into());
     for id in [1, 2] {
@@ -231,7 +231,7 @@ fn store(s: &mut RouterState, w: u64, prompt: &[u32], block_size: usize, salt: u
 #[test]
 fn a_misconfigured_lowest_id_worker_does_not_spoil_overlap_for_the_others() {
     let t0 = Instant::now();
-    let policy = crate::policy::build(crate::policy::PolicyKind::KvAware(KvCostWeights::default()));
+    let policy = crate::policy::build("kv_aware".parse().expect("policy"));
     let mut s = RouterState::new(Duration::from_secs(3), policy);
     let m = ModelName("a".into());
     // Worker 1 (lowest id, first candidate) uses 32-token blocks and

@@ -280,6 +280,10 @@ enum Cmd {
         /// Token ids are drawn from [256, vocab).
         #[arg(long, default_value_t = 49152)]
         vocab: u32,
+        /// Divide every length by K: a 512-token trace block becomes 512/K
+        /// tokens (K divides 512).
+        #[arg(long, default_value_t = 1)]
+        token_scale: u32,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -624,6 +628,7 @@ fn main() {
                 max_requests,
                 max_output,
                 vocab,
+                token_scale,
                 json,
             } => {
                 let spec = replay::ReplaySpec {
@@ -634,6 +639,7 @@ fn main() {
                     max_requests,
                     max_output,
                     vocab,
+                    token_scale,
                 };
                 let r = replay::run(spec).await?;
                 report(&r, json, r.ok, r.first_error.as_deref())

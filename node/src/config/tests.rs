@@ -139,3 +139,64 @@ fn a_pinned_model_hash_is_64_hex_digits() {
         .to_string();
     assert!(e.contains("workers[0].model_sha256"), "{e}");
 }
+
+#[test]
+fn the_router_timing_model_is_checked() {
+    let base =
+        "node_id = \"a\"\n[nats]\nurl = \"embedded\"\n[gateway]\nlisten = \"127.0.0.1:1\"\n[router]\n";
+    let c = parse(&format!(
+        "{base}policy = \"kv_aware\"\nprefill_ms = [0.0, 0.02, 10.0]\nmax_batched_tokens = 4096\noverlap_weight = 2.0\n"
+    ))
+    .unwrap();
+    match c.router.policy {
+        dynamo_router::PolicyKind::KvAware(w, t) => {
+            assert_eq!(t.prefill_ms, [0.0, 0.02, 10.0]);
+            assert_eq!(
+                t.decode_ms,
+                dynamo_router::policy::StepTiming::default().decode_ms
+            );
+            assert_eq!(t.max_batched_tokens, 4096);
+            assert_eq!(w.overlap_weight, 2.0);
+        }
+        other => panic!("{other:?}"),
+    }
+    let blocks = parse(&format!(
+        "{base}policy = \"kv_aware_blocks\"\noverlap_weight = 3.0\n"
+    ))
+    .unwrap();
+    assert!(matches!(
+        blocks.router.policy,
+        dynamo_router::PolicyKind::KvAwareBlocks(w) if w.overlap_weight == 3.0
+    ));
+    for (text, key) in [
+        (
+            "policy = \"kv_aware\"\nprefill_ms = [1e9, 0, 0]\n",
+            "router.prefill_ms",
+        ),
+        (
+            "policy = \"kv_aware\"\ndecode_ms = [0, nan, 0]\n",
+            "router.decode_ms",
+        ),
+        (
+            "policy = \"kv_aware\"\nmax_batched_tokens = 0\n",
+            "router.max_batched_tokens",
+        ),
+        (
+            "policy = \"kv_aware_blocks\"\nprefill_ms = [0, 1, 0]\n",
+            "router.policy",
+        ),
+        (
+            "policy = \"round_robin\"\noverlap_weight = 1.0\n",
+            "router.policy",
+        ),
+        (
+            "policy = \"kv_aware\"\ntemperature = -1.0\n",
+            "router.temperature",
+        ),
+    ] {
+        match parse(&format!("{base}{text}")) {
+            Err(ConfigError::Invalid { key: k, .. }) => assert_eq!(k, key, "{text}"),
+            other => panic!("{text}: {other:?}"),
+        }
+    }
+}
