@@ -34,9 +34,10 @@ run-cluster: build
 	./scripts/run_cluster.sh cluster 8000 2
 
 ## run-ha: the same cluster placing examples/ha.yaml: two gateway/router
-## frontends (127.0.0.1:8000, :8001) + three mocker workers
+## frontends (127.0.0.1:8000, :8001) + three mocker workers, on a three-server
+## NATS cluster (JetStream streams and buckets R3)
 run-ha: build
-	./scripts/run_cluster.sh ha "8000 8001" 3
+	NATS_SERVERS=3 ./scripts/run_cluster.sh ha "8000 8001" 3
 
 ## run-disagg: the same cluster placing examples/disagg.yaml: a frontend
 ## (127.0.0.1:8000) + a prefill and a decode worker of the real model

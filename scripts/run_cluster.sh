@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Starts a labelled cluster on one machine from a deployment spec: one NATS
-# (JetStream), four dynamo-node processes that join it with labels and no
+# Starts a labelled cluster on one machine from a deployment spec: NATS
+# with JetStream (one server, or a cluster of NATS_SERVERS), four dynamo-node processes that join it with labels and no
 # workers of their own (racks r1 and r2, two hosts each, SLOTS slots per
 # node; n1 and n2 also run a placement controller), then `dynamoctl apply`
 # of the spec. It waits until every gateway port reports WORKERS workers,
@@ -8,7 +8,7 @@
 # started again, while the others keep serving.
 # Ctrl-C stops everything (nodes drain and deregister first, NATS last).
 #   make run-cluster: scripts/run_cluster.sh cluster 8000 2
-#   make run-ha:      scripts/run_cluster.sh ha "8000 8001" 3
+#   make run-ha:      NATS_SERVERS=3 scripts/run_cluster.sh ha "8000 8001" 3
 #   make run-disagg:  scripts/run_cluster.sh disagg 8000 2
 # SPEC is cluster-config/examples/SPEC.yaml, or a path to a spec.
 # Node labels: n1 zone=z1,rack=r1,host=h1,edge=yes,gateway=0 (listens on
@@ -16,7 +16,11 @@
 # n3 and n4 rack=r2,edge=no: specs pin frontends with `node_selector`.
 # Environment:
 #   BIN=DIR             binaries (default ./target/release)
-#   NATS_PORT=N         NATS port (default 4222)
+#   NATS_PORT=N         NATS port (default 4222; server i of a cluster: N+i,
+#                       its cluster port N+100+i, its monitoring port N+200+i)
+#   NATS_SERVERS=N      NATS servers: 1, or 3+ for a JetStream cluster whose
+#                       streams and buckets are R3; every node is given every
+#                       server's URL (default 1)
 #   SLOTS=N             slots per node (default 4)
 #   RESTART=0           report exited nodes but do not restart them
 #   DRAIN_S=N           on Ctrl-C, kill a node still draining after N s (60)
@@ -29,6 +33,7 @@ PORTS=${2:?gateway ports}
 WORKERS=${3:?worker count}
 BIN=${BIN:-./target/release}
 NATS_PORT=${NATS_PORT:-4222}
+NATS_SERVERS=${NATS_SERVERS:-1}
 SLOTS=${SLOTS:-4}
 RESTART=${RESTART:-1}
 DRAIN_S=${DRAIN_S:-60}
@@ -66,17 +71,38 @@ stopping=0
 
 # Each process runs in a session of its own: the terminal's Ctrl-C reaches
 # this script only, which stops the nodes first and NATS last.
+nats_names=()
+for i in $(seq 0 $((NATS_SERVERS - 1))); do nats_names+=("nats$i"); done
+nats_urls=$(for i in $(seq 0 $((NATS_SERVERS - 1))); do printf 'nats://127.0.0.1:%s,' $((NATS_PORT + i)); done)
+nats_urls=${nats_urls%,}
+
+# Starts NATS server `natsI` (one alone, or one member of the cluster).
 start_nats() {
-    setsid nats-server -js -a 127.0.0.1 -p "$NATS_PORT" -sd "$run/jetstream" \
-        >>"$run/nats.log" 2>&1 &
-    pid[nats]=$!
-    for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$NATS_PORT") 2>/dev/null && return; sleep 0.1; done
-    echo "NATS did not start; see $run/nats.log" >&2
+    local i=${1#nats} port=$((NATS_PORT + ${1#nats}))
+    if [ "$NATS_SERVERS" = 1 ]; then
+        setsid nats-server -js -a 127.0.0.1 -p "$port" -sd "$run/jetstream" >>"$run/$1.log" 2>&1 &
+    else
+        local routes="" j
+        for j in $(seq 0 $((NATS_SERVERS - 1))); do
+            [ "$j" = "$i" ] || routes="$routes nats-route://127.0.0.1:$((NATS_PORT + 100 + j)),"
+        done
+        cat >"$run/$1.conf" <<CONF
+server_name: $1
+listen: "127.0.0.1:$port"
+http: "127.0.0.1:$((NATS_PORT + 200 + i))"
+jetstream { store_dir: "$run/jetstream$i" }
+cluster { name: dynamo, listen: "127.0.0.1:$((NATS_PORT + 100 + i))", routes: [${routes%,}] }
+CONF
+        setsid nats-server -c "$run/$1.conf" >>"$run/$1.log" 2>&1 &
+    fi
+    pid[$1]=$!
+    for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && return; sleep 0.1; done
+    echo "NATS server $1 did not start; see $run/$1.log" >&2
 }
 
 start_node() {
     # shellcheck disable=SC2086 # extra holds separate flags
-    setsid "$BIN/dynamo-node" --join "nats://127.0.0.1:$NATS_PORT" --namespace "$namespace" \
+    setsid "$BIN/dynamo-node" --join "$nats_urls" --namespace "$namespace" \
         --node-id "$1" --labels "${labels[$1]}" --slots "$SLOTS" ${extra[$1]} >>"$run/$1.log" 2>&1 &
     pid[$1]=$!
     echo "$1: pid ${pid[$1]} (log $run/$1.log)"
@@ -91,7 +117,7 @@ signal() {
 # A second Ctrl-C while draining: kill everything now.
 force_stop() {
     echo "stopping now (SIGKILL)"
-    for c in "${configs[@]}" nats; do signal KILL "$c"; done
+    for c in "${configs[@]}" "${nats_names[@]}"; do signal KILL "$c"; done
 }
 
 stop() {
@@ -112,20 +138,33 @@ stop() {
         fi
         wait "$p" 2>/dev/null || true
     done
-    signal TERM nats
-    [ -n "${pid[nats]:-}" ] && { wait "${pid[nats]}" 2>/dev/null || true; }
-    [ "$(cat "$url_file" 2>/dev/null)" = "nats://127.0.0.1:$NATS_PORT" ] && rm -f "$url_file"
+    for c in "${nats_names[@]}"; do signal TERM "$c"; done
+    for c in "${nats_names[@]}"; do [ -n "${pid[$c]:-}" ] && { wait "${pid[$c]}" 2>/dev/null || true; }; done
+    [ "$(cat "$url_file" 2>/dev/null)" = "$nats_urls" ] && rm -f "$url_file"
     echo "stopped; logs kept in $run"
     exit 0
 }
 trap stop INT TERM EXIT
 
-if (exec 3<>"/dev/tcp/127.0.0.1/$NATS_PORT") 2>/dev/null; then
-    echo "port $NATS_PORT is taken (another NATS?): stop it first, or set NATS_PORT" >&2
-    exit 1
+for i in $(seq 0 $((NATS_SERVERS - 1))); do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$((NATS_PORT + i))") 2>/dev/null; then
+        echo "port $((NATS_PORT + i)) is taken (another NATS?): stop it first, or set NATS_PORT" >&2
+        exit 1
+    fi
+done
+for c in "${nats_names[@]}"; do start_nats "$c"; done
+# A cluster places R3 streams only once its JetStream meta group has a
+# leader and every peer is current (monitoring port NATS_PORT+200).
+if [ "$NATS_SERVERS" -gt 1 ]; then
+    for _ in $(seq 600); do
+        jsz=$(curl -s "127.0.0.1:$((NATS_PORT + 200))/jsz" 2>/dev/null || true)
+        current=$(grep -o '"current": *true' <<<"$jsz" | wc -l || true)
+        grep -q '"leader": *"[^"]' <<<"$jsz" && [ "$current" -ge $((NATS_SERVERS - 1)) ] && break
+        sleep 0.1
+    done
+    echo "NATS cluster of $NATS_SERVERS servers ready ($nats_urls)"
 fi
-start_nats
-export DYNAMO_NATS_URL="nats://127.0.0.1:$NATS_PORT"
+export DYNAMO_NATS_URL="$nats_urls"
 echo "$DYNAMO_NATS_URL" >"$url_file"
 for c in "${configs[@]}"; do start_node "$c"; done
 # Every node in the inventory before the spec is placed (else the first
@@ -148,7 +187,7 @@ echo "try: $BIN/dynamoctl describe deployment $(sed -n 's/^name: *//p' "$spec" |
 
 # Keep the cluster up: report whatever exits, and start it again.
 while [ "$stopping" = 0 ]; do
-    for c in nats "${configs[@]}"; do
+    for c in "${nats_names[@]}" "${configs[@]}"; do
         p=${pid[$c]}
         [ -n "$p" ] || continue
         kill -0 "$p" 2>/dev/null && continue
@@ -158,7 +197,7 @@ while [ "$stopping" = 0 ]; do
         echo "$c (pid $p) exited with status $status; see its log in $run"
         if [ "$RESTART" = 1 ]; then
             echo "$c: restarting"
-            if [ "$c" = nats ]; then start_nats; else start_node "$c"; fi
+            case $c in nats*) start_nats "$c" ;; *) start_node "$c" ;; esac
         else
             pid[$c]=""
         fi

@@ -14,6 +14,8 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 pub mod llama;
+pub mod nats_cluster;
+pub use nats_cluster::NatsCluster;
 
 pub const MODEL: &str = "smollm2-135m-instruct";
 /// The mocker's default output token range starts here (see `MockerConfig::token_lo`).

@@ -3,7 +3,10 @@
 //!   nothing, and the restarted replica's index agrees with its peer's;
 //! - stopping and restarting the nats-server under load: nothing panics or
 //!   hangs, requests in the outage fail with a clear error, and service and
-//!   the KV index come back.
+//!   the KV index come back;
+//! - killing one of three clustered NATS servers under load fails no
+//!   request: the node was given every server, its streams and buckets are
+//!   R3, and routing still follows the cache.
 
 use dynamo_integration::*;
 use serde_json::{json, Value};
@@ -334,4 +337,118 @@ async fn a_nats_restart_under_load_recovers_without_hangs_or_panics() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_one_of_three_nats_servers_fails_no_request() {
+    let mut cluster = NatsCluster::start(3).await;
+    let urls = cluster.urls();
+    let port = free_port();
+    let cfg = node_config("n1", &urls, Some(port), 2, "")
+        .replace("policy = \"least_loaded\"", "policy = \"kv_aware\"")
+        .replace("speedup = 0.0", "speedup = 1.0");
+    let mut node = Node::start(&cfg);
+    let http = Http::new(port);
+    http.wait_ready(2, &mut node).await;
+
+    // Every stream (buckets included) is replicated on all three servers.
+    let streams = stream_replicas(&cluster.url(0)).await.expect("stream list");
+    assert!(streams.len() >= 3, "{streams:?}");
+    assert!(streams.iter().all(|(_, r)| *r == 3), "{streams:?}");
+
+    let load = Load::start(port, 4, 10_000);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Kill the server the node's connections are on.
+    let victim = cluster.busiest().await;
+    assert!(cluster.connections(victim).await > 0);
+    cluster.kill(victim);
+    // Past the router's worker TTL (3 s): registrations keep being written.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (ok, failed, first) = load.finish().await;
+    eprintln!("one of three NATS servers killed: {ok} ok, {failed} failed (first: {first:?})");
+    assert_eq!(
+        failed, 0,
+        "requests failed when one NATS server died: {first:?}"
+    );
+    assert!(ok > 20, "too little load ({ok} ok)");
+
+    // Buckets intact: the registry still lists both workers, read through
+    // the surviving servers, and every stream is still there.
+    // (JetStream's API may answer only once a new meta leader is elected
+    // if the killed server led it.)
+    let survivor = cluster.url((victim + 1) % 3);
+    let t0 = Instant::now();
+    let regs = loop {
+        let read = async {
+            let c = async_nats::connect(survivor.as_str()).await.ok()?;
+            let kv = async_nats::jetstream::new(c)
+                .get_key_value("dynamo_it_workers")
+                .await
+                .ok()?;
+            dynamo_controller::read_all::<dynamo_bus_schema::WorkerRegistration>(&kv)
+                .await
+                .ok()
+        };
+        if let Ok(Some(r)) = tokio::time::timeout(Duration::from_secs(5), read).await {
+            break r;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the workers bucket stayed unreadable after one NATS server died"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    eprintln!("workers bucket readable again after {:?}", t0.elapsed());
+    assert_eq!(regs.len(), 2);
+    let t0 = Instant::now();
+    let after = loop {
+        if let Some(v) = stream_replicas(&survivor).await {
+            break v;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(30), "streams unreadable");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_eq!(after, streams, "a stream was lost or changed");
+    // Routing still follows the cache: a prompt served once is found in
+    // the index on the worker that served it, and goes there again.
+    let p: Vec<u32> = (7000..7100).collect();
+    let body = json!({"model": MODEL, "prompt": p, "max_tokens": 2});
+    let first = http.post("/v1/completions", &body).await;
+    assert_eq!(first.status, 200, "{}", first.json);
+    let w = first.worker.clone().expect("worker header");
+    let t0 = Instant::now();
+    while http.overlap(&p).await[&w]["device"].as_u64().unwrap_or(0) < 6 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the index never saw the prompt's blocks"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let again = http.post("/v1/completions", &body).await;
+    assert_eq!(again.status, 200, "{}", again.json);
+    assert_eq!(again.worker.as_deref(), Some(w.as_str()));
+    assert!(node.alive(), "the node died:\n{}", node.log_text());
+    assert!(!node.log_text().contains("panicked"));
+}
+
+/// (stream name, replicas) of every stream, read through server `url`
+/// (None when JetStream does not answer within 5 s).
+async fn stream_replicas(url: &str) -> Option<Vec<(String, usize)>> {
+    use futures::TryStreamExt;
+    let read = async {
+        let js = async_nats::jetstream::new(async_nats::connect(url).await.ok()?);
+        let names: Vec<String> = js.stream_names().try_collect().await.ok()?;
+        let mut out = Vec::new();
+        for n in names {
+            let mut s = js.get_stream(&n).await.ok()?;
+            let info = s.info().await.ok()?;
+            out.push((n, info.config.num_replicas));
+        }
+        out.sort();
+        Some(out)
+    };
+    tokio::time::timeout(Duration::from_secs(5), read)
+        .await
+        .ok()
+        .flatten()
 }

@@ -57,17 +57,59 @@ pub struct Bus {
     pub client: Client,
     pub js: jetstream::Context,
     pub subjects: Subjects,
+    /// Replicas of every stream and bucket this process creates: 3 when it
+    /// was given three or more server URLs (a NATS cluster), else 1.
+    pub replicas: usize,
+}
+
+/// The servers of a comma-separated URL list (async-nats parses one URL per
+/// string, so a list is split here).
+pub fn server_addrs(url: &str) -> Result<Vec<async_nats::ServerAddr>, String> {
+    url.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|u| u.parse().map_err(|e| format!("bad server URL {u:?}: {e}")))
+        .collect::<Result<Vec<_>, _>>()
+        .and_then(|v| {
+            if v.is_empty() {
+                Err("no server URL".into())
+            } else {
+                Ok(v)
+            }
+        })
+}
+
+/// Stream replicas for a comma-separated server list: R3 on a cluster of
+/// three or more servers (survives losing one), R1 on a single server.
+pub fn replicas_for(url: &str) -> usize {
+    let servers = url
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect::<std::collections::BTreeSet<_>>()
+        .len();
+    if servers >= 3 {
+        3
+    } else {
+        1
+    }
 }
 
 impl Bus {
     /// Connects (retrying in the background if the server is briefly away).
+    /// `url` may list several servers, comma-separated: the client fails
+    /// over between them, and streams are created with [`replicas_for`] it.
     pub async fn connect(url: &str, name: &str, subjects: Subjects) -> Result<Self, BusError> {
+        let servers = server_addrs(url).map_err(|reason| BusError::Connect {
+            url: url.into(),
+            reason,
+        })?;
         let client = async_nats::ConnectOptions::new()
             .name(name)
             .subscription_capacity(SUBSCRIPTION_CAPACITY)
             .connection_timeout(Duration::from_secs(5))
             .request_timeout(Some(Duration::from_secs(10)))
-            .connect(url)
+            .connect(servers)
             .await
             .map_err(|e| BusError::Connect {
                 url: url.into(),
@@ -78,6 +120,7 @@ impl Bus {
             client,
             js,
             subjects,
+            replicas: replicas_for(url),
         })
     }
 
@@ -274,6 +317,7 @@ impl Bus {
                 allow_direct: true,
                 discard: stream::DiscardPolicy::New,
                 storage,
+                num_replicas: self.replicas,
                 duplicate_window: Duration::from_secs(2).min(if max_age.is_zero() {
                     Duration::from_secs(120)
                 } else {
@@ -288,6 +332,7 @@ impl Bus {
                 }
             }
         }
+        self.await_leader(&stream_name).await;
         self.js
             .get_key_value(bucket)
             .await
@@ -315,6 +360,7 @@ impl Bus {
                 allow_direct: true,
                 discard: stream::DiscardPolicy::New,
                 storage: stream::StorageType::File,
+                num_replicas: self.replicas,
                 ..Default::default()
             };
             if let Err(e) = self.js.create_stream(cfg).await {
@@ -323,10 +369,31 @@ impl Bus {
                 }
             }
         }
+        self.await_leader(&stream_name).await;
         self.js
             .get_object_store(bucket)
             .await
             .map_err(|e| err(e.to_string()))
+    }
+
+    /// Waits (up to 10 s) until a replicated stream has a leader: on a
+    /// cluster a stream just created takes a moment to elect one, and a
+    /// publish before that is refused ("no stream found").
+    async fn await_leader(&self, name: &str) {
+        if self.replicas <= 1 {
+            return;
+        }
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < Duration::from_secs(10) {
+            if let Ok(mut s) = self.js.get_stream(name).await {
+                if let Ok(info) = s.info().await {
+                    if info.cluster.as_ref().is_some_and(|c| c.leader.is_some()) {
+                        return;
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// Makes sure the stream capturing every worker's KV events exists
@@ -343,6 +410,7 @@ impl Bus {
             max_bytes: 256 * 1024 * 1024,
             discard: stream::DiscardPolicy::Old,
             storage: stream::StorageType::Memory,
+            num_replicas: self.replicas,
             ..Default::default()
         };
         if let Err(e) = self.js.create_stream(cfg).await {
@@ -353,6 +421,7 @@ impl Bus {
                 });
             }
         }
+        self.await_leader(&name).await;
         Ok(())
     }
 
@@ -439,4 +508,20 @@ fn encode_bounded<T: WireMessage>(msg: &T) -> Result<Vec<u8>, BusError> {
 /// A fresh id for the pieces of one reply.
 fn random_stream_id() -> u64 {
     dynamo_bus_schema::RequestId::random().0 as u64
+}
+
+#[cfg(test)]
+mod url_tests {
+    use super::*;
+
+    #[test]
+    fn a_server_list_is_split_and_a_cluster_gets_three_replicas() {
+        assert_eq!(server_addrs("nats://a:1, nats://b:2").unwrap().len(), 2);
+        assert!(server_addrs("").is_err());
+        assert!(server_addrs("nats://a:notaport").is_err());
+        assert_eq!(replicas_for("nats://a:1"), 1);
+        assert_eq!(replicas_for("nats://a:1,nats://b:1"), 1);
+        assert_eq!(replicas_for("nats://a:1,nats://b:1,nats://c:1"), 3);
+        assert_eq!(replicas_for("nats://a:1,nats://a:1,nats://a:1"), 1);
+    }
 }
