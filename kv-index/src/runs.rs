@@ -11,10 +11,11 @@
 //! - every block of a run is held by exactly `runs[r].holders`
 //!   (`slot << 3 | tiers`, sorted by slot, tiers ≠ 0); a live run has ≥ 1
 //!   holder and ≥ 1 block; a run with no holder is deleted with its blocks;
-//! - `prev`/`next` link runs whose blocks were contiguous in one chain (the
-//!   last block of `prev` is the parent of the first of `next`); linked runs
-//!   with equal holders are merged, so a chain stored whole by the same
-//!   workers stays one run however its events were split;
+//! - `prev`/`next` link runs whose blocks were contiguous in one chain when
+//!   they were linked (a later fork may append to the tail of a linked run,
+//!   so a link is a merge hint that queries never rely on); linked runs with
+//!   equal holders are merged, so a chain stored whole by the same workers
+//!   stays one run however its events were split (`Cleared` does not merge);
 //! - splitting and merging never change a block's position, only its run:
 //!   a run's `base` moves instead (new runs start at `1 << 31` so that both
 //!   directions have room);
