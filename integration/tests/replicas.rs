@@ -90,12 +90,25 @@ async fn replicas_share_load_and_a_late_replica_agrees() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
 
+    // Every replica sees it before the late one starts: any of them may
+    // answer the late replica's snapshot request.
+    let key = format!("dynamo_router_worker_inflight{{worker=\"{busy_worker}\"}}");
+    for gw in &gws {
+        let t0 = Instant::now();
+        while gw.metric(&key).await != 1 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "a replica never saw the request"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     // A replica started now loads the active load and the KV index from its peers.
     let late_port = free_port();
     let mut late_node = Node::start(&gateway_cfg("late", &nats.url, late_port));
     let late = Http::new(late_port);
     late.wait_ready(4, &mut late_node).await;
-    let key = format!("dynamo_router_worker_inflight{{worker=\"{busy_worker}\"}}");
     // The long request (~9 s of decode) is still running: the late replica
     // must see it from the snapshot it loaded.
     let t0 = Instant::now();
