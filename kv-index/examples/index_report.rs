@@ -72,11 +72,18 @@ fn main() {
                 .chunks(64)
                 .for_each(|b| w.index.apply_batch(b).expect("apply"))
         });
+        // The same queries after the steady state (tails evicted and
+        // re-branched, runs split): the fragmented case.
+        let (f50, f99, _) = latency(200_000, CHAINS, |c| {
+            w.index.find_matches(&w.chains[c]).len()
+        });
+        let runs_after = w.index.runs();
         println!(
             "{{\"index\":\"runs\",\"workers\":{workers},\"indexed_blocks\":{blocks},\"runs\":{runs},\"heap_bytes_per_block\":{bytes:.1},\
 \"find_matches_256_p50_ns\":{p50},\"find_matches_256_p99_ns\":{p99},\"find_matches_256_max_ns\":{max},\
 \"apply_events_per_s_fresh_4_blocks\":{fresh_eps:.0},\"apply_batch_events_per_s_fresh_4_blocks\":{fresh_batch:.0},\
-\"apply_batch_events_per_s_steady_1m\":{steady_eps:.0}}}"
+\"apply_batch_events_per_s_steady_1m\":{steady_eps:.0},\"runs_after_steady\":{runs_after},\
+\"find_matches_256_after_steady_p50_ns\":{f50},\"find_matches_256_after_steady_p99_ns\":{f99}}}"
         );
         drop(w.index);
 
