@@ -235,9 +235,14 @@ impl KvAware {
     /// The predicted cost of sending a request of `input` tokens to `c`
     /// (ms with a timing model, else blocks of `c`'s own size).
     pub fn cost(&self, c: &Candidate, input: usize) -> f64 {
+        self.cost_under(&self.w, c, input, c.block_size)
+    }
+
+    /// The cost under weights `w`; block costs are counted in blocks of `unit` tokens.
+    fn cost_under(&self, w: &KvCostWeights, c: &Candidate, input: usize, unit: u32) -> f64 {
         match &self.timing {
-            Some(t) => Self::time_cost(t, &self.w, c, input),
-            None => Self::cost_with(&self.w, c, input, c.block_size),
+            Some(t) => Self::time_cost(t, w, c, input),
+            None => Self::cost_with(w, c, input, unit),
         }
     }
 
@@ -304,10 +309,7 @@ impl RoutingPolicy for KvAware {
         let input = req.token_ids.len();
         let costs: Vec<f64> = candidates
             .iter()
-            .map(|c| match &self.timing {
-                Some(t) => Self::time_cost(t, &w, c, input),
-                None => Self::cost_with(&w, c, input, unit),
-            })
+            .map(|c| self.cost_under(&w, c, input, unit))
             .map(|c| if c.is_finite() { c } else { f64::MAX })
             .collect();
         let min = costs.iter().copied().min_by(f64::total_cmp).unwrap_or(0.0);
