@@ -22,6 +22,7 @@ pub mod chunk;
 pub mod cluster;
 pub mod codec;
 pub mod ids;
+pub mod kv_snapshot;
 pub mod messages;
 pub mod planner;
 pub mod subjects;
@@ -33,6 +34,7 @@ pub use codec::{
     WireMessage, MAX_MESSAGE,
 };
 pub use ids::*;
+pub use kv_snapshot::*;
 pub use messages::*;
 pub use planner::*;
 pub use subjects::{Namespace, NamespaceError, Subjects};

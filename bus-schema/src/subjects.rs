@@ -173,6 +173,11 @@ impl Subjects {
     pub fn weights_objects(&self) -> String {
         format!("dynamo_{}_weight_cache", self.ns.0)
     }
+    /// JetStream object store of the routers' KV index snapshots
+    /// ([`crate::KvIndexSnapshot`] under [`crate::KV_SNAPSHOT_OBJECT`]).
+    pub fn router_state_objects(&self) -> String {
+        format!("dynamo_{}_router_state", self.ns.0)
+    }
     /// JetStream KV bucket holding [`crate::DeploymentStatus`]es keyed by deployment.
     pub fn deploy_status_bucket(&self) -> String {
         format!("dynamo_{}_deploy_status", self.ns.0)

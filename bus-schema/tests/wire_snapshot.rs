@@ -377,6 +377,26 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             })),
         ),
         (
+            "KvIndexSnapshot",
+            enc(encode(&KvIndexSnapshot {
+                stream_seq: 4242,
+                taken_unix_ms: 1_700_000_000_000,
+                router_id: RouterId(5),
+                workers: vec![KvSnapshotWorker {
+                    worker_id: wid,
+                    generation: 2,
+                    last_event_id: EventId(77),
+                }],
+                runs: vec![KvSnapshotRun {
+                    blocks: vec![SequenceHash(1), SequenceHash(2)],
+                    holders: vec![KvSnapshotHolder {
+                        worker_id: wid,
+                        tiers: 0b101,
+                    }],
+                }],
+            })),
+        ),
+        (
             "TransferStarting",
             enc(encode(&TransferStarting { request_id: rid })),
         ),
@@ -733,6 +753,7 @@ fn decode_all(bytes: &[u8]) {
         KvDumpRequest,
         KvDump,
         KvDumpTiered,
+        KvIndexSnapshot,
         ActiveLoadEvent,
         RouterHeartbeat,
         ActiveLoadSnapshotRequest,

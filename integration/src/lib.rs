@@ -13,6 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+pub mod kv;
 pub mod llama;
 pub mod nats_cluster;
 pub use nats_cluster::NatsCluster;

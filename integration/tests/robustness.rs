@@ -6,6 +6,7 @@
 //! message is dumped and indexed exactly.
 
 use dynamo_bus_schema::{ActorFault, FaultInjection, FaultKind};
+use dynamo_integration::kv::indexed;
 use dynamo_integration::*;
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -447,19 +448,6 @@ async fn a_changed_model_card_is_picked_up() {
     assert!(gw.log_text().contains("a worker has another model card"));
 }
 
-/// Blocks a gateway's router indexes for `worker`: device, host, disk.
-async fn indexed(h: &Http, worker: &str) -> [u64; 3] {
-    let mut got = [0u64; 3];
-    for (i, tier) in ["device", "host", "disk"].iter().enumerate() {
-        got[i] = h
-            .metric(&format!(
-                "dynamo_router_kv_index_blocks{{worker=\"{worker}\",tier=\"{tier}\"}}"
-            ))
-            .await;
-    }
-    got
-}
-
 /// Requests the router counts in flight, all workers.
 async fn routed(h: &Http) -> u64 {
     h.metrics_text()
@@ -504,43 +492,11 @@ async fn a_worker_holding_300k_blocks_is_dumped_and_indexed_exactly() {
     assert!(w.alive());
     let worker = registrations(&nats.url).await[0].worker_id.to_string();
     // What the worker itself holds, by tier (its dump comes in pieces).
-    let bus = dynamo_runtime::Bus::connect(
-        &nats.url,
-        "test",
-        dynamo_bus_schema::Subjects::new(dynamo_bus_schema::Namespace::new("it").unwrap()),
-    )
-    .await
-    .unwrap();
-    let held = || async {
-        let bytes = bus
-            .request_large(
-                format!("dynamo.it.worker.{worker}.kv_dump"),
-                &dynamo_bus_schema::KvDumpRequest {
-                    reason: "test".into(),
-                },
-                Duration::from_secs(20),
-            )
-            .await
-            .expect("the dump arrives whole");
-        assert!(
-            bytes.len() > dynamo_bus_schema::MAX_MESSAGE,
-            "{} bytes fit one message",
-            bytes.len()
-        );
-        let d: dynamo_bus_schema::KvDumpTiered =
-            dynamo_bus_schema::decode_assembled(&bytes).expect("a tiered dump");
-        let mut by_tier = [0u64; 3];
-        for t in d.tiers {
-            let i = match t.tier {
-                dynamo_bus_schema::StorageTier::Device => 0,
-                dynamo_bus_schema::StorageTier::Host => 1,
-                _ => 2,
-            };
-            by_tier[i] += t.blocks.len() as u64;
-        }
-        by_tier
-    };
-    let want = held().await;
+    let (want, bytes) = dynamo_integration::kv::held_dump(&nats.url, &worker).await;
+    assert!(
+        bytes > dynamo_bus_schema::MAX_MESSAGE,
+        "{bytes} bytes fit one message"
+    );
     assert!(want.iter().sum::<u64>() >= 300_000, "{want:?}");
     // The router that watched it happen, from the (byte-bounded) events.
     let t0 = Instant::now();
@@ -552,7 +508,9 @@ async fn a_worker_holding_300k_blocks_is_dumped_and_indexed_exactly() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    // A router that starts now learns all of it from one dump, in pieces.
+    // A router that starts now, with the KV events stream past its
+    // retention (purged), learns all of it from one dump, in pieces.
+    dynamo_integration::kv::purge_kv_events(&nats.url).await;
     let p2 = free_port();
     let mut g2 = Node::start(&kv_aware(node_config("g2", &nats.url, Some(p2), 0, "")));
     let h2 = Http::new(p2);

@@ -28,7 +28,7 @@ mod runs;
 pub mod table;
 pub mod workload;
 
-pub use runs::{KvIndex, MAX_WORKERS};
+pub use runs::{KvIndex, SnapshotError, MAX_WORKERS};
 
 use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::WorkerId;

@@ -21,6 +21,9 @@
 //!   directions have room);
 //! - `counts[slot][tier]` is the number of blocks the slot holds in that tier.
 
+mod snapshot;
+pub use snapshot::SnapshotError;
+
 use crate::table::{Loc, Table};
 use crate::{IndexError, IndexEvent, IndexEventData, Overlap, Tier};
 use dynamo_bus_schema::blocks::SequenceHash;

@@ -120,6 +120,15 @@ impl<V: Value> Table<V> {
         Self::with_bits(MIN_BITS)
     }
 
+    /// A table that holds `n` entries without growing.
+    pub fn with_capacity(n: usize) -> Self {
+        let mut bits = MIN_BITS;
+        while (n + 1) * 4 > (1usize << bits) * 3 {
+            bits += 1;
+        }
+        Self::with_bits(bits)
+    }
+
     fn with_bits(bits: u32) -> Self {
         Table {
             slots: alloc_slots(1 << bits),

@@ -139,6 +139,21 @@ proptest! {
                 prop_assert_eq!(flat.blocks_of(WorkerId(w)), want);
             }
         }
+        // Its runs, loaded back (a router's snapshot), answer the same, and
+        // take further events the same.
+        let mut back = KvIndex::from_runs(&idx.export_runs(|_| true), MAX_WORKERS).unwrap();
+        for ev in events.iter().rev().take(5) {
+            back.apply(ev).unwrap();
+            idx.apply(ev).unwrap();
+        }
+        for (branch, len) in &queries {
+            let q = chain(*len, *branch);
+            prop_assert_eq!(sorted(back.find_matches(&q)), sorted(idx.find_matches(&q)));
+        }
+        for w in WATCHED {
+            prop_assert_eq!(back.blocks_of(WorkerId(w)), idx.blocks_of(WorkerId(w)));
+        }
+        prop_assert_eq!(back.len(), idx.len());
     }
 }
 

@@ -37,6 +37,26 @@ pub fn router_metrics(info: &dynamo_router::KvInfo) -> String {
             "KV event batches and dumps dropped: not of a registered worker's generation",
             st.ignored,
         ),
+        (
+            "kv_batches_replayed_total",
+            "KV event batches read back from the KV events stream while catching up",
+            st.replayed,
+        ),
+        (
+            "kv_snapshots_taken_total",
+            "KV index snapshots this replica took for the object store",
+            st.snapshots_taken,
+        ),
+        (
+            "kv_snapshot_blocks_loaded_total",
+            "Blocks loaded from a KV index snapshot at start-up",
+            st.snapshot_blocks,
+        ),
+        (
+            "kv_stream_truncated_total",
+            "Catch-ups whose KV events stream no longer held what followed the snapshot",
+            st.stream_truncated,
+        ),
     ] {
         let _ = writeln!(out, "# HELP dynamo_router_{name} {help}");
         let _ = writeln!(out, "# TYPE dynamo_router_{name} counter");

@@ -60,6 +60,11 @@ impl ActiveLoad {
         }
     }
 
+    /// Peers heard from recently.
+    pub fn peers(&self) -> impl Iterator<Item = RouterId> + '_ {
+        self.peers.keys().copied()
+    }
+
     pub fn me(&self) -> RouterId {
         self.me
     }

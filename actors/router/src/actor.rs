@@ -14,11 +14,12 @@ use crate::dumps::request_dump;
 use crate::feeds::{self, FEED_BACKLOG};
 use crate::policy::{build, PolicyKind};
 use crate::state::{ModelEntry, RouteDecision, RouteError, RouterState, WorkerEntry};
+use dynamo_bus_schema::WireMessage;
 use dynamo_bus_schema::{
-    ActiveLoadEvent, FaultKind, KvDumpTiered, KvEventBatch, LoadReport, ModelName, RequestId,
-    RouterHeartbeat, RouterId, WorkerId, WorkerRegistration,
+    ActiveLoadEvent, FaultKind, KvDumpTiered, KvEventBatch, KvIndexSnapshot, LoadReport, ModelName,
+    RequestId, RouterHeartbeat, RouterId, WorkerId, WorkerRegistration,
 };
-use dynamo_runtime::{Bus, Gate, Tasks, Ticket};
+use dynamo_runtime::{counters, Bus, Gate, Tasks, Ticket};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,6 +35,8 @@ pub struct RouterConfig {
     pub disagg: crate::DisaggPolicy,
     /// How long a worker that refused a request as overloaded is avoided.
     pub overload_backoff: Duration,
+    /// When the KV index is written to the object store.
+    pub kv_snapshot: crate::kv_stream::KvSnapshotConfig,
 }
 
 impl Default for RouterConfig {
@@ -43,6 +46,7 @@ impl Default for RouterConfig {
             policy: PolicyKind::LeastLoaded,
             disagg: crate::DisaggPolicy::default(),
             overload_backoff: crate::state::DEFAULT_OVERLOAD_BACKOFF,
+            kv_snapshot: Default::default(),
         }
     }
 }
@@ -53,6 +57,17 @@ pub enum RouterMsg {
     Upsert(Box<WorkerRegistration>, Ticket),
     KvBatch(KvEventBatch, Ticket),
     KvDump(KvDumpTiered),
+    /// The newest KV index snapshot, loaded while catching up.
+    KvSnapshot(Box<KvIndexSnapshot>),
+    /// The stream no longer holds what followed the snapshot.
+    KvStreamTruncated,
+    /// A batch read back from the KV events stream while catching up.
+    KvReplayed(KvEventBatch, Ticket),
+    /// The stream replay is over (or could not run).
+    KvReplayDone,
+    /// A snapshot of the index to write, tagged with this stream
+    /// sequence, if this replica should write one now.
+    TakeKvSnapshot(u64, RpcReplyPort<Option<KvIndexSnapshot>>),
     Remove(WorkerId, Ticket),
     Load(LoadReport, Ticket),
     Expire(Ticket),
@@ -128,6 +143,23 @@ pub struct RouterRuntime {
     /// miss with this router's heartbeats).
     to_peers: tokio::sync::mpsc::Sender<ToPeers>,
     tasks: Tasks,
+    /// The KV events feed starts once the registry's history is read (so
+    /// that replayed batches find their workers registered).
+    kv_feed_started: bool,
+    kv_snapshot: crate::kv_stream::KvSnapshotConfig,
+}
+
+/// Longest a starting replica waits for the KV events replay before it
+/// syncs the workers it did not cover from dumps.
+const KV_REPLAY_MAX: Duration = Duration::from_secs(30);
+
+impl RouterRuntime {
+    fn spawn_dumps(&mut self, myself: &ActorRef<RouterMsg>, now: Instant) {
+        for w in self.state.kv_dumps_due(now) {
+            self.tasks
+                .spawn_transient("kv-dump", request_dump(self.bus.clone(), w, myself.clone()));
+        }
+    }
 }
 
 /// Load events and heartbeats that may wait for the bus.
@@ -197,16 +229,16 @@ impl Actor for RouterActor {
         if let Err(e) = bus.ensure_kv_events_stream().await {
             tracing::warn!(error = %e, "cannot create the KV events stream");
         }
-        tasks.spawn(
-            "kv-events",
-            feeds::forward::<KvEventBatch>(
-                bus.clone(),
-                bus.subjects.kv_events_all(),
-                myself.clone(),
-                Gate::new(FEED_BACKLOG),
-                RouterMsg::KvBatch,
-            ),
-        );
+        if args.config.kv_snapshot.enabled {
+            tasks.spawn(
+                "kv-snapshots",
+                crate::kv_stream::snapshots(
+                    bus.clone(),
+                    myself.clone(),
+                    args.config.kv_snapshot.clone(),
+                ),
+            );
+        }
         let period = (args.config.worker_ttl / 4).max(Duration::from_millis(50));
         tasks.spawn(
             "expiry-tick",
@@ -249,6 +281,8 @@ impl Actor for RouterActor {
             bus,
             to_peers,
             tasks,
+            kv_feed_started: false,
+            kv_snapshot: args.config.kv_snapshot,
         })
     }
 
@@ -274,25 +308,38 @@ impl Actor for RouterActor {
                 s.upsert(*reg, now);
                 // A worker seen for the first time is dumped at once, not at
                 // the next tick: a starting replica routes only after that.
-                for w in s.kv_dumps_due(now) {
-                    rt.tasks.spawn_transient(
-                        "kv-dump",
-                        request_dump(rt.bus.clone(), w, myself.clone()),
-                    );
-                }
+                rt.spawn_dumps(&myself, now);
             }
             RouterMsg::KvBatch(b, _ticket) => s.kv_batch(b),
             RouterMsg::KvDump(d) => s.kv_dump(d),
+            RouterMsg::KvSnapshot(snap) => match s.kv_restore(&snap) {
+                Ok(blocks) => tracing::info!(
+                    blocks,
+                    stream_seq = snap.stream_seq,
+                    workers = snap.workers.len(),
+                    "loaded the KV index snapshot"
+                ),
+                Err(e) => counters::reject(
+                    KvIndexSnapshot::NAME,
+                    &rt.bus.subjects.router_state_objects(),
+                    &e,
+                ),
+            },
+            RouterMsg::KvStreamTruncated => s.kv_stream_truncated(),
+            RouterMsg::KvReplayed(b, _ticket) => s.kv_replayed(b),
+            RouterMsg::KvReplayDone => {
+                s.kv_replay_done();
+                rt.spawn_dumps(&myself, now);
+            }
+            RouterMsg::TakeKvSnapshot(seq, reply) => {
+                let _ = reply.send(s.kv_snapshot(seq, &rt.kv_snapshot, now));
+            }
             RouterMsg::Remove(id, _ticket) => s.remove(id),
             RouterMsg::Load(r, _ticket) => s.load(r, now),
             RouterMsg::Expire(_ticket) => {
                 s.expire(now);
-                for w in s.kv_dumps_due(now) {
-                    rt.tasks.spawn_transient(
-                        "kv-dump",
-                        request_dump(rt.bus.clone(), w, myself.clone()),
-                    );
-                }
+                s.kv_replay_overdue(now, KV_REPLAY_MAX);
+                rt.spawn_dumps(&myself, now);
             }
             RouterMsg::WorkerOverloaded(w) => s.overloaded(w, now),
             RouterMsg::TaskEnded(why) => return Err(format!("router: {why}").into()),
@@ -347,7 +394,20 @@ impl Actor for RouterActor {
                 s.load_snapshot(&entries, now);
             }
             RouterMsg::SnapshotDone => s.snapshot_done(),
-            RouterMsg::RegistryLoaded => s.registry_loaded(),
+            RouterMsg::RegistryLoaded => {
+                s.registry_loaded();
+                if !rt.kv_feed_started {
+                    rt.kv_feed_started = true;
+                    rt.tasks.spawn(
+                        "kv-events",
+                        crate::kv_stream::follow(
+                            rt.bus.clone(),
+                            myself.clone(),
+                            Gate::new(FEED_BACKLOG),
+                        ),
+                    );
+                }
+            }
             RouterMsg::ServeSnapshot(reply) => {
                 let _ = reply.send(s.active_snapshot());
             }

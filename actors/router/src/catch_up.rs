@@ -3,9 +3,10 @@
 //! not send requests to workers it wrongly thinks are cold or idle.
 //!
 //! Caught up = the worker registry's history has been read, the active-load
-//! snapshot of a peer has been loaded (or no peer answered), and every
-//! worker that publishes KV events has had its block table dumped into the
-//! index. A worker that never answers cannot hold the gate: after
+//! snapshot of a peer has been loaded (or no peer answered), the KV events
+//! stream has been replayed (from the newest index snapshot), and every
+//! worker that publishes KV events and that the replay did not cover has
+//! had its block table dumped into the index. A worker that never answers cannot hold the gate: after
 //! [`CATCH_UP_MAX`] the replica routes with what it has. Once caught up, a
 //! replica stays caught up (later workers are synced while it routes).
 
@@ -19,6 +20,7 @@ pub struct CatchUp {
     started: Instant,
     registry_loaded: bool,
     snapshot_done: bool,
+    kv_replayed: bool,
     done: bool,
 }
 
@@ -29,6 +31,7 @@ impl CatchUp {
             started: Instant::now(),
             registry_loaded: true,
             snapshot_done: true,
+            kv_replayed: true,
             done: true,
         }
     }
@@ -39,6 +42,7 @@ impl CatchUp {
             started: now,
             registry_loaded: false,
             snapshot_done: false,
+            kv_replayed: false,
             done: false,
         }
     }
@@ -51,12 +55,26 @@ impl CatchUp {
         self.snapshot_done = true;
     }
 
+    pub fn kv_replayed(&mut self) {
+        self.kv_replayed = true;
+    }
+
+    /// Routing has started.
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
+    /// How long ago the wait began.
+    pub fn waited(&self, now: Instant) -> Duration {
+        now.duration_since(self.started)
+    }
+
     /// Whether routing may start; `syncing` = workers still waiting for a dump.
     pub fn check(&mut self, syncing: usize, now: Instant) -> bool {
         if self.done {
             return true;
         }
-        let whole = self.registry_loaded && self.snapshot_done && syncing == 0;
+        let whole = self.registry_loaded && self.snapshot_done && self.kv_replayed && syncing == 0;
         if whole || now.duration_since(self.started) >= CATCH_UP_MAX {
             self.done = true;
             tracing::info!(
@@ -80,6 +98,8 @@ mod tests {
         assert!(!c.check(0, t0));
         c.registry_loaded();
         c.snapshot_done();
+        assert!(!c.check(0, t0), "the KV stream is still replaying");
+        c.kv_replayed();
         assert!(!c.check(2, t0), "two workers still syncing");
         assert!(c.check(0, t0));
         assert!(c.check(5, t0), "stays caught up");

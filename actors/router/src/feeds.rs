@@ -120,13 +120,23 @@ pub async fn forward<T: WireMessage>(
     gate: Gate,
     wrap: fn(T, Ticket) -> RouterMsg,
 ) {
-    let mut sub = match bus.client.subscribe(subject.clone()).await {
+    let sub = match bus.client.subscribe(subject.clone()).await {
         Ok(s) => s,
         Err(e) => {
             tracing::error!(subject, error = %e, "cannot subscribe");
             return;
         }
     };
+    forward_from(sub, router, gate, wrap).await
+}
+
+/// [`forward`] from a subscription already made.
+pub async fn forward_from<T: WireMessage>(
+    mut sub: async_nats::Subscriber,
+    router: ActorRef<RouterMsg>,
+    gate: Gate,
+    wrap: fn(T, Ticket) -> RouterMsg,
+) {
     while let Some(msg) = sub.next().await {
         match decode::<T>(&msg.payload) {
             Ok(v) => {

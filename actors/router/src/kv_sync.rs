@@ -14,10 +14,20 @@
 //! - a newer generation (the engine restarted) clears the worker's blocks
 //!   and expects event 1; an older generation's events are dropped;
 //! - a worker first seen is synced from a dump (a router that starts late
-//!   learns what workers already hold).
+//!   learns what workers already hold), except while a starting replica
+//!   replays the KV events stream ([`KvSync::begin_replay`]): dumps wait
+//!   until the replay ends, and a worker whose events from id 1 were in the
+//!   stream, or whose state a snapshot restored and the stream continued,
+//!   needs none;
+//! - a snapshot ([`KvSync::snapshot`]) holds only `Live` workers, each with
+//!   the last event id it reflects, so replaying stream messages it already
+//!   reflects only drops duplicates.
 
-use dynamo_bus_schema::{KvDumpTiered, KvEvent, KvEventBatch, KvEventKind, StorageTier, WorkerId};
-use dynamo_kv_index::{IndexEvent, IndexEventData, KvIndex, Tier};
+use dynamo_bus_schema::{
+    EventId, KvDumpTiered, KvEvent, KvEventBatch, KvEventKind, KvIndexSnapshot, KvSnapshotWorker,
+    RouterId, StorageTier, WorkerId,
+};
+use dynamo_kv_index::{IndexEvent, IndexEventData, KvIndex, SnapshotError, Tier};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -54,6 +64,15 @@ pub struct KvStats {
     pub unknown: u64,
     /// Batches and dumps dropped: not of a registered worker's generation.
     pub ignored: u64,
+    /// Batches read back from the KV events stream while catching up.
+    pub replayed: u64,
+    /// Snapshots taken of this index (for the object store).
+    pub snapshots_taken: u64,
+    /// Blocks loaded from a peer's snapshot at start-up.
+    pub snapshot_blocks: u64,
+    /// Catch-ups whose stream no longer held everything after the snapshot
+    /// (every worker was then synced from a dump).
+    pub stream_truncated: u64,
 }
 
 #[derive(Default)]
@@ -63,6 +82,10 @@ pub struct KvSync {
     pub stats: KvStats,
     /// Publish-to-apply delay of each worker's last batch, ms.
     lag_ms: HashMap<WorkerId, u64>,
+    /// A starting replica is replaying the KV events stream: dumps wait.
+    replaying: bool,
+    /// Events applied since the last snapshot.
+    since_snapshot: u64,
 }
 
 fn tier(t: StorageTier) -> Option<Tier> {
@@ -243,7 +266,10 @@ impl KvSync {
             }
         };
         match self.index.apply(&IndexEvent { worker: w, data }) {
-            Ok(()) => self.stats.applied += 1,
+            Ok(()) => {
+                self.stats.applied += 1;
+                self.since_snapshot += 1;
+            }
             Err(e) => tracing::error!(error = %e, "KV index refused an event"),
         }
     }
@@ -301,9 +327,147 @@ impl KvSync {
         self.feed(w, rest);
     }
 
+    /// A starting replica replays the KV events stream from here on.
+    pub fn begin_replay(&mut self) {
+        self.replaying = true;
+    }
+
+    pub fn replaying(&self) -> bool {
+        self.replaying
+    }
+
+    /// Replaces the index with a snapshot's. Only workers `registered`
+    /// with the snapshot's generation are kept (others are gone or have
+    /// restarted since); returns the blocks loaded.
+    pub fn restore(
+        &mut self,
+        snap: &KvIndexSnapshot,
+        registered: impl Fn(WorkerId) -> Option<u64>,
+    ) -> Result<u64, SnapshotError> {
+        let mut index = KvIndex::from_runs(&snap.runs, dynamo_kv_index::MAX_WORKERS)?;
+        let keep: HashMap<WorkerId, &KvSnapshotWorker> = snap
+            .workers
+            .iter()
+            .filter(|w| registered(w.worker_id) == Some(w.generation))
+            .map(|w| (w.worker_id, w))
+            .collect();
+        let all: Vec<WorkerId> = index.workers().collect();
+        for w in all {
+            if !keep.contains_key(&w) {
+                index.remove_worker(w);
+            }
+        }
+        self.index = index;
+        for (w, sw) in keep {
+            self.workers.insert(
+                w,
+                Sync::Live {
+                    generation: sw.generation,
+                    next: sw.last_event_id.0 + 1,
+                },
+            );
+        }
+        let blocks = self.index.len() as u64;
+        self.stats.snapshot_blocks += blocks;
+        Ok(blocks)
+    }
+
+    /// The stream no longer holds every message after the snapshot: what a
+    /// worker did meanwhile may be lost, so every worker is synced from a
+    /// dump once the replay ends.
+    pub fn stream_truncated(&mut self) {
+        self.stats.stream_truncated += 1;
+        for s in self.workers.values_mut() {
+            if let Sync::Live { generation, .. } = *s {
+                *s = Sync::Syncing {
+                    generation,
+                    buffer: Vec::new(),
+                    buffered_blocks: 0,
+                    asked_at: None,
+                };
+            }
+        }
+    }
+
+    /// The replay is over: a worker still waiting whose buffered events
+    /// start at id 1 had its whole history in the stream and goes live
+    /// from it; the rest are dumped from now on.
+    pub fn end_replay(&mut self) {
+        self.replaying = false;
+        let from_start: Vec<(WorkerId, u64)> = self
+            .workers
+            .iter()
+            .filter_map(|(w, s)| match s {
+                Sync::Syncing {
+                    generation, buffer, ..
+                } if buffer.first().is_some_and(|e| e.event_id.0 == 1) => Some((*w, *generation)),
+                _ => None,
+            })
+            .collect();
+        for (w, generation) in from_start {
+            let buffer = match self.workers.get_mut(&w) {
+                Some(Sync::Syncing { buffer, .. }) => std::mem::take(buffer),
+                _ => continue,
+            };
+            self.clear(w);
+            self.workers.insert(
+                w,
+                Sync::Live {
+                    generation,
+                    next: 1,
+                },
+            );
+            self.feed(w, buffer);
+        }
+    }
+
+    /// Events applied since the last snapshot.
+    pub fn since_snapshot(&self) -> u64 {
+        self.since_snapshot
+    }
+
+    /// Largest publish-to-apply delay of any worker's last batch (ms).
+    pub fn max_lag_ms(&self) -> u64 {
+        self.lag_ms.values().copied().max().unwrap_or(0)
+    }
+
+    /// The index of the workers in sync, reflecting at least every stream
+    /// message up to `stream_seq` (the caller's promise).
+    pub fn snapshot(&mut self, stream_seq: u64, router_id: RouterId) -> KvIndexSnapshot {
+        let live: HashMap<WorkerId, KvSnapshotWorker> = self
+            .workers
+            .iter()
+            .filter_map(|(w, s)| match s {
+                Sync::Live { generation, next } => Some((
+                    *w,
+                    KvSnapshotWorker {
+                        worker_id: *w,
+                        generation: *generation,
+                        last_event_id: EventId(next - 1),
+                    },
+                )),
+                Sync::Syncing { .. } => None,
+            })
+            .collect();
+        let runs = self.index.export_runs(|w| live.contains_key(&w));
+        self.since_snapshot = 0;
+        self.stats.snapshots_taken += 1;
+        KvIndexSnapshot {
+            stream_seq,
+            taken_unix_ms: dynamo_bus_schema::unix_ms(),
+            router_id,
+            workers: live.into_values().collect(),
+            runs,
+        }
+    }
+
     /// Workers whose dump should be (re-)requested now; marks them asked.
+    /// None while the stream is being replayed.
     pub fn dumps_due(&mut self, now: Instant) -> Vec<WorkerId> {
         let mut due = Vec::new();
+        if self.replaying {
+            return due;
+        }
         for (w, s) in &mut self.workers {
             if let Sync::Syncing { asked_at, .. } = s {
                 if asked_at.is_none_or(|t| now.duration_since(t) >= DUMP_RETRY) {
@@ -449,5 +613,74 @@ mod tests {
         assert_eq!(held(&s, &[8]), 0);
         s.worker_gone(WorkerId(1));
         assert_eq!(held(&s, &[7]), 0);
+    }
+
+    fn synced(blocks: &[u64], last: u64) -> KvSync {
+        let mut s = KvSync::default();
+        s.worker_seen(WorkerId(1), 1);
+        s.dump(KvDump {
+            worker_id: WorkerId(1),
+            generation: 1,
+            last_event_id: EventId(last),
+            tier: StorageTier::Device,
+            blocks: blocks.iter().map(|b| SequenceHash(*b)).collect(),
+        });
+        s
+    }
+
+    #[test]
+    fn a_snapshot_restores_and_the_stream_continues_it_without_a_dump() {
+        let mut a = synced(&[1, 2], 2);
+        assert!(!a.batch(batch(1, vec![stored(3, &[3])])));
+        // Worker 2 waits for a dump: it is not in the snapshot.
+        let mut w2 = batch(1, vec![stored(5, &[50])]);
+        w2.worker_id = WorkerId(2);
+        assert!(a.batch(w2));
+        let snap = a.snapshot(40, RouterId(9));
+        assert_eq!(a.since_snapshot(), 0);
+        assert_eq!(snap.workers.len(), 1);
+        assert_eq!(snap.workers[0].last_event_id, EventId(3));
+        assert_eq!(snap.blocks(), 3);
+
+        let mut b = KvSync::default();
+        b.begin_replay();
+        b.worker_seen(WorkerId(1), 1);
+        b.worker_seen(WorkerId(3), 1);
+        // Worker 3 (not registered with that generation) is dropped.
+        assert_eq!(b.restore(&snap, |w| (w.0 == 1).then_some(1)).unwrap(), 3);
+        assert!(
+            b.dumps_due(Instant::now()).is_empty(),
+            "dumps wait for the replay"
+        );
+        // The replay repeats event 3 (a duplicate) and brings event 4.
+        assert!(!b.batch(batch(1, vec![stored(3, &[3]), stored(4, &[4])])));
+        assert_eq!(b.stats.duplicates, 1);
+        // Worker 3's whole history is in the stream: live from it.
+        let mut w3 = batch(1, vec![stored(1, &[30]), stored(2, &[31])]);
+        w3.worker_id = WorkerId(3);
+        b.batch(w3);
+        b.end_replay();
+        assert!(
+            b.dumps_due(Instant::now()).is_empty(),
+            "no worker needs a dump"
+        );
+        assert_eq!(held(&b, &[1, 2, 3, 4]), 4);
+        assert_eq!(held(&b, &[30, 31]), 2);
+        assert_eq!(b.syncing(), 0);
+    }
+
+    #[test]
+    fn a_truncated_stream_dumps_every_worker() {
+        let mut a = synced(&[1, 2], 2);
+        let snap = a.snapshot(10, RouterId(1));
+        let mut b = KvSync::default();
+        b.begin_replay();
+        b.worker_seen(WorkerId(1), 1);
+        b.restore(&snap, |_| Some(1)).unwrap();
+        b.stream_truncated();
+        assert!(!b.batch(batch(1, vec![stored(9, &[9])])));
+        b.end_replay();
+        assert_eq!(b.dumps_due(Instant::now()), vec![WorkerId(1)]);
+        assert_eq!(b.stats.stream_truncated, 1);
     }
 }

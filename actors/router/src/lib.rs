@@ -18,6 +18,7 @@ pub mod catch_up;
 pub mod disagg;
 pub mod dumps;
 pub mod feeds;
+pub mod kv_stream;
 pub mod kv_sync;
 pub mod policy;
 pub mod registry;

@@ -99,6 +99,8 @@ pub struct RouterState {
     /// (see [`crate::disagg`]); at most one entry per registered worker.
     prefill_sent: HashMap<WorkerId, u32>,
     overload_backoff: Duration,
+    /// When this replica last took a snapshot of its KV index.
+    last_kv_snapshot: Option<Instant>,
 }
 
 impl RouterState {
@@ -119,6 +121,7 @@ impl RouterState {
             disagg: DisaggPolicy::default(),
             prefill_sent: HashMap::new(),
             overload_backoff: DEFAULT_OVERLOAD_BACKOFF,
+            last_kv_snapshot: None,
         }
     }
 
@@ -135,6 +138,77 @@ impl RouterState {
     /// Holds routing until this replica's view is whole (see `catch_up`).
     pub fn begin_catch_up(&mut self, now: Instant) {
         self.catch_up = CatchUp::begin(now);
+        self.kv.begin_replay();
+    }
+
+    /// Loads a KV index snapshot (while catching up, before the stream is
+    /// replayed from its sequence); returns the blocks loaded.
+    pub fn kv_restore(
+        &mut self,
+        snap: &dynamo_bus_schema::KvIndexSnapshot,
+    ) -> Result<u64, dynamo_kv_index::SnapshotError> {
+        let registry = &self.registry;
+        self.kv.restore(snap, |w| {
+            registry
+                .get(w)
+                .filter(|e| e.reg.kv_events)
+                .map(|e| e.reg.generation)
+        })
+    }
+
+    /// The stream lost messages after the snapshot: dump every worker.
+    pub fn kv_stream_truncated(&mut self) {
+        self.kv.stream_truncated();
+    }
+
+    /// A batch read back from the stream while catching up.
+    pub fn kv_replayed(&mut self, b: KvEventBatch) {
+        self.kv.stats.replayed += 1;
+        self.kv_batch(b);
+    }
+
+    /// The stream replay is over (or could not run): dumps may go out.
+    pub fn kv_replay_done(&mut self) {
+        if self.kv.replaying() {
+            self.kv.end_replay();
+        }
+        self.catch_up.kv_replayed();
+    }
+
+    /// Ends a replay that has run past `max` since the catch-up began (its
+    /// feed is stuck): the workers it did not cover are dumped.
+    pub fn kv_replay_overdue(&mut self, now: Instant, max: Duration) -> bool {
+        if self.kv.replaying() && self.catch_up.waited(now) >= max {
+            tracing::warn!("the KV events replay is overdue; syncing workers from dumps");
+            self.kv_replay_done();
+            return true;
+        }
+        false
+    }
+
+    /// A snapshot of the KV index, if this replica should write one now:
+    /// it routes (caught up), it has the lowest id among the live replicas,
+    /// and `cfg.events` were applied or `cfg.interval` passed since its last.
+    /// `stream_seq`: every stream message up to it is applied.
+    pub fn kv_snapshot(
+        &mut self,
+        stream_seq: u64,
+        cfg: &crate::kv_stream::KvSnapshotConfig,
+        now: Instant,
+    ) -> Option<dynamo_bus_schema::KvIndexSnapshot> {
+        let me = self.router_id();
+        let lowest = self.active.peers().all(|p| p.0 > me.0);
+        let changed = self.kv.since_snapshot();
+        let due = changed >= cfg.events
+            || (changed > 0
+                && self
+                    .last_kv_snapshot
+                    .is_none_or(|t| now.duration_since(t) >= cfg.interval));
+        if !cfg.enabled || !lowest || !due || !self.catch_up.is_done() || self.kv.replaying() {
+            return None;
+        }
+        self.last_kv_snapshot = Some(now);
+        Some(self.kv.snapshot(stream_seq, me))
     }
 
     /// The registry's history has been read.

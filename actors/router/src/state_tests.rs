@@ -398,3 +398,60 @@ fn inflight_tracks_routes_and_resets_on_restart() {
         .unwrap();
     assert_eq!(w1.reg.generation, 2);
 }
+
+#[test]
+fn only_the_lowest_live_replica_snapshots_once_caught_up_and_when_due() {
+    let cfg = crate::kv_stream::KvSnapshotConfig {
+        enabled: true,
+        interval: Duration::from_secs(10),
+        events: 3,
+    };
+    let t0 = Instant::now();
+    let mut s = RouterState::with_id(
+        RouterId(5),
+        Duration::from_secs(3),
+        Box::new(RoundRobin::default()),
+    );
+    s.begin_catch_up(t0);
+    s.upsert(reg(1, 1, "a"), t0);
+    s.registry_loaded();
+    s.snapshot_done();
+    let batch = |ids: std::ops::RangeInclusive<u64>| KvEventBatch {
+        worker_id: WorkerId(1),
+        generation: 1,
+        events: ids
+            .map(|i| KvEvent {
+                event_id: EventId(i),
+                kind: KvEventKind::Stored,
+                tier: StorageTier::Device,
+                parent: None,
+                blocks: vec![blocks::SequenceHash(100 + i)],
+            })
+            .collect(),
+        published_unix_ms: unix_ms(),
+    };
+    // The replay brings worker 1's events from id 1: no dump needed.
+    s.kv_replayed(batch(1..=2));
+    assert!(s.kv_snapshot(7, &cfg, t0).is_none(), "still replaying");
+    s.kv_replay_done();
+    assert!(s.kv_dumps_due(t0).is_empty());
+    assert_eq!(s.kv_blocks_of(WorkerId(1)), [2, 0, 0]);
+    let _ = route(&mut s, &ModelName("a".into()), &[], t0); // caught up now
+    let snap = s.kv_snapshot(7, &cfg, t0).expect("due: events since start");
+    assert_eq!((snap.stream_seq, snap.blocks()), (7, 2));
+    assert!(s.kv_snapshot(8, &cfg, t0).is_none(), "nothing changed");
+    s.kv_batch(batch(3..=3));
+    assert!(
+        s.kv_snapshot(8, &cfg, t0).is_none(),
+        "1 event, interval not over"
+    );
+    assert!(s.kv_snapshot(8, &cfg, t0 + cfg.interval).is_some());
+    // A live peer with a lower id writes them instead.
+    s.kv_batch(batch(4..=7));
+    s.peer_heartbeat(RouterId(2), t0);
+    assert!(s.kv_snapshot(9, &cfg, t0 + cfg.interval).is_none());
+    s.peer_heartbeat(RouterId(9), t0);
+    let mut off = cfg.clone();
+    off.enabled = false;
+    assert!(s.kv_snapshot(9, &off, t0 + cfg.interval).is_none());
+}

@@ -36,7 +36,17 @@ pub struct RawRouter {
     pub max_prefill_queue: Option<u32>,
     /// How long a worker that refused a request as overloaded is avoided.
     pub overload_backoff_ms: Option<u64>,
+    /// Write KV index snapshots to the object store (default true; a
+    /// replica that starts loads the newest either way).
+    pub kv_snapshots: Option<bool>,
+    /// Longest time between two KV index snapshots while events arrive.
+    pub kv_snapshot_interval_ms: Option<u64>,
+    /// A KV index snapshot is due after this many applied events.
+    pub kv_snapshot_events: Option<u64>,
 }
+
+/// The KV events stream keeps 600 s: snapshots must come well within it.
+const MAX_SNAPSHOT_INTERVAL: Duration = Duration::from_secs(150);
 
 /// Largest magnitude of a timing coefficient.
 const MAX_COEFF: f64 = 1e6;
@@ -56,7 +66,25 @@ pub(super) fn parse(r: RawRouter) -> Result<RouterConfig, ConfigError> {
             max_prefill_queue: r.max_prefill_queue.unwrap_or(d.disagg.max_prefill_queue),
         },
         overload_backoff: ms(r.overload_backoff_ms, d.overload_backoff),
+        kv_snapshot: dynamo_router::kv_stream::KvSnapshotConfig {
+            enabled: r.kv_snapshots.unwrap_or(d.kv_snapshot.enabled),
+            interval: ms(r.kv_snapshot_interval_ms, d.kv_snapshot.interval),
+            events: r.kv_snapshot_events.unwrap_or(d.kv_snapshot.events),
+        },
     };
+    if !(Duration::from_millis(100)..=MAX_SNAPSHOT_INTERVAL).contains(&router.kv_snapshot.interval)
+    {
+        return Err(invalid(
+            "router.kv_snapshot_interval_ms",
+            format!(
+                "must be between 100 and {} (a quarter of the KV events stream's retention)",
+                MAX_SNAPSHOT_INTERVAL.as_millis()
+            ),
+        ));
+    }
+    if router.kv_snapshot.events == 0 {
+        return Err(invalid("router.kv_snapshot_events", "must be at least 1"));
+    }
     if router.disagg.max_prefill_queue == 0 {
         return Err(invalid("router.max_prefill_queue", "must be at least 1"));
     }

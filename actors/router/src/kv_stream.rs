@@ -1,0 +1,323 @@
+//! The KV events feed of a router replica, and its snapshots.
+//!
+//! Workers publish their event batches on `kv.<worker>`; the KV events
+//! stream (JetStream, bounded by age and bytes, see
+//! [`dynamo_runtime::Bus::ensure_kv_events_stream`]) keeps them. A replica
+//! follows new batches on core NATS (the lowest latency, and nothing to
+//! re-create when a NATS server fails) and uses the stream for what it was
+//! not there for:
+//!
+//! 1. subscribe to `kv.*` (what arrives from now on waits in the
+//!    subscription);
+//! 2. load the newest index snapshot from the object store, if any;
+//! 3. replay the stream from the snapshot's sequence + 1 (or its start) up
+//!    to its last message at this moment — if the stream no longer holds
+//!    the message after the snapshot, it was truncated, and every worker
+//!    is synced from a dump instead;
+//! 4. follow the subscription (batches the replay already applied are
+//!    dropped as duplicates by their event ids).
+//!
+//! Dumps wait until step 3 is over (`KvSync::begin_replay`): a new replica
+//! asks a worker for one only when the stream cannot fill its gap.
+//!
+//! Snapshots: every `period` the replica with the lowest id among the live
+//! ones (see [`crate::state::RouterState::kv_snapshot`]) writes its index to
+//! the object store, tagged with the stream's last sequence as read one
+//! period earlier — every message up to it was published at least a period
+//! ago and is applied (one that was not shows up as an event id gap to the
+//! replica that loads the snapshot, which dumps that worker).
+//!
+//! Invariants: every message cast carries a ticket of the feed's gate; an
+//! undecodable message or snapshot is rejected and counted, never fatal; a
+//! stream or object store that cannot be reached ends the replay (dumps
+//! take over), it never holds the router.
+
+use crate::actor::RouterMsg;
+use dynamo_bus_schema::codec::MAX_ASSEMBLED;
+use dynamo_bus_schema::{
+    decode, decode_assembled, encode, KvEventBatch, KvIndexSnapshot, WireMessage,
+    KV_SNAPSHOT_OBJECT,
+};
+use dynamo_runtime::{counters, Bus, Gate};
+use futures::StreamExt;
+use ractor::ActorRef;
+use std::time::{Duration, Instant};
+use tokio::io::AsyncReadExt;
+
+/// When the replica writes its KV index to the object store.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvSnapshotConfig {
+    /// Write snapshots (a replica that starts loads one either way).
+    pub enabled: bool,
+    /// Longest time between two snapshots while events arrive; keep it well
+    /// under the stream's retention (600 s, 256 MiB), or a replica that
+    /// starts finds the stream truncated and falls back to dumps.
+    pub interval: Duration,
+    /// A snapshot is due once this many events were applied since the last.
+    pub events: u64,
+}
+
+impl Default for KvSnapshotConfig {
+    fn default() -> Self {
+        KvSnapshotConfig {
+            enabled: true,
+            interval: Duration::from_secs(30),
+            events: 500_000,
+        }
+    }
+}
+
+impl KvSnapshotConfig {
+    /// How often the writer checks whether a snapshot is due (and how old
+    /// the stream sequence it is tagged with is).
+    pub fn check_period(&self) -> Duration {
+        (self.interval / 4).clamp(Duration::from_millis(250), Duration::from_secs(5))
+    }
+}
+
+/// A replay that receives nothing for this long is over (the messages it
+/// waited for expired meanwhile).
+const REPLAY_IDLE: Duration = Duration::from_secs(3);
+
+/// The KV events feed: catch-up from the stream, then core NATS.
+pub async fn follow(bus: Bus, router: ActorRef<RouterMsg>, gate: Gate) {
+    let subject = bus.subjects.kv_events_all();
+    let sub = match bus.client.subscribe(subject.clone()).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(subject, error = %e, "cannot subscribe to KV events");
+            let _ = router.cast(RouterMsg::KvReplayDone);
+            return;
+        }
+    };
+    let t0 = Instant::now();
+    let snap = load_snapshot(&bus).await;
+    let after = snap.as_ref().map(|s| s.stream_seq).unwrap_or(0);
+    let snap_ms = t0.elapsed().as_millis() as u64;
+    if let Some(s) = snap {
+        if router.cast(RouterMsg::KvSnapshot(Box::new(s))).is_err() {
+            return;
+        }
+    }
+    let mut sink = ToRouter {
+        router: &router,
+        gate: &gate,
+    };
+    let replayed = match replay(&bus, after, &mut sink).await {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot replay the KV events stream; workers are synced from dumps");
+            0
+        }
+    };
+    tracing::info!(
+        snapshot_ms = snap_ms,
+        total_ms = t0.elapsed().as_millis() as u64,
+        replayed,
+        "KV events stream replayed"
+    );
+    if router.cast(RouterMsg::KvReplayDone).is_err() {
+        return;
+    }
+    crate::feeds::forward_from::<KvEventBatch>(sub, router, gate, RouterMsg::KvBatch).await;
+}
+
+/// The newest snapshot in the object store, if one can be read.
+pub async fn load_snapshot(bus: &Bus) -> Option<KvIndexSnapshot> {
+    let bucket = bus.subjects.router_state_objects();
+    let store = match bus.object_store(&bucket).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot open the router state store");
+            return None;
+        }
+    };
+    let mut obj = match store.get(KV_SNAPSHOT_OBJECT).await {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::info!(reason = %e, "no KV index snapshot to load");
+            return None;
+        }
+    };
+    if obj.info().size > MAX_ASSEMBLED {
+        counters::reject(
+            KvIndexSnapshot::NAME,
+            &bucket,
+            &format!("{} bytes, over {MAX_ASSEMBLED}", obj.info().size),
+        );
+        return None;
+    }
+    let mut bytes = Vec::with_capacity(obj.info().size);
+    if let Err(e) = obj.read_to_end(&mut bytes).await {
+        tracing::warn!(error = %e, "cannot read the KV index snapshot");
+        return None;
+    }
+    match decode_assembled::<KvIndexSnapshot>(&bytes) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            counters::reject(KvIndexSnapshot::NAME, &bucket, &e);
+            None
+        }
+    }
+}
+
+/// What a replay hands on, in stream order.
+pub enum Replayed {
+    /// The stream no longer holds the message after `after` (comes first).
+    Truncated,
+    Batch(KvEventBatch),
+}
+
+/// Where a replay goes.
+pub trait ReplaySink: Send {
+    /// Takes the next item; false stops the replay.
+    fn take(&mut self, item: Replayed) -> impl std::future::Future<Output = bool> + Send;
+}
+
+/// Replayed batches into the router's mailbox, through the feed's gate.
+struct ToRouter<'a> {
+    router: &'a ActorRef<RouterMsg>,
+    gate: &'a Gate,
+}
+
+impl ReplaySink for ToRouter<'_> {
+    async fn take(&mut self, item: Replayed) -> bool {
+        match item {
+            Replayed::Truncated => self.router.cast(RouterMsg::KvStreamTruncated).is_ok(),
+            Replayed::Batch(b) => {
+                let ticket = self.gate.enter().await;
+                self.router.cast(RouterMsg::KvReplayed(b, ticket)).is_ok()
+            }
+        }
+    }
+}
+
+/// Replays the stream's messages after `after` up to its last one now into
+/// `sink`; returns how many were replayed.
+pub async fn replay(bus: &Bus, after: u64, sink: &mut impl ReplaySink) -> Result<u64, String> {
+    use async_nats::jetstream::consumer::{push, DeliverPolicy};
+    let name = bus.subjects.kv_events_stream();
+    let mut stream = bus.js.get_stream(&name).await.map_err(|e| e.to_string())?;
+    let state = stream
+        .info()
+        .await
+        .map_err(|e| e.to_string())?
+        .state
+        .clone();
+    let (first, last) = (state.first_sequence, state.last_sequence);
+    if after + 1 < first {
+        tracing::warn!(
+            snapshot_seq = after,
+            stream_first = first,
+            "the KV events stream no longer holds what followed the snapshot"
+        );
+        if !sink.take(Replayed::Truncated).await {
+            return Ok(0);
+        }
+    }
+    let start = (after + 1).max(first).max(1);
+    if start > last {
+        return Ok(0);
+    }
+    let consumer = stream
+        .create_consumer(push::OrderedConfig {
+            deliver_subject: bus.client.new_inbox(),
+            deliver_policy: DeliverPolicy::ByStartSequence {
+                start_sequence: start,
+            },
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut messages = consumer.messages().await.map_err(|e| e.to_string())?;
+    let mut n = 0;
+    loop {
+        let m = match tokio::time::timeout(REPLAY_IDLE, messages.next()).await {
+            Ok(Some(Ok(m))) => m,
+            Ok(Some(Err(e))) => return Err(e.to_string()),
+            Ok(None) => break,
+            Err(_) => {
+                tracing::warn!(replayed = n, "the KV events replay stalled; ending it");
+                break;
+            }
+        };
+        let seq = m.info().map(|i| i.stream_sequence).unwrap_or(last);
+        match decode::<KvEventBatch>(&m.payload) {
+            Ok(b) => {
+                if !sink.take(Replayed::Batch(b)).await {
+                    return Ok(n);
+                }
+                n += 1;
+            }
+            Err(e) => counters::reject(KvEventBatch::NAME, m.subject.as_str(), &e),
+        }
+        if seq >= last {
+            break;
+        }
+    }
+    Ok(n)
+}
+
+/// Writes this replica's index to the object store when it is due.
+pub async fn snapshots(bus: Bus, router: ActorRef<RouterMsg>, cfg: KvSnapshotConfig) {
+    let period = cfg.check_period();
+    let bucket = bus.subjects.router_state_objects();
+    let name = bus.subjects.kv_events_stream();
+    // The stream's last sequence one period ago.
+    let mut earlier: Option<u64> = None;
+    let mut iv = tokio::time::interval(period);
+    iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        iv.tick().await;
+        let now_seq = match bus.js.get_stream(&name).await {
+            Ok(mut s) => match s.info().await {
+                Ok(i) => Some(i.state.last_sequence),
+                Err(_) => None,
+            },
+            Err(_) => None,
+        };
+        if let Some(seq) = earlier {
+            let snap = router
+                .call(
+                    |reply| RouterMsg::TakeKvSnapshot(seq, reply),
+                    Some(Duration::from_secs(10)),
+                )
+                .await;
+            if let Ok(ractor::rpc::CallResult::Success(Some(snap))) = snap {
+                write(&bus, &bucket, &snap).await;
+            }
+        }
+        earlier = now_seq;
+    }
+}
+
+/// Writes `snap` to the object store (logged, never fatal).
+pub async fn write(bus: &Bus, bucket: &str, snap: &KvIndexSnapshot) {
+    let t0 = Instant::now();
+    let bytes = match encode(snap) {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot encode the KV index snapshot");
+            return;
+        }
+    };
+    let res = match bus.object_store(bucket).await {
+        Ok(store) => store
+            .put(KV_SNAPSHOT_OBJECT, &mut bytes.as_slice())
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
+    };
+    match res {
+        Ok(()) => tracing::info!(
+            stream_seq = snap.stream_seq,
+            blocks = snap.blocks(),
+            workers = snap.workers.len(),
+            bytes = bytes.len(),
+            ms = t0.elapsed().as_millis() as u64,
+            "KV index snapshot written"
+        ),
+        Err(e) => tracing::warn!(error = %e, "cannot write the KV index snapshot"),
+    }
+}

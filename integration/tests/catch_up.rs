@@ -1,0 +1,195 @@
+//! A router replica that starts late catches up from the newest KV index
+//! snapshot and the KV events stream, asking no worker for a dump; when the
+//! stream no longer holds what followed the snapshot, it falls back to
+//! dumps, and agrees either way.
+
+use dynamo_integration::kv::{held, indexed, purge_kv_events};
+use dynamo_integration::*;
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+const WORKERS: usize = 8;
+/// Blocks each worker must hold before the late replicas start.
+const MIN_BLOCKS: u64 = 100_000;
+
+/// A gateway whose router indexes every worker (round-robin spreads the
+/// prompts evenly); `snapshots` = whether it writes KV index snapshots.
+fn gateway(id: &str, nats: &str, port: u16, snapshots: bool) -> String {
+    node_config(id, nats, Some(port), 0, "")
+        .replace("policy = \"least_loaded\"", "policy = \"round_robin\"")
+        .replace(
+            "worker_ttl_ms = 3000\n",
+            &format!(
+                "worker_ttl_ms = 3000\nkv_snapshots = {snapshots}\nkv_snapshot_interval_ms = 1000\n"
+            ),
+        )
+}
+
+/// 4096 blocks of 2 tokens, distinct per `i`.
+fn prompt(i: usize) -> Vec<u32> {
+    std::iter::once(100 + i as u32)
+        .chain((1..8192u32).map(|k| 200 + (k * 13 + i as u32 * 7) % 40000))
+        .collect()
+}
+
+async fn send(h: &Http, range: std::ops::Range<usize>) {
+    let idx: Vec<usize> = range.collect();
+    for chunk in idx.chunks(WORKERS) {
+        let bodies: Vec<_> = chunk
+            .iter()
+            .map(|&i| json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 1}))
+            .collect();
+        let replies =
+            futures::future::join_all(bodies.iter().map(|b| h.post("/v1/completions", b))).await;
+        for r in replies {
+            assert_eq!(r.status, 200, "{}", r.json);
+        }
+    }
+}
+
+async fn wait_metric(h: &Http, name: &str, at_least: u64, node: &mut Node) -> u64 {
+    let t0 = Instant::now();
+    loop {
+        let v = h.metric(name).await;
+        if v >= at_least {
+            return v;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{name} = {v}, waited for {at_least}:\n{}",
+            node.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Waits until `h` indexes exactly what every worker holds.
+async fn agrees(h: &Http, nats: &str, workers: &[String], node: &mut Node) {
+    for w in workers {
+        let want = held(nats, w).await;
+        let t0 = Instant::now();
+        loop {
+            let got = indexed(h, w).await;
+            if got == want {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "worker {w}: indexed {got:?}, holds {want:?}\n{}",
+                node.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_replica_catches_up_from_the_snapshot_and_the_stream_without_dumps() {
+    let nats = Nats::start();
+    // Tiny simulated blocks, most of them in a large host tier.
+    let worker_cfg = node_config("w", &nats.url, None, WORKERS as u32, "")
+        .replace("heartbeat_ms = 500\n", "heartbeat_ms = 500\ncontext_length = 16384\n")
+        .replace(
+            "speedup = 0.0\n",
+            "speedup = 0.0\nblock_size = 2\nnum_blocks = 20000\nkv_bytes_per_block = 8\noffload_host_blocks = 200000\n",
+        );
+    let mut w = Node::start(&worker_cfg);
+    let pa = free_port();
+    let mut a = Node::start(&gateway("a", &nats.url, pa, true));
+    let ha = Http::new(pa);
+    ha.wait_ready(WORKERS as u64, &mut a).await;
+    let workers: Vec<String> = registrations(&nats.url)
+        .await
+        .iter()
+        .map(|r| r.worker_id.to_string())
+        .collect();
+    assert_eq!(workers.len(), WORKERS);
+
+    // 26 prompts of 4096 blocks per worker: ≥ 100k blocks each.
+    let fill = WORKERS * 26;
+    send(&ha, 0..fill).await;
+    assert!(w.alive());
+    for wk in &workers {
+        let b = held(&nats.url, wk).await;
+        assert!(
+            b.iter().sum::<u64>() >= MIN_BLOCKS,
+            "worker {wk} holds {b:?}"
+        );
+    }
+    agrees(&ha, &nats.url, &workers, &mut a).await;
+    // A snapshot taken after the fill (the interval is 1 s), then the
+    // writer goes away: nothing newer is written.
+    // Snapshots are taken while events arrive: once none was taken for 3 s
+    // the last one holds everything.
+    let mut taken = wait_metric(&ha, "dynamo_router_kv_snapshots_taken_total", 1, &mut a).await;
+    let mut since = Instant::now();
+    while since.elapsed() < Duration::from_secs(3) {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = ha.metric("dynamo_router_kv_snapshots_taken_total").await;
+        if now != taken {
+            (taken, since) = (now, Instant::now());
+        }
+    }
+    drop(a);
+
+    // Replica C (no snapshots of its own) starts from the snapshot; the
+    // prompts sent through it are only in the stream.
+    let pc = free_port();
+    let mut c = Node::start(&gateway("c", &nats.url, pc, false));
+    let hc = Http::new(pc);
+    hc.wait_ready(WORKERS as u64, &mut c).await;
+    send(&hc, fill..fill + 2 * WORKERS).await;
+    agrees(&hc, &nats.url, &workers, &mut c).await;
+
+    // Replica B: the snapshot plus the stream's tail, no dump.
+    let pb = free_port();
+    let mut b = Node::start(&gateway("b", &nats.url, pb, false));
+    let hb = Http::new(pb);
+    hb.wait_ready(WORKERS as u64, &mut b).await;
+    agrees(&hb, &nats.url, &workers, &mut b).await;
+    let loaded = hb
+        .metric("dynamo_router_kv_snapshot_blocks_loaded_total")
+        .await;
+    assert!(
+        loaded >= WORKERS as u64 * MIN_BLOCKS / 2,
+        "{loaded} blocks from the snapshot"
+    );
+    assert!(hb.metric("dynamo_router_kv_batches_replayed_total").await >= 1);
+    for (h, who) in [(&hb, "b"), (&hc, "c")] {
+        assert_eq!(
+            h.metric("dynamo_router_kv_dumps_total").await,
+            0,
+            "replica {who} asked for a dump"
+        );
+        assert_eq!(h.metric("dynamo_router_kv_event_gaps_total").await, 0);
+    }
+    // The two replicas route from the same view.
+    for i in [0, 77, fill + 3] {
+        assert_eq!(hb.overlap(&prompt(i)).await, hc.overlap(&prompt(i)).await);
+    }
+    assert!(
+        hb.overlap(&prompt(fill + 3))
+            .await
+            .as_object()
+            .is_some_and(|o| !o.is_empty()),
+        "a prompt only the stream holds is indexed"
+    );
+
+    // The stream loses what followed the snapshot: a replica that starts
+    // now cannot fill the gap from it and dumps every worker instead.
+    assert!(purge_kv_events(&nats.url).await > 0);
+    let pd = free_port();
+    let mut d = Node::start(&gateway("d", &nats.url, pd, false));
+    let hd = Http::new(pd);
+    hd.wait_ready(WORKERS as u64, &mut d).await;
+    agrees(&hd, &nats.url, &workers, &mut d).await;
+    assert_eq!(
+        hd.metric("dynamo_router_kv_stream_truncated_total").await,
+        1
+    );
+    assert!(hd.metric("dynamo_router_kv_dumps_total").await >= WORKERS as u64);
+    for i in [0, fill + 3] {
+        assert_eq!(hd.overlap(&prompt(i)).await, hb.overlap(&prompt(i)).await);
+    }
+    assert!(b.alive() && c.alive() && d.alive() && w.alive());
+}
