@@ -135,6 +135,30 @@ impl NatsCluster {
         best.0
     }
 
+    /// The server leading `stream` (servers are named `n<i>`), asked
+    /// through the first live server that answers.
+    pub async fn leader_of(&self, stream: &str) -> Option<usize> {
+        for i in 0..self.servers.len() {
+            if self.servers[i].child.is_none() {
+                continue;
+            }
+            let ask = async {
+                let c = async_nats::connect(self.url(i)).await.ok()?;
+                let mut s = async_nats::jetstream::new(c)
+                    .get_stream(stream)
+                    .await
+                    .ok()?;
+                let leader = s.info().await.ok()?.cluster.as_ref()?.leader.clone()?;
+                leader.strip_prefix('n')?.parse::<usize>().ok()
+            };
+            if let Ok(Some(l)) = tokio::time::timeout(std::time::Duration::from_secs(5), ask).await
+            {
+                return Some(l);
+            }
+        }
+        None
+    }
+
     /// Kills server `i` (SIGKILL: no goodbye to clients or peers).
     pub fn kill(&mut self, i: usize) {
         if let Some(mut c) = self.servers[i].child.take() {

@@ -356,11 +356,19 @@ async fn killing_one_of_three_nats_servers_fails_no_request() {
     assert!(streams.len() >= 3, "{streams:?}");
     assert!(streams.iter().all(|(_, r)| *r == 3), "{streams:?}");
 
-    let load = Load::start(port, 4, 10_000);
+    let load = Load::start(port, 16, 10_000);
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    // Kill the server the node's connections are on.
-    let victim = cluster.busiest().await;
-    assert!(cluster.connections(victim).await > 0);
+    // Kill the leader of the workers bucket (every registration is written
+    // through it), whoever holds the node's connections.
+    let victim = cluster
+        .leader_of("KV_dynamo_it_workers")
+        .await
+        .expect("the workers bucket has a leader");
+    eprintln!(
+        "killing server {victim}: it leads the workers bucket and holds {} client connections (busiest: {})",
+        cluster.connections(victim).await,
+        cluster.busiest().await
+    );
     cluster.kill(victim);
     // Past the router's worker TTL (3 s): registrations keep being written.
     tokio::time::sleep(Duration::from_secs(5)).await;
@@ -451,4 +459,41 @@ async fn stream_replicas(url: &str) -> Option<Vec<(String, usize)>> {
         .await
         .ok()
         .flatten()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_seed_url_of_a_cluster_replicates_and_an_r1_stream_is_scaled_up() {
+    let cluster = NatsCluster::start(3).await;
+    let subjects =
+        dynamo_bus_schema::Subjects::new(dynamo_bus_schema::Namespace::new("it").unwrap());
+    // The KV events stream as a process that saw one server made it: R1.
+    let js = async_nats::jetstream::new(async_nats::connect(cluster.url(0)).await.unwrap());
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: subjects.kv_events_stream(),
+        subjects: vec![subjects.kv_events_all()],
+        storage: async_nats::jetstream::stream::StorageType::Memory,
+        num_replicas: 1,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    // A node given one seed URL learns the cluster from the server.
+    let bus = dynamo_runtime::Bus::connect(&cluster.url(1), "seed", subjects.clone())
+        .await
+        .unwrap();
+    assert_eq!(bus.replicas, 3, "the cluster's advertised servers count");
+    bus.ensure_kv_events_stream().await.unwrap();
+    bus.kv_bucket("dynamo_it_probe", Duration::from_secs(60))
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    loop {
+        let got = stream_replicas(&cluster.url(2)).await.unwrap_or_default();
+        let of = |n: &str| got.iter().find(|(s, _)| s == n).map(|(_, r)| *r);
+        if of(&subjects.kv_events_stream()) == Some(3) && of("KV_dynamo_it_probe") == Some(3) {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(15), "{got:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }

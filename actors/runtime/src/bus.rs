@@ -57,8 +57,9 @@ pub struct Bus {
     pub client: Client,
     pub js: jetstream::Context,
     pub subjects: Subjects,
-    /// Replicas of every stream and bucket this process creates: 3 when it
-    /// was given three or more server URLs (a NATS cluster), else 1.
+    /// Replicas of every stream and bucket this process creates: 3 on a
+    /// NATS cluster of three or more servers (given as URLs, or advertised
+    /// by the server it reached), else 1.
     pub replicas: usize,
 }
 
@@ -116,11 +117,15 @@ impl Bus {
                 reason: e.to_string(),
             })?;
         let js = jetstream::new(client.clone());
+        // The servers the cluster itself advertises count too: a node given
+        // one seed URL of a three-server cluster still replicates.
+        let advertised = client.server_info().connect_urls.len();
+        let replicas = replicas_for(url).max(if advertised >= 3 { 3 } else { 1 });
         Ok(Bus {
             client,
             js,
             subjects,
-            replicas: replicas_for(url),
+            replicas,
         })
     }
 
@@ -376,12 +381,34 @@ impl Bus {
             .map_err(|e| err(e.to_string()))
     }
 
-    /// Waits (up to 10 s) until a replicated stream has a leader: on a
-    /// cluster a stream just created takes a moment to elect one, and a
-    /// publish before that is refused ("no stream found").
+    /// Settles a stream this process uses: one created with fewer replicas
+    /// than this process would give it (by a process that saw a single
+    /// server) is scaled up, and on a cluster it waits (up to 10 s) until
+    /// the stream has a leader — a stream just created or scaled takes a
+    /// moment to elect one, and a publish before that is refused.
     async fn await_leader(&self, name: &str) {
         if self.replicas <= 1 {
             return;
+        }
+        if let Ok(mut s) = self.js.get_stream(name).await {
+            if let Ok(info) = s.info().await {
+                if info.config.num_replicas < self.replicas {
+                    let mut cfg = info.config.clone();
+                    cfg.num_replicas = self.replicas;
+                    match self.js.update_stream(cfg).await {
+                        Ok(_) => tracing::info!(
+                            stream = name,
+                            replicas = self.replicas,
+                            "scaled up the replicas of a stream"
+                        ),
+                        Err(e) => tracing::warn!(
+                            stream = name,
+                            error = %e,
+                            "cannot scale up the replicas of a stream"
+                        ),
+                    }
+                }
+            }
         }
         let t0 = std::time::Instant::now();
         while t0.elapsed() < Duration::from_secs(10) {
@@ -394,6 +421,10 @@ impl Bus {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        tracing::warn!(
+            stream = name,
+            "no leader for the stream after 10 s; its first writes may be refused"
+        );
     }
 
     /// Makes sure the stream capturing every worker's KV events exists
@@ -401,6 +432,7 @@ impl Bus {
     pub async fn ensure_kv_events_stream(&self) -> Result<(), BusError> {
         let name = self.subjects.kv_events_stream();
         if self.js.get_stream(&name).await.is_ok() {
+            self.await_leader(&name).await;
             return Ok(());
         }
         let cfg = stream::Config {
