@@ -190,6 +190,11 @@ impl StepTiming {
         }
         wait + self.prefill_steps(ours.max(1.0), decode)
     }
+
+    /// GPU time spent prefilling `tokens` (chunked, without the decodes).
+    pub fn prefill_work_ms(&self, tokens: f64) -> f64 {
+        self.prefill_steps(tokens, 0.0)
+    }
 }
 
 /// Lowest predicted cost wins. With a [`StepTiming`] (policy `kv_aware`), the
@@ -201,6 +206,9 @@ impl StepTiming {
 /// prefill time and waiting costs the queue's, so a cache hit wins at light
 /// load and loses to an idle worker when the queue ahead of it is longer than
 /// the work it saves. `overlap_weight` scales the uncached prefill term.
+/// In selection a miss also pays for the GPU time it burns: the prefill of
+/// what the best-placed candidate already holds, times the share of
+/// candidates that are busy (see [`KvAware::add_burned`]).
 ///
 /// Without one (policy `kv_aware_blocks`, Dynamo's formula):
 /// `cost = overlap_weight × (pending_prefill + uncached) / block_size + decode_blocks`,
@@ -273,6 +281,37 @@ impl KvAware {
         t.ttft_ms(c.pending_prefill_tokens as f64, ours, u, decoding)
     }
 
+    /// What a miss costs the fleet besides this request's own time: the GPU
+    /// time spent recomputing what the best-placed candidate holds is
+    /// capacity lost to every later request, one for one while every worker
+    /// is busy and not at all while they idle. It is added to each
+    /// candidate's predicted TTFT, times the share of candidates that are
+    /// busy (prefilling or decoding); the best-placed candidate pays nothing.
+    fn add_burned(
+        t: &StepTiming,
+        w: &KvCostWeights,
+        candidates: &[Candidate],
+        input: usize,
+        costs: &mut [f64],
+    ) {
+        if candidates.is_empty() {
+            return;
+        }
+        let work: Vec<f64> = candidates
+            .iter()
+            .map(|c| t.prefill_work_ms(w.overlap_weight * Self::uncached(w, c, input)))
+            .collect();
+        let least = work.iter().copied().fold(f64::INFINITY, f64::min);
+        let busy = candidates
+            .iter()
+            .filter(|c| c.decoding > 0 || c.pending_prefill_tokens > 0)
+            .count() as f64
+            / candidates.len() as f64;
+        for (cost, work) in costs.iter_mut().zip(&work) {
+            *cost += busy * (work - least);
+        }
+    }
+
     /// The cost in blocks of `unit` tokens: candidates whose block sizes
     /// differ (a misconfigured worker) are compared in one unit, while each
     /// one's cache hits count in its own blocks.
@@ -307,11 +346,18 @@ impl RoutingPolicy for KvAware {
         // of f64) counts as the worst possible.
         let unit = candidates.iter().map(|c| c.block_size).min().unwrap_or(1);
         let input = req.token_ids.len();
-        let costs: Vec<f64> = candidates
+        let mut costs: Vec<f64> = candidates
             .iter()
             .map(|c| self.cost_under(&w, c, input, unit))
-            .map(|c| if c.is_finite() { c } else { f64::MAX })
             .collect();
+        if let Some(t) = &self.timing {
+            Self::add_burned(t, &w, candidates, input, &mut costs);
+        }
+        for c in &mut costs {
+            if !c.is_finite() {
+                *c = f64::MAX;
+            }
+        }
         let min = costs.iter().copied().min_by(f64::total_cmp).unwrap_or(0.0);
         if w.temperature > 0.0 && w.temperature.is_finite() {
             // Time costs are sampled relative to the cheapest (a temperature
@@ -645,6 +691,41 @@ mod tests {
             KvAware::new(KvCostWeights::default()).name(),
             "kv_aware_blocks"
         );
+    }
+
+    #[test]
+    fn a_miss_pays_the_gpu_time_it_burns_when_the_fleet_is_busy() {
+        let m = ModelName("m".into());
+        let tokens = vec![0u32; 4096];
+        let req = request(&m, &tokens);
+        let mut p = timed();
+        // The holder of 3,840 of the 4,096 tokens has a queue that makes its
+        // first token ~57 ms later than a full prefill elsewhere; the miss
+        // would burn ~65 ms of GPU time recomputing what it holds.
+        let mut holder = cand(1, 1);
+        holder.overlap = on_device(240);
+        holder.pending_prefill_tokens = 9_000;
+        holder.decoding = 1;
+        let others = |decoding: u32| -> Vec<Candidate> {
+            (2..5)
+                .map(|i| Candidate {
+                    decoding,
+                    ..cand(i, decoding)
+                })
+                .collect()
+        };
+        // Idle elsewhere: the burned time costs a quarter (one busy worker
+        // of four) and the faster first token wins.
+        let mut cs = others(0);
+        cs.push(holder.clone());
+        assert_ne!(p.select(&req, &cs).0, 1);
+        // Every worker busy: the recompute would delay someone one for one.
+        let mut cs = others(1);
+        cs.push(holder.clone());
+        assert_eq!(p.select(&req, &cs).0, 1);
+        // The candidate cost alone (no fleet) is the plain TTFT.
+        let t = StepTiming::default();
+        assert!((p.cost(&cand(9, 0), 4096) - t.prefill(4096.0)).abs() < 1e-9);
     }
 
     #[test]
