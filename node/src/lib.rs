@@ -23,6 +23,7 @@ pub mod drain;
 pub mod embedded_nats;
 pub mod engines;
 pub mod env;
+pub mod keys_cli;
 pub mod models_cli;
 pub mod planner_cli;
 pub mod replay;

@@ -83,6 +83,7 @@ impl Actor for GatewayActor {
             accepting: AtomicBool::new(true),
             started_unix_s: unix_ms() / 1000,
             feed: crate::feed::Feed::default(),
+            auth: crate::auth::Auth::new(c.api_keys.clone(), std::time::Instant::now()),
         });
         let inbox_owner = shared.clone();
         tasks.spawn("inbox", async move { inbox_owner.inbox.run(sub).await });

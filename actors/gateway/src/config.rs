@@ -39,6 +39,8 @@ pub struct GatewayConfig {
     pub max_held: u32,
     /// Period of the traffic summaries published for the planner.
     pub metrics_interval: Duration,
+    /// API keys (hashed) and their limits; empty = no authentication.
+    pub api_keys: Vec<crate::auth::ApiKey>,
 }
 
 /// Per-model admission control: past `max_inflight` requests being served,
@@ -82,6 +84,7 @@ impl Default for GatewayConfig {
             hold_for_workers: Duration::ZERO,
             max_held: 256,
             metrics_interval: Duration::from_secs(1),
+            api_keys: Vec::new(),
         }
     }
 }

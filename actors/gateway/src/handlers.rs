@@ -19,7 +19,7 @@ use crate::shared::Shared;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{StatusCode, Uri};
+use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -74,22 +74,39 @@ impl Drop for InflightGuard<'_> {
     }
 }
 
-async fn chat(State(s): State<Arc<Shared>>, body: Result<Bytes, BytesRejection>) -> Response {
-    serve(s, body, Endpoint::Chat).await
+async fn chat(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    serve(s, headers, body, Endpoint::Chat).await
 }
 
 async fn completions(
     State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    serve(s, body, Endpoint::Completions).await
+    serve(s, headers, body, Endpoint::Completions).await
 }
 
-async fn serve(s: Arc<Shared>, body: Result<Bytes, BytesRejection>, ep: Endpoint) -> Response {
+async fn serve(
+    s: Arc<Shared>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    ep: Endpoint,
+) -> Response {
     let t0 = Instant::now();
     s.metrics.inflight.inc();
     let _guard = InflightGuard(&s);
-    let res = handle(s.clone(), body, ep, t0).await;
+    let caller = s.auth.authenticate(&headers);
+    let res = match &caller {
+        Ok(c) => match s.auth.admit(c, t0.into_std()) {
+            Ok(()) => handle(s.clone(), c, body, ep, t0).await,
+            Err(e) => Err(e),
+        },
+        Err(e) => Err(e.clone()),
+    };
     let resp = match res {
         Ok(r) => r,
         Err(e) => {
@@ -101,11 +118,21 @@ async fn serve(s: Arc<Shared>, body: Result<Bytes, BytesRejection>, ep: Endpoint
         .requests
         .with_label_values(&[ep.label(), resp.status().as_str()])
         .inc();
+    if s.auth.enabled() {
+        let key = caller
+            .map(|c| s.auth.name(&c))
+            .unwrap_or_else(|_| "-".into());
+        s.metrics
+            .key_requests
+            .with_label_values(&[key.as_str(), resp.status().as_str()])
+            .inc();
+    }
     resp
 }
 
 async fn handle(
     s: Arc<Shared>,
+    caller: &crate::auth::Caller,
     body: Result<Bytes, BytesRejection>,
     ep: Endpoint,
     t0: Instant,
@@ -125,6 +152,7 @@ async fn handle(
     let common = parsed.common();
     let opts = common.options(&s.config)?;
     let model = common.model.clone();
+    s.auth.allow_model(caller, &model)?;
     let timeout = opts
         .timeout_ms
         .map(Duration::from_millis)
@@ -166,9 +194,19 @@ async fn handle(
             .run(body.len(), move || p.validate(&pre))
             .await??;
         if pass == 0 {
+            let mut charged = 0u64;
             for g in &gens {
                 s.metrics.input_tokens.inc_by(g.token_ids.len() as u64);
                 s.feed.prompt(&model, g.token_ids.len());
+                charged += g.token_ids.len() as u64 + g.sampling.max_tokens as u64;
+            }
+            if s.auth.enabled() {
+                s.auth
+                    .charge_tokens(caller, charged, std::time::Instant::now());
+                s.metrics
+                    .key_tokens
+                    .with_label_values(&[s.auth.name(caller).as_str()])
+                    .inc_by(charged);
             }
         }
         // The second pass takes whichever card the worker has.
@@ -324,11 +362,16 @@ fn control(s: &Shared) -> Result<dynamo_runtime::Ticket, ApiError> {
     })
 }
 
-async fn list_models(State(s): State<Arc<Shared>>) -> Result<Json<Value>, ApiError> {
+async fn list_models(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    let caller = s.auth.authenticate(&headers)?;
     let _place = control(&s)?;
     let models = models::list(&s).await?;
     let data: Vec<Value> = models
         .iter()
+        .filter(|m| s.auth.allow_model(&caller, &m.card.name.0).is_ok())
         .map(|m| {
             json!({
                 "id": m.card.name.0, "object": "model", "created": s.started_unix_s, "owned_by": "dynamo",
@@ -396,8 +439,10 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
 /// this gateway's router (for debugging routing decisions).
 async fn overlap(
     State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
+    let caller = s.auth.authenticate(&headers)?;
     #[derive(serde::Deserialize)]
     struct Req {
         model: String,
@@ -406,6 +451,7 @@ async fn overlap(
     let _place = control(&s)?;
     let body = body.map_err(|r| body_error(r, s.config.max_body_bytes))?;
     let req: Req = parse_body(&body)?;
+    s.auth.allow_model(&caller, &req.model)?;
     let router = s.router()?;
     let res = router
         .call(

@@ -11,6 +11,7 @@
 
 pub mod actor;
 pub mod admission;
+pub mod auth;
 pub mod config;
 pub mod dispatch;
 pub mod error;

@@ -28,6 +28,10 @@ pub struct Metrics {
     /// Requests waiting for admission now (set when rendered).
     pub queued: IntGauge,
     pub queue_wait: Histogram,
+    /// Requests per API key (its name) and status code.
+    pub key_requests: IntCounterVec,
+    /// Tokens (prompt plus `max_tokens`) charged per API key.
+    pub key_tokens: IntCounterVec,
     bus_rejected: IntGauge,
 }
 
@@ -122,6 +126,20 @@ impl Metrics {
             )
             .buckets(buckets_s()),
         )?;
+        let key_requests = IntCounterVec::new(
+            Opts::new(
+                "key_requests_total",
+                "Requests by API key name and status code (401s carry no key: `-`)",
+            ),
+            &["key", "status"],
+        )?;
+        let key_tokens = IntCounterVec::new(
+            Opts::new(
+                "key_tokens_total",
+                "Tokens charged to an API key's limit (prompt plus max_tokens)",
+            ),
+            &["key"],
+        )?;
         let bus_rejected = IntGauge::new(
             "bus_rejected_messages",
             "Bus messages this process rejected (malformed or unknown)",
@@ -145,6 +163,8 @@ impl Metrics {
             Box::new(rejected.clone()),
             Box::new(queued.clone()),
             Box::new(queue_wait.clone()),
+            Box::new(key_requests.clone()),
+            Box::new(key_tokens.clone()),
             Box::new(bus_rejected.clone()),
         ] {
             registry.register(c)?;
@@ -169,6 +189,8 @@ impl Metrics {
             rejected,
             queued,
             queue_wait,
+            key_requests,
+            key_tokens,
             bus_rejected,
         })
     }

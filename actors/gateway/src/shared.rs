@@ -35,6 +35,8 @@ pub struct Shared {
     pub started_unix_s: u64,
     /// Traffic summaries for the planner.
     pub feed: crate::feed::Feed,
+    /// API keys and their limits (none: open).
+    pub auth: std::sync::Arc<crate::auth::Auth>,
 }
 
 impl Shared {

@@ -168,6 +168,13 @@ pub fn node_toml(svc: &ServiceSpec, opts: &RenderOptions) -> Result<String, Rend
             "listen".into(),
             json!(format!("0.0.0.0:{}", gateway_port(svc)?)),
         );
+        // A pod listens on all addresses for its Service. Without API keys
+        // in the spec (`gateway.api_keys_file`, a mounted Secret) it is
+        // served open, said so explicitly in the rendered file.
+        if !g.contains_key("api_keys_file") {
+            g.entry("allow_unauthenticated")
+                .or_insert_with(|| json!(true));
+        }
         root.insert("gateway".into(), Value::Object(g));
         if let Some(r) = &svc.router {
             root.insert(

@@ -91,7 +91,31 @@ enum ModelsCmd {
 }
 
 #[derive(Subcommand)]
+enum KeysCmd {
+    /// Makes a new API key: prints the key once (give it to its user) and
+    /// the `[[keys]]` entry for the gateway's `api_keys_file`, which holds
+    /// only its SHA-256.
+    New {
+        /// Who the key is for (the metrics label).
+        #[arg(long)]
+        name: String,
+        /// Models the key may use (repeat; default all).
+        #[arg(long = "model")]
+        models: Vec<String>,
+        #[arg(long)]
+        requests_per_minute: Option<u32>,
+        #[arg(long)]
+        tokens_per_minute: Option<u64>,
+    },
+}
+
+#[derive(Subcommand)]
 enum Cmd {
+    /// Gateway API keys: `keys new --name NAME`.
+    Keys {
+        #[command(subcommand)]
+        cmd: KeysCmd,
+    },
     /// Store a deployment spec (YAML) as the cluster's desired state; the
     /// placement controller places it on the joined nodes.
     Apply {
@@ -325,6 +349,27 @@ fn main() {
         let limit = std::time::Duration::from_secs(15);
         let timed = |url: String| move |_| anyhow::anyhow!("timed out talking to NATS at {url}");
         match cli.cmd {
+            Cmd::Keys {
+                cmd:
+                    KeysCmd::New {
+                        name,
+                        models,
+                        requests_per_minute,
+                        tokens_per_minute,
+                    },
+            } => {
+                let (key, entry) = dynamo_node::keys_cli::new_key(
+                    &name,
+                    &models,
+                    requests_per_minute,
+                    tokens_per_minute,
+                )?;
+                eprintln!("API key for {name} (shown once; the file keeps only its hash):");
+                println!("{key}");
+                eprintln!("add to the gateway's api_keys_file:");
+                println!("{entry}");
+                Ok(())
+            }
             Cmd::Apply {
                 file,
                 wait_secs,
