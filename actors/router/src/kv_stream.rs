@@ -106,7 +106,9 @@ pub async fn follow(bus: Bus, router: ActorRef<RouterMsg>, gate: Gate) {
     let replayed = match replay(&bus, after, &mut sink).await {
         Ok(n) => n,
         Err(e) => {
+            // What the snapshot's workers did since is unknown: dump them.
             tracing::warn!(error = %e, "cannot replay the KV events stream; workers are synced from dumps");
+            let _ = router.cast(RouterMsg::KvStreamTruncated);
             0
         }
     };
@@ -205,7 +207,9 @@ pub async fn replay(bus: &Bus, after: u64, sink: &mut impl ReplaySink) -> Result
         .state
         .clone();
     let (first, last) = (state.first_sequence, state.last_sequence);
-    if after + 1 < first {
+    // Truncated: what followed the snapshot is gone, or the stream was
+    // re-created (its sequence restarted below the snapshot's).
+    if after + 1 < first || after > last {
         tracing::warn!(
             snapshot_seq = after,
             stream_first = first,
@@ -235,10 +239,11 @@ pub async fn replay(bus: &Bus, after: u64, sink: &mut impl ReplaySink) -> Result
         let m = match tokio::time::timeout(REPLAY_IDLE, messages.next()).await {
             Ok(Some(Ok(m))) => m,
             Ok(Some(Err(e))) => return Err(e.to_string()),
-            Ok(None) => break,
+            Ok(None) => return Err(format!("the replay ended after {n} batches, before {last}")),
             Err(_) => {
-                tracing::warn!(replayed = n, "the KV events replay stalled; ending it");
-                break;
+                return Err(format!(
+                    "the replay stalled after {n} batches, before sequence {last}"
+                ))
             }
         };
         let seq = m.info().map(|i| i.stream_sequence).unwrap_or(last);

@@ -51,6 +51,8 @@ enum Sync {
         buffer: Vec<KvEvent>,
         /// Blocks the buffered events name.
         buffered_blocks: usize,
+        /// Events were dropped past the bounds: the buffer is not a whole history.
+        overflowed: bool,
         asked_at: Option<Instant>,
     },
 }
@@ -125,6 +127,7 @@ impl KvSync {
                         generation,
                         buffer: Vec::new(),
                         buffered_blocks: 0,
+                        overflowed: false,
                         asked_at: None,
                     },
                 );
@@ -175,6 +178,7 @@ impl KvSync {
                         generation: b.generation,
                         buffer: Vec::new(),
                         buffered_blocks: 0,
+                        overflowed: false,
                         asked_at: None,
                     },
                 );
@@ -213,6 +217,7 @@ impl KvSync {
                 Sync::Syncing {
                     buffer,
                     buffered_blocks,
+                    overflowed,
                     ..
                 } => {
                     if buffer.len() < MAX_BUFFER
@@ -220,6 +225,8 @@ impl KvSync {
                     {
                         *buffered_blocks += ev.blocks.len();
                         buffer.push(ev);
+                    } else {
+                        *overflowed = true;
                     }
                 }
                 Sync::Live { generation, next } => {
@@ -233,6 +240,7 @@ impl KvSync {
                             generation: *generation,
                             buffer: Vec::new(),
                             buffered_blocks: 0,
+                            overflowed: false,
                             asked_at: None,
                         };
                         let rest: Vec<KvEvent> = std::iter::once(ev).chain(iter).collect();
@@ -383,6 +391,7 @@ impl KvSync {
                     generation,
                     buffer: Vec::new(),
                     buffered_blocks: 0,
+                    overflowed: false,
                     asked_at: None,
                 };
             }
@@ -399,7 +408,10 @@ impl KvSync {
             .iter()
             .filter_map(|(w, s)| match s {
                 Sync::Syncing {
-                    generation, buffer, ..
+                    generation,
+                    buffer,
+                    overflowed: false,
+                    ..
                 } if buffer.first().is_some_and(|e| e.event_id.0 == 1) => Some((*w, *generation)),
                 _ => None,
             })

@@ -147,6 +147,11 @@ impl RouterState {
         &mut self,
         snap: &dynamo_bus_schema::KvIndexSnapshot,
     ) -> Result<u64, dynamo_kv_index::SnapshotError> {
+        if !self.kv.replaying() {
+            // Too late: the replay was ended (overdue) and dumps went out.
+            tracing::warn!("a KV index snapshot arrived after catch-up; ignored");
+            return Ok(0);
+        }
         let registry = &self.registry;
         self.kv.restore(snap, |w| {
             registry
@@ -158,6 +163,9 @@ impl RouterState {
 
     /// The stream lost messages after the snapshot: dump every worker.
     pub fn kv_stream_truncated(&mut self) {
+        if !self.kv.replaying() {
+            return;
+        }
         self.kv.stream_truncated();
     }
 
@@ -204,7 +212,9 @@ impl RouterState {
                 && self
                     .last_kv_snapshot
                     .is_none_or(|t| now.duration_since(t) >= cfg.interval));
-        if !cfg.enabled || !lowest || !due || !self.catch_up.is_done() || self.kv.replaying() {
+        // A replica that routes nothing still finishes catching up here.
+        let caught_up = self.catch_up.check(self.kv.syncing(), now);
+        if !cfg.enabled || !lowest || !due || !caught_up || self.kv.replaying() {
             return None;
         }
         self.last_kv_snapshot = Some(now);
