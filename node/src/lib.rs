@@ -23,6 +23,8 @@ pub mod drain;
 pub mod embedded_nats;
 pub mod engines;
 pub mod env;
+pub mod index_cli;
+pub mod js_cli;
 pub mod keys_cli;
 pub mod models_cli;
 pub mod planner_cli;

@@ -443,21 +443,41 @@ async fn overlap(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let caller = s.auth.authenticate(&headers)?;
+    /// Token ids, or text tokenized as `/v1/completions` tokenizes a string prompt.
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Prompt {
+        Tokens(Vec<u32>),
+        Text(String),
+    }
     #[derive(serde::Deserialize)]
     struct Req {
         model: String,
-        prompt: Vec<u32>,
+        prompt: Prompt,
     }
     let _place = control(&s)?;
     let body = body.map_err(|r| body_error(r, s.config.max_body_bytes))?;
     let req: Req = parse_body(&body)?;
     s.auth.allow_model(&caller, &req.model)?;
+    let prompt = match req.prompt {
+        Prompt::Tokens(t) => t,
+        Prompt::Text(text) => {
+            let loaded = s.models.get(&s, &req.model).await?;
+            loaded
+                .pre
+                .tokenizer
+                .encode(&text)
+                .map_err(|e| ApiError::invalid(Some("prompt".into()), e.to_string()))?
+        }
+    };
+    let tokens = prompt.len();
+    let req = (req.model, prompt);
     let router = s.router()?;
     let res = router
         .call(
             |reply| dynamo_router::RouterMsg::Overlap {
-                model: dynamo_bus_schema::ModelName(req.model),
-                token_ids: req.prompt,
+                model: dynamo_bus_schema::ModelName(req.0),
+                token_ids: req.1,
                 reply,
             },
             Some(Duration::from_secs(2)),
@@ -477,7 +497,7 @@ async fn overlap(
             )
         })
         .collect();
-    Ok(Json(json!({"workers": workers})))
+    Ok(Json(json!({"workers": workers, "tokens": tokens})))
 }
 
 /// Used by tests: validate without serving.

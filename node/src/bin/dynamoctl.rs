@@ -111,6 +111,33 @@ enum KeysCmd {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// JetStream streams: `streams ls`, `streams info NAME`, `streams purge NAME --yes`.
+    Streams {
+        #[command(subcommand)]
+        cmd: dynamo_node::js_cli::StreamsCmd,
+    },
+    /// KV buckets and object stores: `buckets ls`, `buckets get BUCKET [KEY]`
+    /// (decoded), `buckets watch BUCKET`.
+    Buckets {
+        #[command(subcommand)]
+        cmd: dynamo_node::js_cli::BucketsCmd,
+    },
+    /// JetStream consumers: `consumers ls`.
+    Consumers {
+        #[command(subcommand)]
+        cmd: dynamo_node::js_cli::ConsumersCmd,
+    },
+    /// KV events: `events tail [--worker W] [--last N]`, decoded.
+    Events {
+        #[command(subcommand)]
+        cmd: dynamo_node::js_cli::EventsCmd,
+    },
+    /// The KV index: `index query --text …|--tokens …` shows what each
+    /// worker holds of a prompt.
+    Index {
+        #[command(subcommand)]
+        cmd: dynamo_node::index_cli::IndexCmd,
+    },
     /// Gateway API keys: `keys new --name NAME`.
     Keys {
         #[command(subcommand)]
@@ -349,6 +376,11 @@ fn main() {
         let limit = std::time::Duration::from_secs(15);
         let timed = |url: String| move |_| anyhow::anyhow!("timed out talking to NATS at {url}");
         match cli.cmd {
+            Cmd::Streams { cmd } => dynamo_node::js_cli::run_streams(cmd).await,
+            Cmd::Buckets { cmd } => dynamo_node::js_cli::run_buckets(cmd).await,
+            Cmd::Consumers { cmd } => dynamo_node::js_cli::run_consumers(cmd).await,
+            Cmd::Events { cmd } => dynamo_node::js_cli::run_events(cmd).await,
+            Cmd::Index { cmd } => dynamo_node::index_cli::run(cmd).await,
             Cmd::Keys {
                 cmd:
                     KeysCmd::New {

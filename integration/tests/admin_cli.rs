@@ -1,0 +1,185 @@
+//! `dynamoctl streams|buckets|consumers|events` against a running cluster
+//! (a real nats-server with JetStream, a gateway and a mocker worker): each
+//! command answers, in a table and with `--json`, and decodes our types.
+
+use dynamo_integration::*;
+use serde_json::{json, Value};
+
+fn ok_json(nats: &str, args: &[&str]) -> Value {
+    let mut a = args.to_vec();
+    a.push("--json");
+    let out = dynamoctl(nats, &a);
+    assert_success(&out);
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{args:?}: not JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+/// One JSON object per line (the following commands).
+fn lines(nats: &str, args: &[&str]) -> Vec<Value> {
+    let mut a = args.to_vec();
+    a.push("--json");
+    let out = dynamoctl(nats, &a);
+    assert_success(&out);
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_commands_show_and_decode_the_jetstream_state() {
+    let nats = Nats::start();
+    let port = free_port();
+    let cfg = node_config("n", &nats.url, Some(port), 1, "")
+        .replace("policy = \"least_loaded\"", "policy = \"kv_aware\"");
+    let mut node = Node::start(&cfg);
+    let h = Http::new(port);
+    h.wait_ready(1, &mut node).await;
+    let r = h
+        .post(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": (1..200).collect::<Vec<u32>>(), "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    let worker = r.worker.clone().expect("worker header");
+
+    // streams ls / info: the KV events stream holds the request's events.
+    let v = ok_json(&nats.url, &["streams", "ls"]);
+    let events = v["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "dynamo_it_kv_events")
+        .cloned()
+        .unwrap_or_else(|| panic!("no KV events stream: {v}"));
+    assert!(events["messages"].as_u64().unwrap() >= 1, "{events}");
+    let table = dynamoctl(&nats.url, &["streams", "ls"]);
+    assert_success(&table);
+    assert!(String::from_utf8_lossy(&table.stdout).contains("dynamo_it_kv_events"));
+    let info = ok_json(&nats.url, &["streams", "info", "dynamo_it_kv_events"]);
+    assert_eq!(
+        info["config"]["max_age"].as_u64().map(|_| ()),
+        Some(()),
+        "{info}"
+    );
+
+    // buckets ls / get (short name, decoded) / watch.
+    let v = ok_json(&nats.url, &["buckets", "ls"]);
+    assert!(
+        v["buckets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|b| b["bucket"] == "dynamo_it_workers"),
+        "{v}"
+    );
+    let keys = ok_json(&nats.url, &["buckets", "get", "workers"]);
+    assert!(
+        keys["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|k| k == &json!(worker)),
+        "{keys}"
+    );
+    let e = ok_json(&nats.url, &["buckets", "get", "workers", &worker]);
+    assert_eq!(e["value"]["type"], "WorkerRegistration", "{e}");
+    assert_eq!(e["value"]["value"]["kv_events"], true);
+    let watched = lines(
+        &nats.url,
+        &[
+            "buckets",
+            "watch",
+            "workers",
+            "--count",
+            "1",
+            "--timeout-s",
+            "10",
+        ],
+    );
+    assert_eq!(watched.len(), 1);
+    assert_eq!(watched[0]["value"]["type"], "WorkerRegistration");
+
+    // events tail: the last batches, decoded, for that worker only.
+    let batches = lines(
+        &nats.url,
+        &[
+            "events",
+            "tail",
+            "--worker",
+            &worker,
+            "--last",
+            "5",
+            "--count",
+            "1",
+            "--timeout-s",
+            "10",
+        ],
+    );
+    assert_eq!(batches.len(), 1, "{batches:?}");
+    assert_eq!(batches[0]["worker"], json!(worker));
+    assert_eq!(batches[0]["events"][0]["kind"], "stored", "{}", batches[0]);
+
+    // index query: by token ids and by text, what the worker holds.
+    let ids: Vec<String> = (1..200).map(|t: u32| t.to_string()).collect();
+    let out = std::process::Command::new(bin("dynamoctl"))
+        .args([
+            "index",
+            "query",
+            "--url",
+            &h.base,
+            "--model",
+            MODEL,
+            "--json",
+            "--tokens",
+            &ids.join(","),
+        ])
+        .output()
+        .unwrap();
+    assert_success(&out);
+    let q: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(q["tokens"], 199);
+    assert!(
+        q["workers"][&worker]["blocks"].as_u64().unwrap() >= 12,
+        "{q}"
+    );
+    let out = std::process::Command::new(bin("dynamoctl"))
+        .args([
+            "index",
+            "query",
+            "--url",
+            &h.base,
+            "--model",
+            MODEL,
+            "--text",
+            "hello there",
+        ])
+        .output()
+        .unwrap();
+    assert_success(&out);
+    assert!(String::from_utf8_lossy(&out.stdout).contains("prompt:"));
+
+    // consumers ls answers (the routers follow core NATS: maybe none).
+    let c = ok_json(&nats.url, &["consumers", "ls"]);
+    assert!(c["consumers"].is_array(), "{c}");
+
+    // A purge needs --yes, then empties the stream.
+    let refused = dynamoctl(&nats.url, &["streams", "purge", "dynamo_it_kv_events"]);
+    assert!(!refused.status.success());
+    assert!(String::from_utf8_lossy(&refused.stderr).contains("--yes"));
+    let p = ok_json(
+        &nats.url,
+        &["streams", "purge", "dynamo_it_kv_events", "--yes"],
+    );
+    assert!(p["purged"].as_u64().unwrap() >= 1, "{p}");
+    // A bucket that does not exist is a clear error.
+    let missing = dynamoctl(&nats.url, &["buckets", "get", "nope"]);
+    assert!(!missing.status.success());
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("no KV bucket nope"));
+    assert!(node.alive());
+}
