@@ -495,6 +495,15 @@ impl AgentState {
         .map_err(|e| e.to_string())?;
         if let Some(l) = self.join.http_listen {
             g.listen = l;
+            // The open-gateway rule holds for the address actually served.
+            let allowed = v["gateway"]["allow_unauthenticated"] == serde_json::json!(true);
+            if g.api_keys.is_empty() && !l.ip().is_loopback() && !allowed {
+                return Err(format!(
+                    "{field}.gateway: --http-listen {l} is reachable from other hosts and the \
+                     service has no API keys (gateway.api_keys_file); set \
+                     gateway.allow_unauthenticated = true in the spec to serve it open"
+                ));
+            }
         }
         Ok((g, rt))
     }
