@@ -5,29 +5,37 @@
 use dynamo_integration::*;
 use serde_json::{json, Value};
 
-fn ok_json(nats: &str, args: &[&str]) -> Value {
+/// `dynamoctl ARGS --json`, which must succeed: its stdout.
+fn json_out(nats: &str, args: &[&str]) -> String {
     let mut a = args.to_vec();
     a.push("--json");
     let out = dynamoctl(nats, &a);
     assert_success(&out);
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "{args:?}: not JSON ({e}): {}",
-            String::from_utf8_lossy(&out.stdout)
-        )
-    })
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn ok_json(nats: &str, args: &[&str]) -> Value {
+    let text = json_out(nats, args);
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {text}"))
 }
 
 /// One JSON object per line (the following commands).
 fn lines(nats: &str, args: &[&str]) -> Vec<Value> {
-    let mut a = args.to_vec();
-    a.push("--json");
-    let out = dynamoctl(nats, &a);
-    assert_success(&out);
-    String::from_utf8_lossy(&out.stdout)
+    json_out(nats, args)
         .lines()
         .map(|l| serde_json::from_str(l).expect("a JSON line"))
         .collect()
+}
+
+/// `dynamoctl index query` against the gateway at `base`, which must succeed.
+fn index_query(base: &str, args: &[&str]) -> std::process::Output {
+    let out = std::process::Command::new(bin("dynamoctl"))
+        .args(["index", "query", "--url", base, "--model", MODEL])
+        .args(args)
+        .output()
+        .unwrap();
+    assert_success(&out);
+    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -127,41 +135,14 @@ async fn the_admin_commands_show_and_decode_the_jetstream_state() {
 
     // index query: by token ids and by text, what the worker holds.
     let ids: Vec<String> = (1..200).map(|t: u32| t.to_string()).collect();
-    let out = std::process::Command::new(bin("dynamoctl"))
-        .args([
-            "index",
-            "query",
-            "--url",
-            &h.base,
-            "--model",
-            MODEL,
-            "--json",
-            "--tokens",
-            &ids.join(","),
-        ])
-        .output()
-        .unwrap();
-    assert_success(&out);
+    let out = index_query(&h.base, &["--json", "--tokens", &ids.join(",")]);
     let q: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(q["tokens"], 199);
     assert!(
         q["workers"][&worker]["blocks"].as_u64().unwrap() >= 12,
         "{q}"
     );
-    let out = std::process::Command::new(bin("dynamoctl"))
-        .args([
-            "index",
-            "query",
-            "--url",
-            &h.base,
-            "--model",
-            MODEL,
-            "--text",
-            "hello there",
-        ])
-        .output()
-        .unwrap();
-    assert_success(&out);
+    let out = index_query(&h.base, &["--text", "hello there"]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("prompt:"));
 
     // consumers ls answers (the routers follow core NATS: maybe none).

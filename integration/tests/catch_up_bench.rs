@@ -198,6 +198,7 @@ async fn catch_up_bench() {
         }
     }
     let cancel = tokio_util::sync::CancellationToken::new();
+    let mut responders = Vec::new();
     for wk in 0..WORKERS {
         let wid = WorkerId(wk);
         let dump = KvDumpTiered {
@@ -215,13 +216,13 @@ async fn catch_up_bench() {
             .await
             .unwrap();
         let (b, c) = (bus.clone(), cancel.clone());
-        tokio::spawn(async move {
+        responders.push(tokio::spawn(async move {
             b.serve(sub, c, move |_: KvDumpRequest| {
                 let d = dump.clone();
                 async move { Ok::<_, WireError>(d) }
             })
             .await
-        });
+        }));
     }
     bus.client.flush().await.unwrap();
     let t0 = Instant::now();
@@ -254,6 +255,10 @@ async fn catch_up_bench() {
     }
     let t_dumps = t0.elapsed();
     cancel.cancel();
+    // Every responder served until cancelled (none died on the way).
+    for r in responders {
+        r.await.expect("a dump responder panicked");
+    }
     assert_same(&watcher, &s, &w, "dumps only");
 
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
