@@ -1,6 +1,8 @@
 //! A worker's presence on the bus: its record in the workers KV bucket,
 //! rewritten every heartbeat and at once when its state changes, and its
-//! load reports on `load.<id>` in between.
+//! load reports on `load.<id>`: on every change and every heartbeat, so
+//! that routers hear it live over core NATS when the bucket cannot be
+//! written.
 //!
 //! Invariants: all of this runs in a task of its own ([`Registrar::run`]),
 //! never on the worker actor, so a slow or absent bus never blocks the
@@ -185,6 +187,11 @@ impl Registrar {
                     }
                 }
                 _ = beat.tick() => {
+                    // The load report goes out every heartbeat too, over
+                    // core NATS: it keeps the worker fresh in every router
+                    // while the bucket cannot be written (its stream leader
+                    // is being re-elected, which takes seconds).
+                    last_load = self.publish_load(None).await;
                     if let Err(e) = self.write().await {
                         tracing::warn!(error = %e, "heartbeat failed");
                     }
@@ -192,18 +199,26 @@ impl Registrar {
                 _ = load_tick.tick() => {
                     let load = self.load();
                     if last_load.as_ref() != Some(&load) {
-                        let report = LoadReport {
-                            worker_id: self.reg.worker_id,
-                            generation: self.reg.generation,
-                            load: load.clone(),
-                        };
-                        let subject = self.bus.subjects.load(self.reg.worker_id);
-                        if let Ok(Ok(())) = tokio::time::timeout(WRITE_TIMEOUT, self.bus.publish(subject, &report)).await {
-                            last_load = Some(load);
-                        }
+                        last_load = self.publish_load(Some(load)).await;
                     }
                 }
             }
+        }
+    }
+
+    /// Publishes a load report (bounded); returns the load it carried if
+    /// the bus took it.
+    async fn publish_load(&mut self, load: Option<LoadMetrics>) -> Option<LoadMetrics> {
+        let load = load.unwrap_or_else(|| self.load());
+        let report = LoadReport {
+            worker_id: self.reg.worker_id,
+            generation: self.reg.generation,
+            load: load.clone(),
+        };
+        let subject = self.bus.subjects.load(self.reg.worker_id);
+        match tokio::time::timeout(WRITE_TIMEOUT, self.bus.publish(subject, &report)).await {
+            Ok(Ok(())) => Some(load),
+            _ => None,
         }
     }
 
