@@ -33,7 +33,7 @@ hex_id!(
     WorkerId(u64), 16
 );
 hex_id!(
-    /// One request, unique across the fleet (random 128 bits).
+    /// One request, unique across the fleet: a UUID v7 (time-ordered).
     RequestId(u128), 32
 );
 hex_id!(
@@ -83,33 +83,27 @@ impl RequestId {
 
 impl GatewayId {
     pub fn random() -> Self {
-        GatewayId(random_u128() as u64)
+        GatewayId(random_u64())
     }
 }
 
 impl RouterId {
     pub fn random() -> Self {
-        RouterId(random_u128() as u64)
+        RouterId(random_u64())
     }
 }
 
-/// Random bits without pulling a RNG crate into the schema: std's
-/// `RandomState` is seeded from the OS per instance.
+/// A UUID v7: 48 bits of unix milliseconds, then 74 random bits (from the
+/// OS), so ids sort by creation time and logs of one request line up.
 fn random_u128() -> u128 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut out = 0u128;
-    for i in 0..2u64 {
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u64(i);
-        h.write_u128(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0),
-        );
-        out = (out << 64) | h.finish() as u128;
-    }
-    out
+    uuid::Uuid::now_v7().as_u128()
+}
+
+/// 64 bits of an instance id: the random low half of a UUID v7 (62 random
+/// bits and its variant), so replicas started in the same millisecond
+/// still differ.
+fn random_u64() -> u64 {
+    random_u128() as u64
 }
 
 #[cfg(test)]
@@ -124,5 +118,11 @@ mod tests {
         let r = RequestId::random();
         assert_eq!(r.to_string().parse::<RequestId>().unwrap(), r);
         assert_ne!(RequestId::random(), RequestId::random());
+        // UUID v7: version 7, RFC 4122 variant, time-ordered.
+        let u = uuid::Uuid::from_u128(r.0);
+        assert_eq!(u.get_version_num(), 7);
+        assert_eq!(u.get_variant(), uuid::Variant::RFC4122);
+        assert!(RequestId::random().0 >> 80 >= r.0 >> 80);
+        assert_ne!(GatewayId::random(), GatewayId::random());
     }
 }

@@ -13,6 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+pub mod dashboard;
 pub mod kv;
 pub mod llama;
 pub mod nats_cluster;
@@ -834,6 +835,8 @@ pub struct JoinedCluster {
     pub nats: Nats,
     pub nodes: std::collections::BTreeMap<String, Node>,
     pub ports: std::collections::BTreeMap<String, u16>,
+    /// Each node's own metrics listener (`--metrics-listen`).
+    pub metrics_ports: std::collections::BTreeMap<String, u16>,
     pub dir: tempfile::TempDir,
 }
 
@@ -842,9 +845,12 @@ impl JoinedCluster {
         let nats = Nats::start();
         let mut nodes = std::collections::BTreeMap::new();
         let mut ports = std::collections::BTreeMap::new();
+        let mut metrics_ports = std::collections::BTreeMap::new();
         for s in specs {
             let port = free_port();
             let listen = format!("127.0.0.1:{port}");
+            let metrics_port = free_port();
+            let metrics = format!("127.0.0.1:{metrics_port}");
             let slots = s.slots.to_string();
             let mut args = vec![
                 "--node-id",
@@ -855,12 +861,15 @@ impl JoinedCluster {
                 slots.as_str(),
                 "--http-listen",
                 listen.as_str(),
+                "--metrics-listen",
+                metrics.as_str(),
             ];
             if !s.roles.is_empty() {
                 args.extend(["--roles", s.roles.as_str()]);
             }
             nodes.insert(s.id.clone(), Node::join(&nats.url, &args));
             ports.insert(s.id.clone(), port);
+            metrics_ports.insert(s.id.clone(), metrics_port);
         }
         let t0 = Instant::now();
         loop {
@@ -889,6 +898,7 @@ impl JoinedCluster {
             nats,
             nodes,
             ports,
+            metrics_ports,
             dir: tempfile::tempdir().expect("tempdir"),
         }
     }

@@ -155,6 +155,17 @@ async fn a_step_up_scales_prefill_for_ttft_and_decode_for_itl_and_a_step_down_sh
         desired(&s, "prefill") >= 2 && desired(&s, "decode") >= 2,
         "{s}"
     );
+    // Every metric the Grafana dashboard names is exported, by the
+    // gateway or some node's own listener, with the type its query needs.
+    let mut texts = vec![dashboard::scrape(port).await];
+    for p in c.metrics_ports.values() {
+        texts.push(dashboard::scrape(*p).await);
+    }
+    let missing = dashboard::missing(&dashboard::dashboard(), &texts);
+    assert!(
+        missing.is_empty(),
+        "the dashboard names metrics nothing exports: {missing:?}"
+    );
     // A step down: after the shrink delay both go back to one, by drain.
     load.set_rate(0.3);
     let s = wait_planner(

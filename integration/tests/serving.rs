@@ -440,8 +440,11 @@ async fn two_worker_processes_share_the_load() {
     let nats = Nats::start();
     let port = free_port();
     let mut gw = Node::start(&node_config("gw", &nats.url, Some(port), 0, ""));
-    let _w1 = Node::start(&node_config("w1", &nats.url, None, 1, ""));
-    let _w2 = Node::start(&node_config("w2", &nats.url, None, 1, ""));
+    // Each worker node serves its own metrics.
+    let metrics = [free_port(), free_port()];
+    let listen = |p: u16| format!("[metrics]\nlisten = \"127.0.0.1:{p}\"\n");
+    let _w1 = Node::start(&node_config("w1", &nats.url, None, 1, &listen(metrics[0])));
+    let _w2 = Node::start(&node_config("w2", &nats.url, None, 1, &listen(metrics[1])));
     let http = Http::new(port);
     http.wait_ready(2, &mut gw).await;
     let mut served: std::collections::HashMap<String, usize> = Default::default();
@@ -459,6 +462,68 @@ async fn two_worker_processes_share_the_load() {
     }
     assert_eq!(served.len(), 2, "{served:?}");
     assert!(served.values().all(|&n| n >= 8), "uneven split {served:?}");
+
+    // Each worker's own node counts exactly the requests it served, with
+    // their tokens, and says which node it is.
+    let value = |text: &str, name: &str, worker: &str, extra: &str| -> Option<f64> {
+        text.lines()
+            .find(|l| {
+                l.starts_with(name)
+                    && l.contains(&format!("worker=\"{worker}\""))
+                    && l.contains(extra)
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    };
+    let texts = [
+        dashboard::scrape(metrics[0]).await,
+        dashboard::scrape(metrics[1]).await,
+    ];
+    assert!(
+        texts[0].contains("dynamo_node_info{namespace=\"it\",node=\"w1\""),
+        "{}",
+        texts[0]
+    );
+    assert!(
+        texts[1].contains("dynamo_node_bus_connected{node=\"w2\"} 1"),
+        "{}",
+        texts[1]
+    );
+    for (worker, n) in &served {
+        let t0 = std::time::Instant::now();
+        loop {
+            let texts = [
+                dashboard::scrape(metrics[0]).await,
+                dashboard::scrape(metrics[1]).await,
+            ];
+            let text = texts
+                .iter()
+                .find(|t| t.contains(&format!("worker=\"{worker}\"")))
+                .expect("the worker's node exports its series");
+            let finished = value(
+                text,
+                "dynamo_worker_requests_total",
+                worker,
+                "outcome=\"finished\"",
+            );
+            if finished == Some(*n as f64) {
+                let prompt = value(text, "dynamo_worker_prompt_tokens_total", worker, "");
+                assert!(prompt.unwrap_or(0.0) >= *n as f64, "{text}");
+                let ttft = value(
+                    text,
+                    "dynamo_worker_time_to_first_token_seconds_count",
+                    worker,
+                    "",
+                );
+                assert_eq!(ttft, Some(*n as f64), "{text}");
+                break;
+            }
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(5),
+                "worker {worker} served {n}, its node says {finished:?}:\n{text}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
 
     // Concurrent requests are spread too, and all complete.
     let futs = (0..16).map(|i| {

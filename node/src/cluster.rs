@@ -188,7 +188,7 @@ fn status_json(rec: &DeploymentRecord, st: Option<&DeploymentStatus>) -> Value {
         "observed_generation": st.map(|s| s.generation),
         "ready": ready && st.is_some_and(|s| s.generation == rec.generation),
         "services": services,
-        "events": st.map(|s| s.events.iter().map(|e| json!({"unix_ms": e.unix_ms, "message": e.message})).collect::<Vec<_>>()).unwrap_or_default(),
+        "events": st.map(|s| s.events.iter().map(|e| json!({"unix_ms": e.unix_ms, "time": crate::time::rfc3339(e.unix_ms), "message": e.message})).collect::<Vec<_>>()).unwrap_or_default(),
         "controller": st.map(|s| s.controller.0.clone()),
         "status_age_ms": st.map(|s| unix_ms().saturating_sub(s.updated_unix_ms)),
     })
@@ -289,9 +289,11 @@ pub fn render_describe(d: &Value) -> String {
     out.push_str("\nevents:\n");
     let now = unix_ms();
     for e in d["events"].as_array().into_iter().flatten() {
-        let ago = now.saturating_sub(e["unix_ms"].as_u64().unwrap_or(now)) as f64 / 1000.0;
+        let at = e["unix_ms"].as_u64().unwrap_or(now);
+        let ago = now.saturating_sub(at) as f64 / 1000.0;
         out.push_str(&format!(
-            "  {ago:>8.1} s ago  {}\n",
+            "  {}  ({ago:.1} s ago)  {}\n",
+            crate::time::rfc3339(at),
             e["message"].as_str().unwrap_or("")
         ));
     }

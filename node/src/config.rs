@@ -49,6 +49,8 @@ pub struct RawConfig {
     pub workers: Vec<RawWorkers>,
     #[serde(default)]
     pub supervision: RawSupervision,
+    #[serde(default)]
+    pub metrics: metrics::RawMetrics,
 }
 
 fn default_namespace() -> String {
@@ -272,6 +274,10 @@ pub struct NodeConfig {
     /// Joined to a cluster: what the node offers; its actors come from the
     /// controller's assignment, not from this config.
     pub join: Option<JoinConfig>,
+    /// Where the node serves `GET /metrics` (every actor of this process:
+    /// workers, engine load, controller, planner, node); None: no listener
+    /// (a gateway's own `/metrics` still renders them).
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 /// What a node started with `--join` offers the cluster.
@@ -374,6 +380,7 @@ impl NodeConfig {
             fault_injection: false,
             shutdown_grace: Duration::from_secs(30),
             join: Some(join),
+            metrics_listen: None,
         })
     }
 }
@@ -715,6 +722,7 @@ impl NodeConfig {
             controller: None,
             planner: None,
             join: None,
+            metrics_listen: raw.metrics.listen()?,
         })
     }
 }
@@ -831,4 +839,5 @@ pub fn check_spec_settings(
 mod tests;
 
 mod auth;
+mod metrics;
 mod router;

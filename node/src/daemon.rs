@@ -54,6 +54,19 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
         models.push(Arc::new(load_group_model(group, &weights).await?));
     }
 
+    crate::metrics::started(&cfg.node_id.0, cfg.namespace.as_str());
+    // Bound before any actor starts: a taken port is a start-up error.
+    // Owned by the loop below: the node fails if its listener does.
+    let mut metrics_srv = tokio::task::JoinSet::new();
+    if let Some(listen) = cfg.metrics_listen {
+        let (addr, srv) = crate::metrics::serve(listen, cfg.node_id.0.clone(), bus.clone()).await?;
+        tracing::info!(%addr, "metrics on http://{addr}/metrics");
+        println!(
+            "dynamo-node {} metrics on http://{addr}/metrics",
+            cfg.node_id
+        );
+        metrics_srv.spawn(srv);
+    }
     let args = SupervisorArgs {
         bus: bus.clone(),
         config: cfg.clone(),
@@ -124,6 +137,10 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
             _ = term.recv() => break false,
             _ = int.recv() => break false,
             _ = &mut sup_handle => break true,
+            Some(r) = metrics_srv.join_next() => {
+                tracing::error!(result = ?r, "the metrics listener ended; stopping the node");
+                break true;
+            }
             Some(r) = heartbeat.join_next() => {
                 tracing::error!(error = ?r.err(), "the node's registration task ended; starting it again");
                 heartbeat.spawn(registrar.clone().run(reg.clone(), sup.clone()));
@@ -131,6 +148,7 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
         }
     };
     heartbeat.abort_all();
+    metrics_srv.abort_all();
     if died {
         anyhow::bail!("node supervisor stopped unexpectedly");
     }

@@ -28,7 +28,7 @@ async fn open(url: &str, ns: Namespace) -> anyhow::Result<Store> {
 fn status_json(name: &str, st: Option<&PlannerStatus>, pins: &[&PlannerPin]) -> Value {
     let pins: Vec<Value> = pins
         .iter()
-        .map(|p| json!({"target": p.target, "replicas": p.replicas, "unix_ms": p.unix_ms}))
+        .map(|p| json!({"target": p.target, "replicas": p.replicas, "unix_ms": p.unix_ms, "time": crate::time::rfc3339(p.unix_ms)}))
         .collect();
     let Some(s) = st else {
         return json!({"deployment": name, "planner": null, "pins": pins});
@@ -45,7 +45,7 @@ fn status_json(name: &str, st: Option<&PlannerStatus>, pins: &[&PlannerPin]) -> 
             "numbers": t.numbers.iter().cloned().collect::<BTreeMap<String, f64>>(),
         })).collect::<Vec<_>>(),
         "decisions": s.decisions.iter().map(|d| json!({
-            "seq": d.seq, "unix_ms": d.unix_ms, "target": d.target, "from": d.from,
+            "seq": d.seq, "unix_ms": d.unix_ms, "time": crate::time::rfc3339(d.unix_ms), "target": d.target, "from": d.from,
             "to": d.to, "rule": d.rule, "reason": d.reason, "applied": d.applied,
         })).collect::<Vec<_>>(),
         "pins": pins,
@@ -151,8 +151,9 @@ pub fn render(v: &Value) -> String {
             for x in decisions.iter().rev().take(10) {
                 let _ = writeln!(
                     out,
-                    "    #{} {} {} → {} ({}{}): {}",
+                    "    #{} {} {} {} → {} ({}{}): {}",
                     x["seq"],
+                    x["time"].as_str().unwrap_or("?"),
                     x["target"].as_str().unwrap_or("?"),
                     x["from"],
                     x["to"],

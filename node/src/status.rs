@@ -102,6 +102,7 @@ pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
                 "routing": if w.kv_events { "exact" } else { "approximate" },
                 "model": w.model.name.0,
                 "generation": w.generation,
+                "started": crate::time::rfc3339(w.started_unix_ms),
                 "block_size": w.model.block_size,
                 "hash_salt": format!("{:016x}", w.model.hash_salt),
                 "kv_config_mismatch": reference

@@ -487,6 +487,7 @@ impl Actor for NodeSupervisor {
             return Ok(());
         }
         tracing::error!(child = kind.name(), %why, "actor exited; restarting");
+        crate::metrics::restarted(&st.cfg.node_id.0, &kind.name());
         st.schedule_restart(kind, &myself);
         Ok(())
     }
@@ -657,6 +658,7 @@ impl SupervisorState {
             }
         };
         tracing::info!(child = kind.name(), "actor started");
+        crate::metrics::child_started(&self.cfg.node_id.0, &kind.name());
         self.children.insert(cell.get_id(), (kind, cell));
         Ok(())
     }

@@ -266,6 +266,12 @@ impl Controller {
 
     async fn tick(&mut self) -> Result<(), String> {
         let res = self.tick_inner().await;
+        crate::metrics::ticked(
+            &self.cfg.node_id.0,
+            self.active,
+            self.state.epoch,
+            res.is_ok(),
+        );
         if res.is_err() {
             // The bus may have restarted without its JetStream state.
             self.buckets = None;

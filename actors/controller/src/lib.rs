@@ -13,6 +13,7 @@
 pub mod actor;
 pub mod desired;
 pub mod lease;
+pub mod metrics;
 pub mod state;
 
 pub use actor::{

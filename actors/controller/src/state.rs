@@ -89,6 +89,7 @@ impl ControllerState {
 
     pub fn event(&mut self, deployment: &str, now_ms: u64, message: String) {
         tracing::info!(deployment, "{message}");
+        crate::metrics::event(deployment);
         let q = self.events.entry(deployment.to_string()).or_default();
         q.push_back(ClusterEvent {
             unix_ms: now_ms,

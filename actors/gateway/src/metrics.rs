@@ -144,6 +144,17 @@ impl Metrics {
             "bus_rejected_messages",
             "Bus messages this process rejected (malformed or unknown)",
         )?;
+        // The reasons a dashboard graphs exist from the start, at zero (a
+        // labelled series is otherwise absent until its first event).
+        for r in ["worker_error", "worker_silent", "lost_frames"] {
+            migrations.with_label_values(&[r]);
+        }
+        for r in ["limit", "no_worker"] {
+            migration_failures.with_label_values(&[r]);
+        }
+        for r in ["queue_full", "queue_timeout", "held_full"] {
+            rejected.with_label_values(&[r]);
+        }
         for c in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(inflight.clone()),

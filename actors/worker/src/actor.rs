@@ -137,10 +137,12 @@ impl Actor for WorkerActor {
             let _ = me.cast(WorkerMsg::TaskEnded(why));
         }));
         let bus = args.bus.clone();
-        let stats = Arc::new(crate::stats::WorkerStats::default());
         let s = &bus.subjects;
         let id = args.config.worker_id;
         let role = args.config.role;
+        let stats = Arc::new(crate::stats::WorkerStats::with_series(
+            crate::prom::Series::new(&id.to_string(), &args.card.name.0, role),
+        ));
         let transfer = if role == WorkerRole::Prefill || role == WorkerRole::Decode {
             let t = KvTransfer::open(id, args.config.transfer.clone(), engine.kv_block_bytes())
                 .map_err(|e| format!("KV transfer endpoint: {e}"))?;
@@ -550,12 +552,20 @@ impl WorkerRuntime {
             stats: self.stats.clone(),
         };
         let engine = self.engine.clone();
+        let stats = self.stats.clone();
         let cancel = self.tasks.token();
         self.tasks.spawn_transient("forward", async move {
             let outcome = fwd.run(events, cancel, || engine.cancel(id)).await;
-            if let Outcome::Failed(kind) = &outcome {
-                tracing::debug!(request = %id, ?kind, "request failed");
-            }
+            use crate::prom::RequestOutcome as R;
+            let done = match &outcome {
+                Outcome::Finished(_) => R::Finished,
+                Outcome::Failed(kind) => {
+                    tracing::debug!(request = %id, ?kind, "request failed");
+                    R::Failed
+                }
+                Outcome::Aborted => R::Aborted,
+            };
+            stats.request_done(done);
             // The actor may be gone (restart); nothing to account then.
             let _ = myself.cast(WorkerMsg::Done(id));
         });

@@ -14,6 +14,7 @@ pub mod disagg;
 pub mod endpoints;
 pub mod forward;
 pub mod kv_events;
+pub mod prom;
 pub mod registration;
 pub mod stats;
 

@@ -150,6 +150,7 @@ impl Registrar {
     fn load(&self) -> LoadMetrics {
         let mut l = self.engine.load();
         l.inflight_requests = self.inflight.load(Ordering::Relaxed) as u32;
+        self.stats.observe_load(&l);
         l
     }
 

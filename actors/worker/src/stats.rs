@@ -19,6 +19,8 @@ pub struct WorkerStats {
     prompt_tokens: AtomicU64,
     token_gaps: AtomicU32,
     itl_us: AtomicU64,
+    /// This worker's Prometheus series (none in unit tests of the counters).
+    series: Option<crate::prom::Series>,
 }
 
 /// One interval's counters.
@@ -47,6 +49,29 @@ impl Drop for Queued {
 }
 
 impl WorkerStats {
+    /// Counters that also feed a worker's Prometheus series.
+    pub fn with_series(series: crate::prom::Series) -> Self {
+        WorkerStats {
+            series: Some(series),
+            ..Default::default()
+        }
+    }
+
+    /// A request ended (Prometheus only: the planner's interval counters
+    /// count first tokens, not ends).
+    pub fn request_done(&self, outcome: crate::prom::RequestOutcome) {
+        if let Some(s) = &self.series {
+            s.request_done(outcome);
+        }
+    }
+
+    /// The load the registrar is about to report, for the gauges.
+    pub fn observe_load(&self, load: &dynamo_bus_schema::LoadMetrics) {
+        if let Some(s) = &self.series {
+            s.load(load, self.queued_prefill.load(Ordering::Relaxed));
+        }
+    }
+
     /// A request with `tokens` prompt tokens was accepted.
     pub fn queue(self: &Arc<Self>, tokens: u32) -> Queued {
         self.queued_prefill
@@ -64,6 +89,9 @@ impl WorkerStats {
             .fetch_add(after.as_micros() as u64, Ordering::Relaxed);
         self.prompt_tokens
             .fetch_add(prompt_tokens as u64, Ordering::Relaxed);
+        if let Some(s) = &self.series {
+            s.first_token(after, prompt_tokens);
+        }
     }
 
     /// `n` more tokens came `gap` after the previous ones.
@@ -74,6 +102,9 @@ impl WorkerStats {
         self.token_gaps.fetch_add(n, Ordering::Relaxed);
         self.itl_us
             .fetch_add(gap.as_micros() as u64, Ordering::Relaxed);
+        if let Some(s) = &self.series {
+            s.tokens(n, gap);
+        }
     }
 
     /// The interval's counters (reset), and the queue as it stands.

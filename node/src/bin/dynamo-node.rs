@@ -54,6 +54,10 @@ struct Args {
     /// default: the spec's `gateway.listen`).
     #[arg(long)]
     http_listen: Option<std::net::SocketAddr>,
+    /// Serve this node's Prometheus metrics on `host:port` (`GET /metrics`);
+    /// overrides the config's `[metrics] listen`.
+    #[arg(long)]
+    metrics_listen: Option<std::net::SocketAddr>,
 }
 
 fn fail(e: impl std::fmt::Display) -> ! {
@@ -122,6 +126,10 @@ fn main() {
         }
         (None, None) => fail("give --config FILE or --join NATS_URL"),
     };
+    let mut cfg = cfg;
+    if args.metrics_listen.is_some() {
+        cfg.metrics_listen = args.metrics_listen;
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

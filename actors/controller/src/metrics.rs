@@ -1,0 +1,89 @@
+//! The placement controller's Prometheus metrics, in the process-wide
+//! registry (rendered by the node's metrics listener and a co-located
+//! gateway's `/metrics`):
+//! - `dynamo_controller_active{node}`: 1 while this node holds the lease;
+//! - `dynamo_controller_lease_epoch{node}`: the epoch it last held;
+//! - `dynamo_controller_reconciles_total{node,result}`: `ok` or `error`,
+//!   counted only while active;
+//! - `dynamo_controller_events_total{deployment}`: cluster events recorded
+//!   (placements, lost nodes, pending gangs).
+
+use prometheus::{IntCounterVec, IntGaugeVec, Opts};
+use std::sync::OnceLock;
+
+struct M {
+    active: IntGaugeVec,
+    epoch: IntGaugeVec,
+    reconciles: IntCounterVec,
+    events: IntCounterVec,
+}
+
+fn m() -> Option<&'static M> {
+    static CELL: OnceLock<Option<M>> = OnceLock::new();
+    CELL.get_or_init(|| {
+        let r = dynamo_runtime::metrics::registry();
+        let m = M {
+            active: IntGaugeVec::new(
+                Opts::new(
+                    "dynamo_controller_active",
+                    "1 while this node's controller holds the lease",
+                ),
+                &["node"],
+            )
+            .ok()?,
+            epoch: IntGaugeVec::new(
+                Opts::new(
+                    "dynamo_controller_lease_epoch",
+                    "Lease epoch this controller last held",
+                ),
+                &["node"],
+            )
+            .ok()?,
+            reconciles: IntCounterVec::new(
+                Opts::new(
+                    "dynamo_controller_reconciles_total",
+                    "Reconciliations of the active controller, by result",
+                ),
+                &["node", "result"],
+            )
+            .ok()?,
+            events: IntCounterVec::new(
+                Opts::new(
+                    "dynamo_controller_events_total",
+                    "Cluster events recorded, per deployment",
+                ),
+                &["deployment"],
+            )
+            .ok()?,
+        };
+        r.register(Box::new(m.active.clone())).ok()?;
+        r.register(Box::new(m.epoch.clone())).ok()?;
+        r.register(Box::new(m.reconciles.clone())).ok()?;
+        r.register(Box::new(m.events.clone())).ok()?;
+        Some(m)
+    })
+    .as_ref()
+}
+
+/// After a tick: whether this controller is active, its epoch, and (when
+/// active) whether the reconciliation succeeded.
+pub fn ticked(node: &str, active: bool, epoch: u64, ok: bool) {
+    if let Some(m) = m() {
+        m.active.with_label_values(&[node]).set(active as i64);
+        m.epoch.with_label_values(&[node]).set(epoch as i64);
+        let result = if ok { "ok" } else { "error" };
+        let c = m.reconciles.with_label_values(&[node, result]);
+        if active {
+            c.inc();
+        }
+        // Both results exist from the first tick on.
+        m.reconciles
+            .with_label_values(&[node, if ok { "error" } else { "ok" }]);
+    }
+}
+
+pub fn event(deployment: &str) {
+    if let Some(m) = m() {
+        m.events.with_label_values(&[deployment]).inc();
+    }
+}

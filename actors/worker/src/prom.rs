@@ -1,0 +1,328 @@
+//! The worker's Prometheus metrics, in the process-wide registry (rendered
+//! by the node's metrics listener and by a co-located gateway's
+//! `/metrics`), each labelled `{worker, model, role}`:
+//! - `dynamo_worker_requests_total{…, outcome}`: `finished`, `failed`,
+//!   `aborted`;
+//! - `dynamo_worker_time_to_first_token_seconds` (histogram, from the
+//!   worker accepting the request) and
+//!   `dynamo_worker_inter_token_latency_seconds` (histogram);
+//! - `dynamo_worker_prompt_tokens_total`, `dynamo_worker_output_tokens_total`;
+//! - gauges from the engine's load: `dynamo_worker_active_seqs`,
+//!   `…_waiting_seqs`, `…_kv_used_blocks`, `…_kv_total_blocks`,
+//!   `…_inflight_requests`, `…_queued_prefill_tokens`.
+//!
+//! Invariant: a worker's series are removed when the last [`Series`] of
+//! its labels is dropped (a restarted actor makes a new one before the old
+//! one's tasks are gone: they share the series, counted), so a retired
+//! worker leaves no stale gauge behind.
+
+use dynamo_bus_schema::{LoadMetrics, WorkerRole};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+const LABELS: [&str; 3] = ["worker", "model", "role"];
+
+struct M {
+    requests: IntCounterVec,
+    ttft: HistogramVec,
+    itl: HistogramVec,
+    prompt_tokens: IntCounterVec,
+    output_tokens: IntCounterVec,
+    gauges: [IntGaugeVec; 6],
+}
+
+const GAUGES: [(&str, &str); 6] = [
+    (
+        "dynamo_worker_active_seqs",
+        "Sequences the engine is running",
+    ),
+    (
+        "dynamo_worker_waiting_seqs",
+        "Sequences waiting in the engine",
+    ),
+    ("dynamo_worker_kv_used_blocks", "KV cache blocks in use"),
+    (
+        "dynamo_worker_kv_total_blocks",
+        "KV cache blocks in the pool",
+    ),
+    (
+        "dynamo_worker_inflight_requests",
+        "Requests the worker is serving",
+    ),
+    (
+        "dynamo_worker_queued_prefill_tokens",
+        "Prompt tokens accepted and still waiting for their first token",
+    ),
+];
+
+fn m() -> Option<&'static M> {
+    static CELL: OnceLock<Option<M>> = OnceLock::new();
+    CELL.get_or_init(|| {
+        let r = dynamo_runtime::metrics::registry();
+        let counter = |name: &str, help: &str, extra: &[&str]| {
+            let labels: Vec<&str> = LABELS.iter().chain(extra).copied().collect();
+            IntCounterVec::new(Opts::new(name, help), &labels).ok()
+        };
+        let hist = |name: &str, help: &str, buckets: Vec<f64>| {
+            HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), &LABELS).ok()
+        };
+        let g = |i: usize| IntGaugeVec::new(Opts::new(GAUGES[i].0, GAUGES[i].1), &LABELS).ok();
+        let m = M {
+            requests: counter(
+                "dynamo_worker_requests_total",
+                "Requests the worker served, by outcome",
+                &["outcome"],
+            )?,
+            ttft: hist(
+                "dynamo_worker_time_to_first_token_seconds",
+                "Time from accepting a request to its first token",
+                prometheus::exponential_buckets(0.001, 2.0, 16).ok()?,
+            )?,
+            itl: hist(
+                "dynamo_worker_inter_token_latency_seconds",
+                "Time between output tokens",
+                prometheus::exponential_buckets(0.0005, 2.0, 14).ok()?,
+            )?,
+            prompt_tokens: counter(
+                "dynamo_worker_prompt_tokens_total",
+                "Prompt tokens of requests that produced a first token",
+                &[],
+            )?,
+            output_tokens: counter(
+                "dynamo_worker_output_tokens_total",
+                "Output tokens after the first",
+                &[],
+            )?,
+            gauges: [g(0)?, g(1)?, g(2)?, g(3)?, g(4)?, g(5)?],
+        };
+        r.register(Box::new(m.requests.clone())).ok()?;
+        r.register(Box::new(m.ttft.clone())).ok()?;
+        r.register(Box::new(m.itl.clone())).ok()?;
+        r.register(Box::new(m.prompt_tokens.clone())).ok()?;
+        r.register(Box::new(m.output_tokens.clone())).ok()?;
+        for g in &m.gauges {
+            r.register(Box::new(g.clone())).ok()?;
+        }
+        Some(m)
+    })
+    .as_ref()
+}
+
+/// Live [`Series`] per label set.
+fn live() -> &'static Mutex<HashMap<[String; 3], usize>> {
+    static LIVE: OnceLock<Mutex<HashMap<[String; 3], usize>>> = OnceLock::new();
+    LIVE.get_or_init(Default::default)
+}
+
+/// One worker's series; dropping the last of its labels removes them.
+#[derive(Debug)]
+pub struct Series {
+    labels: [String; 3],
+}
+
+/// How a request ended, for `dynamo_worker_requests_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestOutcome {
+    Finished,
+    Failed,
+    Aborted,
+}
+
+impl RequestOutcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            RequestOutcome::Finished => "finished",
+            RequestOutcome::Failed => "failed",
+            RequestOutcome::Aborted => "aborted",
+        }
+    }
+}
+
+impl Series {
+    pub fn new(worker: &str, model: &str, role: WorkerRole) -> Self {
+        let s = Series {
+            labels: [
+                worker.to_string(),
+                model.to_string(),
+                format!("{role:?}").to_lowercase(),
+            ],
+        };
+        if let Ok(mut live) = live().lock() {
+            *live.entry(s.labels.clone()).or_default() += 1;
+        }
+        // Every series exists from the start (at zero), so dashboards and
+        // alerts see a worker before its first request.
+        if let Some(m) = m() {
+            let l = s.l();
+            for o in [
+                RequestOutcome::Finished,
+                RequestOutcome::Failed,
+                RequestOutcome::Aborted,
+            ] {
+                m.requests
+                    .with_label_values(&[l[0], l[1], l[2], o.as_str()]);
+            }
+            m.ttft.with_label_values(&l);
+            m.itl.with_label_values(&l);
+            m.prompt_tokens.with_label_values(&l);
+            m.output_tokens.with_label_values(&l);
+            for g in &m.gauges {
+                g.with_label_values(&l);
+            }
+        }
+        s
+    }
+
+    fn l(&self) -> [&str; 3] {
+        [&self.labels[0], &self.labels[1], &self.labels[2]]
+    }
+
+    pub fn first_token(&self, after: Duration, prompt_tokens: u32) {
+        if let Some(m) = m() {
+            let l = self.l();
+            m.ttft.with_label_values(&l).observe(after.as_secs_f64());
+            m.prompt_tokens
+                .with_label_values(&l)
+                .inc_by(prompt_tokens as u64);
+        }
+    }
+
+    /// `n` tokens came `gap` after the previous ones: `n` gaps of `gap / n`.
+    pub fn tokens(&self, n: u32, gap: Duration) {
+        if let (Some(m), true) = (m(), n > 0) {
+            let l = self.l();
+            let h = m.itl.with_label_values(&l);
+            let each = gap.as_secs_f64() / n as f64;
+            for _ in 0..n.min(64) {
+                h.observe(each);
+            }
+            m.output_tokens.with_label_values(&l).inc_by(n as u64);
+        }
+    }
+
+    pub fn request_done(&self, outcome: RequestOutcome) {
+        if let Some(m) = m() {
+            let l = self.l();
+            m.requests
+                .with_label_values(&[l[0], l[1], l[2], outcome.as_str()])
+                .inc();
+        }
+    }
+
+    /// The engine's load as the registrar reports it.
+    pub fn load(&self, load: &LoadMetrics, queued_prefill_tokens: u64) {
+        if let Some(m) = m() {
+            let l = self.l();
+            let values = [
+                load.active_seqs as i64,
+                load.waiting_seqs as i64,
+                load.kv_used_blocks as i64,
+                load.kv_total_blocks as i64,
+                load.inflight_requests as i64,
+                queued_prefill_tokens as i64,
+            ];
+            for (g, v) in m.gauges.iter().zip(values) {
+                g.with_label_values(&l).set(v);
+            }
+        }
+    }
+}
+
+impl Drop for Series {
+    fn drop(&mut self) {
+        let last = match live().lock() {
+            Ok(mut live) => match live.get_mut(&self.labels) {
+                Some(n) if *n > 1 => {
+                    *n -= 1;
+                    false
+                }
+                _ => {
+                    live.remove(&self.labels);
+                    true
+                }
+            },
+            Err(_) => true,
+        };
+        if !last {
+            return;
+        }
+        if let Some(m) = m() {
+            let l = self.l();
+            for o in [
+                RequestOutcome::Finished,
+                RequestOutcome::Failed,
+                RequestOutcome::Aborted,
+            ] {
+                let _ = m
+                    .requests
+                    .remove_label_values(&[l[0], l[1], l[2], o.as_str()]);
+            }
+            let _ = m.ttft.remove_label_values(&l);
+            let _ = m.itl.remove_label_values(&l);
+            let _ = m.prompt_tokens.remove_label_values(&l);
+            let _ = m.output_tokens.remove_label_values(&l);
+            for g in &m.gauges {
+                let _ = g.remove_label_values(&l);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn has(worker: &str, name: &str) -> bool {
+        dynamo_runtime::metrics::render()
+            .lines()
+            .any(|l| l.starts_with(name) && l.contains(&format!("worker=\"{worker}\"")))
+    }
+
+    #[test]
+    fn a_workers_series_exist_from_the_start_and_leave_with_it() {
+        let s = Series::new("w-prom-test", "m", WorkerRole::Aggregated);
+        assert!(has("w-prom-test", "dynamo_worker_requests_total"));
+        assert!(has("w-prom-test", "dynamo_worker_kv_used_blocks"));
+        s.first_token(Duration::from_millis(20), 100);
+        s.tokens(4, Duration::from_millis(40));
+        s.request_done(RequestOutcome::Finished);
+        let load = LoadMetrics {
+            kv_used_blocks: 7,
+            ..Default::default()
+        };
+        s.load(&load, 50);
+        let text = dynamo_runtime::metrics::render();
+        let line = |prefix: &str| {
+            text.lines()
+                .find(|l| l.starts_with(prefix) && l.contains("w-prom-test"))
+                .map(|l| l.rsplit(' ').next().unwrap().to_string())
+        };
+        assert_eq!(line("dynamo_worker_kv_used_blocks").as_deref(), Some("7"));
+        assert_eq!(
+            line("dynamo_worker_queued_prefill_tokens").as_deref(),
+            Some("50")
+        );
+        assert_eq!(
+            line("dynamo_worker_output_tokens_total").as_deref(),
+            Some("4")
+        );
+        assert_eq!(
+            line("dynamo_worker_inter_token_latency_seconds_count").as_deref(),
+            Some("4")
+        );
+        assert!(text
+            .lines()
+            .any(|l| l.starts_with("dynamo_worker_requests_total")
+                && l.contains("w-prom-test")
+                && l.contains("outcome=\"finished\"")
+                && l.ends_with(" 1")));
+        // A restarted actor's series and the old one's overlap.
+        let again = Series::new("w-prom-test", "m", WorkerRole::Aggregated);
+        drop(s);
+        assert!(has("w-prom-test", "dynamo_worker_kv_used_blocks"));
+        drop(again);
+        assert!(!has("w-prom-test", "dynamo_worker_"));
+    }
+}

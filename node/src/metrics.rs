@@ -1,0 +1,138 @@
+//! The node's own `GET /metrics` (`[metrics] listen`, or `--metrics-listen`
+//! with `--join`): every series of the process-wide registry (workers and
+//! their engines' load, the controller, the planners) plus the node's:
+//! - `dynamo_node_info{node,namespace,version}` (always 1);
+//! - `dynamo_node_actor_restarts_total{node,child}`;
+//! - `dynamo_node_bus_connected{node}` (1 while connected to NATS);
+//! - `dynamo_node_bus_rejected_messages_total`.
+//!
+//! Invariant: the listener serves only `/metrics` (and `/health`), reads
+//! nothing from the request, and lives as long as the daemon (its task is
+//! owned by [`serve`]'s caller and aborted with it).
+
+use dynamo_runtime::Bus;
+use prometheus::{IntCounterVec, IntGaugeVec, Opts};
+use std::net::SocketAddr;
+use std::sync::OnceLock;
+
+struct M {
+    info: IntGaugeVec,
+    restarts: IntCounterVec,
+    connected: IntGaugeVec,
+}
+
+fn m() -> Option<&'static M> {
+    static CELL: OnceLock<Option<M>> = OnceLock::new();
+    CELL.get_or_init(|| {
+        let r = dynamo_runtime::metrics::registry();
+        let m = M {
+            info: IntGaugeVec::new(
+                Opts::new("dynamo_node_info", "The node, its namespace and version"),
+                &["node", "namespace", "version"],
+            )
+            .ok()?,
+            restarts: IntCounterVec::new(
+                Opts::new(
+                    "dynamo_node_actor_restarts_total",
+                    "Actors of this node restarted after failing",
+                ),
+                &["node", "child"],
+            )
+            .ok()?,
+            connected: IntGaugeVec::new(
+                Opts::new(
+                    "dynamo_node_bus_connected",
+                    "1 while the node is connected to NATS",
+                ),
+                &["node"],
+            )
+            .ok()?,
+        };
+        r.register(Box::new(m.info.clone())).ok()?;
+        r.register(Box::new(m.restarts.clone())).ok()?;
+        r.register(Box::new(m.connected.clone())).ok()?;
+        Some(m)
+    })
+    .as_ref()
+}
+
+/// The node's identity series (call once at start-up).
+pub fn started(node: &str, namespace: &str) {
+    if let Some(m) = m() {
+        m.info
+            .with_label_values(&[node, namespace, env!("CARGO_PKG_VERSION")])
+            .set(1);
+        m.connected.with_label_values(&[node]);
+    }
+}
+
+/// One of the node's actors started: its restart count exists (at zero
+/// the first time).
+pub fn child_started(node: &str, child: &str) {
+    if let Some(m) = m() {
+        m.restarts.with_label_values(&[node, child]);
+    }
+}
+
+/// One of the node's actors failed and is restarted.
+pub fn restarted(node: &str, child: &str) {
+    if let Some(m) = m() {
+        m.restarts.with_label_values(&[node, child]).inc();
+    }
+}
+
+/// The whole exposition: the process-wide registry and the bus state as
+/// it is now.
+pub fn render(node: &str, bus: &Bus) -> String {
+    if let Some(m) = m() {
+        m.connected
+            .with_label_values(&[node])
+            .set(bus.is_connected() as i64);
+    }
+    let mut text = dynamo_runtime::metrics::render();
+    text.push_str(
+        "# HELP dynamo_node_bus_rejected_messages_total Bus messages this process rejected\n\
+         # TYPE dynamo_node_bus_rejected_messages_total counter\n",
+    );
+    text.push_str(&format!(
+        "dynamo_node_bus_rejected_messages_total {}\n",
+        dynamo_runtime::counters::rejected_total()
+    ));
+    text
+}
+
+/// Binds the listener (a taken port is a start-up error) and returns the
+/// address it got and the server's future.
+pub async fn serve(
+    listen: SocketAddr,
+    node: String,
+    bus: Bus,
+) -> anyhow::Result<(
+    SocketAddr,
+    impl std::future::Future<Output = std::io::Result<()>>,
+)> {
+    use axum::routing::get;
+    use std::future::IntoFuture;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("metrics.listen {listen}: {e}"))?;
+    let addr = listener.local_addr()?;
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let text = render(&node, &bus);
+                async move {
+                    (
+                        [(
+                            axum::http::header::CONTENT_TYPE,
+                            "text/plain; version=0.0.4",
+                        )],
+                        text,
+                    )
+                }
+            }),
+        )
+        .route("/health", get(|| async { "ok\n" }));
+    Ok((addr, axum::serve(listener, app).into_future()))
+}
