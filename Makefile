@@ -1,7 +1,7 @@
 # One-command setup, run, test and bench. See README.md.
 SHELL := /bin/bash
 CARGO ?= cargo
-APT_PACKAGES := nats-server libfabric-dev clang libclang-dev pkg-config curl
+APT_PACKAGES := nats-server libfabric-dev clang libclang-dev pkg-config curl chromium
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 CONFIG ?= cluster-config/examples/single-node.toml
 

@@ -84,6 +84,7 @@ impl Actor for GatewayActor {
             started_unix_s: unix_ms() / 1000,
             feed: crate::feed::Feed::default(),
             auth: crate::auth::Auth::new(c.api_keys.clone(), std::time::Instant::now()),
+            events: crate::dashboard::Events::default(),
         });
         let inbox_owner = shared.clone();
         tasks.spawn("inbox", async move { inbox_owner.inbox.run(sub).await });

@@ -276,6 +276,15 @@ impl Generation {
             return self.fail(err);
         };
         tracing::warn!(request = %self.public_id, worker = %old.worker_id, reason, generated = self.generated.len(), "migrating request");
+        self.shared.events.push(
+            "migration",
+            format!(
+                "request {} left worker {} ({reason}) after {} tokens",
+                self.public_id,
+                old.worker_id,
+                self.generated.len()
+            ),
+        );
         self.failed.push(old.worker_id);
         send_cancel(&self.shared, old.worker_id, self.id, CancelReason::Migrated);
         release(&self.shared, self.id);

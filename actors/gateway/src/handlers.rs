@@ -53,6 +53,8 @@ pub fn app(shared: Arc<Shared>) -> Router {
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/dynamo/overlap", post(overlap))
+        .route("/v1/dynamo/cluster", get(crate::dashboard::cluster))
+        .route("/dashboard", get(crate::dashboard::page))
         .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .layer(DefaultBodyLimit::max(limit))

@@ -13,6 +13,7 @@ pub mod actor;
 pub mod admission;
 pub mod auth;
 pub mod config;
+pub mod dashboard;
 pub mod dispatch;
 pub mod error;
 pub mod feed;

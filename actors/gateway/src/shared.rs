@@ -37,6 +37,8 @@ pub struct Shared {
     pub feed: crate::feed::Feed,
     /// API keys and their limits (none: open).
     pub auth: std::sync::Arc<crate::auth::Auth>,
+    /// Recent events for the cluster page.
+    pub events: crate::dashboard::Events,
 }
 
 impl Shared {
