@@ -9,7 +9,11 @@ use std::process::Command;
 
 fn chromium() -> String {
     for c in ["chromium", "chromium-browser", "google-chrome"] {
-        if Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()) {
+        if Command::new(c)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+        {
             return c.to_string();
         }
     }
@@ -30,7 +34,10 @@ fn headless(browser: &str, extra: &[&str], url: &str) -> std::process::Output {
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
     args.push(url.to_string());
-    Command::new(browser).args(&args).output().expect("chromium runs")
+    Command::new(browser)
+        .args(&args)
+        .output()
+        .expect("chromium runs")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -69,7 +76,12 @@ async fn the_cluster_page_shows_nodes_workers_load_and_hit_rate_in_chromium() {
     let cached = c["cached_tokens"].as_f64().unwrap();
     assert!(cached > 0.0 && hit <= 1.0, "{c}");
     assert_eq!(hit, cached / c["prompt_tokens"].as_f64().unwrap(), "{c}");
-    assert!(workers.iter().all(|w| w["kv_total_blocks"].as_u64() > Some(0)), "{c}");
+    assert!(
+        workers
+            .iter()
+            .all(|w| w["kv_total_blocks"].as_u64() > Some(0)),
+        "{c}"
+    );
 
     // The page in Chromium: the DOM it renders after its first poll.
     let url = format!("http://127.0.0.1:{port}/dashboard");
@@ -99,5 +111,9 @@ async fn the_cluster_page_shows_nodes_workers_load_and_hit_rate_in_chromium() {
             String::from_utf8_lossy(&out.stderr)
         )
     });
-    assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "{} bytes", png.len());
+    assert!(
+        png.starts_with(b"\x89PNG") && png.len() > 10_000,
+        "{} bytes",
+        png.len()
+    );
 }

@@ -15,7 +15,6 @@ use axum::http::HeaderMap;
 use axum::response::Html;
 use axum::Json;
 use dynamo_bus_schema::{decode, unix_ms, PlannerStatus};
-use dynamo_router::RouterMsg;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use std::collections::{BTreeMap, VecDeque};
@@ -110,18 +109,7 @@ pub async fn cluster(
     let _place = s.control.try_enter().ok_or_else(|| {
         ApiError::overloaded("Too many status requests at once; retry shortly.", "busy")
     })?;
-    let router = s.router()?;
-    let workers = match router
-        .call(RouterMsg::Workers, Some(Duration::from_secs(2)))
-        .await
-    {
-        Ok(ractor::rpc::CallResult::Success(w)) => w,
-        _ => {
-            return Err(ApiError::unavailable(
-                "The router did not answer; retry shortly.",
-            ))
-        }
-    };
+    let workers = s.workers().await?;
     let mut nodes: BTreeMap<String, (u32, u32, u32)> = BTreeMap::new();
     let workers_json: Vec<Value> = workers
         .iter()

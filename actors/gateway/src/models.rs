@@ -147,18 +147,7 @@ impl ModelCache {
             self.keep(model, l.clone());
             return Ok(l);
         }
-        let router = shared.router()?;
-        let workers = match router
-            .call(RouterMsg::Workers, Some(Duration::from_secs(2)))
-            .await
-        {
-            Ok(ractor::rpc::CallResult::Success(w)) => w,
-            _ => {
-                return Err(ApiError::unavailable(
-                    "The router did not answer; retry shortly.",
-                ))
-            }
-        };
+        let workers = shared.workers().await?;
         let with: Vec<_> = workers
             .into_iter()
             .filter(|w| w.reg.model.name.0 == model && w.card_digest == digest)

@@ -49,6 +49,20 @@ impl Shared {
             .ok_or_else(|| ApiError::unavailable("The router is restarting; retry shortly."))
     }
 
+    /// Every worker the router knows (any state).
+    pub async fn workers(&self) -> Result<Vec<dynamo_router::registry::WorkerEntry>, ApiError> {
+        match self
+            .router()?
+            .call(RouterMsg::Workers, Some(std::time::Duration::from_secs(2)))
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(w)) => Ok(w),
+            _ => Err(ApiError::unavailable(
+                "The router did not answer; retry shortly.",
+            )),
+        }
+    }
+
     pub fn is_accepting(&self) -> bool {
         self.accepting.load(Ordering::Relaxed)
     }
