@@ -313,17 +313,23 @@ impl Auth {
         }
     }
 
-    /// Charges the request's tokens (prompt plus `max_tokens`): the bucket
-    /// may go into debt, which refuses the key's next requests until it
-    /// refills.
-    pub fn charge_tokens(&self, c: &Caller, tokens: u64, now: Instant) {
-        let Caller::Key(i) = c else { return };
-        if let Ok(mut st) = self.keys[*i].lock() {
-            if let Some(b) = st.tokens.as_mut() {
-                b.refill(now);
-                b.level -= tokens as f64;
+    /// Charges the request's tokens (prompt plus `max_tokens`), checked
+    /// and taken under one lock: a bucket already in debt refuses the
+    /// request (429, nothing charged), so concurrent requests admitted
+    /// together cannot overdraw it by more than one request's worth.
+    pub fn charge_tokens(&self, c: &Caller, tokens: u64, now: Instant) -> Result<(), ApiError> {
+        let Caller::Key(i) = c else { return Ok(()) };
+        let mut st = self.keys[*i]
+            .lock()
+            .map_err(|_| ApiError::internal("key state"))?;
+        if let Some(b) = st.tokens.as_mut() {
+            b.refill(now);
+            if b.level <= 0.0 {
+                return Err(rate_limited("tokens", b.wait()));
             }
+            b.level -= tokens as f64;
         }
+        Ok(())
     }
 }
 
@@ -407,7 +413,12 @@ mod tests {
         let b = auth.authenticate(&bearer("sk-b")).unwrap();
         assert!(auth.allow_model(&b, "m2").is_ok());
         auth.admit(&b, t0).unwrap();
-        auth.charge_tokens(&b, 900, t0);
+        // Admitted together (before either is charged), then charged: the
+        // first goes into debt, the second is refused and not charged.
+        auth.admit(&b, t0).unwrap();
+        auth.charge_tokens(&b, 900, t0).unwrap();
+        let e = auth.charge_tokens(&b, 900, t0).unwrap_err();
+        assert_eq!(e.code, Some("rate_limit_tokens"));
         let e = auth.admit(&b, t0).unwrap_err();
         assert_eq!(e.code, Some("rate_limit_tokens"));
         assert_eq!(e.retry_after, Some(31)); // 301 tokens at 10 a second

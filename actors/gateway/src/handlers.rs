@@ -204,7 +204,7 @@ async fn handle(
             }
             if s.auth.enabled() {
                 s.auth
-                    .charge_tokens(caller, charged, std::time::Instant::now());
+                    .charge_tokens(caller, charged, std::time::Instant::now())?;
                 s.metrics
                     .key_tokens
                     .with_label_values(&[s.auth.name(caller).as_str()])

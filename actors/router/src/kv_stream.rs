@@ -79,6 +79,10 @@ impl KvSnapshotConfig {
 /// waited for expired meanwhile).
 const REPLAY_IDLE: Duration = Duration::from_secs(3);
 
+/// Longest the newest snapshot may take to load (a 1M-block one takes
+/// about 0.1 s here); past it the catch-up goes on without it.
+const SNAPSHOT_LOAD_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// The KV events feed: catch-up from the stream, then core NATS.
 pub async fn follow(bus: Bus, router: ActorRef<RouterMsg>, gate: Gate) {
     let subject = bus.subjects.kv_events_all();
@@ -91,7 +95,19 @@ pub async fn follow(bus: Bus, router: ActorRef<RouterMsg>, gate: Gate) {
         }
     };
     let t0 = Instant::now();
-    let snap = load_snapshot(&bus).await;
+    // Bounded: a snapshot that cannot be read in time is skipped (every
+    // worker the replay cannot cover is then dumped), so the live feed
+    // always starts.
+    let snap = match tokio::time::timeout(SNAPSHOT_LOAD_TIMEOUT, load_snapshot(&bus)).await {
+        Ok(s) => s,
+        Err(_) => {
+            tracing::warn!(
+                timeout_s = SNAPSHOT_LOAD_TIMEOUT.as_secs(),
+                "loading the KV index snapshot timed out; workers are synced from the stream and dumps"
+            );
+            None
+        }
+    };
     let after = snap.as_ref().map(|s| s.stream_seq).unwrap_or(0);
     let snap_ms = t0.elapsed().as_millis() as u64;
     if let Some(s) = snap {
