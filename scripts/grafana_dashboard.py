@@ -94,7 +94,7 @@ def main():
        "percentunit", 12, 12)
     y += 8
     ts("Blocks in the router's index",
-       [(f"sum by (tier) (dynamo_router_kv_index_blocks{N})", "{{tier}}")], "short", 12, 0)
+       [(f"max by (tier) (dynamo_router_kv_index_blocks{N})", "{{tier}}")], "short", 12, 0)
     ts("Routing decision time", pcts("dynamo_router_route_seconds", (0.5, 0.99)), "s", 12, 12)
     y += 8
     row("Faults")
@@ -134,9 +134,10 @@ def main():
         "timezone": "browser", "schemaVersion": 39, "version": 1, "editable": True,
         "refresh": "10s", "time": {"from": "now-1h", "to": "now"},
         "description": ("TTFT and ITL percentiles, queues and admission, KV hit rate, "
-                        "migrations and scaling decisions. Scrape every node's metrics "
-                        "listener ([metrics] listen or --metrics-listen) and each gateway's "
-                        "/metrics; a `namespace` label on the scrape job selects a deployment."),
+                        "migrations and scaling decisions. Scrape each node once: a gateway's "
+                        "/metrics where the node runs one (it includes the node's own series), "
+                        "else the node's listener ([metrics] listen or --metrics-listen); "
+                        "a `namespace` label on the scrape job selects a deployment."),
         "templating": {"list": [
             {"name": "datasource", "type": "datasource", "query": "prometheus",
              "label": "Prometheus", "current": {}},

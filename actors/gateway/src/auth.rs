@@ -313,6 +313,16 @@ impl Auth {
         }
     }
 
+    /// Whether the caller may use every model (no keys, or a key without a
+    /// model list).
+    pub fn all_models(&self, c: &Caller) -> bool {
+        let Caller::Key(i) = c else { return true };
+        self.keys[*i]
+            .lock()
+            .map(|st| st.key.models.is_none())
+            .unwrap_or(false)
+    }
+
     /// Charges the request's tokens (prompt plus `max_tokens`), checked
     /// and taken under one lock: a bucket already in debt refuses the
     /// request (429, nothing charged), so concurrent requests admitted

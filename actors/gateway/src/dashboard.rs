@@ -6,7 +6,9 @@
 //! Invariants: the events ring is bounded ([`MAX_EVENTS`]); the cluster
 //! view is built from the router's registry (no bus round trip per
 //! worker) plus one bounded read of the planner bucket; with API keys on,
-//! the JSON needs a key like every other API (the page asks for one).
+//! the JSON needs a key like every other API (the page asks for one), is
+//! charged as a request, and a key limited to some models sees only their
+//! workers and no events.
 
 use crate::error::ApiError;
 use crate::shared::Shared;
@@ -105,11 +107,21 @@ pub async fn cluster(
     State(s): State<Arc<Shared>>,
     headers: HeaderMap,
 ) -> Result<Json<Value>, ApiError> {
-    s.auth.authenticate(&headers)?;
+    let caller = s.auth.authenticate(&headers)?;
+    s.auth.admit(&caller, std::time::Instant::now())?;
+    // A key limited to some models sees only their workers, and no
+    // cluster-wide events (other deployments' decisions, other callers'
+    // request ids).
+    let unrestricted = s.auth.all_models(&caller);
     let _place = s.control.try_enter().ok_or_else(|| {
         ApiError::overloaded("Too many status requests at once; retry shortly.", "busy")
     })?;
-    let workers = s.workers().await?;
+    let workers: Vec<_> = s
+        .workers()
+        .await?
+        .into_iter()
+        .filter(|w| s.auth.allow_model(&caller, &w.reg.model.name.0).is_ok())
+        .collect();
     let mut nodes: BTreeMap<String, (u32, u32, u32)> = BTreeMap::new();
     let workers_json: Vec<Value> = workers
         .iter()
@@ -143,8 +155,11 @@ pub async fn cluster(
         .collect();
     let m = &s.metrics;
     let (prompt, cached) = (m.input_tokens.get(), m.cached_tokens.get());
-    let mut events = s.events.list();
-    events.extend(decisions(&s).await);
+    let mut events = Vec::new();
+    if unrestricted {
+        events = s.events.list();
+        events.extend(decisions(&s).await);
+    }
     events.sort_by_key(|e| std::cmp::Reverse(e.0));
     events.truncate(MAX_EVENTS);
     let events: Vec<Value> = events
