@@ -198,7 +198,9 @@ async fn catch_up_bench() {
         }
     }
     let cancel = tokio_util::sync::CancellationToken::new();
-    let mut responders = Vec::new();
+    // Owned here and watched while the dumps are asked for: a responder
+    // that ends early fails the bench at once.
+    let mut responders = tokio::task::JoinSet::new();
     for wk in 0..WORKERS {
         let wid = WorkerId(wk);
         let dump = KvDumpTiered {
@@ -216,13 +218,13 @@ async fn catch_up_bench() {
             .await
             .unwrap();
         let (b, c) = (bus.clone(), cancel.clone());
-        responders.push(tokio::spawn(async move {
+        responders.spawn(async move {
             b.serve(sub, c, move |_: KvDumpRequest| {
                 let d = dump.clone();
                 async move { Ok::<_, WireError>(d) }
             })
             .await
-        }));
+        });
     }
     bus.client.flush().await.unwrap();
     let t0 = Instant::now();
@@ -230,7 +232,7 @@ async fn catch_up_bench() {
     s.end_replay();
     let due = s.dumps_due(Instant::now());
     assert_eq!(due.len(), WORKERS as usize);
-    let answers = futures::future::join_all(due.iter().map(|wid| {
+    let asked = futures::future::join_all(due.iter().map(|wid| {
         let bus = bus.clone();
         let wid = *wid;
         async move {
@@ -247,8 +249,11 @@ async fn catch_up_bench() {
                 .expect("a dump");
             decode_assembled::<KvDumpTiered>(&bytes).expect("decodes")
         }
-    }))
-    .await;
+    }));
+    let answers = tokio::select! {
+        a = asked => a,
+        ended = responders.join_next() => panic!("a dump responder ended before it was cancelled: {ended:?}"),
+    };
     let dump_bytes: usize = answers.iter().map(|d| encode(d).unwrap().len()).sum();
     for d in answers {
         s.dump(d);
@@ -256,8 +261,8 @@ async fn catch_up_bench() {
     let t_dumps = t0.elapsed();
     cancel.cancel();
     // Every responder served until cancelled (none died on the way).
-    for r in responders {
-        r.await.expect("a dump responder panicked");
+    while let Some(r) = responders.join_next().await {
+        r.expect("a dump responder panicked");
     }
     assert_same(&watcher, &s, &w, "dumps only");
 
