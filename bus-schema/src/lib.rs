@@ -17,6 +17,7 @@
 //!   `tests/wire_snapshot.rs`; an accidental change to a field, its order or
 //!   its type fails that test.
 
+pub mod access;
 pub mod blocks;
 pub mod chunk;
 pub mod cluster;

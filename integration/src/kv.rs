@@ -29,6 +29,7 @@ pub async fn held_dump(nats_url: &str, worker: &str) -> ([u64; 3], usize) {
         nats_url,
         "test",
         dynamo_bus_schema::Subjects::new(dynamo_bus_schema::Namespace::new("it").unwrap()),
+        &Default::default(),
     )
     .await
     .expect("connect to NATS");

@@ -96,6 +96,33 @@ impl Nats {
         }
     }
 
+    /// A server whose config file adds `extra` (a `tls {}` block, an
+    /// `include` of users) to its listen address and JetStream store;
+    /// `scheme` is the URL's (`nats` or `tls`).
+    pub fn start_with_config(extra: &str, scheme: &str) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (port, child) = (0..5)
+            .find_map(|_| {
+                let port = free_port();
+                let conf = dir.path().join("nats.conf");
+                let text = format!(
+                    "listen: \"127.0.0.1:{port}\"\njetstream {{ store_dir: {:?} }}\n{extra}\n",
+                    dir.path().join("js").display().to_string()
+                );
+                std::fs::write(&conf, text).expect("write nats.conf");
+                let mut cmd = Command::new("nats-server");
+                cmd.arg("-c").arg(&conf);
+                Self::try_spawn_cmd(cmd, port).map(|c| (port, c))
+            })
+            .expect("nats-server did not start on any of 5 ports");
+        Nats {
+            child,
+            port,
+            url: format!("{scheme}://127.0.0.1:{port}"),
+            _dir: dir,
+        }
+    }
+
     fn spawn(port: u16, dir: &std::path::Path) -> Child {
         Self::try_spawn(port, dir).unwrap_or_else(|| panic!("nats-server did not start on {port}"))
     }
@@ -104,10 +131,15 @@ impl Nats {
     /// process alive and the port speaking NATS), so a port another process
     /// took is never mistaken for ours. None: it exited or never answered.
     fn try_spawn(port: u16, dir: &std::path::Path) -> Option<Child> {
+        let mut cmd = Command::new("nats-server");
+        cmd.args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(dir);
+        Self::try_spawn_cmd(cmd, port)
+    }
+
+    fn try_spawn_cmd(mut cmd: Command, port: u16) -> Option<Child> {
         use std::io::Read;
-        let mut child = Command::new("nats-server")
-            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-            .arg(dir)
+        let mut child = cmd
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

@@ -137,7 +137,9 @@ fn assert_same(a: &KvSync, b: &KvSync, w: &workload::Workload, how: &str) {
 async fn catch_up_bench() {
     let nats = Nats::start();
     let subjects = Subjects::new(Namespace::new("it").unwrap());
-    let bus = Bus::connect(&nats.url, "bench", subjects).await.unwrap();
+    let bus = Bus::connect(&nats.url, "bench", subjects, &Default::default())
+        .await
+        .unwrap();
     bus.ensure_kv_events_stream().await.unwrap();
     let w = workload::build(CHAINS, LEN, WORKERS, 2, 7);
     let mut ids = HashMap::new();

@@ -498,9 +498,14 @@ async fn one_seed_url_of_a_cluster_replicates_and_an_r1_stream_is_scaled_up() {
     .await
     .unwrap();
     // A node given one seed URL learns the cluster from the server.
-    let bus = dynamo_runtime::Bus::connect(&cluster.url(1), "seed", subjects.clone())
-        .await
-        .unwrap();
+    let bus = dynamo_runtime::Bus::connect(
+        &cluster.url(1),
+        "seed",
+        subjects.clone(),
+        &Default::default(),
+    )
+    .await
+    .unwrap();
     assert_eq!(bus.replicas, 3, "the cluster's advertised servers count");
     bus.ensure_kv_events_stream().await.unwrap();
     bus.kv_bucket("dynamo_it_probe", Duration::from_secs(60))

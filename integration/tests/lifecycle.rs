@@ -164,6 +164,28 @@ async fn ctrl_c_to_the_process_group_stops_a_node_with_embedded_nats_at_once() {
     http.wait_ready(2, &mut node).await;
     let url = std::fs::read_to_string(node.dir().join("it.nats-url")).expect("state file");
     let nats_port: u16 = url.trim().rsplit(':').next().unwrap().parse().unwrap();
+    // Secure by default: TLS from a CA made at start and a user per role.
+    // The CLI finds the CA and the admin seed beside the URL.
+    assert!(url.starts_with("tls://"), "{url}");
+    assert!(node.dir().join("it.nats-ca.pem").is_file());
+    assert!(node.dir().join("it.nats-creds/admin.nk").is_file());
+    let status = std::process::Command::new(bin("dynamoctl"))
+        .args(["status", "--json", "--namespace", "it"])
+        .env("DYNAMO_STATE_DIR", node.dir())
+        .env_remove("DYNAMO_NATS_URL")
+        .env_remove("DYNAMO_NATS_CA")
+        .env_remove("DYNAMO_NATS_CREDENTIALS")
+        .output()
+        .unwrap();
+    assert_success(&status);
+    let v: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(v["workers"].as_array().map(Vec::len), Some(2), "{v}");
+    // Nobody else gets in: no CA, no user.
+    let anonymous = async_nats::ConnectOptions::new()
+        .add_root_certificates(node.dir().join("it.nats-ca.pem"))
+        .connect(url.trim())
+        .await;
+    assert!(anonymous.is_err(), "a client without a user connected");
     // Some load first (the replay that once left a node hanging), then idle.
     let load: Vec<_> = (0..200u32)
         .map(|i| {
@@ -204,6 +226,8 @@ async fn ctrl_c_to_the_process_group_stops_a_node_with_embedded_nats_at_once() {
         "NATS left running"
     );
     assert!(!node.dir().join("it.nats-url").exists());
+    assert!(!node.dir().join("it.nats-ca.pem").exists());
+    assert!(!node.dir().join("it.nats-creds").exists());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -382,10 +382,14 @@ async fn run(
     .await;
     let port = c.port_of(&d, "frontend");
     let ns = dynamo_bus_schema::Namespace::new("it").unwrap();
-    let bus =
-        dynamo_runtime::Bus::connect(&c.nats.url, "bench", dynamo_bus_schema::Subjects::new(ns))
-            .await
-            .unwrap();
+    let bus = dynamo_runtime::Bus::connect(
+        &c.nats.url,
+        "bench",
+        dynamo_bus_schema::Subjects::new(ns),
+        &Default::default(),
+    )
+    .await
+    .unwrap();
     let status = bus
         .kv_bucket_durable(&bus.subjects.deploy_status_bucket())
         .await

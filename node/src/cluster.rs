@@ -9,10 +9,9 @@
 
 use crate::config::check_spec_settings;
 use dynamo_bus_schema::{
-    encode, unix_ms, DeploymentRecord, DeploymentStatus, Namespace, PlannerPin, Subjects,
+    encode, unix_ms, DeploymentRecord, DeploymentStatus, Namespace, PlannerPin,
 };
 use dynamo_cluster_config::spec::DeploymentSpec;
-use dynamo_runtime::Bus;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -35,7 +34,7 @@ struct Store {
 }
 
 async fn open(url: &str, ns: Namespace) -> anyhow::Result<Store> {
-    let bus = Bus::connect(url, "dynamoctl", Subjects::new(ns)).await?;
+    let bus = crate::access::cli_connect(url, ns).await?;
     let s = &bus.subjects;
     Ok(Store {
         deployments: bus.kv_bucket_durable(&s.deployments_bucket()).await?,

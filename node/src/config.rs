@@ -65,6 +65,18 @@ pub struct RawNats {
     /// Port for the embedded server (0 = any free port).
     #[serde(default)]
     pub port: u16,
+    /// Embedded server: TLS with certificates generated at start (default
+    /// true; the CLI finds the CA in the state directory).
+    pub tls: Option<bool>,
+    /// Embedded server: one NATS user per role, each allowed only its own
+    /// subjects in this namespace (default true).
+    pub auth: Option<bool>,
+    /// PEM file of the CA that signed the servers' certificates: TLS is
+    /// then required (with `nats://` or `tls://` URLs).
+    pub ca_file: Option<String>,
+    /// Directory of role seeds (`<role>.nk`, from `dynamoctl nats-auth`):
+    /// each actor connects as its role's user.
+    pub credentials: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -104,6 +116,10 @@ pub struct RawGateway {
     /// Serve without API keys on an address other hosts can reach.
     #[serde(default)]
     pub allow_unauthenticated: bool,
+    /// HTTPS: the certificate chain (PEM); needs `tls_key`.
+    pub tls_cert: Option<String>,
+    /// HTTPS: the certificate's private key (PEM).
+    pub tls_key: Option<String>,
 }
 
 /// `[workers.transfer]`: the KV transfer endpoint of prefill/decode workers.
@@ -187,7 +203,37 @@ pub struct RawSupervision {
 #[derive(Clone, Debug, PartialEq)]
 pub enum NatsSpec {
     Url(String),
-    Embedded { port: u16 },
+    /// A nats-server child on `port` (0: any free port), with TLS from
+    /// certificates made at start and/or one user per role.
+    Embedded {
+        port: u16,
+        tls: bool,
+        auth: bool,
+    },
+}
+
+/// How this node's connections check the servers and prove who they are
+/// (for a server given by URL; an embedded server makes its own).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct NatsAccess {
+    /// The CA that signed the servers' certificates (TLS required).
+    pub ca_file: Option<PathBuf>,
+    /// Directory of role seeds (`<role>.nk`).
+    pub credentials: Option<PathBuf>,
+}
+
+impl NatsAccess {
+    /// Checks the files exist now, naming the key that names them.
+    pub fn validate(&self, ca_key: &str, creds_key: &str) -> Result<(), ConfigError> {
+        if let Some(ca) = &self.ca_file {
+            dynamo_runtime::tls::read_certs(ca).map_err(|e| invalid(ca_key, e.to_string()))?;
+        }
+        if let Some(dir) = &self.credentials {
+            dynamo_runtime::Credentials::read(dir)
+                .map_err(|e| invalid(creds_key, e.to_string()))?;
+        }
+        Ok(())
+    }
 }
 
 /// A group of identical workers.
@@ -253,6 +299,8 @@ pub struct NodeConfig {
     pub namespace: Namespace,
     /// Bus location.
     pub nats: NatsSpec,
+    /// CA and credentials for a server given by URL.
+    pub nats_access: NatsAccess,
     /// Run a gateway (and a router beside it).
     pub gateway: Option<GatewayConfig>,
     /// Router settings (used when a gateway runs).
@@ -324,10 +372,12 @@ pub fn parse_labels(text: &str) -> Result<Vec<(String, String)>, ConfigError> {
 
 impl NodeConfig {
     /// A node joining a cluster: no gateway or workers of its own.
+    #[allow(clippy::too_many_arguments)]
     pub fn joined(
         node_id: &str,
         namespace: &str,
         nats_url: &str,
+        nats_access: NatsAccess,
         join: JoinConfig,
         controller: bool,
         planner: bool,
@@ -357,12 +407,13 @@ impl NodeConfig {
         } else {
             return Err(invalid(
                 "--join",
-                "must be nats:// URLs (comma-separated for a cluster) or `env`",
+                "must be nats:// or tls:// URLs (comma-separated for a cluster) or `env`",
             ));
         };
         if join.slots > 1024 {
             return Err(invalid("--slots", "must be 0-1024"));
         }
+        nats_access.validate("--nats-ca", "--nats-credentials")?;
         let node_id = NodeId(node_id.to_string());
         Ok(NodeConfig {
             controller: controller
@@ -372,6 +423,7 @@ impl NodeConfig {
             node_id,
             namespace,
             nats,
+            nats_access,
             gateway: None,
             router: RouterConfig::default(),
             workers: Vec::new(),
@@ -388,8 +440,9 @@ impl NodeConfig {
 /// One `nats://` URL, or several comma-separated (every server of a cluster).
 fn nats_urls_ok(s: &str) -> bool {
     s.split(',').all(|u| {
-        u.trim()
-            .strip_prefix("nats://")
+        let u = u.trim();
+        u.strip_prefix("nats://")
+            .or_else(|| u.strip_prefix("tls://"))
             .is_some_and(|h| !h.is_empty())
     })
 }
@@ -417,9 +470,29 @@ impl NodeConfig {
         }
         let namespace =
             Namespace::new(&raw.namespace).map_err(|e| invalid("namespace", e.to_string()))?;
-        let nats = if raw.nats.url == "embedded" {
+        let embedded = raw.nats.url == "embedded";
+        if !embedded && (raw.nats.tls.is_some() || raw.nats.auth.is_some()) {
+            return Err(invalid(
+                "nats.tls",
+                "`tls` and `auth` configure an embedded server; for a server given by URL use `ca_file` and `credentials`",
+            ));
+        }
+        if embedded && (raw.nats.ca_file.is_some() || raw.nats.credentials.is_some()) {
+            return Err(invalid(
+                "nats.ca_file",
+                "an embedded server makes its own CA and credentials; `ca_file` and `credentials` are for a server given by URL",
+            ));
+        }
+        let nats_access = NatsAccess {
+            ca_file: raw.nats.ca_file.as_ref().map(PathBuf::from),
+            credentials: raw.nats.credentials.as_ref().map(PathBuf::from),
+        };
+        nats_access.validate("nats.ca_file", "nats.credentials")?;
+        let nats = if embedded {
             NatsSpec::Embedded {
                 port: raw.nats.port,
+                tls: raw.nats.tls.unwrap_or(true),
+                auth: raw.nats.auth.unwrap_or(true),
             }
         } else if nats_urls_ok(&raw.nats.url) {
             NatsSpec::Url(raw.nats.url.clone())
@@ -433,7 +506,7 @@ impl NodeConfig {
         } else {
             return Err(invalid(
                 "nats.url",
-                "must be `embedded`, `env` or nats:// URLs (comma-separated for a cluster)",
+                "must be `embedded`, `env` or nats:// or tls:// URLs (comma-separated for a cluster)",
             ));
         };
         let gateway = match raw.gateway {
@@ -470,6 +543,19 @@ impl NodeConfig {
                         g.allow_unauthenticated,
                         listen,
                     )?,
+                    tls: match (&g.tls_cert, &g.tls_key) {
+                        (None, None) => None,
+                        (Some(cert), Some(key)) => Some(
+                            dynamo_gateway::tls::TlsSettings::load(Path::new(cert), Path::new(key))
+                                .map_err(|e| invalid("gateway.tls_cert", e.to_string()))?,
+                        ),
+                        (Some(_), None) => {
+                            return Err(invalid("gateway.tls_key", "is needed with tls_cert"))
+                        }
+                        (None, Some(_)) => {
+                            return Err(invalid("gateway.tls_cert", "is needed with tls_key"))
+                        }
+                    },
                 };
                 if cfg.hold_for_workers > cfg.request_timeout {
                     return Err(invalid(
@@ -712,6 +798,7 @@ impl NodeConfig {
             node_id: NodeId(raw.node_id),
             namespace,
             nats,
+            nats_access,
             gateway,
             router,
             workers,

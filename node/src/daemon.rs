@@ -3,36 +3,89 @@
 
 use crate::config::EngineSpec;
 use crate::config::{NatsSpec, NodeConfig};
-use crate::embedded_nats::EmbeddedNats;
+use crate::embedded_nats::{EmbeddedNats, Security};
 use crate::supervisor::GroupModel;
 use crate::supervisor::{NodeSupervisor, SupervisorArgs, SupervisorMsg};
+use dynamo_bus_schema::access::{Role, User};
 use dynamo_bus_schema::{encode, unix_ms, NodeRegistration, Subjects};
 use dynamo_cpu_engine::Weights;
 use dynamo_model::{locate_default_gguf, LoadedModel};
-use dynamo_runtime::Bus;
+use dynamo_runtime::{Bus, BusAccess, Credentials};
 use ractor::Actor;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::signal::unix::{signal, SignalKind};
 
 pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
+    // An embedded server makes its own users: every role of this namespace.
+    let generated = match &cfg.nats {
+        NatsSpec::Embedded { auth: true, .. } => Some(Credentials::generate()?),
+        _ => None,
+    };
     let embedded = match &cfg.nats {
-        NatsSpec::Embedded { port } => Some(EmbeddedNats::start(*port).await?),
+        NatsSpec::Embedded { port, tls, .. } => {
+            let authorization = generated.as_ref().map(|c| {
+                let users: Vec<User> = c
+                    .public_keys()
+                    .into_iter()
+                    .map(|(role, nkey)| User {
+                        role,
+                        namespace: cfg.namespace.clone(),
+                        nkey,
+                    })
+                    .collect();
+                dynamo_bus_schema::access::authorization(&users)
+            });
+            let security = Security {
+                tls: *tls,
+                authorization,
+            };
+            Some(EmbeddedNats::start(*port, security).await?)
+        }
         NatsSpec::Url(_) => None,
     };
-    let url = match (&cfg.nats, &embedded) {
-        (_, Some(e)) => e.url.clone(),
-        (NatsSpec::Url(u), None) => u.clone(),
+    let (url, base, creds) = match (&cfg.nats, &embedded) {
+        (_, Some(e)) => (
+            e.url.clone(),
+            BusAccess {
+                ca_file: e.ca_file.clone(),
+                user: None,
+            },
+            generated.clone(),
+        ),
+        (NatsSpec::Url(u), None) => (
+            u.clone(),
+            BusAccess {
+                ca_file: cfg.nats_access.ca_file.clone(),
+                user: None,
+            },
+            match &cfg.nats_access.credentials {
+                Some(dir) => Some(Credentials::read(dir)?),
+                None => None,
+            },
+        ),
         (NatsSpec::Embedded { .. }, None) => unreachable!("embedded server started above"),
     };
-    let state_file = crate::env::state_dir().join(format!("{}.nats-url", cfg.namespace.as_str()));
-    if embedded.is_some() {
+    // The CLI finds a local embedded server here: its URL, its CA and the
+    // admin credentials (owner-only).
+    let (url_file, ca_file, creds_dir) = crate::access::state_files(&cfg.namespace);
+    if let Some(e) = &embedded {
         std::fs::create_dir_all(crate::env::state_dir())?;
-        std::fs::write(&state_file, &url)?;
+        std::fs::write(&url_file, &url)?;
+        let _ = std::fs::remove_file(&ca_file);
+        let _ = std::fs::remove_dir_all(&creds_dir);
+        if let Some(ca) = &e.ca_file {
+            std::fs::copy(ca, &ca_file)?;
+        }
+        if let Some(c) = &generated {
+            c.only(&[Role::Admin]).write(&creds_dir)?;
+        }
     }
-    let res = serve(&cfg, &url).await;
+    let res = serve(&cfg, &url, base, creds).await;
     if embedded.is_some() {
-        let _ = std::fs::remove_file(&state_file);
+        let _ = std::fs::remove_file(&url_file);
+        let _ = std::fs::remove_file(&ca_file);
+        let _ = std::fs::remove_dir_all(&creds_dir);
     }
     if let Some(e) = embedded {
         e.stop().await;
@@ -40,9 +93,22 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     res
 }
 
-async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
+async fn serve(
+    cfg: &NodeConfig,
+    url: &str,
+    base: BusAccess,
+    creds: Option<Credentials>,
+) -> anyhow::Result<()> {
     let subjects = Subjects::new(cfg.namespace.clone());
-    let bus = Bus::connect(url, &format!("dynamo-node {}", cfg.node_id), subjects).await?;
+    let buses = crate::access::NodeBuses::connect(
+        url,
+        &format!("dynamo-node {}", cfg.node_id),
+        subjects,
+        base,
+        creds,
+    )
+    .await?;
+    let bus = buses.node().clone();
 
     let weights = crate::weights::NodeWeights::new(
         bus.clone(),
@@ -69,6 +135,7 @@ async fn serve(cfg: &NodeConfig, url: &str) -> anyhow::Result<()> {
     }
     let args = SupervisorArgs {
         bus: bus.clone(),
+        buses: buses.clone(),
         config: cfg.clone(),
         models,
         weights: weights.clone(),

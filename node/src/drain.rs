@@ -6,9 +6,7 @@
 //! that races the change is refused by the worker and retried elsewhere by
 //! the gateway, so draining loses nothing.
 
-use dynamo_bus_schema::{
-    DrainReply, DrainRequest, Namespace, Subjects, WorkerId, WorkerRegistration,
-};
+use dynamo_bus_schema::{DrainReply, DrainRequest, Namespace, WorkerId, WorkerRegistration};
 use dynamo_runtime::bus::REGISTRY_MAX_AGE;
 use dynamo_runtime::Bus;
 use serde_json::{json, Value};
@@ -64,7 +62,7 @@ pub async fn run(url: &str, ns: Namespace, spec: DrainSpec) -> anyhow::Result<Va
     if spec.worker.is_empty() {
         anyhow::bail!("give a worker id (see dynamoctl status)");
     }
-    let bus = Bus::connect(url, "dynamoctl", Subjects::new(ns)).await?;
+    let bus = crate::access::cli_connect(url, ns).await?;
     let id = find_worker(&bus, &spec.worker).await?;
     let t0 = Instant::now();
     let mut reply = ask(&bus, id, spec.resume).await?;

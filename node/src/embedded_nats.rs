@@ -1,6 +1,12 @@
 //! An embedded `nats-server -js` child process with its own data directory,
 //! on a free loopback port. Killed (and its directory removed) on drop.
 //!
+//! Secure by default ([`Security`]): TLS with a CA and certificate made at
+//! start (the CA's key is never kept), and one nkey user per role, each
+//! allowed only its own subjects (`dynamo_bus_schema::access`). Its
+//! configuration file, with the certificate's key, lives in its own
+//! directory, owner-only.
+//!
 //! The server runs in a process group of its own, so a terminal's Ctrl-C
 //! (SIGINT to the node's whole group) reaches the node only: the node
 //! drains and deregisters over a bus that is still up, and stops the
@@ -20,6 +26,8 @@ pub enum NatsError {
     Port(std::io::Error),
     #[error("cannot create the NATS data directory: {0}")]
     DataDir(std::io::Error),
+    #[error("cannot write the NATS configuration: {0}")]
+    Config(String),
     #[error("nats-server did not accept connections on port {port} within {waited:?}; see {log}")]
     NotReady {
         port: u16,
@@ -33,6 +41,17 @@ pub struct EmbeddedNats {
     pub url: String,
     _dir: tempfile::TempDir,
     pub log: PathBuf,
+    /// The CA clients must trust (TLS on).
+    pub ca_file: Option<PathBuf>,
+}
+
+/// How the embedded server is secured.
+#[derive(Default)]
+pub struct Security {
+    /// TLS on, with certificates generated at start.
+    pub tls: bool,
+    /// The `authorization` block of its users (None: no users).
+    pub authorization: Option<String>,
 }
 
 pub fn free_port() -> std::io::Result<u16> {
@@ -40,7 +59,7 @@ pub fn free_port() -> std::io::Result<u16> {
 }
 
 impl EmbeddedNats {
-    pub async fn start(port: u16) -> Result<Self, NatsError> {
+    pub async fn start(port: u16, security: Security) -> Result<Self, NatsError> {
         let port = if port == 0 {
             free_port().map_err(NatsError::Port)?
         } else {
@@ -51,6 +70,33 @@ impl EmbeddedNats {
             .tempdir()
             .map_err(NatsError::DataDir)?;
         let log = dir.path().join("nats.log");
+        let cfg_err = |e: &dyn std::fmt::Display| NatsError::Config(e.to_string());
+        // One quoted string in the server's config syntax.
+        let q = |p: &std::path::Path| format!("{:?}", p.display().to_string());
+        let mut conf = format!(
+            "listen: \"127.0.0.1:{port}\"\njetstream {{ store_dir: {} }}\n",
+            q(&dir.path().join("js"))
+        );
+        let mut ca_file = None;
+        if security.tls {
+            let pki = dynamo_runtime::tls::Pki::generate(
+                "dynamo embedded NATS",
+                &["127.0.0.1", "localhost"],
+            )
+            .map_err(|e| cfg_err(&e))?;
+            let files = pki.write(dir.path()).map_err(|e| cfg_err(&e))?;
+            conf.push_str(&format!(
+                "tls {{ cert_file: {}, key_file: {}, timeout: 5 }}\n",
+                q(&files.cert),
+                q(&files.key)
+            ));
+            ca_file = Some(files.ca);
+        }
+        if let Some(auth) = &security.authorization {
+            conf.push_str(auth);
+        }
+        let conf_path = dir.path().join("nats.conf");
+        dynamo_runtime::tls::write_file(&conf_path, &conf, true).map_err(|e| cfg_err(&e))?;
         let mut cmd = Command::new("nats-server");
         // SAFETY: prctl is async-signal-safe; it only asks the kernel to
         // stop the server if the node dies without stopping it (kill -9),
@@ -62,8 +108,8 @@ impl EmbeddedNats {
             });
         }
         let child = cmd
-            .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-            .arg(dir.path().join("js"))
+            .arg("-c")
+            .arg(&conf_path)
             .arg("-l")
             .arg(&log)
             .stdin(std::process::Stdio::null())
@@ -89,11 +135,13 @@ impl EmbeddedNats {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        let scheme = if security.tls { "tls" } else { "nats" };
         Ok(EmbeddedNats {
             child,
-            url: format!("nats://127.0.0.1:{port}"),
+            url: format!("{scheme}://127.0.0.1:{port}"),
             _dir: dir,
             log,
+            ca_file,
         })
     }
 

@@ -2,6 +2,12 @@
 
 /// NATS URL for `dynamoctl` (and nodes whose config says `url = "env"`).
 pub const NATS_URL: &str = "DYNAMO_NATS_URL";
+/// PEM file of the CA that signed the NATS servers' certificates (the CLI,
+/// and `--join` nodes without `--nats-ca`).
+pub const NATS_CA: &str = dynamo_runtime::access::ENV_NATS_CA;
+/// Directory of NATS role seeds (`<role>.nk`): the CLI uses `admin.nk`,
+/// `--join` nodes every role they hold.
+pub const NATS_CREDENTIALS: &str = dynamo_runtime::access::ENV_NATS_CREDENTIALS;
 /// Namespace for `dynamoctl` when `--namespace` is not given.
 pub const NAMESPACE: &str = "DYNAMO_NAMESPACE";
 /// Directory where a node with embedded NATS writes `<namespace>.nats-url`.

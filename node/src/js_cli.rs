@@ -154,15 +154,10 @@ pub fn decode_any(bytes: &[u8]) -> Value {
     json!({ "kind": kind.0, "bytes": bytes.len() })
 }
 
-async fn connect(url: &str) -> anyhow::Result<async_nats::jetstream::Context> {
-    let servers = dynamo_runtime::bus::server_addrs(url).map_err(anyhow::Error::msg)?;
-    let client = async_nats::ConnectOptions::new()
-        .name("dynamoctl")
-        .connection_timeout(Duration::from_secs(5))
-        .connect(servers)
-        .await
-        .map_err(|e| anyhow::anyhow!("cannot connect to NATS at {url}: {e}"))?;
-    Ok(async_nats::jetstream::new(client))
+/// JetStream as the admin role (the CA and credentials of
+/// [`crate::access::cli_access`]).
+async fn connect(url: &str, ns: &Namespace) -> anyhow::Result<async_nats::jetstream::Context> {
+    Ok(crate::access::cli_connect(url, ns.clone()).await?.js)
 }
 
 fn stream_row(i: &async_nats::jetstream::stream::Info) -> Value {
@@ -181,8 +176,8 @@ fn stream_row(i: &async_nats::jetstream::stream::Info) -> Value {
 }
 
 /// `streams …`.
-async fn streams(url: &str, cmd: &StreamsCmd) -> anyhow::Result<Value> {
-    let js = connect(url).await?;
+async fn streams(url: &str, ns: &Namespace, cmd: &StreamsCmd) -> anyhow::Result<Value> {
+    let js = connect(url, ns).await?;
     match cmd {
         StreamsCmd::Ls { .. } => {
             let infos: Vec<_> = js.streams().try_collect().await?;
@@ -237,7 +232,7 @@ async fn bucket_store(
 
 /// `buckets ls|get` (watch is [`watch`]).
 async fn buckets(url: &str, ns: &Namespace, cmd: &BucketsCmd) -> anyhow::Result<Value> {
-    let js = connect(url).await?;
+    let js = connect(url, ns).await?;
     match cmd {
         BucketsCmd::Ls { .. } => {
             let infos: Vec<_> = js.streams().try_collect().await?;
@@ -331,7 +326,7 @@ async fn watch(
     timeout_s: Option<u64>,
     json_out: bool,
 ) -> anyhow::Result<()> {
-    let js = connect(url).await?;
+    let js = connect(url, ns).await?;
     let (name, kv) = bucket_store(&js, ns, bucket).await?;
     let w = kv.watch_all_from_revision(1).await?;
     follow(w, count, timeout_s, json_out, |e| {
@@ -369,7 +364,7 @@ async fn tail(
         Some(w) => subjects.kv_events(w.parse::<WorkerId>().map_err(anyhow::Error::msg)?),
         None => subjects.kv_events_all(),
     };
-    let js = connect(url).await?;
+    let js = connect(url, ns).await?;
     let mut stream = js
         .get_stream(subjects.kv_events_stream())
         .await
@@ -427,8 +422,8 @@ async fn tail(
 }
 
 /// `consumers ls`: every stream's consumers.
-async fn consumers(url: &str) -> anyhow::Result<Value> {
-    let js = connect(url).await?;
+async fn consumers(url: &str, ns: &Namespace) -> anyhow::Result<Value> {
+    let js = connect(url, ns).await?;
     let names: Vec<String> = js.stream_names().try_collect().await?;
     let mut rows = Vec::new();
     for n in names {
@@ -491,8 +486,8 @@ pub async fn run_streams(cmd: StreamsCmd) -> anyhow::Result<()> {
     let t = match &cmd {
         StreamsCmd::Ls { t } | StreamsCmd::Info { t, .. } | StreamsCmd::Purge { t, .. } => t,
     };
-    let (url, _) = t.resolve()?;
-    let v = streams(&url, &cmd).await?;
+    let (url, ns) = t.resolve()?;
+    let v = streams(&url, &ns, &cmd).await?;
     let cols = [
         "name",
         "messages",
@@ -543,8 +538,8 @@ pub async fn run_buckets(cmd: BucketsCmd) -> anyhow::Result<()> {
 /// Runs `consumers ls`.
 pub async fn run_consumers(cmd: ConsumersCmd) -> anyhow::Result<()> {
     let ConsumersCmd::Ls { t } = cmd;
-    let (url, _) = t.resolve()?;
-    let v = consumers(&url).await?;
+    let (url, ns) = t.resolve()?;
+    let v = consumers(&url, &ns).await?;
     let cols = [
         "stream",
         "name",

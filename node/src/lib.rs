@@ -11,7 +11,11 @@
 //! labels and capacity, and its [`agent`] runs what the placement
 //! controller assigns it; `dynamoctl apply|get|describe|scale|delete`
 //! ([`cluster`]) manage deployments.
+//!
+//! Every actor connects to NATS as its role ([`access`]): an embedded
+//! server runs with TLS and one user per role by default.
 
+pub mod access;
 pub mod agent;
 pub mod bench;
 pub mod calibrate;
@@ -28,6 +32,7 @@ pub mod js_cli;
 pub mod keys_cli;
 pub mod metrics;
 pub mod models_cli;
+pub mod nats_auth_cli;
 pub mod planner_cli;
 pub mod replay;
 pub mod seed;

@@ -3,7 +3,7 @@
 
 use crate::weights::{catalog, push as push_file};
 use dynamo_bus_schema::weights::WeightSourceState;
-use dynamo_bus_schema::{Namespace, Subjects};
+use dynamo_bus_schema::Namespace;
 use dynamo_runtime::bus::Bus;
 use serde_json::{json, Value};
 use std::path::Path;
@@ -11,7 +11,7 @@ use std::path::Path;
 /// Every weight file: its manifest, whether the cache holds it, and the
 /// nodes serving it.
 pub async fn ls(url: &str, ns: Namespace) -> anyhow::Result<Value> {
-    let bus = Bus::connect(url, "dynamoctl", Subjects::new(ns)).await?;
+    let bus = crate::access::cli_connect(url, ns).await?;
     catalog_json(&bus).await
 }
 
@@ -114,7 +114,7 @@ pub async fn push(url: &str, ns: Namespace, file: &Path, model: &str) -> anyhow:
     if !file.is_file() {
         anyhow::bail!("{} is not a file", file.display());
     }
-    let bus = Bus::connect(url, "dynamoctl", Subjects::new(ns)).await?;
+    let bus = crate::access::cli_connect(url, ns).await?;
     let bar = indicatif::ProgressBar::new(file.metadata()?.len());
     bar.set_style(
         indicatif::ProgressStyle::with_template(

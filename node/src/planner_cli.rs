@@ -2,10 +2,7 @@
 //! decided and why (the numbers behind each decision), and handing a
 //! manually scaled (pinned) service back to the planner.
 
-use dynamo_bus_schema::{
-    decode, unix_ms, DeploymentRecord, Namespace, PlannerPin, PlannerStatus, Subjects,
-};
-use dynamo_runtime::Bus;
+use dynamo_bus_schema::{decode, unix_ms, DeploymentRecord, Namespace, PlannerPin, PlannerStatus};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 
@@ -16,7 +13,7 @@ struct Store {
 }
 
 async fn open(url: &str, ns: Namespace) -> anyhow::Result<Store> {
-    let bus = Bus::connect(url, "dynamoctl", Subjects::new(ns)).await?;
+    let bus = crate::access::cli_connect(url, ns).await?;
     let s = &bus.subjects;
     Ok(Store {
         deployments: bus.kv_bucket_durable(&s.deployments_bucket()).await?,

@@ -8,6 +8,7 @@
 
 use crate::config::EngineSpec;
 use crate::config::{NodeConfig, WorkerGroup};
+use dynamo_bus_schema::access::Role;
 use dynamo_bus_schema::blocks::hash_salt;
 use dynamo_bus_schema::{
     decode_payload, peek_kind, unix_ms, ActorFault, ErrorKind, ErrorReply, FaultAck,
@@ -64,7 +65,10 @@ pub fn worker_id(cfg: &NodeConfig, group: usize, slot: u32) -> WorkerId {
 }
 
 pub struct SupervisorArgs {
+    /// The node's own connection.
     pub bus: Bus,
+    /// The connection of each role its children take.
+    pub buses: Arc<crate::access::NodeBuses>,
     pub config: NodeConfig,
     /// One loaded model per worker group.
     pub models: Vec<Arc<GroupModel>>,
@@ -134,6 +138,7 @@ pub struct NodeSupervisor;
 pub struct SupervisorState {
     weights: Arc<crate::weights::NodeWeights>,
     bus: Bus,
+    buses: Arc<crate::access::NodeBuses>,
     cfg: NodeConfig,
     models: Vec<Arc<GroupModel>>,
     children: HashMap<ActorId, (ChildKind, ActorCell)>,
@@ -169,6 +174,7 @@ impl Actor for NodeSupervisor {
         }));
         let mut st = SupervisorState {
             bus: args.bus,
+            buses: args.buses,
             cfg: args.config,
             models: args.models,
             weights: args.weights,
@@ -554,7 +560,7 @@ impl SupervisorState {
         let cell = match &kind {
             ChildKind::Router => {
                 let args = RouterArgs {
-                    bus: self.bus.clone(),
+                    bus: self.buses.role(Role::Router).await?,
                     config: self.cfg.router.clone(),
                 };
                 let (r, _) = Actor::spawn_linked(
@@ -590,7 +596,7 @@ impl SupervisorState {
                     .clone()
                     .ok_or("no controller configured")?;
                 let args = dynamo_controller::ControllerArgs {
-                    bus: self.bus.clone(),
+                    bus: self.buses.role(Role::Controller).await?,
                     config,
                 };
                 let (c, _) =
@@ -601,7 +607,7 @@ impl SupervisorState {
             ChildKind::Planner => {
                 let config = self.cfg.planner.clone().ok_or("no planner configured")?;
                 let args = dynamo_planner_actor::PlannersArgs {
-                    bus: self.bus.clone(),
+                    bus: self.buses.role(Role::Planner).await?,
                     config,
                     seed: crate::seed::seed(),
                 };
@@ -613,7 +619,7 @@ impl SupervisorState {
             ChildKind::Gateway => {
                 let config = self.cfg.gateway.clone().ok_or("no gateway configured")?;
                 let args = GatewayArgs {
-                    bus: self.bus.clone(),
+                    bus: self.buses.role(Role::Gateway).await?,
                     config,
                 };
                 let (g, _) = Actor::spawn_linked(None, GatewayActor, args, sup).await?;
@@ -636,7 +642,7 @@ impl SupervisorState {
                     model.loaded.tokenizer_json.clone(),
                 );
                 let args = WorkerArgs {
-                    bus: self.bus.clone(),
+                    bus: self.buses.role(Role::Worker).await?,
                     config: WorkerConfig {
                         worker_id: *worker_id,
                         node_id: self.cfg.node_id.clone(),

@@ -19,6 +19,7 @@ use crate::shared::{Shared, CONTROL_CONCURRENCY};
 use dynamo_bus_schema::{unix_ms, FaultKind, GatewayId};
 use dynamo_runtime::{Bus, Gate, Tasks};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use std::future::IntoFuture;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -102,23 +103,46 @@ impl Actor for GatewayActor {
         let gone = tasks.token();
         let router = app(shared.clone());
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-        // Small writes (an SSE chunk per token, a 429) go out at once: with
-        // Nagle's algorithm a write waits for the client's delayed ACK.
-        use axum::serve::ListenerExt;
-        let listener = listener.tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        let shutdown = async move {
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = gone.cancelled() => {}
             }
-        });
-        tasks.spawn("server", async move {
-            let res = axum::serve(listener, router)
-                .with_graceful_shutdown(async move {
-                    tokio::select! {
-                        _ = stop.cancelled() => {}
-                        _ = gone.cancelled() => {}
+        };
+        let server: std::pin::Pin<
+            Box<dyn std::future::Future<Output = std::io::Result<()>> + Send>,
+        > = match &args.config.tls {
+            Some(tls) => {
+                // HTTPS: handshakes run in the accept loop's own tasks;
+                // the loop is this actor's (it fails the gateway if it ends).
+                let (listener, accept) =
+                    crate::tls::TlsListener::new(listener, tls.config.clone())?;
+                tasks.spawn("https accept", accept);
+                Box::pin(
+                    axum::serve(listener, router)
+                        .with_graceful_shutdown(shutdown)
+                        .into_future(),
+                )
+            }
+            None => {
+                // Small writes (an SSE chunk per token, a 429) go out at
+                // once: with Nagle's algorithm a write waits for the
+                // client's delayed ACK.
+                use axum::serve::ListenerExt;
+                let listener = listener.tap_io(|tcp| {
+                    if let Err(e) = tcp.set_nodelay(true) {
+                        tracing::debug!(error = %e, "cannot set TCP_NODELAY");
                     }
-                })
-                .await;
+                });
+                Box::pin(
+                    axum::serve(listener, router)
+                        .with_graceful_shutdown(shutdown)
+                        .into_future(),
+                )
+            }
+        };
+        tasks.spawn("server", async move {
+            let res = server.await;
             if let Err(e) = &res {
                 tracing::error!(error = %e, "HTTP server failed");
             }
@@ -128,7 +152,12 @@ impl Actor for GatewayActor {
                 std::future::pending::<()>().await;
             }
         });
-        tracing::info!(listen = %args.config.listen, gateway = %gateway_id, "gateway serving");
+        tracing::info!(
+            listen = %args.config.listen,
+            https = args.config.tls.is_some(),
+            gateway = %gateway_id,
+            "gateway serving"
+        );
         Ok(GatewayRuntime {
             shared,
             server_stop,

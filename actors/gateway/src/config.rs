@@ -41,6 +41,8 @@ pub struct GatewayConfig {
     pub metrics_interval: Duration,
     /// API keys (hashed) and their limits; empty = no authentication.
     pub api_keys: Vec<crate::auth::ApiKey>,
+    /// HTTPS with this certificate and key (None: plain HTTP).
+    pub tls: Option<crate::tls::TlsSettings>,
 }
 
 /// Per-model admission control: past `max_inflight` requests being served,
@@ -85,6 +87,7 @@ impl Default for GatewayConfig {
             max_held: 256,
             metrics_interval: Duration::from_secs(1),
             api_keys: Vec::new(),
+            tls: None,
         }
     }
 }

@@ -8,6 +8,7 @@
 //! ([`respond`], from [`handlers`]). Every failure becomes an OpenAI error
 //! object through [`error::ApiError`], the one mapping to HTTP. Traffic
 //! summaries for the planner are published once per interval ([`feed`]).
+//! HTTPS, when configured, is served by [`tls::TlsListener`].
 
 pub mod actor;
 pub mod admission;
@@ -27,6 +28,7 @@ pub mod preprocess;
 pub mod respond;
 pub mod router_metrics;
 pub mod shared;
+pub mod tls;
 
 pub use actor::{GatewayActor, GatewayArgs, GatewayMsg};
 pub use config::GatewayConfig;

@@ -214,6 +214,13 @@ impl Metrics {
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         let mut text = String::from_utf8(buf).unwrap_or_default();
         text.push_str(&dynamo_runtime::metrics::render());
+        let tls_failures =
+            crate::tls::HANDSHAKE_FAILURES.load(std::sync::atomic::Ordering::Relaxed);
+        text.push_str(&format!(
+            "# HELP dynamo_gateway_tls_handshake_failures_total HTTPS handshakes that failed or timed out\n\
+             # TYPE dynamo_gateway_tls_handshake_failures_total counter\n\
+             dynamo_gateway_tls_handshake_failures_total {tls_failures}\n"
+        ));
         text
     }
 }

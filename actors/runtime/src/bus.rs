@@ -12,6 +12,35 @@ use futures::StreamExt;
 use std::time::Duration;
 use thiserror::Error;
 
+pub use crate::access::BusAccess;
+
+/// A connect error with what to do about it: a certificate the client
+/// cannot check wants the cluster's CA; a refused user wants credentials.
+fn connect_hint(reason: &str, access: &BusAccess) -> String {
+    let l = reason.to_ascii_lowercase();
+    if l.contains("certificate") || l.contains("issuer") || l.contains("tls") {
+        let ca = match &access.ca_file {
+            Some(ca) => format!("the CA file {} did not verify it", ca.display()),
+            None => format!(
+                "no CA file is configured ([nats] ca_file or ${})",
+                crate::access::ENV_NATS_CA
+            ),
+        };
+        format!("{reason} (TLS: the server's certificate could not be verified; {ca})")
+    } else if l.contains("authorization") || l.contains("authentication") {
+        let who = match access.role() {
+            Some(r) => format!("the {r} credential was refused"),
+            None => format!(
+                "the server requires a user: set [nats] credentials or ${}",
+                crate::access::ENV_NATS_CREDENTIALS
+            ),
+        };
+        format!("{reason} ({who})")
+    } else {
+        reason.to_string()
+    }
+}
+
 #[derive(Debug, Error)]
 pub enum BusError {
     #[error("cannot connect to NATS at {url}: {reason}")]
@@ -100,21 +129,45 @@ impl Bus {
     /// Connects (retrying in the background if the server is briefly away).
     /// `url` may list several servers, comma-separated: the client fails
     /// over between them, and streams are created with [`replicas_for`] it.
-    pub async fn connect(url: &str, name: &str, subjects: Subjects) -> Result<Self, BusError> {
+    ///
+    /// `access` says how the server is checked (a CA: TLS required) and
+    /// who this connection is (a role's nkey, whose permissions bound what
+    /// it may publish and read).
+    pub async fn connect(
+        url: &str,
+        name: &str,
+        subjects: Subjects,
+        access: &BusAccess,
+    ) -> Result<Self, BusError> {
         let servers = server_addrs(url).map_err(|reason| BusError::Connect {
             url: url.into(),
             reason,
         })?;
-        let client = async_nats::ConnectOptions::new()
+        let opts = async_nats::ConnectOptions::new()
             .name(name)
             .subscription_capacity(SUBSCRIPTION_CAPACITY)
             .connection_timeout(Duration::from_secs(5))
             .request_timeout(Some(Duration::from_secs(10)))
+            // A refused publish or subscribe (permissions) is logged with
+            // the subject: the server says so only asynchronously.
+            .event_callback(|ev| async move {
+                match ev {
+                    async_nats::Event::ServerError(e) => {
+                        tracing::warn!(error = %e, "NATS server error");
+                    }
+                    async_nats::Event::ClientError(e) => {
+                        tracing::warn!(error = %e, "NATS client error");
+                    }
+                    _ => {}
+                }
+            });
+        let client = access
+            .apply(opts, subjects.namespace())
             .connect(servers)
             .await
             .map_err(|e| BusError::Connect {
                 url: url.into(),
-                reason: e.to_string(),
+                reason: connect_hint(&e.to_string(), access),
             })?;
         let js = jetstream::new(client.clone());
         // The servers the cluster itself advertises count too: a node given

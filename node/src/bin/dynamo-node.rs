@@ -54,6 +54,14 @@ struct Args {
     /// default: the spec's `gateway.listen`).
     #[arg(long)]
     http_listen: Option<std::net::SocketAddr>,
+    /// PEM file of the CA that signed the NATS servers' certificates (with
+    /// --join): TLS is then required.
+    #[arg(long, env = env::NATS_CA)]
+    nats_ca: Option<PathBuf>,
+    /// Directory of NATS role seeds (`<role>.nk`, from `dynamoctl
+    /// nats-auth`; with --join): each actor connects as its role.
+    #[arg(long, env = env::NATS_CREDENTIALS)]
+    nats_credentials: Option<PathBuf>,
     /// Serve this node's Prometheus metrics on `host:port` (`GET /metrics`);
     /// overrides the config's `[metrics] listen`.
     #[arg(long)]
@@ -107,10 +115,15 @@ fn main() {
                 memory_mib: args.memory_mib,
                 http_listen: args.http_listen,
             };
+            let access = dynamo_node::config::NatsAccess {
+                ca_file: args.nats_ca.clone(),
+                credentials: args.nats_credentials.clone(),
+            };
             let mut c = NodeConfig::joined(
                 &node_id,
                 &args.namespace,
                 url,
+                access,
                 join,
                 args.roles.iter().any(|r| r == "controller"),
                 args.roles.iter().any(|r| r == "planner"),

@@ -138,6 +138,23 @@ enum Cmd {
         #[command(subcommand)]
         cmd: dynamo_node::index_cli::IndexCmd,
     },
+    /// NATS users for servers you run: one nkey user per role and
+    /// namespace, each allowed only its own subjects. Writes `auth.conf`
+    /// (include it in every server's config), `<namespace>/<role>.nk` seeds
+    /// for nodes and operators, and with `--tls-names` a CA and server
+    /// certificate (`tls/`).
+    NatsAuth {
+        /// Directory to write into (must not hold an auth.conf).
+        #[arg(long)]
+        out: std::path::PathBuf,
+        /// Namespaces to make users for (repeat).
+        #[arg(long = "namespace", required = true)]
+        namespaces: Vec<String>,
+        /// Also make TLS files for these server names or addresses
+        /// (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        tls_names: Vec<String>,
+    },
     /// Gateway API keys: `keys new --name NAME`.
     Keys {
         #[command(subcommand)]
@@ -381,6 +398,19 @@ fn main() {
             Cmd::Consumers { cmd } => dynamo_node::js_cli::run_consumers(cmd).await,
             Cmd::Events { cmd } => dynamo_node::js_cli::run_events(cmd).await,
             Cmd::Index { cmd } => dynamo_node::index_cli::run(cmd).await,
+            Cmd::NatsAuth {
+                out,
+                namespaces,
+                tls_names,
+            } => {
+                let written = dynamo_node::nats_auth_cli::write(&out, &namespaces, &tls_names)?;
+                println!("{written}");
+                eprintln!(
+                    "servers: `include auth.conf` in their config; nodes: [nats] credentials = \"<dir>/<namespace>\" (or --nats-credentials); dynamoctl: ${}=<dir>/<namespace>",
+                    dynamo_node::env::NATS_CREDENTIALS
+                );
+                Ok(())
+            }
             Cmd::Keys {
                 cmd:
                     KeysCmd::New {

@@ -200,3 +200,105 @@ fn the_router_timing_model_is_checked() {
         }
     }
 }
+
+#[test]
+fn nats_and_gateway_security_settings_are_checked() {
+    let gw = "[gateway]\nlisten = \"127.0.0.1:1\"\n";
+    // An embedded server is secured by default.
+    let c = parse(&format!(
+        "node_id = \"a\"\n[nats]\nurl = \"embedded\"\n{gw}"
+    ))
+    .unwrap();
+    assert_eq!(
+        c.nats,
+        NatsSpec::Embedded {
+            port: 0,
+            tls: true,
+            auth: true
+        }
+    );
+    let c = parse(&format!(
+        "node_id = \"a\"\n[nats]\nurl = \"embedded\"\ntls = false\nauth = false\n{gw}"
+    ))
+    .unwrap();
+    assert!(matches!(
+        c.nats,
+        NatsSpec::Embedded {
+            tls: false,
+            auth: false,
+            ..
+        }
+    ));
+    // tls:// URLs are servers given by URL.
+    let c = parse(&format!(
+        "node_id = \"a\"\n[nats]\nurl = \"tls://h1:4222,tls://h2:4222\"\n{gw}"
+    ))
+    .unwrap();
+    assert_eq!(c.nats, NatsSpec::Url("tls://h1:4222,tls://h2:4222".into()));
+
+    let dir = tempfile::tempdir().unwrap();
+    let pki = dynamo_runtime::tls::Pki::generate("t", &["127.0.0.1"]).unwrap();
+    let f = pki.write(dir.path()).unwrap();
+    let creds = dir.path().join("creds");
+    dynamo_runtime::Credentials::generate()
+        .unwrap()
+        .write(&creds)
+        .unwrap();
+    let ok = parse(&format!(
+        "node_id = \"a\"\n[nats]\nurl = \"tls://h:1\"\nca_file = {:?}\ncredentials = {:?}\n[gateway]\nlisten = \"127.0.0.1:1\"\ntls_cert = {:?}\ntls_key = {:?}\n",
+        f.ca.display().to_string(),
+        creds.display().to_string(),
+        f.cert.display().to_string(),
+        f.key.display().to_string()
+    ))
+    .unwrap();
+    assert_eq!(ok.nats_access.ca_file.as_deref(), Some(f.ca.as_path()));
+    assert!(ok.gateway.unwrap().tls.is_some());
+
+    let missing = dir.path().join("missing.pem").display().to_string();
+    for (text, key) in [
+        (
+            "[nats]\nurl = \"embedded\"\nca_file = \"x\"\n",
+            "nats.ca_file",
+        ),
+        ("[nats]\nurl = \"nats://h:1\"\ntls = true\n", "nats.tls"),
+        (
+            &*format!("[nats]\nurl = \"nats://h:1\"\nca_file = {missing:?}\n"),
+            "nats.ca_file",
+        ),
+        (
+            &*format!(
+                "[nats]\nurl = \"nats://h:1\"\ncredentials = {:?}\n",
+                dir.path().join("empty").display().to_string()
+            ),
+            "nats.credentials",
+        ),
+        ("[nats]\nurl = \"http://h:1\"\n", "nats.url"),
+    ] {
+        let e = parse(&format!("node_id = \"a\"\n{text}{gw}"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(key), "{text}: {e}");
+    }
+    for (text, key) in [
+        (
+            format!("tls_cert = {:?}\n", f.cert.display().to_string()),
+            "gateway.tls_key",
+        ),
+        (
+            format!("tls_key = {:?}\n", f.key.display().to_string()),
+            "gateway.tls_cert",
+        ),
+        (
+            format!("tls_cert = {missing:?}\ntls_key = {missing:?}\n"),
+            "gateway.tls_cert",
+        ),
+    ] {
+        let e = parse(&format!(
+            "node_id = \"a\"\n[nats]\nurl = \"embedded\"\n{gw}{text}"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains(key), "{text}: {e}");
+    }
+}

@@ -1,0 +1,110 @@
+//! `dynamoctl nats-auth`: NATS users for a cluster whose servers you run.
+//!
+//! For each namespace it makes one nkey user per role and writes:
+//! - `<out>/auth.conf`: the nats-server `authorization` block (public keys
+//!   and each role's subject permissions) to `include` in every server's
+//!   configuration;
+//! - `<out>/<namespace>/<role>.nk`: the seeds (0600, directories 0700),
+//!   handed to nodes (`[nats] credentials`, `--nats-credentials`) and to
+//!   operators (`$DYNAMO_NATS_CREDENTIALS`, whose `admin.nk` `dynamoctl`
+//!   uses). Give each host only the roles it runs;
+//! - with `--tls-names`: `<out>/tls/{ca,cert,key}.pem`, a CA and a server
+//!   certificate for those names, for the servers' `tls {}` block and the
+//!   gateway's HTTPS (the CA's key is not kept: make a new set to add a
+//!   server name).
+//!
+//! Nothing is overwritten: an existing `<out>/auth.conf` is an error.
+
+use dynamo_bus_schema::access::{authorization, User};
+use dynamo_bus_schema::Namespace;
+use dynamo_runtime::tls::Pki;
+use dynamo_runtime::Credentials;
+use std::path::Path;
+
+/// Writes the users of `namespaces` (and TLS files for `tls_names`) into
+/// `out`; returns what was written, one path a line.
+pub fn write(out: &Path, namespaces: &[String], tls_names: &[String]) -> anyhow::Result<String> {
+    if namespaces.is_empty() {
+        anyhow::bail!("give at least one --namespace");
+    }
+    let auth_file = out.join("auth.conf");
+    if auth_file.exists() {
+        anyhow::bail!(
+            "{} exists: choose another --out (nothing was written)",
+            auth_file.display()
+        );
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    let mut users = Vec::new();
+    let mut creds = Vec::new();
+    for n in namespaces {
+        let ns = Namespace::new(n).map_err(|e| anyhow::anyhow!("--namespace {n:?}: {e}"))?;
+        if !seen.insert(n.clone()) {
+            anyhow::bail!("--namespace {n:?} is given twice");
+        }
+        let c = Credentials::generate()?;
+        for (role, nkey) in c.public_keys() {
+            users.push(User {
+                role,
+                namespace: ns.clone(),
+                nkey,
+            });
+        }
+        creds.push((n.clone(), c));
+    }
+    let pki = if tls_names.is_empty() {
+        None
+    } else {
+        let names: Vec<&str> = tls_names.iter().map(String::as_str).collect();
+        Some(Pki::generate("dynamo", &names)?)
+    };
+    std::fs::create_dir_all(out)?;
+    let mut written = Vec::new();
+    for (n, c) in &creds {
+        let dir = out.join(n);
+        c.write(&dir)?;
+        written.push(format!("{}/ (one <role>.nk seed per role)", dir.display()));
+    }
+    if let Some(pki) = pki {
+        let dir = out.join("tls");
+        std::fs::create_dir_all(&dir)?;
+        let f = pki.write(&dir)?;
+        written.push(format!(
+            "{} {} {}",
+            f.ca.display(),
+            f.cert.display(),
+            f.key.display()
+        ));
+    }
+    dynamo_runtime::tls::write_file(&auth_file, &authorization(&users), false)?;
+    written.push(auth_file.display().to_string());
+    Ok(written.join("\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_users_seeds_and_certificates_and_never_overwrites() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("auth");
+        let names = ["127.0.0.1".to_string()];
+        write(&out, &["t1".into(), "t2".into()], &names).unwrap();
+        let conf = std::fs::read_to_string(out.join("auth.conf")).unwrap();
+        assert_eq!(conf.matches("nkey:").count(), 14, "7 roles × 2 namespaces");
+        let worker = Credentials::read(&out.join("t1")).unwrap();
+        let key = worker
+            .seed(dynamo_bus_schema::access::Role::Worker)
+            .unwrap()
+            .public_key();
+        assert!(conf.contains(&key));
+        assert!(out.join("tls/ca.pem").is_file());
+        let again = write(&out, &["t1".into()], &[]).unwrap_err().to_string();
+        assert!(again.contains("exists"), "{again}");
+        let bad = write(&dir.path().join("x"), &["a.b".into()], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(bad.contains("--namespace"), "{bad}");
+    }
+}
