@@ -24,8 +24,12 @@
 #   SLOTS=N             slots per node (default 4)
 #   RESTART=0           report exited nodes but do not restart them
 #   DRAIN_S=N           on Ctrl-C, kill a node still draining after N s (60)
-#   DYNAMO_STATE_DIR=D  where the NATS URL is written for `dynamoctl`
-#                       (default: the directory dynamoctl looks in)
+#   DYNAMO_STATE_DIR=D  where the NATS URL (and the CA and admin seed) are
+#                       written for `dynamoctl` (default: where it looks)
+#   SECURE=0            plain NATS with no users (default 1: TLS from a CA
+#                       made here, and one NATS user per role from
+#                       `dynamoctl nats-auth`; every node connects with the
+#                       CA and its roles' seeds)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SPEC=${1:?usage: run_cluster.sh SPEC "PORTS" WORKERS}
@@ -38,6 +42,7 @@ SLOTS=${SLOTS:-4}
 RESTART=${RESTART:-1}
 DRAIN_S=${DRAIN_S:-60}
 STATE_DIR=${DYNAMO_STATE_DIR:-${TMPDIR:-/tmp}/dynamo-state}
+SECURE=${SECURE:-1}
 spec="cluster-config/examples/$SPEC.yaml"
 [ -f "$spec" ] || spec="$SPEC"
 [ -f "$spec" ] || { echo "no spec cluster-config/examples/$SPEC.yaml or $SPEC" >&2; exit 2; }
@@ -48,6 +53,21 @@ run=$(mktemp -d -t "dynamo-$name.XXXXXX")
 mkdir -p "$STATE_DIR"
 namespace=default
 url_file="$STATE_DIR/$namespace.nats-url"
+ca_state="$STATE_DIR/$namespace.nats-ca.pem"
+creds_state="$STATE_DIR/$namespace.nats-creds"
+# Secure by default: a CA and server certificate for this machine, and a
+# NATS user per role (each allowed only its own subjects in the namespace).
+scheme=nats
+server_security=""
+if [ "$SECURE" = 1 ]; then
+    "$BIN/dynamoctl" nats-auth --out "$run/auth" --namespace "$namespace" \
+        --tls-names 127.0.0.1,localhost >/dev/null
+    scheme=tls
+    server_security="tls { cert_file: \"$run/auth/tls/cert.pem\", key_file: \"$run/auth/tls/key.pem\", timeout: 5 }
+include \"auth/auth.conf\""
+    export DYNAMO_NATS_CA="$run/auth/tls/ca.pem"
+    export DYNAMO_NATS_CREDENTIALS="$run/auth/$namespace"
+fi
 
 read -r -a ports <<<"$PORTS"
 p1=${ports[0]:?"give at least one gateway port"}
@@ -73,14 +93,18 @@ stopping=0
 # this script only, which stops the nodes first and NATS last.
 nats_names=()
 for i in $(seq 0 $((NATS_SERVERS - 1))); do nats_names+=("nats$i"); done
-nats_urls=$(for i in $(seq 0 $((NATS_SERVERS - 1))); do printf 'nats://127.0.0.1:%s,' $((NATS_PORT + i)); done)
+nats_urls=$(for i in $(seq 0 $((NATS_SERVERS - 1))); do printf '%s://127.0.0.1:%s,' "$scheme" $((NATS_PORT + i)); done)
 nats_urls=${nats_urls%,}
 
 # Starts NATS server `natsI` (one alone, or one member of the cluster).
 start_nats() {
     local i=${1#nats} port=$((NATS_PORT + ${1#nats}))
     if [ "$NATS_SERVERS" = 1 ]; then
-        setsid nats-server -js -a 127.0.0.1 -p "$port" -sd "$run/jetstream" >>"$run/$1.log" 2>&1 &
+        cat >"$run/$1.conf" <<CONF
+listen: "127.0.0.1:$port"
+jetstream { store_dir: "$run/jetstream" }
+$server_security
+CONF
     else
         local routes="" j
         for j in $(seq 0 $((NATS_SERVERS - 1))); do
@@ -92,9 +116,10 @@ listen: "127.0.0.1:$port"
 http: "127.0.0.1:$((NATS_PORT + 200 + i))"
 jetstream { store_dir: "$run/jetstream$i" }
 cluster { name: dynamo, listen: "127.0.0.1:$((NATS_PORT + 100 + i))", routes: [${routes%,}] }
+$server_security
 CONF
-        setsid nats-server -c "$run/$1.conf" >>"$run/$1.log" 2>&1 &
     fi
+    setsid nats-server -c "$run/$1.conf" >>"$run/$1.log" 2>&1 &
     pid[$1]=$!
     for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && return; sleep 0.1; done
     echo "NATS server $1 did not start; see $run/$1.log" >&2
@@ -140,7 +165,9 @@ stop() {
     done
     for c in "${nats_names[@]}"; do signal TERM "$c"; done
     for c in "${nats_names[@]}"; do [ -n "${pid[$c]:-}" ] && { wait "${pid[$c]}" 2>/dev/null || true; }; done
-    [ "$(cat "$url_file" 2>/dev/null)" = "$nats_urls" ] && rm -f "$url_file"
+    if [ "$(cat "$url_file" 2>/dev/null)" = "$nats_urls" ]; then
+        rm -rf "$url_file" "$ca_state" "$creds_state"
+    fi
     echo "stopped; logs kept in $run"
     exit 0
 }
@@ -166,6 +193,13 @@ if [ "$NATS_SERVERS" -gt 1 ]; then
 fi
 export DYNAMO_NATS_URL="$nats_urls"
 echo "$DYNAMO_NATS_URL" >"$url_file"
+# dynamoctl finds the CA and the admin seed beside the URL.
+rm -rf "$ca_state" "$creds_state"
+if [ "$SECURE" = 1 ]; then
+    cp "$DYNAMO_NATS_CA" "$ca_state"
+    mkdir -m 700 "$creds_state"
+    cp "$DYNAMO_NATS_CREDENTIALS/admin.nk" "$creds_state/"
+fi
 for c in "${configs[@]}"; do start_node "$c"; done
 # Every node in the inventory before the spec is placed (else the first
 # nodes to join take every replica, and nothing moves them later).

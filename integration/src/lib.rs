@@ -559,6 +559,32 @@ pub async fn registrations_in(
     let client = async_nats::connect(nats_url)
         .await
         .expect("connect to NATS");
+    registrations_via(client, namespace).await
+}
+
+/// A connection as the admin of `namespace`, with the CA and admin seed a
+/// node or `scripts/run_cluster.sh` left in `state_dir` for `dynamoctl`.
+pub async fn admin_client(
+    nats_url: &str,
+    namespace: &str,
+    state_dir: &std::path::Path,
+) -> async_nats::Client {
+    let seed = std::fs::read_to_string(state_dir.join(format!("{namespace}.nats-creds/admin.nk")))
+        .expect("the admin seed in the state directory");
+    async_nats::ConnectOptions::new()
+        .add_root_certificates(state_dir.join(format!("{namespace}.nats-ca.pem")))
+        .require_tls(true)
+        .nkey(seed.trim().to_string())
+        .connect(nats_url)
+        .await
+        .expect("connect to NATS as admin")
+}
+
+/// Every worker registration in `namespace`'s bucket, read over `client`.
+pub async fn registrations_via(
+    client: async_nats::Client,
+    namespace: &str,
+) -> Vec<dynamo_bus_schema::WorkerRegistration> {
     let kv = async_nats::jetstream::new(client)
         .get_key_value(format!("dynamo_{namespace}_workers"))
         .await

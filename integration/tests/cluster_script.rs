@@ -2,7 +2,8 @@
 //! (what `make run-ha` runs: four labelled nodes placing
 //! `cluster-config/examples/ha.yaml`) keeps serving when a node dies, restarts it,
 //! lets `dynamoctl` find the bus without flags, and stops everything on
-//! Ctrl-C (SIGINT to its process group).
+//! Ctrl-C (SIGINT to its process group). By default its NATS runs with TLS
+//! and a user per role (`dynamoctl nats-auth`); `SECURE=0` runs it plain.
 
 use dynamo_integration::*;
 use std::io::{BufRead, BufReader};
@@ -146,7 +147,20 @@ async fn run_ha_survives_a_killed_worker_and_stops_on_ctrl_c() {
     script
         .wait_for("serving on 127.0.0.1", Duration::from_secs(60))
         .await;
-    let nats_url = format!("nats://127.0.0.1:{nats_port}");
+    // Secure by default: TLS, and users per role.
+    let nats_url = format!("tls://127.0.0.1:{nats_port}");
+    let anonymous = async_nats::ConnectOptions::new()
+        .add_root_certificates(state.path().join("default.nats-ca.pem"))
+        .connect(&nats_url)
+        .await;
+    assert!(anonymous.is_err(), "a client without a user connected");
+    let registrations = || async {
+        registrations_via(
+            admin_client(&nats_url, "default", state.path()).await,
+            "default",
+        )
+        .await
+    };
 
     // Twelve concurrent greedy streams through the first gateway.
     let streams = Streams::start(ports[0], (0..12).map(prompt).collect(), 200).await;
@@ -154,7 +168,7 @@ async fn run_ha_survives_a_killed_worker_and_stops_on_ctrl_c() {
     // router's live count says which).
     let (busiest, served) = busiest_worker(&Http::new(ports[0])).await;
     assert!(served > 0);
-    let regs = registrations_in(&nats_url, "default").await;
+    let regs = registrations().await;
     let victim = regs
         .iter()
         .find(|r| r.worker_id.to_string() == busiest)
@@ -175,7 +189,7 @@ async fn run_ha_survives_a_killed_worker_and_stops_on_ctrl_c() {
     let http = Http::new(ports[1]);
     let t0 = Instant::now();
     loop {
-        let live = registrations_in(&nats_url, "default")
+        let live = registrations()
             .await
             .into_iter()
             .filter(|r| r.pid != victim)
@@ -235,13 +249,21 @@ async fn run_ha_survives_a_killed_worker_and_stops_on_ctrl_c() {
         );
     }
     assert!(!state.path().join("default.nats-url").exists());
+    assert!(!state.path().join("default.nats-ca.pem").exists());
+    assert!(!state.path().join("default.nats-creds").exists());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_restart_off_an_exited_node_stays_down_and_two_ctrl_c_stop_everything() {
     let state = tempfile::tempdir().unwrap();
     let (nats_port, ports) = (free_port(), [free_port(), free_port()]);
-    let mut script = Script::start_with(nats_port, ports, state.path(), &[("RESTART", "0")]);
+    // Plain NATS (SECURE=0) keeps working too.
+    let mut script = Script::start_with(
+        nats_port,
+        ports,
+        state.path(),
+        &[("RESTART", "0"), ("SECURE", "0")],
+    );
     script
         .wait_for("serving on 127.0.0.1", Duration::from_secs(60))
         .await;
