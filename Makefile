@@ -72,10 +72,11 @@ fuzz: deps
 	DYNAMO_FUZZ_CASES=$${DYNAMO_FUZZ_CASES:-200000} $(CARGO) test -p dynamo-bus-schema --test wire_snapshot
 	DYNAMO_FUZZ_CASES=$${DYNAMO_FUZZ_CASES:-50000} $(CARGO) test -p dynamo-integration --test fuzz -- --nocapture
 
-## bench: the benchmarks in BENCHMARKS.md (serving path, overload, KV index, KV routing replay, router catch-up, CPU engine, failover, transfer, placement, cluster timings, planner, external engine overhead)
+## bench: the benchmarks in BENCHMARKS.md (serving path, overload, security overhead, KV index, KV routing replay, router catch-up, CPU engine, failover, transfer, placement, cluster timings, planner, external engine overhead)
 bench: build
 	./scripts/bench.sh
 	./scripts/overload_bench.sh
+	./scripts/security_bench.sh
 	$(CARGO) run --release -q -p dynamo-kv-index --example index_report
 	./scripts/replay_bench.sh
 	$(CARGO) test --release -q -p dynamo-integration --test catch_up_bench -- --ignored --nocapture catch_up_bench

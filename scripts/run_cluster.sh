@@ -50,7 +50,7 @@ spec="cluster-config/examples/$SPEC.yaml"
 "$BIN/dynamoctl" apply -f "$spec" --dry-run
 name=$(basename "$spec" .yaml)
 run=$(mktemp -d -t "dynamo-$name.XXXXXX")
-mkdir -p "$STATE_DIR"
+mkdir -p -m 700 "$STATE_DIR"
 namespace=default
 url_file="$STATE_DIR/$namespace.nats-url"
 ca_state="$STATE_DIR/$namespace.nats-ca.pem"
@@ -59,14 +59,24 @@ creds_state="$STATE_DIR/$namespace.nats-creds"
 # NATS user per role (each allowed only its own subjects in the namespace).
 scheme=nats
 server_security=""
+route_auth=""
+route_security=""
+node_security=()
 if [ "$SECURE" = 1 ]; then
     "$BIN/dynamoctl" nats-auth --out "$run/auth" --namespace "$namespace" \
         --tls-names 127.0.0.1,localhost >/dev/null
     scheme=tls
     server_security="tls { cert_file: \"$run/auth/tls/cert.pem\", key_file: \"$run/auth/tls/key.pem\", timeout: 5 }
 include \"auth/auth.conf\""
+    # Routes between servers: TLS both ways and a password of their own.
+    route_pw=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
+    route_auth="route:$route_pw@"
+    route_security="authorization { user: route, password: \"$route_pw\" }
+  tls { cert_file: \"$run/auth/tls/cert.pem\", key_file: \"$run/auth/tls/key.pem\", ca_file: \"$run/auth/tls/ca.pem\", timeout: 5 }"
     export DYNAMO_NATS_CA="$run/auth/tls/ca.pem"
-    export DYNAMO_NATS_CREDENTIALS="$run/auth/$namespace"
+    # dynamoctl is the operator (admin); nodes get their roles' seeds.
+    export DYNAMO_NATS_CREDENTIALS="$run/auth/$namespace.admin"
+    node_security=(--nats-ca "$DYNAMO_NATS_CA" --nats-credentials "$run/auth/$namespace")
 fi
 
 read -r -a ports <<<"$PORTS"
@@ -108,14 +118,17 @@ CONF
     else
         local routes="" j
         for j in $(seq 0 $((NATS_SERVERS - 1))); do
-            [ "$j" = "$i" ] || routes="$routes nats-route://127.0.0.1:$((NATS_PORT + 100 + j)),"
+            [ "$j" = "$i" ] || routes="$routes nats-route://${route_auth}127.0.0.1:$((NATS_PORT + 100 + j)),"
         done
         cat >"$run/$1.conf" <<CONF
 server_name: $1
 listen: "127.0.0.1:$port"
 http: "127.0.0.1:$((NATS_PORT + 200 + i))"
 jetstream { store_dir: "$run/jetstream$i" }
-cluster { name: dynamo, listen: "127.0.0.1:$((NATS_PORT + 100 + i))", routes: [${routes%,}] }
+cluster {
+  name: dynamo, listen: "127.0.0.1:$((NATS_PORT + 100 + i))", routes: [${routes%,}]
+  $route_security
+}
 $server_security
 CONF
     fi
@@ -128,7 +141,7 @@ CONF
 start_node() {
     # shellcheck disable=SC2086 # extra holds separate flags
     setsid "$BIN/dynamo-node" --join "$nats_urls" --namespace "$namespace" \
-        --node-id "$1" --labels "${labels[$1]}" --slots "$SLOTS" ${extra[$1]} >>"$run/$1.log" 2>&1 &
+        --node-id "$1" --labels "${labels[$1]}" --slots "$SLOTS" "${node_security[@]}" ${extra[$1]} >>"$run/$1.log" 2>&1 &
     pid[$1]=$!
     echo "$1: pid ${pid[$1]} (log $run/$1.log)"
 }
@@ -199,6 +212,7 @@ if [ "$SECURE" = 1 ]; then
     cp "$DYNAMO_NATS_CA" "$ca_state"
     mkdir -m 700 "$creds_state"
     cp "$DYNAMO_NATS_CREDENTIALS/admin.nk" "$creds_state/"
+    chmod 600 "$creds_state/admin.nk"
 fi
 for c in "${configs[@]}"; do start_node "$c"; done
 # Every node in the inventory before the spec is placed (else the first

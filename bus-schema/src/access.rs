@@ -1,26 +1,32 @@
 //! Who may publish and read what on the bus: one NATS user per role and
 //! namespace, and the subject permissions of each.
 //!
-//! The matrix is [`permissions`]; [`authorization`] renders it as a
-//! nats-server `authorization` block naming each user by its nkey, and
-//! [`allows`] answers it the way the server would (tests check the two
-//! agree against a real server).
+//! The matrix is [`permissions`]; [`accounts`] renders it as a nats-server
+//! `accounts` block (one account per namespace) naming each user by its
+//! nkey, and [`allows`] answers it the way the server would (tests check
+//! the two agree against a real server).
 //!
 //! Invariants:
-//! - every subject, stream and inbox a non-admin role is allowed lies in
-//!   its own namespace (`dynamo.<ns>.…`, `dynamo_<ns>_…` streams,
-//!   `_INBOX.<ns>.…`), so no credential reads or writes another one;
+//! - each namespace is a NATS account of its own: nothing of one namespace
+//!   is reachable with a credential of another, the admin's included;
+//! - within it, every subject, stream and inbox a non-admin role is
+//!   allowed lies in its own namespace (`dynamo.<ns>.…`, `dynamo_<ns>_…`
+//!   streams, `_INBOX.<ns>.…`);
 //! - a worker may publish neither a request to a worker
 //!   (`worker.*.generate`), nor on router subjects (`router.…`), nor the
 //!   gateways' traffic summaries, nor into the desired state (deployments,
 //!   assignments, controller, planner, pins), nor subscribe to a gateway's
-//!   frames;
+//!   frames, nor make streams or consumers (see [`stream_api`] for why
+//!   consumers matter);
 //! - only the admin role may delete or purge a stream it does not own.
 //!
 //! What a static matrix cannot say: workers of one namespace share a user,
-//! so one worker may subscribe to another's subjects. Per-instance users
-//! would need the server reloaded at every scale; the namespace and the
-//! role are the boundary here.
+//! so one worker may subscribe to another's subjects or overwrite another's
+//! registration; and a role that may make consumers (router, gateway,
+//! node, controller, planner) may deliver a stream's messages to any
+//! subject of its namespace. Per-instance users would need the server
+//! reloaded at every scale; the namespace (account) and the role are the
+//! boundary here.
 
 use crate::subjects::{Namespace, Subjects};
 use std::fmt;
@@ -106,6 +112,10 @@ pub struct Permissions {
 /// How a role uses one JetStream stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Use {
+    /// Look it up (stream info) and nothing else.
+    Info,
+    /// Info, and write KV entries or objects, without reading any.
+    Put,
     /// Look up, get messages, make consumers (watch, keys, replay).
     Read,
     /// Read, and create the stream if missing or raise its replicas
@@ -116,31 +126,51 @@ enum Use {
     Write,
 }
 
+impl Use {
+    fn reads(self) -> bool {
+        matches!(self, Use::Read | Use::Open | Use::Write)
+    }
+    fn opens(self) -> bool {
+        matches!(self, Use::Open | Use::Write)
+    }
+    fn writes(self) -> bool {
+        matches!(self, Use::Put | Use::Write)
+    }
+}
+
 /// The JetStream API subjects for one stream.
+///
+/// Making consumers is a read right, but a strong one: a consumer's
+/// deliver subject is not checked against its maker's publish rights
+/// (nats-server#8274), so whoever may make consumers on a stream can
+/// deliver its messages to any subject of the account. Roles that need no
+/// reads (workers) get none.
 fn stream_api(stream: &str, how: Use, p: &mut Permissions) {
     let api = |verb: &str| format!("$JS.API.{verb}.{stream}");
-    for verb in [
-        "STREAM.INFO",
-        "STREAM.MSG.GET",
-        "DIRECT.GET",
-        "CONSUMER.CREATE",
-        "CONSUMER.DURABLE.CREATE",
-    ] {
-        p.publish.push(api(verb));
+    p.publish.push(api("STREAM.INFO"));
+    if how.reads() {
+        for verb in [
+            "STREAM.MSG.GET",
+            "DIRECT.GET",
+            "CONSUMER.CREATE",
+            "CONSUMER.DURABLE.CREATE",
+        ] {
+            p.publish.push(api(verb));
+        }
+        for verb in [
+            "DIRECT.GET",
+            "CONSUMER.CREATE",
+            "CONSUMER.DURABLE.CREATE",
+            "CONSUMER.INFO",
+            "CONSUMER.DELETE",
+            "CONSUMER.MSG.NEXT",
+        ] {
+            p.publish.push(format!("{}.>", api(verb)));
+        }
+        p.publish.push(format!("$JS.ACK.{stream}.>"));
+        p.publish.push(format!("$JS.FC.{stream}.>"));
     }
-    for verb in [
-        "DIRECT.GET",
-        "CONSUMER.CREATE",
-        "CONSUMER.DURABLE.CREATE",
-        "CONSUMER.INFO",
-        "CONSUMER.DELETE",
-        "CONSUMER.MSG.NEXT",
-    ] {
-        p.publish.push(format!("{}.>", api(verb)));
-    }
-    p.publish.push(format!("$JS.ACK.{stream}.>"));
-    p.publish.push(format!("$JS.FC.{stream}.>"));
-    if how != Use::Read {
+    if how.opens() {
         p.publish.push(api("STREAM.CREATE"));
         p.publish.push(api("STREAM.UPDATE"));
     }
@@ -148,7 +178,7 @@ fn stream_api(stream: &str, how: Use, p: &mut Permissions) {
 
 fn kv(bucket: &str, how: Use, p: &mut Permissions) {
     stream_api(&format!("KV_{bucket}"), how, p);
-    if how == Use::Write {
+    if how.writes() {
         p.publish.push(format!("$KV.{bucket}.>"));
     }
 }
@@ -156,7 +186,7 @@ fn kv(bucket: &str, how: Use, p: &mut Permissions) {
 fn objects(bucket: &str, how: Use, p: &mut Permissions) {
     let stream = format!("OBJ_{bucket}");
     stream_api(&stream, how, p);
-    if how == Use::Write {
+    if how.writes() {
         p.publish.push(format!("$O.{bucket}.>"));
         p.publish.push(format!("$JS.API.STREAM.PURGE.{stream}"));
     }
@@ -168,7 +198,8 @@ pub fn permissions(role: Role, s: &Subjects) -> Permissions {
     let base = format!("dynamo.{ns}");
     let mut p = Permissions::default();
     if role == Role::Admin {
-        // The operator's CLI: streams, buckets, events of any namespace.
+        // The operator's CLI: every stream, bucket and event of its
+        // namespace (its account: nothing of another).
         p.publish.push(">".into());
         p.subscribe.push(">".into());
         return p;
@@ -212,12 +243,17 @@ pub fn permissions(role: Role, s: &Subjects) -> Permissions {
             p.publish.push(format!("{base}.worker.{w}.transfer"));
             p.publish.push(format!("{base}.worker.{w}.cancel"));
             p.subscribe.push(format!("{base}.worker.{w}.*"));
-            kv(&s.workers_bucket(), Use::Write, &mut p);
-            stream_api(&s.kv_events_stream(), Use::Open, &mut p);
+            // Its registration, written blind; the node makes the bucket
+            // and the event stream before any worker starts.
+            kv(&s.workers_bucket(), Use::Put, &mut p);
+            stream_api(&s.kv_events_stream(), Use::Info, &mut p);
         }
         Role::Node => {
             p.subscribe.push(format!("{base}.node.{w}.fault"));
             p.subscribe.push(format!("{base}.node.{w}.presence"));
+            // Made here for its workers, which may not make streams.
+            kv(&s.workers_bucket(), Use::Open, &mut p);
+            stream_api(&s.kv_events_stream(), Use::Open, &mut p);
             kv(&s.nodes_bucket(), Use::Write, &mut p);
             kv(&s.assignments_bucket(), Use::Open, &mut p);
             kv(&s.weights_bucket(), Use::Write, &mut p);
@@ -263,29 +299,44 @@ pub struct User {
     pub nkey: String,
 }
 
-/// A nats-server `authorization { users = [...] }` block for these users,
-/// each with its role's permissions in its namespace. Replies go to the
-/// namespace's inboxes, which every role of it may publish to.
-pub fn authorization(users: &[User]) -> String {
+/// The name of a namespace's NATS account.
+pub fn account_name(ns: &Namespace) -> String {
+    format!("dynamo_{}", ns.as_str())
+}
+
+/// A nats-server `accounts { ... }` block for these users: one account
+/// per namespace, with JetStream, holding its users, each with its role's
+/// permissions. An account is a wall: no subject, stream or consumer of
+/// one namespace is reachable from another, whatever a role's rights.
+pub fn accounts(users: &[User]) -> String {
     let list = |v: &[String]| {
         v.iter()
             .map(|x| format!("{x:?}"))
             .collect::<Vec<_>>()
             .join(", ")
     };
-    let mut out = String::from("authorization {\n  users = [\n");
-    for u in users {
-        let p = permissions(u.role, &Subjects::new(u.namespace.clone()));
+    let mut namespaces: Vec<&Namespace> = users.iter().map(|u| &u.namespace).collect();
+    namespaces.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    namespaces.dedup_by(|a, b| a.as_str() == b.as_str());
+    let mut out = String::from("accounts {\n");
+    for ns in namespaces {
         out.push_str(&format!(
-            "    # {} of namespace {}\n    {{ nkey: {:?}, permissions: {{ publish: {{ allow: [{}] }}, subscribe: {{ allow: [{}] }} }} }}\n",
-            u.role,
-            u.namespace.as_str(),
-            u.nkey,
-            list(&p.publish),
-            list(&p.subscribe),
+            "  {:?}: {{\n    jetstream: enabled\n    users: [\n",
+            account_name(ns)
         ));
+        for u in users.iter().filter(|u| u.namespace.as_str() == ns.as_str()) {
+            let p = permissions(u.role, &Subjects::new(u.namespace.clone()));
+            out.push_str(&format!(
+                "      # {}\n      {{ nkey: {:?}, permissions: {{ publish: {{ allow: [{}] }}, subscribe: {{ allow: [{}] }} }} }}\n",
+                u.role,
+                u.nkey,
+                list(&p.publish),
+                list(&p.subscribe),
+            ));
+        }
+        out.push_str("    ]\n  }\n");
     }
-    out.push_str("  ]\n}\n");
+    out.push_str("}\n");
     out
 }
 
@@ -358,6 +409,19 @@ mod tests {
             assert!(!pubs(&format!("$JS.API.STREAM.DELETE.KV_{b}")), "{b}");
         }
         assert!(!pubs("$JS.API.STREAM.PURGE.KV_dynamo_t1_workers"));
+        // No streams or consumers of its own (a consumer's deliver subject
+        // would get round every rule above).
+        for api in [
+            "STREAM.CREATE.KV_dynamo_t1_workers",
+            "STREAM.UPDATE.KV_dynamo_t1_workers",
+            "STREAM.UPDATE.dynamo_t1_kv_events",
+            "CONSUMER.CREATE.KV_dynamo_t1_workers",
+            "CONSUMER.CREATE.dynamo_t1_kv_events.x.y",
+            "DIRECT.GET.KV_dynamo_t1_workers",
+        ] {
+            assert!(!pubs(&format!("$JS.API.{api}")), "{api}");
+        }
+        assert!(pubs("$JS.API.STREAM.INFO.KV_dynamo_t1_workers"));
         assert!(!allows(
             Role::Worker,
             &s,
@@ -406,8 +470,10 @@ mod tests {
             namespace: Namespace::new("t1").unwrap(),
             nkey: "UABC".into(),
         };
-        let conf = authorization(&[u]);
+        let conf = accounts(&[u]);
         assert!(conf.contains("nkey: \"UABC\""), "{conf}");
         assert!(conf.contains("\"dynamo.t1.load.*\""), "{conf}");
+        assert!(conf.contains("\"dynamo_t1\": {"), "{conf}");
+        assert!(conf.contains("jetstream: enabled"), "{conf}");
     }
 }

@@ -114,15 +114,25 @@ async fn keys_are_required_limited_per_model_and_rate_limited() {
     assert_eq!((s, code(&v)), (429, "rate_limit_tokens"), "{v}");
     assert!(retry.is_some());
 
-    // Metrics per key name, never the key.
+    // Metrics per key name and hashed id, never the key.
     let m = h.metrics_text().await;
+    let id = |k: &str| hex::encode(&dynamo_gateway::auth::hash_key(k)[..6]);
+    let (alpha, gamma) = (id("sk-alpha"), id("sk-gamma"));
     assert!(
-        m.contains("dynamo_gateway_key_requests_total{key=\"alpha\",status=\"200\"} 3"),
+        m.contains(&format!(
+            "dynamo_gateway_key_requests_total{{key=\"alpha\",key_id=\"{alpha}\",status=\"200\"}} 3"
+        )),
         "{m}"
     );
-    assert!(m.contains("dynamo_gateway_key_requests_total{key=\"alpha\",status=\"429\"} 1"));
-    assert!(m.contains("dynamo_gateway_key_requests_total{key=\"-\",status=\"401\"} 2"));
-    assert!(m.contains("dynamo_gateway_key_tokens_total{key=\"gamma\"} 204"));
+    assert!(m.contains(&format!(
+        "dynamo_gateway_key_requests_total{{key=\"alpha\",key_id=\"{alpha}\",status=\"429\"}} 1"
+    )));
+    assert!(
+        m.contains("dynamo_gateway_key_requests_total{key=\"-\",key_id=\"-\",status=\"401\"} 2")
+    );
+    assert!(m.contains(&format!(
+        "dynamo_gateway_key_tokens_total{{key=\"gamma\",key_id=\"{gamma}\"}} 204"
+    )));
     assert!(!m.contains("sk-"));
     assert!(node.alive());
 }

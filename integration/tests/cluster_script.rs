@@ -226,6 +226,23 @@ async fn run_ha_survives_a_killed_worker_and_stops_on_ctrl_c() {
     assert_eq!(workers.len(), 3, "{status}");
     assert!(workers.iter().all(|w| w["state"] == "serving"), "{status}");
 
+    // Every actor (gateways, routers, workers, controllers, planners,
+    // agents) worked within its role's permissions.
+    // (A restarted node appends to its log: one path per node.)
+    let logs: std::collections::BTreeSet<String> = script
+        .output()
+        .lines()
+        .filter_map(|l| l.split("(log ").nth(1)?.strip_suffix(')').map(str::to_string))
+        .collect();
+    assert_eq!(logs.len(), 4, "{}", script.output());
+    for log in &logs {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        assert!(
+            !text.contains("Permissions Violation"),
+            "{log}:\n{text}"
+        );
+    }
+
     // Ctrl-C: SIGINT to the script's whole process group stops everything.
     unsafe { libc::kill(-(script.child.id() as i32), libc::SIGINT) };
     let t0 = Instant::now();

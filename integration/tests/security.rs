@@ -39,8 +39,8 @@ fn make_auth(dir: &Path) -> PathBuf {
 /// A TLS nats-server whose users are those of `auth`.
 fn secure_nats(auth: &Path) -> Nats {
     let tls = auth.join("tls");
-    // (`include` paths are relative to the including file: the users are
-    // pasted in instead.)
+    // (`include` paths are relative to the including file: the accounts
+    // are pasted in instead.)
     let conf = format!(
         "tls {{ cert_file: {:?}, key_file: {:?}, timeout: 5 }}\n{}\n",
         tls.join("cert.pem").display().to_string(),
@@ -51,7 +51,13 @@ fn secure_nats(auth: &Path) -> Nats {
 }
 
 fn seed(auth: &Path, ns: &str, role: &str) -> String {
-    std::fs::read_to_string(auth.join(ns).join(format!("{role}.nk")))
+    // The operator's seed is kept apart from the nodes'.
+    let dir = if role == "admin" {
+        auth.join(format!("{ns}.admin"))
+    } else {
+        auth.join(ns)
+    };
+    std::fs::read_to_string(dir.join(format!("{role}.nk")))
         .unwrap()
         .trim()
         .to_string()
@@ -150,12 +156,21 @@ async fn a_worker_credential_is_refused_on_forbidden_subjects_and_other_namespac
             "{e}"
         );
     }
-    // JetStream of another namespace: the request goes nowhere.
-    let r = worker
-        .request("$JS.API.STREAM.INFO.KV_dynamo_other_workers", "".into())
-        .await;
-    assert!(r.is_err(), "another namespace's stream answered: {r:?}");
-    violation(&mut errors, "$JS.API.STREAM.INFO.KV_dynamo_other_workers").await;
+    // JetStream: nothing of another namespace, and no streams or consumers
+    // of its own (a consumer's deliver subject would get round every rule
+    // above): the requests go nowhere.
+    for subject in [
+        "$JS.API.STREAM.INFO.KV_dynamo_other_workers",
+        "$JS.API.STREAM.UPDATE.KV_dynamo_it_workers",
+        "$JS.API.STREAM.CREATE.KV_dynamo_it_deployments",
+        "$JS.API.CONSUMER.CREATE.KV_dynamo_it_workers",
+        "$JS.API.DIRECT.GET.KV_dynamo_it_workers",
+    ] {
+        let r = tokio::time::timeout(Duration::from_secs(2), worker.request(subject, "{}".into()))
+            .await;
+        assert!(!matches!(r, Ok(Ok(_))), "{subject} answered: {r:?}");
+        violation(&mut errors, subject).await;
+    }
 
     // What a worker must do goes through: its load, its KV events, frames
     // to a gateway.
@@ -345,7 +360,7 @@ async fn a_node_of_roles_serves_https_over_tls_nats_and_a_client_without_the_ca_
     };
     let ok = ctl(&[
         ("DYNAMO_NATS_CA", tls.join("ca.pem")),
-        ("DYNAMO_NATS_CREDENTIALS", auth.join("it")),
+        ("DYNAMO_NATS_CREDENTIALS", auth.join("it.admin")),
     ]);
     assert_success(&ok);
     let status: serde_json::Value = serde_json::from_slice(&ok.stdout).unwrap();
@@ -354,7 +369,7 @@ async fn a_node_of_roles_serves_https_over_tls_nats_and_a_client_without_the_ca_
         Some(2),
         "{status}"
     );
-    let no_ca = ctl(&[("DYNAMO_NATS_CREDENTIALS", auth.join("it"))]);
+    let no_ca = ctl(&[("DYNAMO_NATS_CREDENTIALS", auth.join("it.admin"))]);
     assert!(!no_ca.status.success());
     let err = String::from_utf8_lossy(&no_ca.stderr);
     assert!(

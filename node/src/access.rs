@@ -20,6 +20,16 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+/// The roles a node's processes take (never admin).
+pub const NODE_ROLES: [Role; 6] = [
+    Role::Gateway,
+    Role::Router,
+    Role::Worker,
+    Role::Node,
+    Role::Controller,
+    Role::Planner,
+];
+
 /// The node's connections.
 pub struct NodeBuses {
     url: String,
@@ -42,6 +52,16 @@ impl NodeBuses {
         base: BusAccess,
         creds: Option<Credentials>,
     ) -> anyhow::Result<Arc<Self>> {
+        // A node runs no operator: it never holds the admin seed.
+        let creds = creds.map(|c| {
+            if c.seed(Role::Admin).is_ok() {
+                tracing::warn!(
+                    dir = ?c.dir,
+                    "the node's credentials hold admin.nk: ignored (an operator's seed; keep it off nodes)"
+                );
+            }
+            c.only(&NODE_ROLES)
+        });
         let access = base.as_role(creds.as_ref(), Role::Node)?;
         let node = Bus::connect(url, name, subjects.clone(), &access).await?;
         Ok(Arc::new(NodeBuses {
@@ -60,9 +80,17 @@ impl NodeBuses {
         &self.node
     }
 
-    /// Whether connections present users (per-role permissions).
-    pub fn has_users(&self) -> bool {
-        self.creds.is_some()
+    /// Flushes every connection (bounded), so what actors published last
+    /// reaches the server before the process exits.
+    pub async fn flush_all(&self) {
+        let mut buses = vec![self.node.clone()];
+        buses.extend(self.roles.lock().await.values().cloned());
+        for b in buses {
+            if b.is_connected() {
+                let _ =
+                    tokio::time::timeout(std::time::Duration::from_secs(2), b.client.flush()).await;
+            }
+        }
     }
 
     /// The connection of `role` (made now if it is the first of its role).
@@ -87,6 +115,27 @@ impl NodeBuses {
     }
 }
 
+/// Makes the streams the node's workers write but may not make (their
+/// role has no such right): the workers bucket and the KV event stream.
+/// Bounded; a failure is logged (the workers then fail to start, naming
+/// it, and are retried). Run at start and whenever the node finds the
+/// server lost its JetStream state.
+pub async fn ensure_worker_streams(bus: &Bus) {
+    let limit = std::time::Duration::from_secs(5);
+    let name = bus.subjects.workers_bucket();
+    let workers = bus.kv_bucket(&name, dynamo_runtime::bus::REGISTRY_MAX_AGE);
+    match tokio::time::timeout(limit, workers).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "cannot make the workers bucket"),
+        Err(_) => tracing::warn!("making the workers bucket timed out"),
+    }
+    match tokio::time::timeout(limit, bus.ensure_kv_events_stream()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "cannot make the KV event stream"),
+        Err(_) => tracing::warn!("making the KV event stream timed out"),
+    }
+}
+
 /// Where a local node with an embedded server leaves, for the CLI, its CA
 /// (`<ns>.nats-ca.pem`) and the admin credentials (`<ns>.nats-creds/`).
 pub fn state_files(ns: &Namespace) -> (PathBuf, PathBuf, PathBuf) {
@@ -98,6 +147,39 @@ pub fn state_files(ns: &Namespace) -> (PathBuf, PathBuf, PathBuf) {
     )
 }
 
+/// Creates the state directory owner-only (an existing one is kept as it
+/// is: [`cli_access`] checks it before trusting what it holds).
+pub fn create_state_dir() -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(env::state_dir())
+}
+
+/// Refuses a state file or directory another user could have planted or
+/// changed: it must be ours, and writable by no one else (a credentials
+/// directory: readable by no one else either).
+fn check_ours(path: &std::path::Path, private: bool) -> anyhow::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path)?;
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let open = if private { 0o077 } else { 0o022 };
+    if m.uid() != me || m.mode() & open != 0 {
+        anyhow::bail!(
+            "{} is not trusted (owner uid {}, mode {:o}): it must be yours and {}; remove it, or set ${} and ${}",
+            path.display(),
+            m.uid(),
+            m.mode() & 0o777,
+            if private { "owner-only" } else { "writable only by you" },
+            env::NATS_CA,
+            env::NATS_CREDENTIALS,
+        );
+    }
+    Ok(())
+}
+
 /// What the CLI presents to the server at `url`: `$DYNAMO_NATS_CA` and
 /// `$DYNAMO_NATS_CREDENTIALS` (its `admin.nk`) when set; otherwise, for the
 /// URL a local node published, that node's CA and admin credentials.
@@ -106,6 +188,15 @@ pub fn cli_access(url: &str, ns: &Namespace) -> anyhow::Result<BusAccess> {
     let local = std::fs::read_to_string(&url_file)
         .map(|u| u.trim() == url.trim())
         .unwrap_or(false);
+    if local && (ca_file.is_file() || creds_dir.is_dir()) {
+        check_ours(&env::state_dir(), false)?;
+        if ca_file.is_file() {
+            check_ours(&ca_file, false)?;
+        }
+        if creds_dir.is_dir() {
+            check_ours(&creds_dir, true)?;
+        }
+    }
     let ca = match std::env::var_os(env::NATS_CA) {
         Some(p) => Some(PathBuf::from(p)),
         None if local && ca_file.is_file() => Some(ca_file),

@@ -640,6 +640,11 @@ async fn report_inventory(
             .await
             .ok()
             .and_then(|r| r.ok());
+            // At start, or after the server lost its JetStream state: the
+            // streams this node's workers write but may not make.
+            if kv.is_some() {
+                crate::access::ensure_worker_streams(&bus).await;
+            }
         }
         let Some(store) = &kv else { continue };
         let bytes = match encode(&rec) {

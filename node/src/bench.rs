@@ -35,6 +35,11 @@ pub struct BenchSpec {
     pub retry_wait: Duration,
     /// Clients start spread over this long (0: all at once).
     pub ramp: Duration,
+    /// Sent as `Authorization: Bearer …` (a gateway with API keys).
+    pub api_key: Option<String>,
+    /// For an `https://` URL: trust only this CA (PEM) instead of the
+    /// system's roots.
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Serialize)]
@@ -231,11 +236,27 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
         "/v1/completions"
     };
     let url = format!("{}{path}", spec.url.trim_end_matches('/'));
-    let client = reqwest::Client::builder()
+    let mut builder = reqwest::Client::builder()
         .pool_max_idle_per_host(spec.concurrency)
         .connect_timeout(Duration::from_secs(10))
-        .timeout(Duration::from_secs(600))
-        .build()?;
+        .timeout(Duration::from_secs(600));
+    if let Some(ca) = &spec.ca_file {
+        let pem =
+            std::fs::read(ca).map_err(|e| anyhow::anyhow!("--ca-file {}: {e}", ca.display()))?;
+        let cert = reqwest::Certificate::from_pem(&pem)
+            .map_err(|e| anyhow::anyhow!("--ca-file {}: {e}", ca.display()))?;
+        builder = builder
+            .tls_built_in_root_certs(false)
+            .add_root_certificate(cert);
+    }
+    if let Some(key) = &spec.api_key {
+        let mut h = reqwest::header::HeaderMap::new();
+        let v = reqwest::header::HeaderValue::from_str(&format!("Bearer {key}"))
+            .map_err(|_| anyhow::anyhow!("--api-key holds characters a header cannot"))?;
+        h.insert(reqwest::header::AUTHORIZATION, v);
+        builder = builder.default_headers(h);
+    }
+    let client = builder.build()?;
     let next = Arc::new(AtomicUsize::new(0));
     let spec = Arc::new(spec);
     let t0 = Instant::now();

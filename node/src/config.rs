@@ -72,10 +72,12 @@ pub struct RawNats {
     /// subjects in this namespace (default true).
     pub auth: Option<bool>,
     /// PEM file of the CA that signed the servers' certificates: TLS is
-    /// then required (with `nats://` or `tls://` URLs).
+    /// then required (with `nats://` or `tls://` URLs). Default:
+    /// `$DYNAMO_NATS_CA`.
     pub ca_file: Option<String>,
     /// Directory of role seeds (`<role>.nk`, from `dynamoctl nats-auth`):
-    /// each actor connects as its role's user.
+    /// each actor connects as its role's user. Default:
+    /// `$DYNAMO_NATS_CREDENTIALS`.
     pub credentials: Option<String>,
 }
 
@@ -473,19 +475,44 @@ impl NodeConfig {
         let embedded = raw.nats.url == "embedded";
         if !embedded && (raw.nats.tls.is_some() || raw.nats.auth.is_some()) {
             return Err(invalid(
-                "nats.tls",
+                if raw.nats.tls.is_some() {
+                    "nats.tls"
+                } else {
+                    "nats.auth"
+                },
                 "`tls` and `auth` configure an embedded server; for a server given by URL use `ca_file` and `credentials`",
             ));
         }
         if embedded && (raw.nats.ca_file.is_some() || raw.nats.credentials.is_some()) {
             return Err(invalid(
-                "nats.ca_file",
+                if raw.nats.ca_file.is_some() {
+                    "nats.ca_file"
+                } else {
+                    "nats.credentials"
+                },
                 "an embedded server makes its own CA and credentials; `ca_file` and `credentials` are for a server given by URL",
             ));
         }
+        // A server given by URL: the config's files, else the environment's
+        // (a Kubernetes pod mounts a Secret and names it there).
+        let from_env = |k: &str| {
+            (!embedded)
+                .then(|| std::env::var_os(k).map(PathBuf::from))
+                .flatten()
+        };
         let nats_access = NatsAccess {
-            ca_file: raw.nats.ca_file.as_ref().map(PathBuf::from),
-            credentials: raw.nats.credentials.as_ref().map(PathBuf::from),
+            ca_file: raw
+                .nats
+                .ca_file
+                .as_ref()
+                .map(PathBuf::from)
+                .or_else(|| from_env(crate::env::NATS_CA)),
+            credentials: raw
+                .nats
+                .credentials
+                .as_ref()
+                .map(PathBuf::from)
+                .or_else(|| from_env(crate::env::NATS_CREDENTIALS)),
         };
         nats_access.validate("nats.ca_file", "nats.credentials")?;
         let nats = if embedded {
@@ -547,7 +574,15 @@ impl NodeConfig {
                         (None, None) => None,
                         (Some(cert), Some(key)) => Some(
                             dynamo_gateway::tls::TlsSettings::load(Path::new(cert), Path::new(key))
-                                .map_err(|e| invalid("gateway.tls_cert", e.to_string()))?,
+                                .map_err(|e| {
+                                    let key = match e {
+                                        dynamo_runtime::tls::TlsError::Key { .. } => {
+                                            "gateway.tls_key"
+                                        }
+                                        _ => "gateway.tls_cert",
+                                    };
+                                    invalid(key, e.to_string())
+                                })?,
                         ),
                         (Some(_), None) => {
                             return Err(invalid("gateway.tls_key", "is needed with tls_cert"))

@@ -34,11 +34,11 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
                         nkey,
                     })
                     .collect();
-                dynamo_bus_schema::access::authorization(&users)
+                dynamo_bus_schema::access::accounts(&users)
             });
             let security = Security {
                 tls: *tls,
-                authorization,
+                accounts: authorization,
             };
             Some(EmbeddedNats::start(*port, security).await?)
         }
@@ -70,7 +70,7 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     // admin credentials (owner-only).
     let (url_file, ca_file, creds_dir) = crate::access::state_files(&cfg.namespace);
     if let Some(e) = &embedded {
-        std::fs::create_dir_all(crate::env::state_dir())?;
+        crate::access::create_state_dir()?;
         std::fs::write(&url_file, &url)?;
         let _ = std::fs::remove_file(&ca_file);
         let _ = std::fs::remove_dir_all(&creds_dir);
@@ -109,6 +109,8 @@ async fn serve(
     )
     .await?;
     let bus = buses.node().clone();
+    // Made by the node: its workers may not make streams.
+    crate::access::ensure_worker_streams(&bus).await;
 
     let weights = crate::weights::NodeWeights::new(
         bus.clone(),
@@ -247,8 +249,8 @@ async fn serve(
     // Bounded, and skipped without a bus: nothing would answer.
     if bus.is_connected() {
         let _ = tokio::time::timeout(Duration::from_secs(2), nodes.delete(&node_key)).await;
-        let _ = tokio::time::timeout(Duration::from_secs(2), bus.client.flush()).await;
     }
+    buses.flush_all().await;
     tracing::info!("node stopped");
     Ok(())
 }
@@ -288,6 +290,8 @@ impl NodeRegistrar {
                 )
                 .await
                 .map_err(|e| e.to_string())?;
+            // The server lost its JetStream state: the workers' streams too.
+            crate::access::ensure_worker_streams(&self.bus).await;
             kv.put(self.key.clone(), b).await.map_err(|e| e.to_string())
         };
         match tokio::time::timeout(limit, again).await {

@@ -28,12 +28,14 @@ pub enum NatsError {
     DataDir(std::io::Error),
     #[error("cannot write the NATS configuration: {0}")]
     Config(String),
-    #[error("nats-server did not accept connections on port {port} within {waited:?}; see {log}")]
+    #[error("nats-server did not accept connections on port {port} within {waited:?}; its log ends:\n{log}")]
     NotReady {
         port: u16,
         waited: Duration,
         log: String,
     },
+    #[error("nats-server exited at start ({status}); its log ends:\n{log}")]
+    Exited { status: String, log: String },
 }
 
 pub struct EmbeddedNats {
@@ -50,8 +52,8 @@ pub struct EmbeddedNats {
 pub struct Security {
     /// TLS on, with certificates generated at start.
     pub tls: bool,
-    /// The `authorization` block of its users (None: no users).
-    pub authorization: Option<String>,
+    /// The `accounts` block of its users (None: no users).
+    pub accounts: Option<String>,
 }
 
 pub fn free_port() -> std::io::Result<u16> {
@@ -92,7 +94,7 @@ impl EmbeddedNats {
             ));
             ca_file = Some(files.ca);
         }
-        if let Some(auth) = &security.authorization {
+        if let Some(auth) = &security.accounts {
             conf.push_str(auth);
         }
         let conf_path = dir.path().join("nats.conf");
@@ -122,15 +124,29 @@ impl EmbeddedNats {
             .map_err(NatsError::Spawn)?;
         let t0 = Instant::now();
         let waited = Duration::from_secs(15);
+        let mut child = child;
+        // Its log goes with its directory when this fails: the error
+        // carries the end of it.
+        let tail = |log: &std::path::Path| {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            lines[lines.len().saturating_sub(5)..].join("\n")
+        };
         while tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
             .is_err()
         {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(NatsError::Exited {
+                    status: status.to_string(),
+                    log: tail(&log),
+                });
+            }
             if t0.elapsed() > waited {
                 return Err(NatsError::NotReady {
                     port,
                     waited,
-                    log: log.display().to_string(),
+                    log: tail(&log),
                 });
             }
             tokio::time::sleep(Duration::from_millis(20)).await;

@@ -1,21 +1,23 @@
 //! `dynamoctl nats-auth`: NATS users for a cluster whose servers you run.
 //!
 //! For each namespace it makes one nkey user per role and writes:
-//! - `<out>/auth.conf`: the nats-server `authorization` block (public keys
-//!   and each role's subject permissions) to `include` in every server's
-//!   configuration;
-//! - `<out>/<namespace>/<role>.nk`: the seeds (0600, directories 0700),
-//!   handed to nodes (`[nats] credentials`, `--nats-credentials`) and to
-//!   operators (`$DYNAMO_NATS_CREDENTIALS`, whose `admin.nk` `dynamoctl`
-//!   uses). Give each host only the roles it runs;
+//! - `<out>/auth.conf`: the nats-server `accounts` block (an account per
+//!   namespace; public keys and each role's subject permissions) to
+//!   `include` in every server's configuration;
+//! - `<out>/<namespace>/<role>.nk`: the nodes' seeds (0600, directories
+//!   0700), handed to nodes (`[nats] credentials`, `--nats-credentials`).
+//!   Give each host only the roles it runs;
+//! - `<out>/<namespace>.admin/admin.nk`: the operator's seed, apart, for
+//!   `dynamoctl` (`$DYNAMO_NATS_CREDENTIALS`); never on a node;
 //! - with `--tls-names`: `<out>/tls/{ca,cert,key}.pem`, a CA and a server
 //!   certificate for those names, for the servers' `tls {}` block and the
 //!   gateway's HTTPS (the CA's key is not kept: make a new set to add a
 //!   server name).
 //!
-//! Nothing is overwritten: an existing `<out>/auth.conf` is an error.
+//! Nothing is overwritten: an existing `<out>/auth.conf` or seed
+//! directory is an error, and nothing is written then.
 
-use dynamo_bus_schema::access::{authorization, User};
+use dynamo_bus_schema::access::{accounts, Role, User};
 use dynamo_bus_schema::Namespace;
 use dynamo_runtime::tls::Pki;
 use dynamo_runtime::Credentials;
@@ -33,6 +35,16 @@ pub fn write(out: &Path, namespaces: &[String], tls_names: &[String]) -> anyhow:
             "{} exists: choose another --out (nothing was written)",
             auth_file.display()
         );
+    }
+    for n in namespaces {
+        for d in [out.join(n), out.join(format!("{n}.admin"))] {
+            if d.exists() {
+                anyhow::bail!(
+                    "{} exists: choose another --out (nothing was written)",
+                    d.display()
+                );
+            }
+        }
     }
     let mut seen = std::collections::BTreeSet::new();
     let mut users = Vec::new();
@@ -62,8 +74,17 @@ pub fn write(out: &Path, namespaces: &[String], tls_names: &[String]) -> anyhow:
     let mut written = Vec::new();
     for (n, c) in &creds {
         let dir = out.join(n);
-        c.write(&dir)?;
-        written.push(format!("{}/ (one <role>.nk seed per role)", dir.display()));
+        c.only(&crate::access::NODE_ROLES).write(&dir)?;
+        written.push(format!(
+            "{}/ (the nodes' seeds, one <role>.nk per role)",
+            dir.display()
+        ));
+        let admin = out.join(format!("{n}.admin"));
+        c.only(&[Role::Admin]).write(&admin)?;
+        written.push(format!(
+            "{}/admin.nk (the operator's seed)",
+            admin.display()
+        ));
     }
     if let Some(pki) = pki {
         let dir = out.join("tls");
@@ -76,7 +97,7 @@ pub fn write(out: &Path, namespaces: &[String], tls_names: &[String]) -> anyhow:
             f.key.display()
         ));
     }
-    dynamo_runtime::tls::write_file(&auth_file, &authorization(&users), false)?;
+    dynamo_runtime::tls::write_file(&auth_file, &accounts(&users), false)?;
     written.push(auth_file.display().to_string());
     Ok(written.join("\n"))
 }
@@ -93,15 +114,21 @@ mod tests {
         write(&out, &["t1".into(), "t2".into()], &names).unwrap();
         let conf = std::fs::read_to_string(out.join("auth.conf")).unwrap();
         assert_eq!(conf.matches("nkey:").count(), 14, "7 roles × 2 namespaces");
-        let worker = Credentials::read(&out.join("t1")).unwrap();
-        let key = worker
-            .seed(dynamo_bus_schema::access::Role::Worker)
-            .unwrap()
-            .public_key();
+        let nodes = Credentials::read(&out.join("t1")).unwrap();
+        let key = nodes.seed(Role::Worker).unwrap().public_key();
         assert!(conf.contains(&key));
+        // The operator's seed is kept apart from the nodes'.
+        assert!(nodes.seed(Role::Admin).is_err());
+        let admin = Credentials::read(&out.join("t1.admin")).unwrap();
+        assert!(conf.contains(&admin.seed(Role::Admin).unwrap().public_key()));
+        assert!(conf.contains("\"dynamo_t1\": {") && conf.contains("\"dynamo_t2\": {"));
         assert!(out.join("tls/ca.pem").is_file());
         let again = write(&out, &["t1".into()], &[]).unwrap_err().to_string();
         assert!(again.contains("exists"), "{again}");
+        // A run that stopped part-way (no auth.conf) is not overwritten either.
+        std::fs::remove_file(out.join("auth.conf")).unwrap();
+        let again = write(&out, &["t2".into()], &[]).unwrap_err().to_string();
+        assert!(again.contains("t2") && again.contains("exists"), "{again}");
         let bad = write(&dir.path().join("x"), &["a.b".into()], &[])
             .unwrap_err()
             .to_string();

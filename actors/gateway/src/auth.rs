@@ -233,6 +233,18 @@ impl Auth {
         }
     }
 
+    /// A caller's key as metrics name it: its name and its hashed id (the
+    /// first 12 hex digits of its SHA-256; `"-"` for none).
+    pub fn label(&self, c: &Caller) -> (String, String) {
+        match c {
+            Caller::Open => ("-".into(), "-".into()),
+            Caller::Key(i) => self.keys[*i]
+                .lock()
+                .map(|k| (k.key.name.clone(), hex::encode(&k.key.sha256[..6])))
+                .unwrap_or_default(),
+        }
+    }
+
     /// The names of every key (for the metrics).
     pub fn names(&self) -> Vec<String> {
         (0..self.keys.len())

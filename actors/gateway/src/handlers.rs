@@ -121,12 +121,12 @@ async fn serve(
         .with_label_values(&[ep.label(), resp.status().as_str()])
         .inc();
     if s.auth.enabled() {
-        let key = caller
-            .map(|c| s.auth.name(&c))
-            .unwrap_or_else(|_| "-".into());
+        let (key, id) = caller
+            .map(|c| s.auth.label(&c))
+            .unwrap_or_else(|_| ("-".into(), "-".into()));
         s.metrics
             .key_requests
-            .with_label_values(&[key.as_str(), resp.status().as_str()])
+            .with_label_values(&[key.as_str(), id.as_str(), resp.status().as_str()])
             .inc();
     }
     resp
@@ -205,9 +205,10 @@ async fn handle(
             if s.auth.enabled() {
                 s.auth
                     .charge_tokens(caller, charged, std::time::Instant::now())?;
+                let (key, id) = s.auth.label(caller);
                 s.metrics
                     .key_tokens
-                    .with_label_values(&[s.auth.name(caller).as_str()])
+                    .with_label_values(&[key.as_str(), id.as_str()])
                     .inc_by(charged);
             }
         }

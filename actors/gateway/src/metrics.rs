@@ -129,16 +129,16 @@ impl Metrics {
         let key_requests = IntCounterVec::new(
             Opts::new(
                 "key_requests_total",
-                "Requests by API key name and status code (401s carry no key: `-`)",
+                "Requests by API key (its name, and key_id: the first 12 hex digits of its SHA-256) and status code (401s carry no key: `-`)",
             ),
-            &["key", "status"],
+            &["key", "key_id", "status"],
         )?;
         let key_tokens = IntCounterVec::new(
             Opts::new(
                 "key_tokens_total",
                 "Tokens charged to an API key's limit (prompt plus max_tokens)",
             ),
-            &["key"],
+            &["key", "key_id"],
         )?;
         let bus_rejected = IntGauge::new(
             "bus_rejected_messages",

@@ -60,8 +60,8 @@ pub struct TlsListener {
 }
 
 impl TlsListener {
-    /// The listener, and the accept loop its owner must run (it ends only
-    /// if the listener is dropped, or accepting fails for good).
+    /// The listener, and the accept loop its owner must run (it never
+    /// ends: once the server drops the listener it waits to be stopped).
     pub fn new(
         tcp: TcpListener,
         config: Arc<rustls::ServerConfig>,
@@ -90,7 +90,9 @@ async fn accept_loop(
         // Reap finished handshakes so the set stays small.
         while handshakes.try_join_next().is_some() {}
         let Ok(permit) = permits.clone().acquire_owned().await else {
-            return;
+            // Never closed: the semaphore lives here.
+            std::future::pending::<()>().await;
+            continue;
         };
         let (stream, peer) = tokio::select! {
             r = tcp.accept() => match r {
@@ -102,7 +104,10 @@ async fn accept_loop(
                     continue;
                 }
             },
-            _ = tx.closed() => return,
+            // The server dropped the listener (it was stopped on purpose):
+            // accept no more, and wait to be stopped with the gateway's
+            // tasks rather than end as a failure.
+            _ = tx.closed() => std::future::pending().await,
         };
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(error = %e, "cannot set TCP_NODELAY");

@@ -138,11 +138,11 @@ enum Cmd {
         #[command(subcommand)]
         cmd: dynamo_node::index_cli::IndexCmd,
     },
-    /// NATS users for servers you run: one nkey user per role and
-    /// namespace, each allowed only its own subjects. Writes `auth.conf`
+    /// NATS users for servers you run: an account per namespace, one nkey
+    /// user per role, each allowed only its own subjects. Writes `auth.conf`
     /// (include it in every server's config), `<namespace>/<role>.nk` seeds
-    /// for nodes and operators, and with `--tls-names` a CA and server
-    /// certificate (`tls/`).
+    /// for nodes, `<namespace>.admin/admin.nk` for operators, and with
+    /// `--tls-names` a CA and server certificate (`tls/`).
     NatsAuth {
         /// Directory to write into (must not hold an auth.conf).
         #[arg(long)]
@@ -318,6 +318,12 @@ enum Cmd {
         /// Seconds over which the clients start (0: all at once).
         #[arg(long, default_value_t = 0.0)]
         ramp_s: f64,
+        /// API key for a gateway with keys (sent as a Bearer token).
+        #[arg(long, env = "DYNAMO_API_KEY")]
+        api_key: Option<String>,
+        /// CA (PEM) an `https://` gateway's certificate is checked against.
+        #[arg(long)]
+        ca_file: Option<std::path::PathBuf>,
         /// Print the report as JSON.
         #[arg(long)]
         json: bool,
@@ -406,7 +412,7 @@ fn main() {
                 let written = dynamo_node::nats_auth_cli::write(&out, &namespaces, &tls_names)?;
                 println!("{written}");
                 eprintln!(
-                    "servers: `include auth.conf` in their config; nodes: [nats] credentials = \"<dir>/<namespace>\" (or --nats-credentials); dynamoctl: ${}=<dir>/<namespace>",
+                    "servers: `include auth.conf` in their config; nodes: [nats] credentials = \"<dir>/<namespace>\" (or --nats-credentials); dynamoctl: ${}=<dir>/<namespace>.admin",
                     dynamo_node::env::NATS_CREDENTIALS
                 );
                 Ok(())
@@ -683,6 +689,8 @@ fn main() {
                 duration_s,
                 retry_wait_ms,
                 ramp_s,
+                api_key,
+                ca_file,
                 json,
             } => {
                 if !(ramp_s.is_finite() && (0.0..=3600.0).contains(&ramp_s)) {
@@ -710,6 +718,8 @@ fn main() {
                     duration,
                     retry_wait: std::time::Duration::from_millis(retry_wait_ms),
                     ramp: std::time::Duration::from_secs_f64(ramp_s),
+                    api_key: api_key.filter(|k| !k.is_empty()),
+                    ca_file,
                 };
                 let r = bench::run(spec).await?;
                 report(&r, json, r.ok, r.first_error.as_deref())

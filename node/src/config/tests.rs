@@ -262,6 +262,11 @@ fn nats_and_gateway_security_settings_are_checked() {
             "nats.ca_file",
         ),
         ("[nats]\nurl = \"nats://h:1\"\ntls = true\n", "nats.tls"),
+        ("[nats]\nurl = \"nats://h:1\"\nauth = true\n", "nats.auth"),
+        (
+            "[nats]\nurl = \"embedded\"\ncredentials = \"x\"\n",
+            "nats.credentials",
+        ),
         (
             &*format!("[nats]\nurl = \"nats://h:1\"\nca_file = {missing:?}\n"),
             "nats.ca_file",
@@ -292,6 +297,13 @@ fn nats_and_gateway_security_settings_are_checked() {
         (
             format!("tls_cert = {missing:?}\ntls_key = {missing:?}\n"),
             "gateway.tls_cert",
+        ),
+        (
+            format!(
+                "tls_cert = {:?}\ntls_key = {missing:?}\n",
+                f.cert.display().to_string()
+            ),
+            "gateway.tls_key",
         ),
     ] {
         let e = parse(&format!(

@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# The cost of security, side by side in one run (BENCHMARKS.md, "Security
+# overhead"): two bench clusters (bench.toml: embedded NATS, gateway +
+# router, two mocker workers at no simulated delay) run at once,
+#   off: plain HTTP, no API keys, NATS without TLS or users;
+#   on:  HTTPS (a CA and certificate made here), an API key on every
+#        request, NATS with TLS and a user per role (the default); the
+#        parts can be left out one by one: HTTPS=0, KEYS=0, NATS_TLS=0,
+#        NATS_USERS=0;
+# and `dynamoctl bench` alternates between them for ROUNDS rounds (each
+# round: non-streaming then streaming, REQUESTS chat requests at
+# CONCURRENCY, keep-alive connections as real clients use). It reports
+# latency p50 and the server processes' CPU-ms per request (dynamo-node +
+# its nats-server, from /proc), and on ÷ off for both.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-./target/release}
+REQUESTS=${REQUESTS:-2000}
+CONCURRENCY=${CONCURRENCY:-64}
+ROUNDS=${ROUNDS:-3}
+PORT_OFF=${PORT_OFF:-8010}
+PORT_ON=${PORT_ON:-8011}
+work=$(mktemp -d -t dynamo-security-bench.XXXXXX)
+. scripts/lib_node.sh
+machine
+
+# TLS files and an API key for the "on" cluster.
+"$BIN/dynamoctl" nats-auth --out "$work/pki" --namespace bench --tls-names 127.0.0.1,localhost >/dev/null 2>&1
+key_out=$("$BIN/dynamoctl" keys new --name bench 2>/dev/null)
+key=$(head -n1 <<<"$key_out")
+tail -n +2 <<<"$key_out" >"$work/keys.toml"
+
+# Parts of "on" can be left off to see what each costs (all 1 by default).
+HTTPS=${HTTPS:-1} KEYS=${KEYS:-1} NATS_TLS=${NATS_TLS:-1} NATS_USERS=${NATS_USERS:-1}
+b() { [ "$1" = 1 ] && echo true || echo false; }
+gateway_on=""
+[ "$HTTPS" = 1 ] && gateway_on="$gateway_on\ntls_cert = \"$work/pki/tls/cert.pem\"\ntls_key = \"$work/pki/tls/key.pem\""
+[ "$KEYS" = 1 ] && gateway_on="$gateway_on\napi_keys_file = \"$work/keys.toml\""
+sed -e "s/127.0.0.1:8000/127.0.0.1:$PORT_OFF/" \
+    -e 's/^url = "embedded"$/url = "embedded"\ntls = false\nauth = false/' \
+    cluster-config/examples/bench.toml >"$work/off.toml"
+sed -e "s/127.0.0.1:8000/127.0.0.1:$PORT_ON/" \
+    -e "s/^url = \"embedded\"$/url = \"embedded\"\ntls = $(b "$NATS_TLS")\nauth = $(b "$NATS_USERS")/" \
+    -e "s|^listen = \"127.0.0.1:$PORT_ON\"$|listen = \"127.0.0.1:$PORT_ON\"$gateway_on|" \
+    cluster-config/examples/bench.toml >"$work/on.toml"
+grep -q "auth = $(b "$NATS_USERS")" "$work/on.toml" && grep -q 'tls = false' "$work/off.toml" || {
+    echo "security_bench.sh: could not derive the configs from bench.toml" >&2
+    exit 1
+}
+echo "on: HTTPS=$HTTPS KEYS=$KEYS NATS_TLS=$NATS_TLS NATS_USERS=$NATS_USERS"
+scheme_on=http
+[ "$HTTPS" = 1 ] && scheme_on=https
+
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+start() { # NAME CONFIG HEALTH_URL [curl args]: sets the pid in $started
+  local name=$1 config=$2 health=$3
+  shift 3
+  DYNAMO_STATE_DIR="$work/state-$name" "$BIN/dynamo-node" --config "$config" >"$work/$name.log" 2>&1 &
+  started=$!
+  pids+=("$started")
+  for _ in $(seq 1 300); do
+    if curl -s "$@" "$health" | grep -q '"workers":2'; then return; fi
+    kill -0 "$started" 2>/dev/null || { echo "$name node died; see $work/$name.log" >&2; exit 1; }
+    sleep 0.1
+  done
+  echo "$name node not ready; see $work/$name.log" >&2
+  exit 1
+}
+start off "$work/off.toml" "http://127.0.0.1:$PORT_OFF/health"
+node_off=$started
+start on "$work/on.toml" "$scheme_on://127.0.0.1:$PORT_ON/health" --cacert "$work/pki/tls/ca.pem"
+node_on=$started
+nats_off=$(pgrep -P "$node_off" nats-server)
+nats_on=$(pgrep -P "$node_on" nats-server)
+TCK=$(getconf CLK_TCK)
+ticks() { local t=0 p; for p in "$@"; do t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo $t; }
+
+bench() { # off|on MODE: prints "p50_ms cpu_ms_per_request"
+  local url args=() c0 c1 out
+  if [ "$1" = on ]; then
+    url="$scheme_on://127.0.0.1:$PORT_ON"
+    args=()
+    [ "$HTTPS" = 1 ] && args+=(--ca-file "$work/pki/tls/ca.pem")
+    # The key goes by the environment (DYNAMO_API_KEY), not the command line.
+    c0=$(ticks "$node_on" "$nats_on")
+  else
+    url="http://127.0.0.1:$PORT_OFF"
+    c0=$(ticks "$node_off" "$nats_off")
+  fi
+  # shellcheck disable=SC2086 # $2 is one optional flag
+  local k=""
+  if [ "$1" = on ] && [ "$KEYS" = 1 ]; then k=$key; fi
+  out=$(DYNAMO_API_KEY=$k "$BIN/dynamoctl" bench --url "$url" "${args[@]}" --concurrency "$CONCURRENCY" \
+      --requests "$REQUESTS" --max-tokens 16 --prompt-tokens 60 $2 --json)
+  if [ "$1" = on ]; then c1=$(ticks "$node_on" "$nats_on"); else c1=$(ticks "$node_off" "$nats_off"); fi
+  python3 - "$out" "$c0" "$c1" "$TCK" "$REQUESTS" <<'PY'
+import json, sys
+r = json.loads(sys.argv[1])
+c0, c1, tck, n = map(float, sys.argv[2:])
+assert r["ok"] == n, f"{r['ok']} of {n} requests succeeded: {r.get('first_error')}"
+print(f"{r['latency_p50_ms']:.2f} {(c1 - c0) * 1000 / tck / n:.3f}")
+PY
+}
+
+# Warm both (tokenizers, connections, TLS sessions).
+bench off "" >/dev/null
+bench on "" >/dev/null
+for mode in "" "--stream"; do
+  name=${mode:-non-stream}
+  name=${name#--}
+  offs=() ons=()
+  for r in $(seq "$ROUNDS"); do
+    # Alternate which goes first, so drift on a noisy host falls on both.
+    if [ $((r % 2)) = 1 ]; then
+      o=$(bench off "$mode"); n=$(bench on "$mode")
+    else
+      n=$(bench on "$mode"); o=$(bench off "$mode")
+    fi
+    echo "$name round $r: off p50_ms/cpu_ms_per_req $o | on $n"
+    offs+=("$o"); ons+=("$n")
+  done
+  python3 - "$name" "${offs[*]}" "${ons[*]}" <<'PY'
+import statistics, sys
+name = sys.argv[1]
+off = [float(x) for x in sys.argv[2].split()]
+on = [float(x) for x in sys.argv[3].split()]
+p50 = lambda v: statistics.median(v[0::2]); cpu = lambda v: statistics.median(v[1::2])
+print(f"{name}: median of rounds  off p50 {p50(off):.2f} ms, {cpu(off):.3f} CPU-ms/req | "
+      f"on p50 {p50(on):.2f} ms, {cpu(on):.3f} CPU-ms/req | "
+      f"on/off p50 {p50(on)/p50(off):.3f} (target <= 1.05), CPU {cpu(on)/cpu(off):.3f} (target <= 1.10)")
+PY
+done
