@@ -212,6 +212,23 @@ impl SamplingParams {
     }
 }
 
+/// NATS header on a [`GenerateRequest`] (or [`GenerateDisagg`]): the client
+/// reads the whole answer at once (not streamed), so the worker may hold
+/// its token frames for up to this many milliseconds and send them
+/// together (fewer bus messages per request). Absent: a frame per engine
+/// step. A header rather than a field, so workers and gateways of either
+/// version understand each other.
+pub const HEADER_FRAME_BATCH_MS: &str = "Dynamo-Frame-Batch-Ms";
+
+/// The batching window a [`HEADER_FRAME_BATCH_MS`] value asks for:
+/// 1–1000 ms, anything else none.
+pub fn frame_batch_window(value: &str) -> Option<std::time::Duration> {
+    match value.trim().parse::<u64>() {
+        Ok(ms @ 1..=1000) => Some(std::time::Duration::from_millis(ms)),
+        _ => None,
+    }
+}
+
 /// Gateway → worker (`Subjects::worker_generate`), sent as a NATS request;
 /// the worker replies with a [`GenerateAck`] and then streams frames to
 /// `reply_to`.

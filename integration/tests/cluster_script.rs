@@ -232,15 +232,17 @@ async fn run_ha_survives_a_killed_worker_and_stops_on_ctrl_c() {
     let logs: std::collections::BTreeSet<String> = script
         .output()
         .lines()
-        .filter_map(|l| l.split("(log ").nth(1)?.strip_suffix(')').map(str::to_string))
+        .filter_map(|l| {
+            l.split("(log ")
+                .nth(1)?
+                .strip_suffix(')')
+                .map(str::to_string)
+        })
         .collect();
     assert_eq!(logs.len(), 4, "{}", script.output());
     for log in &logs {
         let text = std::fs::read_to_string(log).unwrap_or_default();
-        assert!(
-            !text.contains("Permissions Violation"),
-            "{log}:\n{text}"
-        );
+        assert!(!text.contains("Permissions Violation"), "{log}:\n{text}");
     }
 
     // Ctrl-C: SIGINT to the script's whole process group stops everything.

@@ -542,3 +542,78 @@ async fn two_worker_processes_share_the_load() {
         replies.iter().filter_map(|r| r.worker.clone()).collect();
     assert_eq!(distinct.len(), 2);
 }
+
+/// A client that does not stream gets its tokens in a few frames (the
+/// worker holds them for the gateway's batching window); a streaming one
+/// gets a frame per engine step. Same text either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_does_not_stream_gets_its_tokens_in_few_frames() {
+    let nats = Nats::start();
+    let port = free_port();
+    // Real step timing (a few ms a step), a 100 ms window.
+    let config = node_config("n1", &nats.url, Some(port), 1, "")
+        .replace("speedup = 0.0", "speedup = 1.0")
+        .replace(
+            "max_body_bytes = 65536\n",
+            "max_body_bytes = 65536\nframe_batch_ms = 100\n",
+        );
+    let mut node = Node::start(&config);
+    let http = Http::new(port);
+    http.wait_ready(1, &mut node).await;
+    let client = async_nats::connect(&nats.url).await.unwrap();
+    let mut frames = client
+        .subscribe("dynamo.it.gateway.*.frames")
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+
+    let n = 48u32;
+    let prompt: Vec<u32> = (0..40).map(|i| 500 + i).collect();
+    async fn count(
+        http: &Http,
+        frames: &mut async_nats::Subscriber,
+        prompt: &[u32],
+        n: u32,
+        stream: bool,
+    ) -> (String, usize) {
+        use dynamo_bus_schema::{peek_kind, FrameTokens, WireMessage};
+        use futures::StreamExt;
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": n, "ignore_eos": true, "stream": stream});
+        let text = if stream {
+            let (status, events) = http.stream("/v1/completions", &body).await;
+            assert_eq!(status, 200);
+            events
+                .iter()
+                .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+                .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
+                .collect::<String>()
+        } else {
+            let r = http.post("/v1/completions", &body).await;
+            assert_eq!(r.status, 200, "{}", r.json);
+            assert_eq!(r.json["usage"]["completion_tokens"], n);
+            r.json["choices"][0]["text"].as_str().unwrap().to_string()
+        };
+        // Count this request's token frames (all have arrived: the answer
+        // is complete).
+        let mut tokens_frames = 0;
+        while let Ok(Some(m)) =
+            tokio::time::timeout(std::time::Duration::from_millis(200), frames.next()).await
+        {
+            if peek_kind(&m.payload).map(|(k, _)| k) == Ok(FrameTokens::KIND) {
+                tokens_frames += 1;
+            }
+        }
+        (text, tokens_frames)
+    }
+    let (streamed, stream_frames) = count(&http, &mut frames, &prompt, n, true).await;
+    let (whole, batched_frames) = count(&http, &mut frames, &prompt, n, false).await;
+    assert_eq!(streamed, whole, "the same tokens either way");
+    assert!(
+        stream_frames >= 20,
+        "streaming sends a frame per step: {stream_frames}"
+    );
+    assert!(
+        batched_frames * 4 <= stream_frames,
+        "not streamed: {batched_frames} token frames against {stream_frames} streamed"
+    );
+}

@@ -118,6 +118,9 @@ pub struct RawGateway {
     /// Serve without API keys on an address other hosts can reach.
     #[serde(default)]
     pub allow_unauthenticated: bool,
+    /// A client that does not stream lets workers hold its token frames
+    /// this long and send them together (0-1000; 0: a frame per step).
+    pub frame_batch_ms: Option<u64>,
     /// HTTPS: the certificate chain (PEM); needs `tls_key`.
     pub tls_cert: Option<String>,
     /// HTTPS: the certificate's private key (PEM).
@@ -570,6 +573,7 @@ impl NodeConfig {
                         g.allow_unauthenticated,
                         listen,
                     )?,
+                    frame_batch: ms(g.frame_batch_ms, d.frame_batch),
                     tls: match (&g.tls_cert, &g.tls_key) {
                         (None, None) => None,
                         (Some(cert), Some(key)) => Some(
@@ -592,6 +596,9 @@ impl NodeConfig {
                         }
                     },
                 };
+                if cfg.frame_batch > Duration::from_millis(1000) {
+                    return Err(invalid("gateway.frame_batch_ms", "must be 0-1000"));
+                }
                 if cfg.hold_for_workers > cfg.request_timeout {
                     return Err(invalid(
                         "gateway.hold_for_workers_ms",

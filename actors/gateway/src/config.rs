@@ -41,6 +41,11 @@ pub struct GatewayConfig {
     pub metrics_interval: Duration,
     /// API keys (hashed) and their limits; empty = no authentication.
     pub api_keys: Vec<crate::auth::ApiKey>,
+    /// A client that does not stream lets workers hold its token frames
+    /// this long and send them together (fewer bus messages per request;
+    /// a worker lost mid-request costs at most this much regenerated
+    /// work). Zero: a frame per engine step for every request.
+    pub frame_batch: Duration,
     /// HTTPS with this certificate and key (None: plain HTTP).
     pub tls: Option<crate::tls::TlsSettings>,
 }
@@ -87,6 +92,7 @@ impl Default for GatewayConfig {
             max_held: 256,
             metrics_interval: Duration::from_secs(1),
             api_keys: Vec::new(),
+            frame_batch: Duration::from_millis(50),
             tls: None,
         }
     }

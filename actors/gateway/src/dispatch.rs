@@ -16,7 +16,7 @@ use crate::inbox::Frame;
 use crate::shared::Shared;
 use dynamo_bus_schema::{
     unix_ms, CancelReason, CancelRequest, ErrorKind, GenerateAck, GenerateDisagg, GenerateRequest,
-    ModelName, RequestId, SamplingParams, WorkerId,
+    ModelName, RequestId, SamplingParams, WorkerId, HEADER_FRAME_BATCH_MS,
 };
 use dynamo_router::{RouteDecision, RouteError, RouterMsg};
 use dynamo_runtime::BusError;
@@ -37,6 +37,9 @@ pub struct Attempt {
     pub card_digest: Option<u64>,
     /// Tokens per KV block of that card.
     pub block_size: u32,
+    /// How long workers may hold token frames (a client that does not
+    /// stream), sent as [`HEADER_FRAME_BATCH_MS`].
+    pub frame_batch: Option<std::time::Duration>,
 }
 
 /// Why a request could not be dispatched.
@@ -120,6 +123,14 @@ pub async fn dispatch(
         };
         let subject = shared.bus.subjects.worker_generate(decision.worker_id);
         let wait = shared.config.ack_timeout.min(left);
+        let headers = plan.frame_batch.map(|w| {
+            let mut h = async_nats::HeaderMap::new();
+            h.insert(
+                HEADER_FRAME_BATCH_MS,
+                w.as_millis().clamp(1, 1000).to_string().as_str(),
+            );
+            h
+        });
         let res: Result<GenerateAck, BusError> = match decision.prefill_worker {
             Some(prefill_worker) => {
                 let req = GenerateDisagg {
@@ -127,9 +138,9 @@ pub async fn dispatch(
                     prefill_worker,
                     cached_blocks: decision.overlap_blocks,
                 };
-                shared.bus.request(subject, &req, wait).await
+                shared.bus.request_with(subject, &req, headers, wait).await
             }
-            None => shared.bus.request(subject, &req, wait).await,
+            None => shared.bus.request_with(subject, &req, headers, wait).await,
         };
         let failure = match res {
             Ok(ack) => match ack.rejected {

@@ -148,6 +148,7 @@ impl Generation {
             routing: v.routing,
             card_digest,
             block_size: pre.card.block_size,
+            frame_batch: v.frame_batch,
         };
         let mut failed = Vec::new();
         let (decision, rx) = dispatch(

@@ -218,6 +218,8 @@ async fn handle(
         let mut changed = None;
         for mut v in gens {
             v.routing = opts.routing;
+            v.frame_batch =
+                (!opts.stream && !s.config.frame_batch.is_zero()).then_some(s.config.frame_batch);
             // A copy to try again with only where requests may be held.
             let again = (!s.config.hold_for_workers.is_zero()).then(|| v.clone());
             let mut next = Some(v);

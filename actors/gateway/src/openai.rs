@@ -122,6 +122,9 @@ pub struct ValidGenerate {
     pub stop: Vec<String>,
     /// Per-request KV cost weights (the `routing` extension).
     pub routing: Option<KvCostWeights>,
+    /// Workers may batch token frames this long (a client that does not
+    /// stream; set by the gateway, not the body).
+    pub frame_batch: Option<std::time::Duration>,
 }
 
 /// Request-wide options after validation.
@@ -338,6 +341,7 @@ impl CommonParams {
             },
             stop: stop_strings(&self.stop)?,
             routing: None,
+            frame_batch: None,
         })
     }
 }

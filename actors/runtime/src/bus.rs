@@ -223,12 +223,39 @@ impl Bus {
         msg: &T,
         timeout: Duration,
     ) -> Result<Bytes, BusError> {
+        self.request_bytes_with(subject, msg, None, timeout).await
+    }
+
+    /// [`Self::request`] with NATS headers on the request.
+    pub async fn request_with<T: WireMessage, R: WireMessage>(
+        &self,
+        subject: String,
+        msg: &T,
+        headers: Option<async_nats::HeaderMap>,
+        timeout: Duration,
+    ) -> Result<R, BusError> {
+        let payload = self
+            .request_bytes_with(subject.clone(), msg, headers, timeout)
+            .await?;
+        decode(&payload).map_err(|source| BusError::Decode { subject, source })
+    }
+
+    async fn request_bytes_with<T: WireMessage>(
+        &self,
+        subject: String,
+        msg: &T,
+        headers: Option<async_nats::HeaderMap>,
+        timeout: Duration,
+    ) -> Result<Bytes, BusError> {
         let bytes = encode_bounded(msg)?;
         // The client's own request timeout (10 s by default) must not cut
         // a longer wait short: the request carries ours.
-        let req = async_nats::client::Request::new()
+        let mut req = async_nats::client::Request::new()
             .payload(Bytes::from(bytes))
             .timeout(Some(timeout));
+        if let Some(h) = headers {
+            req = req.headers(h);
+        }
         let fut = self.client.send_request(subject.clone(), req);
         let reply = match tokio::time::timeout(timeout, fut).await {
             Err(_) => return Err(BusError::Timeout { subject, timeout }),

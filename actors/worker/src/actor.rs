@@ -472,6 +472,13 @@ impl WorkerRuntime {
 
     async fn generate(&mut self, m: async_nats::Message, myself: ActorRef<WorkerMsg>) {
         let received = tokio::time::Instant::now();
+        // A client that does not stream: token frames may wait a little
+        // and go together.
+        let frame_batch = m
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(dynamo_bus_schema::HEADER_FRAME_BATCH_MS))
+            .and_then(|v| dynamo_bus_schema::frame_batch_window(v.as_str()));
         let (req, plan) = match admit::parse(&m.payload) {
             Ok(r) => r,
             Err(e) => {
@@ -547,6 +554,7 @@ impl WorkerRuntime {
             deadline: tokio::time::Instant::now() + remaining,
             heartbeat: self.cfg.stream_heartbeat,
             last_sent: tokio::time::Instant::now(),
+            frame_batch,
             received,
             prefill,
             stats: self.stats.clone(),

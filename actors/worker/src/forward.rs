@@ -7,7 +7,9 @@
 //! a stream that has sent nothing for `heartbeat` gets a `FrameHeartbeat`
 //! (no `seq`), so the gateway can tell a slow request from a dead worker;
 //! a successful stream sends its phase breakdown (`FrameTimings`, no `seq`)
-//! just before `FrameFinished`.
+//! just before `FrameFinished`; with a `frame_batch` window (the client
+//! does not stream), tokens wait at most that long after the first of them
+//! not yet sent, and any pending ones go out before an ending frame.
 
 use dynamo_bus_schema::{
     ErrorKind, FinishReason, FrameError, FrameFinished, FrameHeartbeat, FrameSeq, FrameStarted,
@@ -31,6 +33,9 @@ pub struct Forward {
     pub heartbeat: Duration,
     /// When the last frame went out.
     pub last_sent: Instant,
+    /// Token frames may wait this long to go together (a client that does
+    /// not stream); None: one per engine step.
+    pub frame_batch: Option<Duration>,
     /// When the worker received the request.
     pub received: Instant,
     /// What a remote prefill did (set before the engine's first event).
@@ -75,9 +80,16 @@ impl Forward {
         let (mut started, mut first) = (None, None);
         let mut queued = Some(self.stats.queue(self.prompt_tokens));
         let mut last_token: Option<Instant> = None;
+        // When the oldest pending token must go (a batching window only).
+        let mut flush_at: Option<Instant> = None;
         loop {
             let ev = tokio::select! {
                 ev = events.recv() => ev,
+                _ = async { tokio::time::sleep_until(flush_at.unwrap_or_else(Instant::now)).await }, if flush_at.is_some() => {
+                    flush_at = None;
+                    self.flush(&mut pending, &mut next_seq).await;
+                    continue;
+                }
                 _ = tokio::time::sleep_until(self.deadline) => {
                     on_timeout();
                     let err = WireError::new(ErrorKind::DeadlineExceeded, "request deadline passed on the worker");
@@ -161,7 +173,12 @@ impl Forward {
                     }
                 }
             }
-            self.flush(&mut pending, &mut next_seq).await;
+            match self.frame_batch {
+                Some(window) if !pending.is_empty() => {
+                    flush_at.get_or_insert_with(|| Instant::now() + window);
+                }
+                _ => self.flush(&mut pending, &mut next_seq).await,
+            }
         }
     }
 
