@@ -77,30 +77,30 @@ nats_on=$(pgrep -P "$node_on" nats-server)
 TCK=$(getconf CLK_TCK)
 ticks() { local t=0 p; for p in "$@"; do t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo $t; }
 
-bench() { # off|on MODE: prints "p50_ms cpu_ms_per_request"
-  local url args=() c0 c1 out
+bench() { # off|on MODE: prints "p50_ms cpu_ms_per_request node_share"
+  local url args=() node nats n0 s0 n1 s1 out k=""
   if [ "$1" = on ]; then
     url="$scheme_on://127.0.0.1:$PORT_ON"
-    args=()
+    node=$node_on nats=$nats_on
     [ "$HTTPS" = 1 ] && args+=(--ca-file "$work/pki/tls/ca.pem")
-    # The key goes by the environment (DYNAMO_API_KEY), not the command line.
-    c0=$(ticks "$node_on" "$nats_on")
+    # The key goes by the environment, not the command line.
+    [ "$KEYS" = 1 ] && k=$key
   else
     url="http://127.0.0.1:$PORT_OFF"
-    c0=$(ticks "$node_off" "$nats_off")
+    node=$node_off nats=$nats_off
   fi
+  n0=$(ticks "$node") s0=$(ticks "$nats")
   # shellcheck disable=SC2086 # $2 is one optional flag
-  local k=""
-  if [ "$1" = on ] && [ "$KEYS" = 1 ]; then k=$key; fi
   out=$(DYNAMO_API_KEY=$k "$BIN/dynamoctl" bench --url "$url" "${args[@]}" --concurrency "$CONCURRENCY" \
       --requests "$REQUESTS" --max-tokens 16 --prompt-tokens 60 $2 --json)
-  if [ "$1" = on ]; then c1=$(ticks "$node_on" "$nats_on"); else c1=$(ticks "$node_off" "$nats_off"); fi
-  python3 - "$out" "$c0" "$c1" "$TCK" "$REQUESTS" <<'PY'
+  n1=$(ticks "$node") s1=$(ticks "$nats")
+  python3 - "$out" "$n0" "$n1" "$s0" "$s1" "$TCK" "$REQUESTS" <<'PY'
 import json, sys
 r = json.loads(sys.argv[1])
-c0, c1, tck, n = map(float, sys.argv[2:])
+n0, n1, s0, s1, tck, n = map(float, sys.argv[2:])
 assert r["ok"] == n, f"{r['ok']} of {n} requests succeeded: {r.get('first_error')}"
-print(f"{r['latency_p50_ms']:.2f} {(c1 - c0) * 1000 / tck / n:.3f}")
+node, nats = (n1 - n0) * 1000 / tck / n, (s1 - s0) * 1000 / tck / n
+print(f"{r['latency_p50_ms']:.2f} {node + nats:.3f} {node:.3f} {nats:.3f}")
 PY
 }
 
@@ -118,7 +118,7 @@ for mode in "" "--stream"; do
     else
       n=$(bench on "$mode"); o=$(bench off "$mode")
     fi
-    echo "$name round $r: off p50_ms/cpu_ms_per_req $o | on $n"
+    echo "$name round $r: p50_ms cpu_ms_per_req (node nats): off $o | on $n"
     offs+=("$o"); ons+=("$n")
   done
   python3 - "$name" "${offs[*]}" "${ons[*]}" <<'PY'
@@ -126,7 +126,7 @@ import statistics, sys
 name = sys.argv[1]
 off = [float(x) for x in sys.argv[2].split()]
 on = [float(x) for x in sys.argv[3].split()]
-p50 = lambda v: statistics.median(v[0::2]); cpu = lambda v: statistics.median(v[1::2])
+p50 = lambda v: statistics.median(v[0::4]); cpu = lambda v: statistics.median(v[1::4])
 print(f"{name}: median of rounds  off p50 {p50(off):.2f} ms, {cpu(off):.3f} CPU-ms/req | "
       f"on p50 {p50(on):.2f} ms, {cpu(on):.3f} CPU-ms/req | "
       f"on/off p50 {p50(on)/p50(off):.3f} (target <= 1.05), CPU {cpu(on)/cpu(off):.3f} (target <= 1.10)")

@@ -18,7 +18,7 @@ pub use crate::access::BusAccess;
 /// cannot check wants the cluster's CA; a refused user wants credentials.
 fn connect_hint(reason: &str, access: &BusAccess) -> String {
     let l = reason.to_ascii_lowercase();
-    if l.contains("certificate") || l.contains("issuer") || l.contains("tls") {
+    if l.contains("certificate") || l.contains("issuer") {
         let ca = match &access.ca_file {
             Some(ca) => format!("the CA file {} did not verify it", ca.display()),
             None => format!(
@@ -27,6 +27,11 @@ fn connect_hint(reason: &str, access: &BusAccess) -> String {
             ),
         };
         format!("{reason} (TLS: the server's certificate could not be verified; {ca})")
+    } else if l.contains("tls") {
+        format!(
+            "{reason} (TLS: a tls:// URL or a CA file needs a server with TLS on; a server with TLS needs a tls:// URL or [nats] ca_file / ${})",
+            crate::access::ENV_NATS_CA
+        )
     } else if l.contains("authorization") || l.contains("authentication") {
         let who = match access.role() {
             Some(r) => format!("the {r} credential was refused"),
