@@ -78,6 +78,55 @@ async fn killing_a_worker_mid_stream_loses_no_token() {
     assert!(c.gateway.log_text().contains("migrating request"));
 }
 
+/// Requests that do not stream (their token frames batched by the worker)
+/// lose nothing either: a killed worker's requests move on, the tokens of
+/// its last window are generated again, and every answer is the whole text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_a_worker_under_batched_requests_loses_no_token() {
+    let c = cluster(3).await;
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..30 {
+        let http = Http::new(c.port);
+        set.spawn(async move {
+            let body = serde_json::json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 800, "ignore_eos": true});
+            (i, http.post("/v1/completions", &body).await)
+        });
+    }
+    // Strike the busiest worker once it has requests generating.
+    let t0 = Instant::now();
+    let busiest = loop {
+        let (w, n) = busiest_worker(&c.http).await;
+        if n >= 3 {
+            break w;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "no worker got busy");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let victim = registrations(&c._nats.url)
+        .await
+        .into_iter()
+        .find(|r| r.worker_id.to_string() == busiest)
+        .map(|r| r.pid)
+        .expect("the busiest worker is registered");
+    // SAFETY: kills a worker process this test started.
+    unsafe { libc::kill(victim as i32, libc::SIGKILL) };
+    while let Some(r) = set.join_next().await {
+        let (i, r) = r.unwrap();
+        assert_eq!(r.status, 200, "{}", r.json);
+        let (_, want) = expected_text(&prompt(i), 800);
+        assert_eq!(r.json["choices"][0]["text"], want.as_str(), "request {i}");
+        assert_eq!(r.json["usage"]["completion_tokens"], 800);
+    }
+    let text = c.http.metrics_text().await;
+    let migrated: u64 = text
+        .lines()
+        .filter(|l| l.starts_with("dynamo_gateway_migrations_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert!(migrated > 0, "no request was migrated:\n{text}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_worker_is_left_behind_within_the_liveness_window() {
     let c = cluster(2).await;

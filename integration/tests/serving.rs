@@ -544,7 +544,8 @@ async fn two_worker_processes_share_the_load() {
 }
 
 /// A client that does not stream gets its tokens in a few frames (the
-/// worker holds them for the gateway's batching window); a streaming one
+/// worker sends the first at once and holds the rest for the gateway's
+/// batching window); a streaming one
 /// gets a frame per engine step. Same text either way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_does_not_stream_gets_its_tokens_in_few_frames() {
@@ -613,7 +614,7 @@ async fn a_client_that_does_not_stream_gets_its_tokens_in_few_frames() {
         "streaming sends a frame per step: {stream_frames}"
     );
     assert!(
-        batched_frames * 4 <= stream_frames,
+        batched_frames * 2 <= stream_frames,
         "not streamed: {batched_frames} token frames against {stream_frames} streamed"
     );
 }

@@ -218,8 +218,11 @@ async fn handle(
         let mut changed = None;
         for mut v in gens {
             v.routing = opts.routing;
-            v.frame_batch =
-                (!opts.stream && !s.config.frame_batch.is_zero()).then_some(s.config.frame_batch);
+            // Not with stop strings: the gateway finds them in the text and
+            // stops the worker, which a batch would make late (and its
+            // usage count long).
+            v.frame_batch = (!opts.stream && v.stop.is_empty() && !s.config.frame_batch.is_zero())
+                .then_some(s.config.frame_batch);
             // A copy to try again with only where requests may be held.
             let again = (!s.config.hold_for_workers.is_zero()).then(|| v.clone());
             let mut next = Some(v);

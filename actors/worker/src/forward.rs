@@ -8,8 +8,10 @@
 //! (no `seq`), so the gateway can tell a slow request from a dead worker;
 //! a successful stream sends its phase breakdown (`FrameTimings`, no `seq`)
 //! just before `FrameFinished`; with a `frame_batch` window (the client
-//! does not stream), tokens wait at most that long after the first of them
-//! not yet sent, and any pending ones go out before an ending frame.
+//! does not stream), the first token goes at once and later ones wait at
+//! most that long (or until a heartbeat is due, or a frame's worth is
+//! pending), and pending ones always go out before an ending frame of any
+//! kind.
 
 use dynamo_bus_schema::{
     ErrorKind, FinishReason, FrameError, FrameFinished, FrameHeartbeat, FrameSeq, FrameStarted,
@@ -21,6 +23,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+/// Most tokens one batched frame holds (far below a bus message's limit).
+const MAX_BATCHED_TOKENS: usize = 8192;
 
 pub struct Forward {
     pub bus: Bus,
@@ -92,29 +97,42 @@ impl Forward {
                 }
                 _ = tokio::time::sleep_until(self.deadline) => {
                     on_timeout();
+                    self.flush(&mut pending, &mut next_seq).await;
                     let err = WireError::new(ErrorKind::DeadlineExceeded, "request deadline passed on the worker");
                     self.error(next_seq(), err).await;
                     return Outcome::Failed(ErrorKind::DeadlineExceeded);
                 }
                 _ = cancel.cancelled() => {
+                    // What was generated goes out first: a migration then
+                    // resumes after it instead of generating it again.
+                    self.flush(&mut pending, &mut next_seq).await;
                     let err = WireError::new(ErrorKind::Unavailable, "worker is shutting down");
                     self.error(next_seq(), err).await;
                     return Outcome::Aborted;
                 }
                 _ = tokio::time::sleep_until(self.last_sent + self.heartbeat) => {
-                    let f = FrameHeartbeat {
-                        request_id: self.request_id,
-                        worker_id: self.worker_id,
-                    };
-                    self.send(&f).await;
+                    if pending.is_empty() {
+                        let f = FrameHeartbeat {
+                            request_id: self.request_id,
+                            worker_id: self.worker_id,
+                        };
+                        self.send(&f).await;
+                    } else {
+                        // Tokens are a sign of life too (a window longer
+                        // than the heartbeat).
+                        flush_at = None;
+                        self.flush(&mut pending, &mut next_seq).await;
+                    }
                     continue;
                 }
             };
             let Some(ev) = ev else {
+                self.flush(&mut pending, &mut next_seq).await;
                 let err = WireError::new(ErrorKind::EngineFailed, "engine dropped the request");
                 self.error(next_seq(), err).await;
                 return Outcome::Failed(ErrorKind::EngineFailed);
             };
+            let first_batch = last_token.is_none();
             // Coalesce whatever else is ready.
             let mut batch = vec![ev];
             while let Ok(more) = events.try_recv() {
@@ -174,10 +192,20 @@ impl Forward {
                 }
             }
             match self.frame_batch {
-                Some(window) if !pending.is_empty() => {
+                // The first token goes at once (time to first token, and
+                // the router's prefill accounting, must not wait); later
+                // ones wait for the window, or for a frame's worth.
+                Some(window)
+                    if !pending.is_empty()
+                        && !first_batch
+                        && pending.len() < MAX_BATCHED_TOKENS =>
+                {
                     flush_at.get_or_insert_with(|| Instant::now() + window);
                 }
-                _ => self.flush(&mut pending, &mut next_seq).await,
+                _ => {
+                    flush_at = None;
+                    self.flush(&mut pending, &mut next_seq).await
+                }
             }
         }
     }
