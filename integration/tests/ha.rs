@@ -428,15 +428,25 @@ async fn kill_one_of_three(which: Victim) {
     };
     eprintln!("workers bucket readable again after {:?}", t0.elapsed());
     assert_eq!(regs.len(), 2);
+    // Every stream of before is still there, as it was (one made since,
+    // such as the weights bucket a node writes once it serves its model
+    // file, may be there too). Just after the kill, a survivor's listing may
+    // leave out a stream whose leader is being elected: read again until
+    // the set is whole, within 30 s.
     let t0 = Instant::now();
-    let after = loop {
-        if let Some(v) = stream_replicas(&survivor).await {
-            break v;
+    let whole = |after: &[(String, usize)]| streams.iter().all(|s| after.contains(s));
+    let mut after = None;
+    while t0.elapsed() < Duration::from_secs(30) {
+        after = stream_replicas(&survivor).await;
+        if after.as_deref().is_some_and(whole) {
+            break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(30), "streams unreadable");
         tokio::time::sleep(Duration::from_millis(500)).await;
-    };
-    assert_eq!(after, streams, "a stream was lost or changed");
+    }
+    assert!(
+        after.as_deref().is_some_and(whole),
+        "a stream was lost or changed: before {streams:?}, after {after:?}"
+    );
     // Routing still follows the cache: a prompt served once is found in
     // the index on the worker that served it, and goes there again.
     let p: Vec<u32> = (7000..7100).collect();

@@ -208,7 +208,8 @@ mod tests {
         let acceptor = tokio_rustls::TlsAcceptor::from(server);
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let serve = tokio::spawn(async move {
+        let mut serve = tokio::task::JoinSet::new();
+        serve.spawn(async move {
             for _ in 0..2 {
                 let (tcp, _) = listener.accept().await.unwrap();
                 let _ = acceptor.accept(tcp).await;
@@ -234,7 +235,7 @@ mod tests {
             err.to_string().contains("UnknownIssuer") || err.to_string().contains("issuer"),
             "{err}"
         );
-        serve.await.unwrap();
+        serve.join_next().await.unwrap().unwrap();
     }
 
     #[test]
