@@ -20,15 +20,13 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// The roles a node's processes take (never admin).
-pub const NODE_ROLES: [Role; 6] = [
-    Role::Gateway,
-    Role::Router,
-    Role::Worker,
-    Role::Node,
-    Role::Controller,
-    Role::Planner,
-];
+/// The roles a node's processes take: every role but admin.
+pub fn node_roles() -> Vec<Role> {
+    Role::ALL
+        .into_iter()
+        .filter(|r| *r != Role::Admin)
+        .collect()
+}
 
 /// The node's connections.
 pub struct NodeBuses {
@@ -60,7 +58,7 @@ impl NodeBuses {
                     "the node's credentials hold admin.nk: ignored (an operator's seed; keep it off nodes)"
                 );
             }
-            c.only(&NODE_ROLES)
+            c.only(&node_roles())
         });
         let access = base.as_role(creds.as_ref(), Role::Node)?;
         let node = Bus::connect(url, name, subjects.clone(), &access).await?;

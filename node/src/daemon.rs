@@ -24,7 +24,7 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
     };
     let embedded = match &cfg.nats {
         NatsSpec::Embedded { port, tls, .. } => {
-            let authorization = generated.as_ref().map(|c| {
+            let accounts = generated.as_ref().map(|c| {
                 let users: Vec<User> = c
                     .public_keys()
                     .into_iter()
@@ -38,7 +38,7 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
             });
             let security = Security {
                 tls: *tls,
-                accounts: authorization,
+                accounts,
             };
             Some(EmbeddedNats::start(*port, security).await?)
         }

@@ -74,7 +74,7 @@ pub fn write(out: &Path, namespaces: &[String], tls_names: &[String]) -> anyhow:
     let mut written = Vec::new();
     for (n, c) in &creds {
         let dir = out.join(n);
-        c.only(&crate::access::NODE_ROLES).write(&dir)?;
+        c.only(&crate::access::node_roles()).write(&dir)?;
         written.push(format!(
             "{}/ (the nodes' seeds, one <role>.nk per role)",
             dir.display()
