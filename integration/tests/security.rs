@@ -332,19 +332,34 @@ async fn a_node_of_roles_serves_https_over_tls_nats_and_a_client_without_the_ca_
         chain.contains("UnknownIssuer") || chain.contains("certificate"),
         "{chain}"
     );
-    let metrics = client
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let failures = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("dynamo_gateway_tls_handshake_failures_total "))
-        .expect("handshake failures are exported");
-    assert!(failures.trim().parse::<u64>().unwrap() >= 1, "{failures}");
+    // The server counts the failed handshake when its side of it ends,
+    // which may be just after the client gave up: read until it shows.
+    let t0 = std::time::Instant::now();
+    loop {
+        let metrics = client
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        let failures: u64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("dynamo_gateway_tls_handshake_failures_total "))
+            .expect("handshake failures are exported")
+            .trim()
+            .parse()
+            .unwrap();
+        if failures >= 1 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the refused handshake was not counted"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 
     // The CLI as admin, with the CA and the credentials: it reads the
     // cluster. Without the CA it fails, naming the CA setting.
