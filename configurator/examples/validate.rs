@@ -1,21 +1,31 @@
-//! Prints the validation table of the crate README: the step-time model's
-//! predictions against published throughput.
+//! Prints the validation tables of the crate README: the sources, the
+//! fitting set and the validation set of published figures, each with the
+//! configurator's prediction, and the validation set's summary.
 //!
 //! `cargo run -p dynamo-configurator --example validate`
 
-use dynamo_configurator::{calib, validate, Calibration, Catalog};
+use dynamo_configurator::validate::{self, Set};
+use dynamo_configurator::{calib, engines, Calibration, Catalog};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let c = Catalog::builtin()?;
     let cal = Calibration::parse(calib::H200_JSON, c.gpu("H200")?)?;
-    let checked = validate::check(&c, &cal)?;
-    print!("{}", validate::markdown(&checked));
-    let within = checked.iter().filter(|x| x.error().abs() <= 0.15).count();
-    let mean = checked.iter().map(|x| x.error().abs()).sum::<f64>() / checked.len() as f64;
-    println!(
-        "\n{within} of {} points within 15%; mean absolute error {:.1}%",
-        checked.len(),
-        mean * 100.0
-    );
+    let profiles = engines::profiles(&cal)?;
+    let checked = validate::check(&c, &cal, &profiles)?;
+    println!("### Sources\n\n{}", validate::sources_markdown()?);
+    for (set, title) in [(Set::Fit, "Fitting set"), (Set::Validate, "Validation set")] {
+        let rows: Vec<_> = checked.iter().filter(|x| x.point.set == set).collect();
+        let (median, within) = validate::summary(&rows);
+        println!(
+            "### {title} ({} figures)\n\n{}",
+            rows.len(),
+            validate::markdown(&rows)
+        );
+        println!(
+            "{title}: median absolute error {:.1}%, {:.0}% of figures within 15%\n",
+            median * 100.0,
+            within * 100.0
+        );
+    }
     Ok(())
 }

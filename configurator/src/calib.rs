@@ -15,6 +15,7 @@
 //! extrapolated gains); a table with no entry for an operation is an error
 //! at load time, not a silent default.
 
+use crate::comm::Nccl;
 use crate::memory::Dtype;
 use crate::spec::Gpu;
 use serde::Deserialize;
@@ -136,13 +137,15 @@ pub struct Calibration {
     pub copy_efficiency: f64,
     /// One small kernel inside a CUDA graph, µs (launch-bound work).
     pub kernel_us: f64,
+    /// Measured collective times (`data/nccl.toml`).
+    pub nccl: Nccl,
 }
 
 /// Roofline time in µs: FLOPs at the dtype's dense peak or bytes at HBM bandwidth.
 pub fn roofline_us(gpu: &Gpu, flops: f64, bytes: f64, dtype: Dtype) -> f64 {
-    let peak = match dtype {
+    let peak = match dtype.compute() {
         Dtype::Bf16 => gpu.bf16_tflops,
-        Dtype::Fp8 => gpu.fp8_tflops,
+        _ => gpu.fp8_tflops,
     } * 1e12;
     (flops / peak).max(bytes / (gpu.hbm_tbps * 1e12)) * 1e6
 }
@@ -207,7 +210,7 @@ impl Calibration {
             if !shapes.iter().any(|s| s.dtype == dtype) {
                 return Err(CalibError::Missing(match dtype {
                     Dtype::Bf16 => "bf16 gemm",
-                    Dtype::Fp8 => "fp8 gemm",
+                    _ => "fp8 gemm",
                 }));
             }
         }
@@ -253,6 +256,7 @@ impl Calibration {
             prefill,
             copy_efficiency: (raw.copy_gbps / 1e3 / measured_on.hbm_tbps).min(1.0),
             kernel_us: raw.graph_kernel_us,
+            nccl: Nccl::builtin().map_err(CalibError::Parse)?,
         })
     }
 
@@ -267,7 +271,7 @@ impl Calibration {
         let shape = self
             .shapes
             .iter()
-            .filter(|s| s.dtype == dtype)
+            .filter(|s| s.dtype == dtype.compute())
             .min_by(|a, b| near(a).total_cmp(&near(b)))
             .expect("parse checked each dtype has shapes");
         let (flops, bytes) = gemm_work(m, n, k, dtype);

@@ -120,6 +120,12 @@ pub struct File {
 }
 
 fn layout_name(l: &Layout) -> String {
+    if l.dpa {
+        return format!(
+            "data-parallel attention and expert parallel over {} GPUs",
+            l.tp
+        );
+    }
     let ep = if l.ep { ", expert parallel" } else { "" };
     format!("tp{} pp{}{ep}", l.tp, l.pp)
 }
@@ -315,7 +321,9 @@ mod tests {
                 pp: 1,
                 weights: Dtype::Fp8,
                 kv: Dtype::Fp8,
-                reserve: 0.1,
+                memory: crate::memory::MemoryPolicy::DEFAULT,
+                dp_attention: false,
+                overlap: false,
                 expert_parallel: false,
             },
             calib: &cal,

@@ -15,8 +15,12 @@
 //! fits in memory and the frontier holds no dominated candidate.
 
 pub mod calib;
+pub mod comm;
 pub mod emit;
+pub mod engines;
+pub mod fit;
 pub mod memory;
+pub mod online;
 pub mod perf;
 pub mod report;
 pub mod search;

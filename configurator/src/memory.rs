@@ -5,8 +5,10 @@
 //! Conventions: TP splits every weight matrix and the KV heads (a GPU holds
 //! `kv_heads / tp` of them, at least one: heads are replicated when TP
 //! exceeds them; MLA's latent KV is replicated on every TP rank); PP splits
-//! layers evenly. A fixed share of HBM is kept for activations and
-//! runtime buffers.
+//! layers evenly; data-parallel attention keeps attention whole on every
+//! GPU and splits the sequences instead. HBM is counted in GiB, as the
+//! driver reports it, and the KV pool is what the engine's own memory
+//! setting leaves ([`MemoryPolicy`]).
 
 use crate::spec::{Gpu, Model};
 use thiserror::Error;
@@ -16,6 +18,10 @@ use thiserror::Error;
 pub enum Dtype {
     Bf16,
     Fp8,
+    /// MXFP4 weights (4-bit values, one 8-bit scale per 32): stored at
+    /// 4.25 bits, computed at the FP8 rate (Hopper has no FP4 tensor
+    /// cores; its kernels dequantize). KV is never FP4.
+    Fp4,
 }
 
 impl Dtype {
@@ -23,23 +29,90 @@ impl Dtype {
         match self {
             Dtype::Bf16 => 2.0,
             Dtype::Fp8 => 1.0,
+            Dtype::Fp4 => 0.53125,
         }
     }
+
+    /// The type whose tensor-core rate and measured efficiencies apply.
+    pub fn compute(self) -> Dtype {
+        match self {
+            Dtype::Fp4 => Dtype::Fp8,
+            d => d,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Bf16 => "bf16",
+            Dtype::Fp8 => "fp8",
+            Dtype::Fp4 => "fp4",
+        }
+    }
+
+    /// Parses `bf16`, `fp8` or `fp4`.
+    pub fn parse(s: &str) -> Option<Dtype> {
+        match s.to_ascii_lowercase().as_str() {
+            "bf16" | "fp16" => Some(Dtype::Bf16),
+            "fp8" => Some(Dtype::Fp8),
+            "fp4" | "mxfp4" | "nvfp4" => Some(Dtype::Fp4),
+            _ => None,
+        }
+    }
+}
+
+/// How an engine sizes its KV pool: what share of which memory it takes.
+///
+/// - vLLM (`gpu_memory_utilization`, 0.9): a share of the *total* memory for
+///   weights, activations, CUDA graphs and the KV pool together.
+/// - SGLang (`mem_fraction_static`): a share of the total for weights and
+///   the KV pool; activations and graphs live in the rest.
+/// - TensorRT-LLM (`free_gpu_memory_fraction`, 0.9): a share of the memory
+///   *left free* after the weights and the runtime's buffers.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryPolicy {
+    /// The engine's setting, in (0, 1].
+    pub fraction: f64,
+    /// The share is of the memory free after weights and runtime
+    /// (TensorRT-LLM), not of the total (vLLM, SGLang).
+    pub of_free: bool,
+    /// Memory per GPU besides weights and KV that the share must cover:
+    /// CUDA context, graphs, activation workspace, GiB.
+    pub runtime_gib: f64,
+}
+
+impl MemoryPolicy {
+    /// vLLM's default: 90% of the total, 2 GiB of it for activations and graphs.
+    pub const DEFAULT: MemoryPolicy = MemoryPolicy {
+        fraction: 0.9,
+        of_free: false,
+        runtime_gib: 2.0,
+    };
 }
 
 /// How one replica is laid out.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Deployment {
+    /// GPUs of the tensor-parallel group (with `dp_attention`: of the
+    /// data-parallel attention and expert-parallel group, which may span
+    /// nodes).
     pub tp: u32,
     pub pp: u32,
     pub weights: Dtype,
     pub kv: Dtype,
-    /// Share of HBM kept for activations and runtime buffers (0.1 = 10 %).
-    pub reserve: f64,
+    /// How the engine sizes its KV pool.
+    pub memory: MemoryPolicy,
     /// MoE layers shard whole experts across the TP group (expert
     /// parallelism) instead of splitting every expert's matrices; the same
     /// bytes per GPU either way.
     pub expert_parallel: bool,
+    /// Attention runs data-parallel across the group (DeepSeek-style
+    /// serving): every GPU holds the whole attention and only its own
+    /// sequences' KV; routed experts are spread across the group.
+    pub dp_attention: bool,
+    /// Communication overlaps compute (two micro-batches in turn, as
+    /// SGLang's and TensorRT-LLM's two-batch overlap do).
+    pub overlap: bool,
 }
 
 impl Deployment {
@@ -55,6 +128,9 @@ pub struct MemoryPlan {
     pub kv_bytes_per_token_per_gpu: f64,
     /// Tokens of KV the replica holds (all sequences together).
     pub kv_tokens: u64,
+    /// Tokens of KV one sequence may hold: all of `kv_tokens`, or with
+    /// data-parallel attention one GPU's share.
+    pub seq_tokens: u64,
 }
 
 #[derive(Debug, Error, PartialEq)]
@@ -63,22 +139,30 @@ pub enum MemoryError {
     TpHeads { tp: u32, heads: u32 },
     #[error("pp = {pp} must be between 1 and the model's {layers} layers")]
     PpLayers { pp: u32, layers: u32 },
-    #[error("reserve = {0} must be in [0, 1)")]
-    Reserve(f64),
+    #[error("memory fraction = {0} must be in (0, 1]")]
+    Fraction(f64),
+    #[error("data-parallel attention needs an MoE model and pp = 1 ({0})")]
+    DpAttention(String),
     #[error(
-        "the weights need {need_gb:.1} GB per GPU at tp={tp} pp={pp}, but only {have_gb:.1} GB of each GPU's HBM is usable"
+        "the weights need {need_gib:.1} GiB per GPU at tp={tp} pp={pp}, but only {have_gib:.1} GiB of each GPU's HBM is usable"
     )]
     DoesNotFit {
-        need_gb: f64,
-        have_gb: f64,
+        need_gib: f64,
+        have_gib: f64,
         tp: u32,
         pp: u32,
     },
 }
 
+const GIB: f64 = (1u64 << 30) as f64;
+
 /// The memory plan of `model` on `gpu` laid out as `d`.
 pub fn plan(model: &Model, gpu: &Gpu, d: &Deployment) -> Result<MemoryPlan, MemoryError> {
-    if d.tp == 0 || !model.heads.is_multiple_of(d.tp) {
+    if d.dp_attention {
+        if model.moe.is_none() || d.pp != 1 || d.tp == 0 {
+            return Err(MemoryError::DpAttention(model.name.clone()));
+        }
+    } else if d.tp == 0 || !model.heads.is_multiple_of(d.tp) {
         return Err(MemoryError::TpHeads {
             tp: d.tp,
             heads: model.heads,
@@ -90,32 +174,50 @@ pub fn plan(model: &Model, gpu: &Gpu, d: &Deployment) -> Result<MemoryPlan, Memo
             layers: model.layers,
         });
     }
-    if !(0.0..1.0).contains(&d.reserve) {
-        return Err(MemoryError::Reserve(d.reserve));
+    let m = &d.memory;
+    if !(m.fraction > 0.0 && m.fraction <= 1.0) {
+        return Err(MemoryError::Fraction(m.fraction));
     }
-    let weight_bytes_per_gpu = model.params() as f64 * d.weights.bytes() / d.gpus() as f64;
-    let usable = gpu.hbm_gb * 1e9 * (1.0 - d.reserve);
-    if weight_bytes_per_gpu >= usable {
+    let weight_bytes_per_gpu = if d.dp_attention {
+        let (whole, split) = model.dp_attention_split();
+        (whole as f64 + split as f64 / d.tp as f64) * d.weights.bytes()
+    } else {
+        model.params() as f64 * d.weights.bytes() / d.gpus() as f64
+    };
+    let hbm = gpu.hbm_bytes();
+    let runtime = m.runtime_gib.max(0.0) * GIB;
+    let kv_space = if m.of_free {
+        m.fraction * (hbm - weight_bytes_per_gpu - runtime)
+    } else {
+        m.fraction * hbm - weight_bytes_per_gpu - runtime
+    };
+    if kv_space <= 0.0 {
         return Err(MemoryError::DoesNotFit {
-            need_gb: weight_bytes_per_gpu / 1e9,
-            have_gb: usable / 1e9,
+            need_gib: weight_bytes_per_gpu / GIB,
+            have_gib: (hbm * m.fraction - runtime).max(0.0) / GIB,
             tp: d.tp,
             pp: d.pp,
         });
     }
     let per_layer = model.kv_elements_per_token_layer() as f64 * d.kv.bytes();
     // Share of a token's KV one GPU holds.
-    let tp_share = match model.mla {
-        Some(_) => 1.0,
-        None => (model.kv_heads / d.tp).max(1) as f64 / model.kv_heads as f64,
+    let tp_share = match (&model.mla, d.dp_attention) {
+        (Some(_), _) | (_, true) => 1.0,
+        (None, false) => (model.kv_heads / d.tp).max(1) as f64 / model.kv_heads as f64,
     };
     let layers_per_gpu = (model.layers as f64 / d.pp as f64).ceil();
     let kv_bytes_per_token_per_gpu = per_layer * layers_per_gpu * tp_share;
-    let kv_tokens = ((usable - weight_bytes_per_gpu) / kv_bytes_per_token_per_gpu) as u64;
+    let per_gpu = (kv_space / kv_bytes_per_token_per_gpu) as u64;
+    let (kv_tokens, seq_tokens) = if d.dp_attention {
+        (per_gpu * d.tp as u64, per_gpu)
+    } else {
+        (per_gpu, per_gpu)
+    };
     Ok(MemoryPlan {
         weight_bytes_per_gpu,
         kv_bytes_per_token_per_gpu,
         kv_tokens,
+        seq_tokens,
     })
 }
 
@@ -130,8 +232,10 @@ mod tests {
             pp,
             weights,
             kv: Dtype::Bf16,
-            reserve: 0.1,
+            memory: MemoryPolicy::DEFAULT,
             expert_parallel: false,
+            dp_attention: false,
+            overlap: false,
         }
     }
 
@@ -147,8 +251,8 @@ mod tests {
         // 80 layers × 2 (K, V) × 2 of 8 KV heads × 128 × 2 bytes.
         assert_eq!(p.kv_bytes_per_token_per_gpu, 80.0 * 2.0 * 2.0 * 128.0 * 2.0);
         assert!((p.weight_bytes_per_gpu / 1e9 - 35.3).abs() < 0.2);
-        // (72 GB usable − 35.3 GB of weights) / 80 KiB per token ≈ 448k tokens.
-        assert!((440_000..460_000).contains(&p.kv_tokens), "{}", p.kv_tokens);
+        // (0.9 × 79.6 GiB − 35.3 GB of weights − 2 GiB) / 80 KiB per token ≈ 482k tokens.
+        assert!((475_000..490_000).contains(&p.kv_tokens), "{}", p.kv_tokens);
         // Beyond 8-way TP the KV heads are replicated: one per GPU.
         let p16 = plan(m, c.gpu("H200").unwrap(), &dep(16, 1, Dtype::Bf16)).unwrap();
         assert_eq!(p16.kv_bytes_per_token_per_gpu, 80.0 * 2.0 * 128.0 * 2.0);
@@ -171,8 +275,11 @@ mod tests {
             Err(MemoryError::PpLayers { .. })
         ));
         let mut d = dep(1, 1, Dtype::Bf16);
-        d.reserve = 1.0;
-        assert!(matches!(plan(m, g, &d), Err(MemoryError::Reserve(_))));
+        d.memory.fraction = 1.5;
+        assert!(matches!(plan(m, g, &d), Err(MemoryError::Fraction(_))));
+        d.memory.fraction = 0.9;
+        d.dp_attention = true;
+        assert!(matches!(plan(m, g, &d), Err(MemoryError::DpAttention(_))));
         let msg = plan(
             c.model("DeepSeek-V3").unwrap(),
             c.gpu("H100").unwrap(),
@@ -180,6 +287,69 @@ mod tests {
         )
         .unwrap_err()
         .to_string();
-        assert!(msg.contains("GB per GPU"), "{msg}");
+        assert!(msg.contains("GiB per GPU"), "{msg}");
+    }
+
+    #[test]
+    fn the_engines_memory_setting_sizes_the_pool() {
+        let c = Catalog::builtin().unwrap();
+        let (m, h100) = (c.model("Llama-3.1-8B").unwrap(), c.gpu("H100").unwrap());
+        let with = |memory| {
+            plan(
+                m,
+                h100,
+                &Deployment {
+                    memory,
+                    ..dep(1, 1, Dtype::Fp8)
+                },
+            )
+            .unwrap()
+            .kv_tokens as f64
+        };
+        // vLLM-style: 90% of 79.6 GiB, less 8 GB of weights and 2 GiB.
+        let total = with(MemoryPolicy::DEFAULT);
+        let want = (0.9 * 79.6 * GIB - 8.03e9 - 2.0 * GIB) / (32.0 * 2048.0 * 2.0);
+        assert!((total / want - 1.0).abs() < 0.01, "{total} vs {want}");
+        // TensorRT-LLM-style: 90% of what is free, so more of the card.
+        let free = with(MemoryPolicy {
+            of_free: true,
+            ..MemoryPolicy::DEFAULT
+        });
+        let want = 0.9 * (79.6 * GIB - 8.03e9 - 2.0 * GIB) / (32.0 * 2048.0 * 2.0);
+        assert!((free / want - 1.0).abs() < 0.01, "{free} vs {want}");
+        assert!(free > total);
+    }
+
+    #[test]
+    fn data_parallel_attention_keeps_attention_whole_and_splits_sequences() {
+        let c = Catalog::builtin().unwrap();
+        let (m, h200) = (c.model("DeepSeek-R1").unwrap(), c.gpu("H200").unwrap());
+        let tp8 = plan(m, h200, &dep(8, 1, Dtype::Fp8)).unwrap();
+        let dp8 = plan(
+            m,
+            h200,
+            &Deployment {
+                dp_attention: true,
+                ..dep(8, 1, Dtype::Fp8)
+            },
+        )
+        .unwrap();
+        // Attention and the dense layers are replicated: more weight per GPU.
+        assert!(dp8.weight_bytes_per_gpu > tp8.weight_bytes_per_gpu);
+        // MLA's latent KV is replicated across TP ranks, but each
+        // data-parallel rank holds only its own: far more tokens in all.
+        assert!(dp8.kv_tokens > 5 * tp8.kv_tokens, "{dp8:?} vs {tp8:?}");
+        assert_eq!(dp8.seq_tokens * 8, dp8.kv_tokens);
+        // A group across nodes splits the experts further.
+        let dp32 = plan(
+            m,
+            h200,
+            &Deployment {
+                dp_attention: true,
+                ..dep(32, 1, Dtype::Fp8)
+            },
+        )
+        .unwrap();
+        assert!(dp32.weight_bytes_per_gpu < dp8.weight_bytes_per_gpu);
     }
 }

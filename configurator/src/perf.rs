@@ -15,55 +15,9 @@
 //! hops, and the replica finishes a whole batch in that time.
 
 use crate::calib::{prefill_attention_flops, Calibration};
-use crate::memory::{Deployment, Dtype};
+pub use crate::engines::EngineProfile;
+use crate::memory::Deployment;
 use crate::spec::{Gpu, Model};
-
-/// Engine behaviour the GPU tables do not capture.
-#[derive(Clone, Debug, PartialEq)]
-pub struct EngineProfile {
-    pub name: &'static str,
-    /// Kernels per transformer layer besides GEMMs and attention (norms,
-    /// rotary embedding, activation, residual adds, quantization).
-    pub kernels_per_layer: f64,
-    /// Cost of each of those kernels, µs (a graph launch in decode).
-    pub kernel_us: f64,
-    /// Latency of one all-reduce across the TP group, µs.
-    pub allreduce_us: f64,
-    /// Fixed cost of one step (scheduling, sampling, host sync), µs.
-    pub step_us: f64,
-    /// Decode attention reads each KV head once for its whole GQA group;
-    /// false for kernels that read it once per query head.
-    pub gqa_shared_reads: bool,
-}
-
-impl EngineProfile {
-    /// A current engine (CUDA graphs, GQA-aware decode attention, one-shot
-    /// NVLink all-reduce), with kernel cost from the calibration.
-    pub fn current(calib: &Calibration) -> Self {
-        EngineProfile {
-            name: "current",
-            kernels_per_layer: 10.0,
-            kernel_us: calib.kernel_us,
-            allreduce_us: 8.0,
-            step_us: 150.0,
-            gqa_shared_reads: true,
-        }
-    }
-
-    /// TensorRT-LLM 0.5.0 (October 2023), the engine of the published
-    /// tables we validate against: its decode attention read each KV head
-    /// once per query head (GQA-aware kernels came later: the project's
-    /// README then announced Llama-70B "2.4x faster ... with recent
-    /// improvements to TensorRT-LLM GQA"). Everything else as
-    /// [`Self::current`]; nothing here is fitted to the tables.
-    pub fn trtllm_0_5(calib: &Calibration) -> Self {
-        EngineProfile {
-            name: "trtllm-0.5",
-            gqa_shared_reads: false,
-            ..Self::current(calib)
-        }
-    }
-}
 
 /// What one step computes.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -116,6 +70,54 @@ impl StepModel<'_> {
         }
         self.calib
             .gemm_us(self.gpu, m, n, k, self.deployment.weights)
+            * self.profile.gemm_scale
+    }
+
+    /// One collective's synchronisation on top of its transfer time.
+    fn collective(&self, transfer_us: f64) -> f64 {
+        transfer_us + self.profile.sync_us
+    }
+
+    /// An all-reduce of `bytes` across the TP group, µs.
+    fn allreduce(&self, bytes: f64) -> f64 {
+        let ranks = self.deployment.tp;
+        self.collective(self.calib.nccl.allreduce_us(
+            self.gpu,
+            ranks,
+            bytes,
+            self.profile.allreduce_us,
+        ))
+    }
+
+    /// The experts' all-to-all out and back for `tokens` tokens of this
+    /// GPU across an expert-parallel group of `ranks` GPUs, µs. Each token
+    /// goes to `active` experts spread evenly over the group: copies for
+    /// the other GPUs of its 8-GPU node go over NVLink; a token goes once
+    /// to each other node holding any of its experts (and is forwarded
+    /// there), over the GPU's network link. The dispatch moves the GEMM
+    /// input type (FP8 with FP8 weights), the combine BF16. The slower
+    /// link bounds each direction.
+    fn moe_all_to_all(&self, ranks: u32, tokens: f64, active: f64) -> f64 {
+        const NODE: u32 = 8;
+        if ranks <= 1 || tokens <= 0.0 {
+            return 0.0;
+        }
+        let r = ranks as f64;
+        let per_node = ranks.min(NODE) as f64;
+        let nodes = (r / per_node).ceil();
+        // Copies per token to other GPUs of this node, and to other nodes.
+        let inside = active * (per_node - 1.0) / r;
+        let remote_nodes = (nodes - 1.0) * (1.0 - (1.0 - 1.0 / nodes).powf(active));
+        let hidden = self.model.hidden as f64;
+        let dispatch = self.deployment.weights.compute().bytes().min(2.0);
+        let mut t = 0.0;
+        for bytes_per in [dispatch, 2.0] {
+            let row = tokens * hidden * bytes_per;
+            let nv = row * inside / (self.gpu.link_gbps * 1e9);
+            let net = row * remote_nodes / (self.gpu.net_gbps * 1e9);
+            t += self.collective(self.profile.allreduce_us + nv.max(net) * 1e6);
+        }
+        t
     }
 
     /// One transformer layer on one GPU for `s` (a micro-batch).
@@ -123,18 +125,30 @@ impl StepModel<'_> {
         let m = self.model;
         let d = &self.deployment;
         let tp = d.tp as f64;
+        let dpa = d.dp_attention;
         let tokens = s.decode + s.prefill;
         let hidden = m.hidden as f64;
         let hd = m.head_dim as f64;
-        let q_heads = m.heads as f64 / tp;
-        let kv_heads = ((m.kv_heads / d.tp).max(1)) as f64;
+        // Data-parallel attention: each GPU runs every head for its own
+        // 1/tp of the sequences; tensor parallelism: 1/tp of the heads for
+        // all of them.
+        let (share, q_heads, kv_heads) = if dpa {
+            (1.0 / tp, m.heads as f64, m.kv_heads as f64)
+        } else {
+            (
+                1.0,
+                m.heads as f64 / tp,
+                ((m.kv_heads / d.tp).max(1)) as f64,
+            )
+        };
+        let own = tokens * share;
         let mut t = StepTime::default();
 
         // Attention projections.
         t.gemm += match &m.mla {
             None => {
-                self.gemm(tokens, (q_heads + 2.0 * kv_heads) * hd, hidden)
-                    + self.gemm(tokens, hidden, q_heads * hd)
+                self.gemm(own, (q_heads + 2.0 * kv_heads) * hd, hidden)
+                    + self.gemm(own, hidden, q_heads * hd)
             }
             Some(mla) => {
                 let (ql, kl, rope, nope, v) = (
@@ -144,10 +158,10 @@ impl StepModel<'_> {
                     mla.nope_dim as f64,
                     mla.v_dim as f64,
                 );
-                self.gemm(tokens, ql + kl + rope, hidden)
-                    + self.gemm(tokens, q_heads * (nope + rope), ql)
-                    + self.gemm(tokens, q_heads * (nope + v), kl)
-                    + self.gemm(tokens, hidden, q_heads * v)
+                self.gemm(own, ql + kl + rope, hidden)
+                    + self.gemm(own, q_heads * (nope + rope), ql)
+                    + self.gemm(own, q_heads * (nope + v), kl)
+                    + self.gemm(own, hidden, q_heads * v)
             }
         };
 
@@ -157,14 +171,15 @@ impl StepModel<'_> {
                 Some(_) => 1.0,
                 None => kv_heads / m.kv_heads as f64,
             };
+        let mut attention = 0.0;
         if s.decode > 0.0 {
             let group = if self.profile.gqa_shared_reads || m.mla.is_some() {
                 1.0
             } else {
                 q_heads / kv_heads
             };
-            let bytes = s.decode * s.decode_ctx * kv_elems * d.kv.bytes() * group;
-            t.attention += self.calib.decode_attention_us(self.gpu, bytes);
+            let bytes = s.decode * share * s.decode_ctx * kv_elems * d.kv.bytes() * group;
+            attention += self.calib.decode_attention_us(self.gpu, bytes);
         }
         if s.prefill > 0.0 {
             // Prompts may be fractional (an average step of a long run).
@@ -173,21 +188,23 @@ impl StepModel<'_> {
             } else {
                 1.0
             };
-            let flops =
-                prefill_attention_flops(s.prefill / seqs, s.prefill_past, q_heads, hd) * seqs;
-            t.attention += self.calib.prefill_attention_us(self.gpu, flops);
+            let flops = prefill_attention_flops(s.prefill / seqs, s.prefill_past, q_heads, hd)
+                * seqs
+                * share;
+            attention += self.calib.prefill_attention_us(self.gpu, flops);
         }
+        t.attention += attention * self.profile.attention_scale;
 
         // MLP: dense, or routed experts plus shared ones. Under TP every GPU
         // holds a 1/tp slice of every expert and sees every assignment;
-        // under expert parallelism it holds 1/tp of the experts whole and
-        // sees 1/tp of the assignments (on average).
-        let mut all_to_all = false;
+        // under expert parallelism (and data-parallel attention) it holds
+        // 1/tp of the experts whole and sees 1/tp of the assignments (on
+        // average).
+        let mut comm = 0.0;
         match (&m.moe, moe_layer) {
             (Some(moe), true) => {
-                let ep = d.expert_parallel && d.tp > 1 && moe.experts.is_multiple_of(d.tp);
+                let ep = dpa || (d.expert_parallel && d.tp > 1 && moe.experts.is_multiple_of(d.tp));
                 let (local_experts, ef, assigned) = if ep {
-                    all_to_all = true;
                     (
                         moe.experts as f64 / tp,
                         moe.expert_ffn as f64,
@@ -200,46 +217,48 @@ impl StepModel<'_> {
                         tokens * moe.active as f64,
                     )
                 };
-                let touched = local_experts.min(assigned.ceil());
-                let per_expert = assigned / touched.max(1.0);
-                t.gemm += self.gemm(tokens, moe.experts as f64, hidden);
+                let touched = local_experts.min(assigned.ceil()).max(1.0);
+                let per_expert = assigned / touched;
+                t.gemm += self.gemm(own, moe.experts as f64, hidden);
                 // The touched experts run as one grouped GEMM (as MoE kernels
                 // do): the weights streamed once per expert, one launch, so
                 // the work of a GEMM `touched` times as wide.
-                t.gemm += self.gemm(per_expert, 2.0 * ef * touched, hidden)
-                    + self.gemm(per_expert, hidden * touched, ef);
-                let shared = moe.shared as f64 * moe.expert_ffn as f64 / tp;
+                t.gemm += (self.gemm(per_expert, 2.0 * ef * touched, hidden)
+                    + self.gemm(per_expert, hidden * touched, ef))
+                    * self.profile.moe_scale;
+                let shared = moe.shared as f64 * moe.expert_ffn as f64 / if dpa { 1.0 } else { tp };
                 if shared > 0.0 {
-                    t.gemm +=
-                        self.gemm(tokens, 2.0 * shared, hidden) + self.gemm(tokens, hidden, shared);
+                    t.gemm += self.gemm(own, 2.0 * shared, hidden) + self.gemm(own, hidden, shared);
+                }
+                if ep && d.tp > 1 {
+                    // Each GPU sends its own tokens' activations to the
+                    // experts' GPUs and takes the results back (under TP
+                    // attention, each GPU routes its 1/tp share).
+                    let routed = if dpa { own } else { tokens / tp };
+                    comm += self.moe_all_to_all(d.tp, routed, moe.active as f64);
+                    if !dpa {
+                        // The attention's all-reduce.
+                        comm += self.allreduce(tokens * hidden * 2.0);
+                    }
+                } else if d.tp > 1 {
+                    comm += 2.0 * self.allreduce(tokens * hidden * 2.0);
                 }
             }
             _ => {
-                let ffn = m.ffn as f64 / tp;
-                t.gemm += self.gemm(tokens, 2.0 * ffn, hidden) + self.gemm(tokens, hidden, ffn);
+                let ffn = m.ffn as f64 / if dpa { 1.0 } else { tp };
+                t.gemm += self.gemm(own, 2.0 * ffn, hidden) + self.gemm(own, hidden, ffn);
+                if d.tp > 1 && !dpa {
+                    // After attention and after the MLP.
+                    comm += 2.0 * self.allreduce(tokens * hidden * 2.0);
+                }
             }
         }
-
-        // An all-reduce after attention, and after the MLP either another
-        // or, under expert parallelism, an all-to-all out to the experts'
-        // GPUs and back (each GPU routes its 1/tp share of the tokens).
-        if d.tp > 1 {
-            let bytes = tokens * hidden * 2.0;
-            let allreduce = self.profile.allreduce_us
-                + 2.0 * (tp - 1.0) / tp * bytes / (self.gpu.link_gbps * 1e9) * 1e6;
-            t.comm += allreduce;
-            t.comm += if all_to_all {
-                let active = m.moe.as_ref().map_or(1, |x| x.active) as f64;
-                let sent = bytes / tp * active * (tp - 1.0) / tp;
-                2.0 * (self.profile.allreduce_us + sent / (self.gpu.link_gbps * 1e9) * 1e6)
-            } else {
-                allreduce
-            };
-        }
+        t.comm += comm;
 
         // Elementwise passes over the activations (two norms, rotary,
         // residuals, the gated activation) and their launches.
-        let act_bytes = tokens * (hidden * 2.0 * 8.0 + (m.ffn as f64 / tp) * 2.0 * 3.0);
+        let ffn_share = m.ffn as f64 / if dpa { 1.0 } else { tp };
+        let act_bytes = own * (hidden * 2.0 * 8.0 + ffn_share * 2.0 * 3.0);
         t.other += self.calib.stream_us(self.gpu, act_bytes)
             + self.profile.kernels_per_layer * self.profile.kernel_us;
         t
@@ -248,7 +267,8 @@ impl StepModel<'_> {
     /// Time of one step, µs, broken down.
     pub fn step(&self, s: &Step) -> StepTime {
         let m = self.model;
-        let pp = self.deployment.pp as f64;
+        let d = &self.deployment;
+        let pp = d.pp as f64;
         // Each stage sees one micro-batch at a time; a step is `pp` micro-batches
         // through `pp` stages of `layers / pp` layers: pp × (layers / pp) layer-times
         // of a micro-batch, i.e. all layers once for a micro-batch of `s / pp`.
@@ -266,19 +286,36 @@ impl StepModel<'_> {
             t.add(self.layer(&micro, true), moe_layers as f64);
         }
         // Stage hand-offs of the micro-batch's activations.
-        if self.deployment.pp > 1 {
+        if d.pp > 1 {
             let bytes = (micro.decode + micro.prefill) * m.hidden as f64 * 2.0;
-            t.comm +=
-                (pp - 1.0) * (self.profile.allreduce_us + bytes / (self.gpu.link_gbps * 1e9) * 1e6);
+            t.comm += (pp - 1.0)
+                * self.collective(
+                    self.profile.allreduce_us + bytes / (self.gpu.link_gbps * 1e9) * 1e6,
+                );
         }
-        // LM head on the last stage: one row per decoding sequence and per prompt.
+        // LM head on the last stage: one row per decoding sequence and per
+        // prompt, the vocabulary split across TP (or each data-parallel
+        // rank its own rows over the whole vocabulary: the same work).
         let rows = micro.decode + micro.prefill_seqs;
-        t.gemm += self.gemm(
-            rows,
-            m.vocab as f64 / self.deployment.tp as f64,
-            m.hidden as f64,
-        );
-        t.other += self.profile.step_us;
+        t.gemm += if d.dp_attention {
+            self.gemm(rows / d.tp as f64, m.vocab as f64, m.hidden as f64)
+        } else {
+            self.gemm(rows, m.vocab as f64 / d.tp as f64, m.hidden as f64)
+        };
+        t.other += self.profile.step_us + self.profile.seq_us * (s.decode + s.prefill_seqs);
+        if d.tp > 1 && !d.dp_attention {
+            // Every collective waits for the slowest rank of the group.
+            let straggle = (2.0 * (d.tp as f64).ln()).sqrt() * self.profile.skew;
+            t.comm += straggle * (t.gemm + t.attention);
+        }
+        if d.overlap {
+            // Two micro-batches in turn: one's communication runs under
+            // the other's compute. The first dispatch and the last combine
+            // have nothing to hide under, so at best half of the shorter
+            // of the two is hidden.
+            let compute = t.gemm + t.attention + t.other;
+            t.comm -= compute.min(t.comm) / 2.0;
+        }
         t
     }
 
@@ -317,18 +354,11 @@ impl StepModel<'_> {
     }
 }
 
-/// Storage type of the GEMM inputs, for reports.
-pub fn dtype_name(d: Dtype) -> &'static str {
-    match d {
-        Dtype::Bf16 => "bf16",
-        Dtype::Fp8 => "fp8",
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::calib::H200_JSON;
+    use crate::memory::Dtype;
     use crate::Catalog;
 
     fn with_model<R>(
@@ -348,8 +378,10 @@ mod tests {
                 pp,
                 weights: Dtype::Fp8,
                 kv: Dtype::Bf16,
-                reserve: 0.1,
+                memory: crate::memory::MemoryPolicy::DEFAULT,
                 expert_parallel: false,
+                dp_attention: false,
+                overlap: false,
             },
             profile: EngineProfile::current(&cal),
             calib: &cal,
@@ -435,8 +467,10 @@ mod tests {
                 pp: 1,
                 weights: Dtype::Fp8,
                 kv: Dtype::Fp8,
-                reserve: 0.1,
+                memory: crate::memory::MemoryPolicy::DEFAULT,
                 expert_parallel: ep,
+                dp_attention: false,
+                overlap: false,
             },
             profile: EngineProfile::current(&cal),
             calib: &cal,
@@ -449,13 +483,42 @@ mod tests {
             })
         };
         // Whole experts run as GEMMs of a better shape than 1/8 slices of
-        // each, for more time on the wire (an all-to-all out and back).
+        // each; the MLP's all-reduce becomes an all-to-all out and back
+        // (FP8 out, BF16 back), so the wire time changes.
         let (tp, ep) = (step(false), step(true));
         assert!(ep.gemm < tp.gemm, "{ep:?} vs {tp:?}");
-        assert!(ep.comm > tp.comm, "{ep:?} vs {tp:?}");
+        assert!(ep.comm != tp.comm, "{ep:?} vs {tp:?}");
         // A dense model ignores the flag.
         let dense = |ep: bool| tp8("Llama-3.1-70B", ep).decode_us(64.0, 1000.0);
         assert_eq!(dense(true), dense(false));
+
+        // Data-parallel attention: a group across nodes sends most of its
+        // tokens over the network, so its all-to-all costs more per token
+        // than one within a node; overlap hides part of it.
+        let dep = |g: u32, overlap: bool| {
+            StepModel {
+                deployment: Deployment {
+                    tp: g,
+                    dp_attention: true,
+                    overlap,
+                    ..tp8("DeepSeek-V3", true).deployment
+                },
+                ..tp8("DeepSeek-V3", true)
+            }
+            .step(&Step {
+                decode: 64.0 * g as f64,
+                decode_ctx: 2000.0,
+                ..Step::default()
+            })
+        };
+        let (in_node, across) = (dep(8, false), dep(32, false));
+        assert!(
+            across.comm > 2.0 * in_node.comm,
+            "{across:?} vs {in_node:?}"
+        );
+        let hidden = dep(32, true);
+        assert!(hidden.comm < across.comm && hidden.comm > 0.0, "{hidden:?}");
+        assert_eq!(hidden.gemm, across.gemm);
     }
 
     #[test]

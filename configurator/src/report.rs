@@ -1,8 +1,129 @@
 //! Presenting an [`Outcome`]: a text table (frontier and best per budget)
 //! and a Pareto plot as a self-contained SVG.
 
-use crate::search::{Candidate, Outcome};
+use crate::perf::{Step, StepModel, StepTime};
+use crate::search::{Candidate, Layout, Mode, Outcome, Query};
+use serde::Serialize;
 use std::fmt::Write;
+
+/// One step of the chosen deployment and where its time goes.
+#[derive(Clone, Debug, Serialize)]
+pub struct Explained {
+    /// What the step computes.
+    pub step: String,
+    pub gemm_ms: f64,
+    pub attention_ms: f64,
+    pub comm_ms: f64,
+    pub other_ms: f64,
+    pub total_ms: f64,
+}
+
+impl Explained {
+    fn new(step: String, t: StepTime) -> Self {
+        Explained {
+            step,
+            gemm_ms: t.gemm / 1e3,
+            attention_ms: t.attention / 1e3,
+            comm_ms: t.comm / 1e3,
+            other_ms: t.other / 1e3,
+            total_ms: t.total() / 1e3,
+        }
+    }
+}
+
+/// The step-time breakdown of `c`: its decode step at its batch (with the
+/// prompt tokens an aggregated step carries) and a prefill step of its
+/// prompts. `sm` builds the step model of a layout.
+pub fn explain<'a>(
+    c: &Candidate,
+    q: &Query,
+    sm: impl Fn(&Layout) -> StepModel<'a>,
+) -> Vec<Explained> {
+    let (isl, osl) = (q.isl as f64, q.osl as f64);
+    let ctx = isl + osl / 2.0;
+    match &c.mode {
+        Mode::Aggregated { layout, batch, .. } => {
+            let b = *batch as f64;
+            let m = sm(layout);
+            vec![
+                Explained::new(
+                    format!(
+                        "average step: {batch} decoding at {ctx:.0} tokens of context, {:.0} prompt tokens",
+                        b * isl / osl
+                    ),
+                    m.step(&Step {
+                        decode: b,
+                        decode_ctx: ctx,
+                        prefill: b * isl / osl,
+                        prefill_seqs: b / osl,
+                        prefill_past: 0.0,
+                    }),
+                ),
+                Explained::new(
+                    format!("prefill of one {isl:.0}-token prompt alone"),
+                    m.step(&Step {
+                        prefill: isl,
+                        prefill_seqs: 1.0,
+                        ..Step::default()
+                    }),
+                ),
+            ]
+        }
+        Mode::Disaggregated {
+            prefill,
+            prefill_batch,
+            decode,
+            batch,
+            ..
+        } => {
+            let n = *prefill_batch as f64;
+            vec![
+                Explained::new(
+                    format!("prefill step: {prefill_batch} prompts of {isl:.0} tokens"),
+                    sm(prefill).step(&Step {
+                        prefill: n * isl,
+                        prefill_seqs: n,
+                        ..Step::default()
+                    }),
+                ),
+                Explained::new(
+                    format!("decode step: {batch} decoding at {ctx:.0} tokens of context"),
+                    sm(decode).step(&Step {
+                        decode: *batch as f64,
+                        decode_ctx: ctx,
+                        ..Step::default()
+                    }),
+                ),
+            ]
+        }
+    }
+}
+
+/// The breakdown as text, one block per step with shares.
+pub fn explain_table(c: &Candidate, steps: &[Explained]) -> String {
+    let mut out = format!(
+        "Step time of {}:
+",
+        c.label()
+    );
+    for e in steps {
+        let _ = writeln!(out, "  {} — {:.2} ms", e.step, e.total_ms);
+        for (name, ms) in [
+            ("GEMM", e.gemm_ms),
+            ("attention", e.attention_ms),
+            ("communication", e.comm_ms),
+            ("overhead", e.other_ms),
+        ] {
+            let share = if e.total_ms > 0.0 {
+                ms / e.total_ms * 100.0
+            } else {
+                0.0
+            };
+            let _ = writeln!(out, "    {name:<14} {ms:>9.2} ms  {share:>5.1}%");
+        }
+    }
+    out
+}
 
 fn row(out: &mut String, c: &Candidate) {
     let _ = writeln!(
@@ -239,6 +360,58 @@ mod tests {
         assert_eq!(s.matches("<polyline").count(), 1);
         assert_eq!(s.matches(r#"r="3""#).count(), o.feasible.len());
         assert!(s.contains("8 × H100"));
+    }
+
+    #[test]
+    fn explain_breaks_the_chosen_steps_into_their_parts() {
+        let c = Catalog::builtin().unwrap();
+        let g = c.gpu("H200").unwrap();
+        let cal = Calibration::parse(H200_JSON, g).unwrap();
+        let prof = EngineProfile::current(&cal);
+        let m = c.model("Llama-3.1-70B").unwrap();
+        let q = Query::new(g, 8, 2000, 500, 2000.0, 40.0);
+        let o = search(m, g, &cal, &prof, &q).unwrap();
+        for (_, best) in &o.best_per_budget {
+            let steps = explain(best, &q, |l| StepModel {
+                model: m,
+                gpu: g,
+                deployment: crate::memory::Deployment {
+                    tp: l.tp,
+                    pp: l.pp,
+                    weights: q.weights,
+                    kv: q.kv,
+                    memory: prof.memory,
+                    expert_parallel: l.ep,
+                    dp_attention: l.dpa,
+                    overlap: l.dpa,
+                },
+                calib: &cal,
+                profile: prof.clone(),
+            });
+            assert_eq!(steps.len(), 2);
+            for e in &steps {
+                let parts = e.gemm_ms + e.attention_ms + e.comm_ms + e.other_ms;
+                assert!(
+                    (parts - e.total_ms).abs() < 1e-9 && e.total_ms > 0.0,
+                    "{e:?}"
+                );
+                assert!(e.gemm_ms > 0.0);
+            }
+            // The decode step the table reports is the one explained.
+            let decode = match &best.mode {
+                Mode::Aggregated { .. } => &steps[0],
+                Mode::Disaggregated { .. } => &steps[1],
+            };
+            assert!(
+                (decode.total_ms - best.itl_ms).abs() < 1e-6 * best.itl_ms.max(1.0),
+                "{decode:?} vs {best:?}"
+            );
+            let text = explain_table(best, &steps);
+            assert!(
+                text.contains("communication") && text.contains(&best.label()),
+                "{text}"
+            );
+        }
     }
 
     #[test]

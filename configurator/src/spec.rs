@@ -13,8 +13,9 @@ pub struct Gpu {
     pub bf16_tflops: f64,
     /// Dense FP8 tensor throughput, TFLOP/s.
     pub fp8_tflops: f64,
-    /// HBM capacity, GB (10^9 bytes).
-    pub hbm_gb: f64,
+    /// HBM capacity, GiB (2^30 bytes): the memory the driver reports
+    /// (`nvidia-smi --query-gpu=memory.total`), not the marketing size.
+    pub hbm_gib: f64,
     /// HBM bandwidth, TB/s.
     pub hbm_tbps: f64,
     /// GPU-to-GPU bandwidth per direction (NVLink, or PCIe without it), GB/s.
@@ -22,6 +23,13 @@ pub struct Gpu {
     /// Scale-out network bandwidth per GPU (its NIC), GB/s: what KV moves
     /// over between nodes.
     pub net_gbps: f64,
+}
+
+impl Gpu {
+    /// HBM capacity in bytes.
+    pub fn hbm_bytes(&self) -> f64 {
+        self.hbm_gib * (1u64 << 30) as f64
+    }
 }
 
 /// Mixture-of-experts layers of a model.
@@ -57,6 +65,9 @@ pub struct Mla {
 #[serde(deny_unknown_fields)]
 pub struct Model {
     pub name: String,
+    /// Other names of the same shape (DeepSeek-R1 is DeepSeek-V3's).
+    #[serde(default)]
+    pub aliases: Vec<String>,
     pub layers: u32,
     pub hidden: u64,
     pub heads: u32,
@@ -128,6 +139,25 @@ impl Model {
             }
         };
         attention + mlp + self.embedding_params()
+    }
+
+    /// Under data-parallel attention: the parameters every GPU of the group
+    /// holds whole (attention, dense MLPs, shared experts, routers), and
+    /// those split across it (routed experts; embeddings by vocabulary).
+    pub fn dp_attention_split(&self) -> (u64, u64) {
+        let layers = self.layers as u64;
+        let mut whole = layers * self.attention_params();
+        match &self.moe {
+            None => whole += layers * self.mlp_params(self.ffn),
+            Some(m) => {
+                let moe_layers = layers - m.dense_layers as u64;
+                whole += m.dense_layers as u64 * self.mlp_params(self.ffn)
+                    + moe_layers
+                        * (m.shared as u64 * self.mlp_params(m.expert_ffn)
+                            + self.hidden * m.experts as u64);
+            }
+        }
+        (whole, self.params() - whole)
     }
 
     /// KV-cache elements one token adds in one layer.
@@ -217,7 +247,7 @@ impl Catalog {
             let sizes = [
                 gpu.bf16_tflops,
                 gpu.fp8_tflops,
-                gpu.hbm_gb,
+                gpu.hbm_gib,
                 gpu.hbm_tbps,
                 gpu.link_gbps,
                 gpu.net_gbps,
@@ -254,7 +284,10 @@ impl Catalog {
     pub fn model(&self, name: &str) -> Result<&Model, SpecError> {
         self.models
             .iter()
-            .find(|m| m.name.eq_ignore_ascii_case(name))
+            .find(|m| {
+                m.name.eq_ignore_ascii_case(name)
+                    || m.aliases.iter().any(|a| a.eq_ignore_ascii_case(name))
+            })
             .ok_or_else(|| SpecError::UnknownModel {
                 name: name.into(),
                 known: names(self.models.iter().map(|m| &m.name)),
@@ -311,6 +344,27 @@ mod tests {
             ds.active_params()
         );
         assert_eq!(ds.kv_elements_per_token_layer(), 576);
+        // The MoE and large models users ask about: total and active.
+        for (name, total, active) in [
+            ("Llama-3.1-405B", 405.8, 405.8),
+            ("Mixtral-8x7B", 46.7, 12.9),
+            ("Mixtral-8x22B", 140.6, 39.2),
+            ("Qwen3-235B-A22B", 235.1, 22.2),
+            ("Qwen3-30B-A3B", 30.5, 3.3),
+            ("gpt-oss-120b", 116.8, 5.7),
+            ("gpt-oss-20b", 20.9, 4.2),
+        ] {
+            let m = c.model(name).unwrap();
+            let (t, a) = (m.params() as f64 / 1e9, m.active_params() as f64 / 1e9);
+            assert!(within(t, total, 0.02), "{name}: {t}");
+            assert!(within(a, active, 0.03), "{name}: {a}");
+        }
+        // Aliases name the same shape.
+        assert_eq!(
+            c.model("DeepSeek-R1").unwrap(),
+            c.model("DeepSeek-V3").unwrap()
+        );
+        assert_eq!(c.model("llama-3.3-70b").unwrap().name, "Llama-3.1-70B");
         assert_eq!(
             c.model("Llama-3.1-8B")
                 .unwrap()

@@ -7,8 +7,10 @@
 //! the weights, non-positive numbers) is an error naming the problem; the
 //! binary turns it into a message and a non-zero exit.
 
+use dynamo_configurator::online::Load;
+use dynamo_configurator::search::KvCharge;
 use dynamo_configurator::{
-    calib, emit, report, search, Calibration, Catalog, Dtype, EngineProfile, Query, StepModel,
+    calib, emit, engines, report, search, Calibration, Catalog, Dtype, Query, StepModel,
 };
 use std::path::PathBuf;
 
@@ -36,12 +38,35 @@ pub struct ConfigureSpec {
     /// Inter-token latency target, ms.
     #[arg(long)]
     pub itl_ms: f64,
-    /// Weights and KV: fp8 or bf16 (default: fp8 where the GPU has FP8 tensor cores).
+    /// Weights: fp8, bf16 or fp4 (MXFP4; KV then stays FP8). Default: fp8
+    /// where the GPU has FP8 tensor cores.
     #[arg(long)]
     pub dtype: Option<String>,
-    /// Engine profile: current, or trtllm-0.5 (the validation tables' engine).
+    /// Engine profile (configurator/data/engines.toml): current, vllm-0.8,
+    /// sglang-0.4, sglang-0.4-ep, trtllm-1.0, trtllm-0.17, trtllm-0.14,
+    /// trtllm-0.5.
     #[arg(long, default_value = "current")]
     pub engine: String,
+    /// Largest data-parallel-attention, expert-parallel group of an MoE
+    /// model; past 8 it spans nodes.
+    #[arg(long, default_value_t = 8)]
+    pub max_ep: u32,
+    /// KV charged per running sequence: expected (isl + osl/2, engines that
+    /// admit by free blocks) or worst-case (isl + osl). Engines that reserve
+    /// whole sequences (TensorRT-LLM) always use worst-case.
+    #[arg(long, default_value = "expected")]
+    pub kv_charge: String,
+    /// Online mode: requests/s offered to the whole deployment; TTFT and
+    /// ITL are predicted at that load, with its queueing.
+    #[arg(long, conflicts_with = "concurrency")]
+    pub rate: Option<f64>,
+    /// Online mode: concurrent closed-loop clients of the whole deployment.
+    #[arg(long)]
+    pub concurrency: Option<f64>,
+    /// Print the step-time breakdown (GEMM, attention, communication,
+    /// overhead) of the best deployment for the whole budget.
+    #[arg(long)]
+    pub explain: bool,
     /// Largest tensor-parallel group (GPUs on one NVLink domain).
     #[arg(long, default_value_t = 8)]
     pub max_tp: u32,
@@ -187,11 +212,8 @@ pub fn run(spec: &ConfigureSpec) -> anyhow::Result<String> {
     let model = catalog.model(&spec.model)?;
     let gpu = catalog.gpu(&spec.gpu)?;
     let calib = Calibration::parse(calib::H200_JSON, catalog.gpu("H200")?)?;
-    let profile = match spec.engine.as_str() {
-        "current" => EngineProfile::current(&calib),
-        "trtllm-0.5" => EngineProfile::trtllm_0_5(&calib),
-        other => anyhow::bail!("unknown --engine {other:?} (known: current, trtllm-0.5)"),
-    };
+    let profile =
+        engines::profile(&spec.engine, &calib).map_err(|e| anyhow::anyhow!("--engine: {e}"))?;
     let mut q = Query::new(
         gpu,
         spec.gpus,
@@ -201,23 +223,64 @@ pub fn run(spec: &ConfigureSpec) -> anyhow::Result<String> {
         spec.itl_ms,
     );
     if let Some(d) = &spec.dtype {
-        let d = match d.as_str() {
-            "fp8" => Dtype::Fp8,
-            "bf16" => Dtype::Bf16,
-            other => anyhow::bail!("unknown --dtype {other:?} (known: fp8, bf16)"),
-        };
+        let d = Dtype::parse(d)
+            .ok_or_else(|| anyhow::anyhow!("unknown --dtype {d:?} (known: fp8, bf16, fp4)"))?;
         q.weights = d;
-        q.kv = d;
+        q.kv = if d == Dtype::Fp4 { Dtype::Fp8 } else { d };
     }
     q.max_tp = spec.max_tp;
+    q.max_ep = spec.max_ep;
+    q.max_num_tokens = profile.max_num_tokens;
+    q.kv_charge = match spec.kv_charge.as_str() {
+        "expected" => KvCharge::Expected,
+        "worst-case" => KvCharge::WorstCase,
+        other => anyhow::bail!("unknown --kv-charge {other:?} (known: expected, worst-case)"),
+    };
+    q.load = match (spec.rate, spec.concurrency) {
+        (Some(r), _) => Some(Load::Rate(r)),
+        (None, Some(c)) => Some(Load::Concurrency(c)),
+        (None, None) => None,
+    };
     if let Some(gbps) = spec.kv_link_gbps {
         q.kv_link_gbps = gbps;
     }
     let outcome = search(model, gpu, &calib, &profile, &q)?;
+    let load = match q.load {
+        Some(Load::Rate(r)) => format!(", at {r} requests/s"),
+        Some(Load::Concurrency(c)) => format!(", at {c} concurrent clients"),
+        None => String::new(),
+    };
     let title = format!(
-        "{} on {} × {}, ISL {} / OSL {}, TTFT ≤ {} ms, ITL ≤ {} ms",
-        model.name, spec.gpus, gpu.name, spec.isl, spec.osl, spec.ttft_ms, spec.itl_ms
+        "{} on {} × {} ({}), ISL {} / OSL {}, TTFT ≤ {} ms, ITL ≤ {} ms{load}",
+        model.name,
+        spec.gpus,
+        gpu.name,
+        profile.name,
+        spec.isl,
+        spec.osl,
+        spec.ttft_ms,
+        spec.itl_ms
     );
+    let step_model = |layout: &dynamo_configurator::Layout| StepModel {
+        model,
+        gpu,
+        deployment: dynamo_configurator::Deployment {
+            tp: layout.tp,
+            pp: layout.pp,
+            weights: q.weights,
+            kv: q.kv,
+            memory: profile.memory,
+            expert_parallel: layout.ep,
+            dp_attention: layout.dpa,
+            overlap: layout.dpa,
+        },
+        calib: &calib,
+        profile: profile.clone(),
+    };
+    let explained = match (spec.explain, outcome.best_per_budget.last()) {
+        (true, Some((_, best))) => Some((best, report::explain(best, &q, step_model))),
+        _ => None,
+    };
     let mut written = Vec::new();
     // The plot is drawn only when something will be written.
     let plot = if spec.svg.is_some() || spec.emit_config.is_some() {
@@ -238,21 +301,7 @@ pub fn run(spec: &ConfigureSpec) -> anyhow::Result<String> {
             .ok_or_else(|| anyhow::anyhow!("no deployment fits the budget"))?;
         let summary = format!("{} — {}", title, best.label());
         let files = emit::node_configs(best, &summary, |layout, batch| {
-            let sm = StepModel {
-                model,
-                gpu,
-                deployment: dynamo_configurator::Deployment {
-                    tp: layout.tp,
-                    pp: layout.pp,
-                    weights: q.weights,
-                    kv: q.kv,
-                    reserve: 0.1,
-                    expert_parallel: layout.ep,
-                },
-                calib: &calib,
-                profile: profile.clone(),
-            };
-            emit::mocker_timing(&sm, &q, batch)
+            emit::mocker_timing(&step_model(layout), &q, batch)
         })?;
         let spec = deployment_spec(&spec.model, best, &files)?;
         let path = dir.join("deployment.yaml");
@@ -277,8 +326,9 @@ pub fn run(spec: &ConfigureSpec) -> anyhow::Result<String> {
                 "model": model.name, "gpu": gpu.name, "gpus": spec.gpus,
                 "isl": spec.isl, "osl": spec.osl,
                 "ttft_ms": spec.ttft_ms, "itl_ms": spec.itl_ms,
-                "engine": profile.name,
+                "engine": profile.name, "load": q.load,
             },
+            "explain": explained.as_ref().map(|(_, e)| e),
             "evaluated": outcome.evaluated,
             "frontier": outcome.frontier,
             "best_per_budget": outcome.best_per_budget.iter()
@@ -288,6 +338,9 @@ pub fn run(spec: &ConfigureSpec) -> anyhow::Result<String> {
         }))?);
     }
     let mut out = format!("{title}\n\n{}", report::table(&outcome));
+    if let Some((best, steps)) = &explained {
+        out += &format!("\n{}", report::explain_table(best, steps));
+    }
     for p in written {
         out += &format!("wrote {}\n", p.display());
     }
@@ -313,6 +366,11 @@ mod tests {
             itl_ms: itl,
             dtype: None,
             engine: "current".into(),
+            max_ep: 8,
+            kv_charge: "expected".into(),
+            rate: None,
+            concurrency: None,
+            explain: false,
             max_tp: 8,
             kv_link_gbps: None,
             json: false,
@@ -356,7 +414,52 @@ mod tests {
         assert!(msg(spec("Llama-3.1-8B", "H200", 8, 1.0, 0.1)).contains("meets TTFT"));
         assert!(msg(spec("DeepSeek-V3", "A100", 4, 5000.0, 100.0)).contains("cannot hold"));
         let mut s = spec("Llama-3.1-8B", "H200", 8, 1000.0, 50.0);
-        s.engine = "vllm".into();
-        assert!(msg(s).contains("unknown --engine"));
+        s.engine = "tgi".into();
+        let m = msg(s);
+        assert!(m.contains("--engine") && m.contains("vllm-0.8"), "{m}");
+        let mut s = spec("Llama-3.1-8B", "H200", 8, 1000.0, 50.0);
+        s.kv_charge = "some".into();
+        assert!(msg(s).contains("--kv-charge"));
+        let mut s = spec("Llama-3.1-8B", "H200", 8, 1000.0, 50.0);
+        s.rate = Some(-1.0);
+        assert!(msg(s).contains("must be positive"));
+        let mut s = spec("Llama-3.1-70B", "H100", 2, 1000.0, 50.0);
+        s.rate = Some(1e6);
+        assert!(msg(s).contains("saturates"));
+    }
+
+    #[test]
+    fn engines_online_loads_and_the_explanation_are_printed() {
+        let mut s = spec("Llama-3.1-70B", "H200", 8, 2000.0, 60.0);
+        s.engine = "vllm-0.8".into();
+        s.rate = Some(4.0);
+        s.explain = true;
+        let out = run(&s).unwrap();
+        assert!(
+            out.contains("vllm-0.8") && out.contains("at 4 requests/s"),
+            "{out}"
+        );
+        for part in [
+            "Step time of",
+            "GEMM",
+            "attention",
+            "communication",
+            "overhead",
+        ] {
+            assert!(out.contains(part), "{part}: {out}");
+        }
+        s.json = true;
+        let v: serde_json::Value = serde_json::from_str(&run(&s).unwrap()).unwrap();
+        assert_eq!(v["query"]["engine"], "vllm-0.8");
+        assert!(v["explain"][0]["total_ms"].as_f64().unwrap() > 0.0);
+        // MXFP4 weights let gpt-oss-120b fit one H100.
+        let mut s = spec("gpt-oss-120b", "H100", 1, 3000.0, 60.0);
+        s.dtype = Some("fp4".into());
+        assert!(run(&s).is_ok());
+        // Wide expert parallelism across nodes for DeepSeek-R1.
+        let mut s = spec("DeepSeek-R1", "H200", 32, 5000.0, 100.0);
+        s.max_ep = 32;
+        s.engine = "sglang-0.4-ep".into();
+        assert!(run(&s).unwrap().contains("dep"));
     }
 }

@@ -24,6 +24,9 @@
 
 use crate::calib::Calibration;
 use crate::memory::{plan, Deployment, Dtype};
+pub use crate::online::Load;
+
+mod online;
 use crate::perf::{EngineProfile, Step, StepModel};
 use crate::spec::{Gpu, Model};
 use serde::Serialize;
@@ -49,6 +52,38 @@ pub struct Query {
     pub max_num_tokens: u32,
     /// Bandwidth moving KV from prefill to decode replicas, GB/s.
     pub kv_link_gbps: f64,
+    /// Largest data-parallel-attention, expert-parallel group of an MoE
+    /// model (it may span nodes; its all-to-all leaves the node over the
+    /// network). 1 turns such layouts off.
+    pub max_ep: u32,
+    /// How a sequence is charged KV when sizing batches.
+    pub kv_charge: KvCharge,
+    /// Online mode: the load offered to the whole deployment (a request
+    /// rate, or closed-loop clients). Candidates are then predicted at
+    /// that load, with its queueing, instead of at each batch size.
+    pub load: Option<Load>,
+}
+
+/// How much KV a running sequence is charged when batches are sized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvCharge {
+    /// Its expected live context, `isl + osl/2`: engines admit by free
+    /// blocks and preempt when the pool runs out, and sequences at
+    /// different points of their lives share it.
+    Expected,
+    /// Its whole `isl + osl` for its whole life (no preemption ever).
+    WorstCase,
+}
+
+impl KvCharge {
+    /// Tokens of KV charged per running sequence.
+    pub fn tokens(self, isl: u32, osl: u32) -> u64 {
+        match self {
+            KvCharge::Expected => isl as u64 + (osl as u64).div_ceil(2),
+            KvCharge::WorstCase => isl as u64 + osl as u64,
+        }
+    }
 }
 
 impl Query {
@@ -72,12 +107,22 @@ impl Query {
             max_tp: 8,
             max_num_tokens: 8192,
             kv_link_gbps: gpu.net_gbps,
+            max_ep: 8,
+            kv_charge: KvCharge::Expected,
+            load: None,
         }
     }
 }
 
 #[derive(Debug, Error, PartialEq)]
 pub enum SearchError {
+    #[error("{load} saturates every deployment of {model} on {gpus} × {gpu}: no layout serves it without an unbounded queue")]
+    Saturated {
+        load: String,
+        model: String,
+        gpu: String,
+        gpus: u32,
+    },
     #[error("{field} must be positive (got {value})")]
     NotPositive { field: &'static str, value: f64 },
     #[error(
@@ -110,6 +155,10 @@ pub struct Layout {
     pub pp: u32,
     /// MoE layers use expert parallelism across the TP group.
     pub ep: bool,
+    /// Attention is data-parallel across the group (`tp` GPUs), and the
+    /// experts are spread across it.
+    #[serde(default)]
+    pub dpa: bool,
 }
 
 impl Layout {
@@ -161,6 +210,9 @@ impl Candidate {
     /// A short description: `agg 4×(tp2) b64` or `disagg 2×(tp1):3×(tp4) b128`.
     pub fn label(&self) -> String {
         let l = |x: &Layout| {
+            if x.dpa {
+                return format!("dep{}", x.tp);
+            }
             let mut s = format!("tp{}", x.tp);
             if x.pp > 1 {
                 s += &format!("pp{}", x.pp);
@@ -240,12 +292,17 @@ impl Ctx<'_> {
             pp: l.pp,
             weights: self.q.weights,
             kv: self.q.kv,
-            reserve: 0.1,
+            memory: self.profile.memory,
             expert_parallel: l.ep,
+            dp_attention: l.dpa,
+            // Data-parallel-attention engines overlap the experts'
+            // all-to-all with compute (two-batch overlap).
+            overlap: l.dpa,
         }
     }
 
-    /// Layouts that hold the weights plus at least one full sequence.
+    /// Layouts that hold the weights plus at least one full sequence:
+    /// `(layout, KV tokens of a replica)`.
     fn layouts(&self) -> Vec<(Layout, u64)> {
         let seq = (self.q.isl + self.q.osl) as u64;
         let mut out = Vec::new();
@@ -255,29 +312,66 @@ impl Ctx<'_> {
             Some(moe) if tp > 1 && moe.experts.is_multiple_of(tp) => vec![false, true],
             _ => vec![false],
         };
+        let mut shapes = Vec::new();
         for tp in [1, 2, 4, 8, 16] {
             for pp in [1, 2, 4, 8] {
                 for ep in ep_choices(tp) {
-                    let l = Layout { tp, pp, ep };
-                    if tp > self.q.max_tp || l.gpus() > self.q.gpus {
-                        continue;
+                    if tp <= self.q.max_tp {
+                        shapes.push(Layout {
+                            tp,
+                            pp,
+                            ep,
+                            dpa: false,
+                        });
                     }
-                    if let Ok(p) = plan(self.model, self.gpu, &self.deployment(l)) {
-                        if p.kv_tokens >= seq {
-                            out.push((l, p.kv_tokens));
-                        }
-                    }
+                }
+            }
+        }
+        // Data-parallel attention over expert-parallel groups, within a
+        // node and across nodes.
+        if self.model.moe.is_some() {
+            for g in [2, 4, 8, 16, 32, 64, 72] {
+                if g <= self.q.max_ep {
+                    shapes.push(Layout {
+                        tp: g,
+                        pp: 1,
+                        ep: true,
+                        dpa: true,
+                    });
+                }
+            }
+        }
+        for l in shapes {
+            if l.gpus() > self.q.gpus {
+                continue;
+            }
+            if let Ok(p) = plan(self.model, self.gpu, &self.deployment(l)) {
+                if p.seq_tokens >= seq {
+                    out.push((l, p.kv_tokens));
                 }
             }
         }
         out
     }
 
+    /// Batch sizes to try for a replica holding `kv_tokens`: powers of two
+    /// and the largest that fits, within the engine's cap.
     fn batches(&self, kv_tokens: u64) -> impl Iterator<Item = u32> {
-        let most = kv_tokens / (self.q.isl + self.q.osl) as u64;
-        (0..12)
+        let charge = if self.profile.reserves_whole_sequence {
+            KvCharge::WorstCase
+        } else {
+            self.q.kv_charge
+        };
+        let charge = charge.tokens(self.q.isl, self.q.osl).max(1);
+        let most = (kv_tokens / charge).min(self.profile.max_batch as u64) as u32;
+        let mut v: Vec<u32> = (0..16)
             .map(|i| 1u32 << i)
-            .filter(move |b| *b as u64 <= most)
+            .filter(move |b| *b <= most)
+            .collect();
+        if most > 0 && v.last() != Some(&most) {
+            v.push(most);
+        }
+        v.into_iter()
     }
 
     fn aggregated(&self, l: Layout, batch: u32) -> Point {
@@ -306,7 +400,7 @@ impl Ctx<'_> {
             .total();
         Point {
             itl_ms: step / 1e3,
-            ttft_ms: (step / 2.0 + chunks * with_chunk) / 1e3,
+            ttft_ms: self.profile.serving_ms + (step / 2.0 + chunks * with_chunk) / 1e3,
             rate: b / osl / (step * 1e-6),
         }
     }
@@ -347,6 +441,14 @@ fn check(q: &Query) -> Result<(), SearchError> {
         ("max_tp", q.max_tp as f64),
         ("max_num_tokens", q.max_num_tokens as f64),
         ("kv_link_gbps", q.kv_link_gbps),
+        ("max_ep", q.max_ep as f64),
+        (
+            "rate or concurrency",
+            match q.load {
+                Some(Load::Rate(x)) | Some(Load::Concurrency(x)) => x,
+                None => 1.0,
+            },
+        ),
     ] {
         if value.is_nan() || value <= 0.0 {
             return Err(SearchError::NotPositive { field, value });
@@ -378,10 +480,17 @@ pub fn search(
         let need = [1, 2, 4, 8, 16]
             .into_iter()
             .filter(|tp| *tp <= q.max_tp)
-            .flat_map(|tp| [1, 2, 4, 8].map(move |pp| Layout { tp, pp, ep: false }))
+            .flat_map(|tp| {
+                [1, 2, 4, 8].map(move |pp| Layout {
+                    tp,
+                    pp,
+                    ep: false,
+                    dpa: false,
+                })
+            })
             .filter(|l| {
                 plan(model, gpu, &cx.deployment(*l))
-                    .is_ok_and(|p| p.kv_tokens >= (q.isl + q.osl) as u64)
+                    .is_ok_and(|p| p.seq_tokens >= (q.isl + q.osl) as u64)
             })
             .map(|l| l.gpus())
             .min()
@@ -393,11 +502,15 @@ pub fn search(
             need: need.max(q.gpus + 1),
         });
     }
-    let mut all = Vec::new();
     let sla = |ttft: f64, itl: f64| ttft <= q.ttft_ms && itl <= q.itl_ms;
+    let self_serving_ms = profile.serving_ms;
+    let mut all = match q.load {
+        Some(load) => cx.online(&layouts, load, &sla),
+        None => Vec::new(),
+    };
 
     // Aggregated: as many replicas of one layout as fit.
-    for &(l, kv) in &layouts {
+    for &(l, kv) in layouts.iter().filter(|_| q.load.is_none()) {
         let replicas = q.gpus / l.gpus();
         for batch in cx.batches(kv) {
             let p = cx.aggregated(l, batch);
@@ -428,7 +541,7 @@ pub fn search(
             (l, n, us)
         })
         .collect();
-    for &(dl, kv) in &layouts {
+    for &(dl, kv) in layouts.iter().filter(|_| q.load.is_none()) {
         for batch in cx.batches(kv) {
             let (d_itl_ms, d_rate) = cx.decode(dl, batch);
             for &(pl, n, p_us) in &prefills {
@@ -439,7 +552,9 @@ pub fn search(
                     for dr in 1..=left / dl.gpus() {
                         let rate = (dr as f64 * d_rate).min(0.9 * pr as f64 * p_rate);
                         let rho = rate / (pr as f64 * p_rate);
-                        let ttft = p_us / 1e3 * (1.0 + rho / (2.0 * (1.0 - rho))) + transfer_ms;
+                        let ttft = self_serving_ms
+                            + p_us / 1e3 * (1.0 + rho / (2.0 * (1.0 - rho)))
+                            + transfer_ms;
                         let gpus = pr * pl.gpus() + dr * dl.gpus();
                         let c = Candidate {
                             mode: Mode::Disaggregated {
@@ -474,6 +589,19 @@ pub fn search(
         }
     }
 
+    if all.is_empty() {
+        if let Some(load) = q.load {
+            return Err(SearchError::Saturated {
+                load: match load {
+                    Load::Rate(r) => format!("{r} requests/s"),
+                    Load::Concurrency(c) => format!("{c} concurrent clients"),
+                },
+                model: model.name.clone(),
+                gpu: gpu.name.clone(),
+                gpus: q.gpus,
+            });
+        }
+    }
     let evaluated = all.len();
     let mut feasible: Vec<Candidate> = all.iter().filter(|c| c.meets_sla).cloned().collect();
     if feasible.is_empty() {
@@ -646,6 +774,83 @@ mod tests {
         };
         assert!(tp(&tight.feasible[0]) >= tp(&loose.feasible[0]));
         assert!(tight.feasible[0].tokens_per_s_per_gpu <= loose.feasible[0].tokens_per_s_per_gpu);
+    }
+
+    fn run_q(model: &str, gpu: &str, f: impl FnOnce(&mut Query)) -> Result<Outcome, SearchError> {
+        let c = Catalog::builtin().unwrap();
+        let cal = Calibration::parse(H200_JSON, c.gpu("H200").unwrap()).unwrap();
+        let g = c.gpu(gpu).unwrap();
+        let mut q = Query::new(g, 16, 2000, 500, 5000.0, 100.0);
+        f(&mut q);
+        search(
+            c.model(model).unwrap(),
+            g,
+            &cal,
+            &EngineProfile::current(&cal),
+            &q,
+        )
+    }
+
+    #[test]
+    fn online_mode_predicts_at_the_offered_load_with_its_queueing() {
+        let light = run_q("Llama-3.1-8B", "H100", |q| {
+            q.gpus = 8;
+            q.load = Some(Load::Rate(1.0));
+        })
+        .unwrap();
+        let heavy = run_q("Llama-3.1-8B", "H100", |q| {
+            q.gpus = 8;
+            q.load = Some(Load::Rate(60.0));
+        })
+        .unwrap();
+        // The same rate is served; a heavier load needs more GPUs for the
+        // same latency, and the best deployment's TTFT at light load is
+        // about one prefill.
+        let best = |o: &Outcome| o.best_per_budget.last().unwrap().1.clone();
+        let (l, h) = (best(&light), best(&heavy));
+        assert!((l.tokens_per_s() - 500.0).abs() < 1.0, "{l:?}");
+        assert!((h.tokens_per_s() - 30_000.0).abs() < 30.0, "{h:?}");
+        let smallest = |o: &Outcome| o.feasible.iter().map(|c| c.gpus).min().unwrap();
+        assert!(smallest(&heavy) > smallest(&light));
+        // Closed-loop clients: a deployment holds them with their latency.
+        let closed = run_q("Llama-3.1-8B", "H100", |q| {
+            q.gpus = 4;
+            q.load = Some(Load::Concurrency(64.0));
+        })
+        .unwrap();
+        assert!(!closed.feasible.is_empty());
+        // A load nothing sustains is a clear error.
+        let e = run_q("Llama-3.1-70B", "H100", |q| {
+            q.gpus = 4;
+            q.load = Some(Load::Rate(1e6));
+        })
+        .unwrap_err();
+        assert!(matches!(e, SearchError::Saturated { .. }), "{e}");
+        assert!(e.to_string().contains("saturates"), "{e}");
+    }
+
+    #[test]
+    fn moe_models_get_data_parallel_attention_across_nodes() {
+        let out = run_q("DeepSeek-R1", "H200", |q| {
+            q.gpus = 64;
+            q.max_ep = 64;
+            q.ttft_ms = 5000.0;
+            q.itl_ms = 200.0;
+        })
+        .unwrap();
+        let dep = |c: &Candidate| match &c.mode {
+            Mode::Aggregated { layout, .. } => layout.dpa,
+            Mode::Disaggregated {
+                prefill, decode, ..
+            } => prefill.dpa || decode.dpa,
+        };
+        assert!(out.feasible.iter().any(dep));
+        // Some candidate spans nodes (a group of more than 8 GPUs).
+        assert!(out.feasible.iter().any(|c| match &c.mode {
+            Mode::Aggregated { layout, .. } => layout.dpa && layout.tp > 8,
+            Mode::Disaggregated { decode, .. } => decode.dpa && decode.tp > 8,
+        }));
+        assert!(out.feasible.iter().any(|c| c.label().contains("dep")));
     }
 
     #[test]

@@ -1,0 +1,165 @@
+//! Online mode of the search: every candidate predicted at the offered
+//! load (a request rate or closed-loop clients) with the queueing it
+//! implies ([`crate::online`]), instead of at each batch size.
+//!
+//! Aggregated replicas split the load evenly; a replica count the load
+//! saturates is left out. Disaggregated deployments serve prompts with
+//! prefill replicas as M/D/1 servers of prompt batches and decode at the
+//! batch Little's law gives at the decode pool's share of the rate.
+
+use super::{Candidate, Ctx, KvCharge, Layout, Mode};
+use crate::online::{self, Load, Workload};
+
+impl Ctx<'_> {
+    /// A replica's online workload.
+    pub(super) fn workload(&self, kv_tokens: u64) -> Workload {
+        let charge = if self.profile.reserves_whole_sequence {
+            KvCharge::WorstCase
+        } else {
+            self.q.kv_charge
+        };
+        let per_seq = charge.tokens(self.q.isl, self.q.osl).max(1);
+        Workload {
+            isl: self.q.isl as f64,
+            osl: self.q.osl as f64,
+            max_num_tokens: self.q.max_num_tokens as f64,
+            max_batch: (kv_tokens / per_seq).min(self.profile.max_batch as u64) as f64,
+            serving_ms: self.profile.serving_ms,
+        }
+    }
+
+    /// Online mode: every layout and replica count (aggregated), and every
+    /// prefill and decode layout and P:D split (disaggregated), predicted
+    /// at the offered load. A candidate that the load saturates is left
+    /// out.
+    pub(super) fn online(
+        &self,
+        layouts: &[(Layout, u64)],
+        load: Load,
+        sla: &dyn Fn(f64, f64) -> bool,
+    ) -> Vec<Candidate> {
+        let q = self.q;
+        let osl = q.osl as f64;
+        let split = |load: Load, n: u32| match load {
+            Load::Rate(r) => Load::Rate(r / n as f64),
+            Load::Concurrency(c) => Load::Concurrency(c / n as f64),
+        };
+        let mut out = Vec::new();
+        for &(l, kv) in layouts {
+            let sm = self.step_model(l);
+            let w = self.workload(kv);
+            for replicas in 1..=q.gpus / l.gpus() {
+                let Some(s) = online::serve(&sm, &w, split(load, replicas)) else {
+                    continue;
+                };
+                let gpus = replicas * l.gpus();
+                out.push(Candidate {
+                    mode: Mode::Aggregated {
+                        layout: l,
+                        replicas,
+                        batch: s.batch.round().max(1.0) as u32,
+                    },
+                    gpus,
+                    ttft_ms: s.ttft_ms,
+                    itl_ms: s.itl_ms,
+                    tokens_per_s_per_user: 1e3 / s.itl_ms,
+                    tokens_per_s_per_gpu: s.output_tokens_per_s * replicas as f64 / gpus as f64,
+                    meets_sla: sla(s.ttft_ms, s.itl_ms),
+                });
+            }
+        }
+        // Disaggregated: prefill replicas as M/D/1 servers of prompt
+        // batches; decode replicas at the batch Little's law gives.
+        let transfer_ms = self.transfer_s() * 1e3;
+        for &(pl, _) in layouts {
+            let (n, p_us) = self.prefill(pl);
+            let p_rate = n as f64 / (p_us * 1e-6);
+            for &(dl, kv) in layouts {
+                let dsm = self.step_model(dl);
+                let max_batch = self.workload(kv).max_batch;
+                let ctx = q.isl as f64 + osl / 2.0;
+                let mut best: Option<Candidate> = None;
+                for pr in 1..=q.gpus / pl.gpus() {
+                    let left = q.gpus - pr * pl.gpus();
+                    for dr in 1..=left / dl.gpus() {
+                        // Service at total rate `rate`: (TTFT, ITL, batch).
+                        let at = |rate: f64| -> Option<(f64, f64, f64)> {
+                            let rho = rate / (pr as f64 * p_rate);
+                            if rho >= 1.0 {
+                                return None;
+                            }
+                            let ttft = self.profile.serving_ms
+                                + p_us / 1e3 * (1.0 + rho / (2.0 * (1.0 - rho)))
+                                + transfer_ms;
+                            let per = rate / dr as f64;
+                            let mut t = dsm.decode_us(1.0, ctx);
+                            for _ in 0..100 {
+                                let b = (per * osl * t * 1e-6).max(1.0);
+                                if b > max_batch {
+                                    return None;
+                                }
+                                let next = dsm.decode_us(b, ctx);
+                                if (next - t).abs() <= 1e-6 * t {
+                                    break;
+                                }
+                                t = next;
+                            }
+                            Some((ttft, t / 1e3, (per * osl * t * 1e-6).max(1.0)))
+                        };
+                        let rate = match load {
+                            Load::Rate(r) => r,
+                            Load::Concurrency(c) => {
+                                // The rate at which `c` clients are in the system.
+                                let in_system = |r: f64| {
+                                    at(r).map(|(ttft, itl, _)| r * (ttft + (osl - 1.0) * itl) / 1e3)
+                                };
+                                let (mut lo, mut hi) = (0.0, pr as f64 * p_rate);
+                                for _ in 0..50 {
+                                    let mid = (lo + hi) / 2.0;
+                                    match in_system(mid) {
+                                        Some(x) if x < c => lo = mid,
+                                        _ => hi = mid,
+                                    }
+                                }
+                                lo
+                            }
+                        };
+                        let Some((ttft, itl, batch)) = at(rate) else {
+                            continue;
+                        };
+                        let gpus = pr * pl.gpus() + dr * dl.gpus();
+                        let c = Candidate {
+                            mode: Mode::Disaggregated {
+                                prefill: pl,
+                                prefill_replicas: pr,
+                                prefill_batch: n,
+                                decode: dl,
+                                decode_replicas: dr,
+                                batch: batch.round() as u32,
+                            },
+                            gpus,
+                            ttft_ms: ttft,
+                            itl_ms: itl,
+                            tokens_per_s_per_user: 1e3 / itl,
+                            tokens_per_s_per_gpu: rate * osl / gpus as f64,
+                            meets_sla: sla(ttft, itl),
+                        };
+                        // Fewest GPUs meeting the SLA, then most tokens/s per GPU.
+                        let better = match &best {
+                            None => true,
+                            Some(b) => {
+                                (c.meets_sla, c.tokens_per_s_per_gpu)
+                                    > (b.meets_sla, b.tokens_per_s_per_gpu)
+                            }
+                        };
+                        if better {
+                            best = Some(c);
+                        }
+                    }
+                }
+                out.extend(best);
+            }
+        }
+        out
+    }
+}
