@@ -120,6 +120,9 @@ struct GemmShape {
     dtype: Dtype,
     n: f64,
     k: f64,
+    /// ln(n·k) and ln(n/k), for the nearest-shape lookup.
+    ln_size: f64,
+    ln_aspect: f64,
     over_m: Curve,
 }
 
@@ -199,6 +202,8 @@ impl Calibration {
                     dtype,
                     n,
                     k,
+                    ln_size: (n * k).ln(),
+                    ln_aspect: (n / k).ln(),
                     over_m: Curve(vec![(g.m as f64, eff)]),
                 }),
             }
@@ -263,9 +268,10 @@ impl Calibration {
     /// Time of an `m × k` by `k × n` GEMM on `gpu`, µs: the measured shape
     /// nearest in size and aspect gives the efficiency at `m`.
     pub fn gemm_us(&self, gpu: &Gpu, m: f64, n: f64, k: f64, dtype: Dtype) -> f64 {
+        let (ln_size, ln_aspect) = ((n * k).ln(), (n / k).ln());
         let near = |s: &GemmShape| {
-            let size = (s.n * s.k).ln() - (n * k).ln();
-            let aspect = (s.n / s.k).ln() - (n / k).ln();
+            let size = s.ln_size - ln_size;
+            let aspect = s.ln_aspect - ln_aspect;
             size * size + 0.25 * aspect * aspect
         };
         let shape = self

@@ -78,19 +78,33 @@ fn steady(sm: &StepModel, w: &Workload, rate: f64) -> Option<(f64, f64)> {
             .total();
         (t, decode, per_step * w.isl)
     };
+    // T = f(T) with f increasing: iterate, jumping to the fixed point of
+    // the secant through the last two iterates (Steffensen) where that
+    // lies ahead, which converges in a few steps even near capacity
+    // where plain iteration crawls.
     let mut t = step_at(0.0).0;
     for _ in 0..200 {
-        let (next, decode, prefill) = step_at(t);
-        if !next.is_finite() || decode > w.max_batch || decode + prefill > w.max_num_tokens {
+        let (t1, d1, p1) = step_at(t);
+        if !t1.is_finite() || d1 > w.max_batch || d1 + p1 > w.max_num_tokens {
             return None;
         }
-        if (next - t).abs() <= 1e-6 * t {
-            return Some((next, decode));
+        if (t1 - t).abs() <= 1e-6 * t {
+            return Some((t1, d1));
         }
-        if next > 1e9 {
+        let (t2, _, _) = step_at(t1);
+        // Where the step is locally steeper than the time (MoE layers
+        // touching more experts as tokens grow), plain iteration walks on
+        // towards the next fixed point; elsewhere the secant jumps there.
+        let slope = (t2 - t1) / (t1 - t);
+        let jump = t1 + (t2 - t1) / (1.0 - slope);
+        t = if slope < 1.0 && jump.is_finite() && jump > 0.0 {
+            jump
+        } else {
+            t2
+        };
+        if t > 1e9 {
             return None;
         }
-        t = next;
     }
     None
 }
@@ -133,7 +147,7 @@ pub fn capacity(sm: &StepModel, w: &Workload) -> f64 {
         lo = hi;
         hi *= 2.0;
     }
-    for _ in 0..60 {
+    for _ in 0..30 {
         let mid = (lo + hi) / 2.0;
         if at_rate(sm, w, mid).is_some() {
             lo = mid;
@@ -147,10 +161,21 @@ pub fn capacity(sm: &StepModel, w: &Workload) -> f64 {
 /// Service at `load`; None when the load saturates the replica (a rate
 /// past capacity; a closed loop never saturates, it runs at capacity).
 pub fn serve(sm: &StepModel, w: &Workload, load: Load) -> Option<Service> {
+    serve_within(sm, w, load, None)
+}
+
+/// [`serve`] for a replica whose [`capacity`] is already known (the
+/// search asks one layout for many loads).
+pub fn serve_within(
+    sm: &StepModel,
+    w: &Workload,
+    load: Load,
+    capacity_known: Option<f64>,
+) -> Option<Service> {
     match load {
         Load::Rate(r) if r > 0.0 => at_rate(sm, w, r),
         Load::Concurrency(c) if c > 0.0 => {
-            let cap = capacity(sm, w);
+            let cap = capacity_known.unwrap_or_else(|| capacity(sm, w));
             let in_system =
                 |s: &Service| s.rate * (s.ttft_ms + (w.osl - 1.0).max(0.0) * s.itl_ms) / 1e3;
             let near_cap = at_rate(sm, w, cap * 0.999)?;
@@ -163,7 +188,7 @@ pub fn serve(sm: &StepModel, w: &Workload, load: Load) -> Option<Service> {
                 return Some(s);
             }
             let (mut lo, mut hi) = (0.0, cap * 0.999);
-            for _ in 0..60 {
+            for _ in 0..24 {
                 let mid = (lo + hi) / 2.0;
                 match at_rate(sm, w, mid) {
                     Some(s) if in_system(&s) < c => lo = mid,

@@ -53,6 +53,91 @@ fn bad_input_exits_non_zero_with_a_message() {
         assert!(err.contains(want), "{args:?}: {err}");
         assert!(out.stdout.is_empty(), "{args:?}");
     }
+    // Options of the engine profiles and the online mode.
+    let common = [
+        "--model",
+        "Llama-3.1-8B",
+        "--gpu",
+        "H100",
+        "--gpus",
+        "2",
+        "--isl",
+        "1000",
+        "--osl",
+        "200",
+        "--ttft-ms",
+        "1000",
+        "--itl-ms",
+        "50",
+    ];
+    for (extra, want) in [
+        (
+            vec!["--engine", "tgi"],
+            "unknown engine profile \"tgi\" (known: current",
+        ),
+        (vec!["--rate", "0"], "rate or concurrency must be positive"),
+        (vec!["--rate", "1000000"], "saturates every deployment"),
+        (
+            vec!["--rate", "1", "--concurrency", "4"],
+            "cannot be used with",
+        ),
+        (vec!["--dtype", "int3"], "unknown --dtype \"int3\""),
+    ] {
+        let mut args = common.to_vec();
+        args.extend(extra.iter().copied());
+        let out = configure(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_ne!(out.status.code(), Some(0), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn an_online_query_with_an_engine_profile_explains_its_choice() {
+    let out = configure(&[
+        "--model",
+        "Llama-3.1-70B",
+        "--gpu",
+        "H200",
+        "--gpus",
+        "8",
+        "--isl",
+        "2000",
+        "--osl",
+        "300",
+        "--ttft-ms",
+        "2000",
+        "--itl-ms",
+        "60",
+        "--engine",
+        "trtllm-1.0",
+        "--rate",
+        "3",
+        "--explain",
+        "--json",
+    ]);
+    assert_success(&out);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["query"]["engine"], "trtllm-1.0");
+    assert_eq!(v["query"]["load"]["rate"], 3.0);
+    // At a fixed rate every deployment serves the same tokens/s.
+    for d in v["best_per_budget"].as_array().unwrap() {
+        let c = &d["deployment"];
+        let tokens = c["tokens_per_s_per_gpu"].as_f64().unwrap() * c["gpus"].as_f64().unwrap();
+        assert!((tokens - 900.0).abs() < 1.0, "{c}");
+    }
+    let steps = v["explain"].as_array().unwrap();
+    assert_eq!(steps.len(), 2, "{v}");
+    for s in steps {
+        let parts: f64 = ["gemm_ms", "attention_ms", "comm_ms", "other_ms"]
+            .iter()
+            .map(|k| s[k].as_f64().unwrap())
+            .sum();
+        assert!(
+            (parts - s["total_ms"].as_f64().unwrap()).abs() < 1e-6,
+            "{s}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -252,7 +252,8 @@ pub fn run(spec: &ConfigureSpec) -> anyhow::Result<String> {
     };
     let title = format!(
         "{} on {} × {} ({}), ISL {} / OSL {}, TTFT ≤ {} ms, ITL ≤ {} ms{load}",
-        model.name,
+        // The name asked for (an alias names the same shape).
+        spec.model,
         spec.gpus,
         gpu.name,
         profile.name,

@@ -623,11 +623,25 @@ pub fn search(
         .into_iter()
         .filter_map(|budget| {
             // The best deployment within `budget` GPUs: a candidate's
-            // replicas scaled down to the budget where its unit fits.
+            // replicas scaled down to the budget where its unit fits
+            // (offline), or a candidate within it (online: the load is
+            // fixed, so fewer replicas would change every prediction).
+            // Ties (online, every candidate serves the same load) go to
+            // fewer GPUs, then to the shorter ITL.
             feasible
                 .iter()
-                .filter_map(|c| shrink(c, budget))
-                .max_by(|a, b| a.tokens_per_s().total_cmp(&b.tokens_per_s()))
+                .filter_map(|c| match q.load {
+                    None => shrink(c, budget),
+                    Some(_) => (c.gpus <= budget).then(|| c.clone()),
+                })
+                .max_by(|a, b| {
+                    let (x, y) = (a.tokens_per_s(), b.tokens_per_s());
+                    if (x - y).abs() > 1e-6 * x.max(y) {
+                        x.total_cmp(&y)
+                    } else {
+                        b.gpus.cmp(&a.gpus).then(b.itl_ms.total_cmp(&a.itl_ms))
+                    }
+                })
                 .map(|c| (budget, c))
         })
         .collect();

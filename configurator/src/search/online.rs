@@ -48,8 +48,10 @@ impl Ctx<'_> {
         for &(l, kv) in layouts {
             let sm = self.step_model(l);
             let w = self.workload(kv);
-            for replicas in 1..=q.gpus / l.gpus() {
-                let Some(s) = online::serve(&sm, &w, split(load, replicas)) else {
+            // A closed loop needs the replica's capacity: once per layout.
+            let cap = matches!(load, Load::Concurrency(_)).then(|| online::capacity(&sm, &w));
+            for replicas in replica_counts(q.gpus / l.gpus()) {
+                let Some(s) = online::serve_within(&sm, &w, split(load, replicas), cap) else {
                     continue;
                 };
                 let gpus = replicas * l.gpus();
@@ -92,36 +94,44 @@ impl Ctx<'_> {
                                 + p_us / 1e3 * (1.0 + rho / (2.0 * (1.0 - rho)))
                                 + transfer_ms;
                             let per = rate / dr as f64;
-                            let mut t = dsm.decode_us(1.0, ctx);
-                            for _ in 0..100 {
-                                let b = (per * osl * t * 1e-6).max(1.0);
-                                if b > max_batch {
-                                    return None;
-                                }
-                                let next = dsm.decode_us(b, ctx);
-                                if (next - t).abs() <= 1e-6 * t {
-                                    break;
-                                }
-                                t = next;
-                            }
-                            Some((ttft, t / 1e3, (per * osl * t * 1e-6).max(1.0)))
+                            let t = decode_fixed_point(&|b| dsm.decode_us(b, ctx), per * osl)?;
+                            let b = (per * osl * t * 1e-6).max(1.0);
+                            (b <= max_batch).then_some((ttft, t / 1e3, b))
                         };
                         let rate = match load {
                             Load::Rate(r) => r,
                             Load::Concurrency(c) => {
-                                // The rate at which `c` clients are in the system.
-                                let in_system = |r: f64| {
-                                    at(r).map(|(ttft, itl, _)| r * (ttft + (osl - 1.0) * itl) / 1e3)
+                                // A closed loop: the decode pool holds the
+                                // clients that are decoding (first all of
+                                // them, then the share the rate implies);
+                                // the rate solves rate × (TTFT + decode
+                                // time) = clients, TTFT from the prefill
+                                // pool's queue.
+                                let mu = pr as f64 * p_rate;
+                                let ttft = |r: f64| {
+                                    let rho = r / mu;
+                                    self.profile.serving_ms
+                                        + p_us / 1e3 * (1.0 + rho / (2.0 * (1.0 - rho)))
+                                        + transfer_ms
                                 };
-                                let (mut lo, mut hi) = (0.0, pr as f64 * p_rate);
-                                for _ in 0..50 {
-                                    let mid = (lo + hi) / 2.0;
-                                    match in_system(mid) {
-                                        Some(x) if x < c => lo = mid,
-                                        _ => hi = mid,
+                                let mut rate = 0.0;
+                                let mut decoding = c;
+                                for _ in 0..4 {
+                                    let b = (decoding / dr as f64).clamp(1.0, max_batch.max(1.0));
+                                    let d_ms = (osl - 1.0) * dsm.decode_us(b, ctx) / 1e3;
+                                    let (mut lo, mut hi) = (0.0, mu);
+                                    for _ in 0..40 {
+                                        let mid = (lo + hi) / 2.0;
+                                        if mid * (ttft(mid) + d_ms) / 1e3 < c {
+                                            lo = mid;
+                                        } else {
+                                            hi = mid;
+                                        }
                                     }
+                                    rate = lo;
+                                    decoding = rate * d_ms / 1e3;
                                 }
-                                lo
+                                rate
                             }
                         };
                         let Some((ttft, itl, batch)) = at(rate) else {
@@ -162,4 +172,48 @@ impl Ctx<'_> {
         }
         out
     }
+}
+
+/// The decode step T (µs) at which `tokens_per_s` output tokens/s keep
+/// `tokens_per_s × T` sequences decoding: T = step(tokens_per_s × T).
+/// None when no such step exists (the pool cannot keep up).
+fn decode_fixed_point(step: &dyn Fn(f64) -> f64, tokens_per_s: f64) -> Option<f64> {
+    let f = |t: f64| step((tokens_per_s * t * 1e-6).max(1.0));
+    let mut t = f(0.0);
+    for _ in 0..200 {
+        let t1 = f(t);
+        if (t1 - t).abs() <= 1e-6 * t {
+            return Some(t1);
+        }
+        let t2 = f(t1);
+        // Where the step is locally steeper than the time (MoE layers
+        // touching more experts as tokens grow), plain iteration walks on
+        // towards the next fixed point; elsewhere the secant jumps there.
+        let slope = (t2 - t1) / (t1 - t);
+        let jump = t1 + (t2 - t1) / (1.0 - slope);
+        t = if slope < 1.0 && jump.is_finite() && jump > 0.0 {
+            jump
+        } else {
+            t2
+        };
+        if t > 1e9 {
+            return None;
+        }
+    }
+    None
+}
+
+/// Replica counts to try up to `most`: every count to 16, then powers of
+/// two, and `most` itself.
+fn replica_counts(most: u32) -> Vec<u32> {
+    let mut v: Vec<u32> = (1..=most.min(16)).collect();
+    let mut p = 32;
+    while p < most {
+        v.push(p);
+        p *= 2;
+    }
+    if most > 16 {
+        v.push(most);
+    }
+    v
 }
