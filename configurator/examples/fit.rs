@@ -24,11 +24,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             continue;
         };
         println!(
-            "# {}: {} figures, RMS log error {:.3} → {:.3}",
+            "# {}: {} figures, RMS log error {:.3} → {:.3}, fitted: {}",
             profile.name,
             f.points.len(),
             f.before,
-            f.after
+            f.after,
+            f.free.join(", ")
         );
         println!("{}", fit::toml_lines(&f));
         text = fit::rewrite(&text, &f);

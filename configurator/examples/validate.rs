@@ -26,6 +26,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             median * 100.0,
             within * 100.0
         );
+        if set == Set::Validate {
+            // Without the TensorRT-LLM 0.5.0 tables the configurator was
+            // first built against.
+            let newer: Vec<_> = rows
+                .iter()
+                .copied()
+                .filter(|x| x.point.profile != "trtllm-0.5")
+                .collect();
+            let (median, within) = validate::summary(&newer);
+            println!(
+                "{title} without the TensorRT-LLM 0.5.0 figures ({}): median absolute error {:.1}%, {:.0}% within 15%\n",
+                newer.len(),
+                median * 100.0,
+                within * 100.0
+            );
+        }
     }
     Ok(())
 }

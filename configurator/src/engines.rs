@@ -77,10 +77,16 @@ pub struct EngineProfile {
     /// and preempting when the pool runs out (vLLM, SGLang).
     #[serde(default)]
     pub reserves_whole_sequence: bool,
-    /// The engine's default cap on running sequences.
+    /// The engine's default cap on running sequences (per data-parallel
+    /// attention rank, which schedules on its own).
     pub max_batch: u32,
-    /// The engine's default token budget of one step (chunked prefill).
+    /// The engine's default token budget of one step (chunked prefill),
+    /// per data-parallel attention rank.
     pub max_num_tokens: u32,
+    /// Data-parallel-attention layouts overlap the experts' all-to-all
+    /// with compute (two micro-batches in turn).
+    #[serde(default)]
+    pub two_batch_overlap: bool,
     /// Point ids of `data/published.toml` the fitted constants came from.
     #[serde(default)]
     pub fitted_on: Vec<String>,

@@ -5,9 +5,11 @@
 //! serving overhead of an online request. The loss is the mean squared
 //! log error over the profile's `set = "fit"` points plus a prior that
 //! keeps each constant near its unfitted value (scales near 1, costs near
-//! a typical size) unless the figures pull it away: with a handful of
-//! figures and six constants, an unpenalised fit would match them exactly
-//! with nonsense. The search is a coordinate descent with shrinking steps,
+//! a typical size) unless the figures pull it away; and no more constants
+//! are freed than the figures can pin (one fewer than the figures, in a
+//! fixed order), the rest keeping their unfitted values. With a handful of
+//! figures and eight constants, an unpenalised fit would match them
+//! exactly with nonsense. The search is a coordinate descent with shrinking steps,
 //! in physical ranges, from the unfitted values. Deterministic: the same
 //! data give the same constants.
 //!
@@ -24,6 +26,8 @@ use crate::validate::{predict, published, Point, Set, ValidateError};
 pub struct Fitted {
     pub profile: EngineProfile,
     pub points: Vec<String>,
+    /// The constants fitted (the others keep their unfitted values).
+    pub free: Vec<String>,
     /// Root-mean-square log error before and after.
     pub before: f64,
     pub after: f64,
@@ -99,6 +103,18 @@ const PARAMS: [(&str, Get, Put, f64, f64, f64, f64); 8] = [
         10.0,
         30.0,
     ),
+];
+
+/// The constants in the order they are freed as figures allow.
+const ORDER: [&str; 8] = [
+    "serving_ms",
+    "gemm_scale",
+    "moe_scale",
+    "step_us",
+    "attention_scale",
+    "seq_us",
+    "sync_us",
+    "skew",
 ];
 
 /// Weight of the prior against the mean squared log error.
@@ -177,6 +193,15 @@ pub fn fit(
     for (_, _, put, _, _, centre, _) in PARAMS {
         put(&mut best, centre);
     }
+    // No more constants than the figures can pin (one fewer than there
+    // are figures, at least one), in order of how broadly they act; the
+    // rest stay at their unfitted values.
+    let free: Vec<&str> = ORDER
+        .iter()
+        .copied()
+        .filter(|n| (*n != "serving_ms" || has_ttft) && (*n != "moe_scale" || has_moe))
+        .take(points.len().saturating_sub(1).max(1))
+        .collect();
     let before = loss(c, cal, &best, &points)?;
     let mut best_obj = objective(c, cal, &best, &points)?;
     for round in 0..6 {
@@ -185,7 +210,7 @@ pub fn fit(
         while improved {
             improved = false;
             for (name, get, put, lo, hi, _, _) in PARAMS {
-                if (name == "serving_ms" && !has_ttft) || (name == "moe_scale" && !has_moe) {
+                if !free.contains(&name) {
                     continue;
                 }
                 let v = get(&best);
@@ -218,6 +243,7 @@ pub fn fit(
     Ok(Some(Fitted {
         profile: best,
         points: ids,
+        free: free.iter().map(|s| s.to_string()).collect(),
         before,
         after,
     }))

@@ -54,7 +54,7 @@ impl Dtype {
         match s.to_ascii_lowercase().as_str() {
             "bf16" | "fp16" => Some(Dtype::Bf16),
             "fp8" => Some(Dtype::Fp8),
-            "fp4" | "mxfp4" | "nvfp4" => Some(Dtype::Fp4),
+            "fp4" | "mxfp4" => Some(Dtype::Fp4),
             _ => None,
         }
     }
@@ -194,7 +194,14 @@ pub fn plan(model: &Model, gpu: &Gpu, d: &Deployment) -> Result<MemoryPlan, Memo
     if kv_space <= 0.0 {
         return Err(MemoryError::DoesNotFit {
             need_gib: weight_bytes_per_gpu / GIB,
-            have_gib: (hbm * m.fraction - runtime).max(0.0) / GIB,
+            // What the weights may take before the pool would be empty.
+            have_gib: (if m.of_free {
+                hbm - runtime
+            } else {
+                hbm * m.fraction - runtime
+            })
+            .max(0.0)
+                / GIB,
             tp: d.tp,
             pp: d.pp,
         });

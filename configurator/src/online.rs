@@ -85,11 +85,12 @@ fn steady(sm: &StepModel, w: &Workload, rate: f64) -> Option<(f64, f64)> {
     let mut t = step_at(0.0).0;
     for _ in 0..200 {
         let (t1, d1, p1) = step_at(t);
-        if !t1.is_finite() || d1 > w.max_batch || d1 + p1 > w.max_num_tokens {
+        if !t1.is_finite() {
             return None;
         }
         if (t1 - t).abs() <= 1e-6 * t {
-            return Some((t1, d1));
+            // The limits hold at the fixed point, not on the way there.
+            return (d1 <= w.max_batch && d1 + p1 <= w.max_num_tokens).then_some((t1, d1));
         }
         let (t2, _, _) = step_at(t1);
         // Where the step is locally steeper than the time (MoE layers
@@ -173,9 +174,12 @@ pub fn serve_within(
     capacity_known: Option<f64>,
 ) -> Option<Service> {
     match load {
-        Load::Rate(r) if r > 0.0 => at_rate(sm, w, r),
-        Load::Concurrency(c) if c > 0.0 => {
+        Load::Rate(r) if r > 0.0 && r.is_finite() => at_rate(sm, w, r),
+        Load::Concurrency(c) if c > 0.0 && c.is_finite() => {
             let cap = capacity_known.unwrap_or_else(|| capacity(sm, w));
+            if cap.is_nan() || cap <= 0.0 {
+                return None;
+            }
             let in_system =
                 |s: &Service| s.rate * (s.ttft_ms + (w.osl - 1.0).max(0.0) * s.itl_ms) / 1e3;
             let near_cap = at_rate(sm, w, cap * 0.999)?;
@@ -216,7 +220,7 @@ pub fn serve_within(
 ///   capacity and requests queue for a slot, the queue growing at the
 ///   difference of the arrival rate and capacity.
 pub fn finite(sm: &StepModel, w: &Workload, n: f64, rate: f64) -> Option<Service> {
-    if !(n >= 1.0 && rate > 0.0) {
+    if !(n >= 1.0 && n.is_finite() && rate > 0.0 && rate.is_finite()) {
         return None;
     }
     let tail = |s: &Service| (s.ttft_ms + (w.osl - 1.0).max(0.0) * s.itl_ms) / 1e3;
@@ -230,8 +234,10 @@ pub fn finite(sm: &StepModel, w: &Workload, n: f64, rate: f64) -> Option<Service
         ..*w
     };
     if let Some(s) = at_rate(sm, &capped, rate) {
-        if s.batch < n {
-            let duration = n / rate + tail(&s);
+        // Steady state holds while fewer than `n` requests are in flight
+        // (Little's law).
+        if rate * tail(&s) < n {
+            let duration = (n - 1.0) / rate + tail(&s);
             return done(s, duration);
         }
     }
@@ -264,7 +270,7 @@ pub fn finite(sm: &StepModel, w: &Workload, n: f64, rate: f64) -> Option<Service
     let mut s = at_rate(sm, w, cap * 0.999)?;
     let gap = (1.0 / cap - 1.0 / rate).max(0.0);
     s.ttft_ms += (n - 1.0) / 2.0 * gap * 1e3;
-    let duration = n / cap.min(rate) + tail(&s);
+    let duration = (n - 1.0) / cap.min(rate) + tail(&s);
     done(s, duration)
 }
 

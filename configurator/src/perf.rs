@@ -303,11 +303,6 @@ impl StepModel<'_> {
             self.gemm(rows, m.vocab as f64 / d.tp as f64, m.hidden as f64)
         };
         t.other += self.profile.step_us + self.profile.seq_us * (s.decode + s.prefill_seqs);
-        if d.tp > 1 && !d.dp_attention {
-            // Every collective waits for the slowest rank of the group.
-            let straggle = (2.0 * (d.tp as f64).ln()).sqrt() * self.profile.skew;
-            t.comm += straggle * (t.gemm + t.attention);
-        }
         if d.overlap {
             // Two micro-batches in turn: one's communication runs under
             // the other's compute. The first dispatch and the last combine
@@ -315,6 +310,12 @@ impl StepModel<'_> {
             // of the two is hidden.
             let compute = t.gemm + t.attention + t.other;
             t.comm -= compute.min(t.comm) / 2.0;
+        }
+        if d.tp > 1 {
+            // Every collective waits for the slowest rank of the group;
+            // waiting is not hidden by overlap.
+            let straggle = (2.0 * (d.tp as f64).ln()).sqrt() * self.profile.skew;
+            t.comm += straggle * (t.gemm + t.attention);
         }
         t
     }

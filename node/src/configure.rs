@@ -265,16 +265,7 @@ pub fn run(spec: &ConfigureSpec) -> anyhow::Result<String> {
     let step_model = |layout: &dynamo_configurator::Layout| StepModel {
         model,
         gpu,
-        deployment: dynamo_configurator::Deployment {
-            tp: layout.tp,
-            pp: layout.pp,
-            weights: q.weights,
-            kv: q.kv,
-            memory: profile.memory,
-            expert_parallel: layout.ep,
-            dp_attention: layout.dpa,
-            overlap: layout.dpa,
-        },
+        deployment: search::deployment(&q, &profile, *layout),
         calib: &calib,
         profile: profile.clone(),
     };
@@ -302,7 +293,13 @@ pub fn run(spec: &ConfigureSpec) -> anyhow::Result<String> {
             .ok_or_else(|| anyhow::anyhow!("no deployment fits the budget"))?;
         let summary = format!("{} — {}", title, best.label());
         let files = emit::node_configs(best, &summary, |layout, batch| {
-            emit::mocker_timing(&step_model(layout), &q, batch)
+            // Online, a candidate's batch is the average it decodes at the
+            // load; the workers take the layout's whole cap.
+            let cap = match q.load {
+                Some(_) => search::batch_cap(model, gpu, &profile, &q, *layout).unwrap_or(batch),
+                None => batch,
+            };
+            emit::mocker_timing(&step_model(layout), &q, cap)
         })?;
         let spec = deployment_spec(&spec.model, best, &files)?;
         let path = dir.join("deployment.yaml");

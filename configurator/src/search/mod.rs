@@ -17,8 +17,13 @@
 //!   at most 90% busy); TTFT is a prefill batch plus its M/D/1 queueing
 //!   wait plus moving the prompt's KV at `kv_link_gbps`.
 //!
+//! P:D splits and replica counts are tried exhaustively up to 16 replicas
+//! a side, then at powers of two and the most that fit.
+//!
 //! Invariants: every candidate fits in memory (weights plus the KV of all
-//! its sequences at full length); a candidate meets the SLA only if both
+//! its sequences, each charged its expected live context or, for engines
+//! that reserve whole sequences or with `KvCharge::WorstCase`, its full
+//! length) and in the engine's batch cap and step budget; a candidate meets the SLA only if both
 //! its TTFT and ITL do; the frontier holds no candidate that another beats
 //! on both axes.
 
@@ -125,6 +130,12 @@ pub enum SearchError {
     },
     #[error("{field} must be positive (got {value})")]
     NotPositive { field: &'static str, value: f64 },
+    #[error("{field} = {value} is more than this search plans for ({most})")]
+    TooLarge {
+        field: &'static str,
+        value: f64,
+        most: f64,
+    },
     #[error(
         "{gpus} × {gpu} cannot hold {model}: its weights need at least {need} GPUs (tp × pp) with room for KV"
     )]
@@ -287,24 +298,23 @@ impl Ctx<'_> {
     }
 
     fn deployment(&self, l: Layout) -> Deployment {
-        Deployment {
-            tp: l.tp,
-            pp: l.pp,
-            weights: self.q.weights,
-            kv: self.q.kv,
-            memory: self.profile.memory,
-            expert_parallel: l.ep,
-            dp_attention: l.dpa,
-            // Data-parallel-attention engines overlap the experts'
-            // all-to-all with compute (two-batch overlap).
-            overlap: l.dpa,
-        }
+        deployment(self.q, self.profile, l)
+    }
+
+    /// The most sequences a replica of `l` holding `kv_tokens` runs.
+    pub(super) fn max_batch(&self, l: Layout, kv_tokens: u64) -> u64 {
+        max_batch_for(self.q, self.profile, l, kv_tokens)
+    }
+
+    /// Token budget of one step of a replica of `l`.
+    pub(super) fn step_tokens(&self, l: Layout) -> u64 {
+        step_tokens_for(self.q, l)
     }
 
     /// Layouts that hold the weights plus at least one full sequence:
     /// `(layout, KV tokens of a replica)`.
     fn layouts(&self) -> Vec<(Layout, u64)> {
-        let seq = (self.q.isl + self.q.osl) as u64;
+        let seq = self.q.isl as u64 + self.q.osl as u64;
         let mut out = Vec::new();
         // Expert parallelism is a choice only for MoE models whose experts
         // split evenly over the TP group.
@@ -329,9 +339,10 @@ impl Ctx<'_> {
         }
         // Data-parallel attention over expert-parallel groups, within a
         // node and across nodes.
-        if self.model.moe.is_some() {
+        if let Some(moe) = &self.model.moe {
             for g in [2, 4, 8, 16, 32, 64, 72] {
-                if g <= self.q.max_ep {
+                // At least one whole expert per GPU.
+                if g <= self.q.max_ep && g <= moe.experts {
                     shapes.push(Layout {
                         tp: g,
                         pp: 1,
@@ -354,16 +365,10 @@ impl Ctx<'_> {
         out
     }
 
-    /// Batch sizes to try for a replica holding `kv_tokens`: powers of two
-    /// and the largest that fits, within the engine's cap.
-    fn batches(&self, kv_tokens: u64) -> impl Iterator<Item = u32> {
-        let charge = if self.profile.reserves_whole_sequence {
-            KvCharge::WorstCase
-        } else {
-            self.q.kv_charge
-        };
-        let charge = charge.tokens(self.q.isl, self.q.osl).max(1);
-        let most = (kv_tokens / charge).min(self.profile.max_batch as u64) as u32;
+    /// Batch sizes to try for a replica of `l` holding `kv_tokens`: powers
+    /// of two and the largest that fits ([`Self::max_batch`]).
+    fn batches(&self, l: Layout, kv_tokens: u64) -> impl Iterator<Item = u32> {
+        let most = self.max_batch(l, kv_tokens).min(u32::MAX as u64) as u32;
         let mut v: Vec<u32> = (0..16)
             .map(|i| 1u32 << i)
             .filter(move |b| *b <= most)
@@ -387,7 +392,9 @@ impl Ctx<'_> {
                 prefill_past: 0.0,
             })
             .total();
-        let chunk = (self.q.max_num_tokens as f64).min(isl);
+        // A prompt's chunks share the step budget with the decodes.
+        let room = (self.step_tokens(l) as f64 - b).max(1.0);
+        let chunk = room.min(isl);
         let chunks = (isl / chunk).ceil();
         let with_chunk = sm
             .step(&Step {
@@ -407,7 +414,7 @@ impl Ctx<'_> {
 
     /// A prefill replica: (prompts per step, step time µs).
     fn prefill(&self, l: Layout) -> (u32, f64) {
-        let n = (self.q.max_num_tokens / self.q.isl).max(1);
+        let n = (self.step_tokens(l) / self.q.isl as u64).clamp(1, u32::MAX as u64) as u32;
         (
             n,
             self.step_model(l).prefill_us(n as f64, self.q.isl as f64),
@@ -450,11 +457,102 @@ fn check(q: &Query) -> Result<(), SearchError> {
             },
         ),
     ] {
-        if value.is_nan() || value <= 0.0 {
+        if !value.is_finite() || value <= 0.0 {
             return Err(SearchError::NotPositive { field, value });
         }
     }
+    for (field, value, most) in [
+        ("gpus", q.gpus as f64, MAX_GPUS as f64),
+        ("isl", q.isl as f64, MAX_TOKENS as f64),
+        ("osl", q.osl as f64, MAX_TOKENS as f64),
+    ] {
+        if value > most {
+            return Err(SearchError::TooLarge { field, value, most });
+        }
+    }
     Ok(())
+}
+
+/// Schedulers in a replica of `l`: each data-parallel attention rank runs
+/// its own batch and step budget.
+fn ranks(l: Layout) -> u64 {
+    if l.dpa {
+        l.tp as u64
+    } else {
+        1
+    }
+}
+
+/// Token budget of one step of a replica of `l`.
+fn step_tokens_for(q: &Query, l: Layout) -> u64 {
+    q.max_num_tokens as u64 * ranks(l)
+}
+
+/// The most sequences a replica of `l` holding `kv_tokens` runs: its KV
+/// pool at the engine's charge per sequence, the engine's cap per
+/// scheduler, and the step budget (each decode brings `isl/osl` prompt
+/// tokens).
+fn max_batch_for(q: &Query, profile: &EngineProfile, l: Layout, kv_tokens: u64) -> u64 {
+    let charge = if profile.reserves_whole_sequence {
+        KvCharge::WorstCase
+    } else {
+        q.kv_charge
+    };
+    let per_seq = charge.tokens(q.isl, q.osl).max(1);
+    let (isl, osl) = (q.isl as u64, q.osl as u64);
+    let by_budget = step_tokens_for(q, l) * osl / (isl + osl);
+    (kv_tokens / per_seq)
+        .min(profile.max_batch as u64 * ranks(l))
+        .min(by_budget.max(1))
+}
+
+/// The batch cap of one replica of `l` (what an emitted worker's
+/// `max_num_seqs` should be); None when the layout does not fit.
+pub fn batch_cap(
+    model: &Model,
+    gpu: &Gpu,
+    profile: &EngineProfile,
+    q: &Query,
+    l: Layout,
+) -> Option<u32> {
+    let p = plan(model, gpu, &deployment(q, profile, l)).ok()?;
+    Some(max_batch_for(q, profile, l, p.kv_tokens).min(u32::MAX as u64) as u32)
+}
+
+/// Replica counts to try up to `most`: every count to 16, then powers of
+/// two, and `most` itself.
+pub(super) fn replica_counts(most: u32) -> Vec<u32> {
+    let mut v: Vec<u32> = (1..=most.min(16)).collect();
+    let mut p = 32;
+    while p < most {
+        v.push(p);
+        p *= 2;
+    }
+    if most > 16 {
+        v.push(most);
+    }
+    v
+}
+
+/// Most GPUs one search plans for.
+pub const MAX_GPUS: u32 = 4096;
+/// Longest prompt or output one search plans for, tokens.
+pub const MAX_TOKENS: u32 = 10_000_000;
+
+/// The layout `l` of a replica as the step model and memory plan see it,
+/// for the query's dtypes and the engine's memory setting; data-parallel
+/// attention overlaps its all-to-all where the engine does.
+pub fn deployment(q: &Query, profile: &EngineProfile, l: Layout) -> Deployment {
+    Deployment {
+        tp: l.tp,
+        pp: l.pp,
+        weights: q.weights,
+        kv: q.kv,
+        memory: profile.memory,
+        expert_parallel: l.ep,
+        dp_attention: l.dpa,
+        overlap: l.dpa && profile.two_batch_overlap,
+    }
 }
 
 /// Searches every deployment of `model` on `gpu` within the query's budget.
@@ -490,7 +588,7 @@ pub fn search(
             })
             .filter(|l| {
                 plan(model, gpu, &cx.deployment(*l))
-                    .is_ok_and(|p| p.seq_tokens >= (q.isl + q.osl) as u64)
+                    .is_ok_and(|p| p.seq_tokens >= q.isl as u64 + q.osl as u64)
             })
             .map(|l| l.gpus())
             .min()
@@ -512,7 +610,7 @@ pub fn search(
     // Aggregated: as many replicas of one layout as fit.
     for &(l, kv) in layouts.iter().filter(|_| q.load.is_none()) {
         let replicas = q.gpus / l.gpus();
-        for batch in cx.batches(kv) {
+        for batch in cx.batches(l, kv) {
             let p = cx.aggregated(l, batch);
             let gpus = replicas * l.gpus();
             all.push(Candidate {
@@ -542,14 +640,14 @@ pub fn search(
         })
         .collect();
     for &(dl, kv) in layouts.iter().filter(|_| q.load.is_none()) {
-        for batch in cx.batches(kv) {
+        for batch in cx.batches(dl, kv) {
             let (d_itl_ms, d_rate) = cx.decode(dl, batch);
             for &(pl, n, p_us) in &prefills {
                 let p_rate = n as f64 / (p_us * 1e-6);
                 let mut best: Option<Candidate> = None;
-                for pr in 1..=q.gpus / pl.gpus() {
+                for pr in replica_counts(q.gpus / pl.gpus()) {
                     let left = q.gpus - pr * pl.gpus();
-                    for dr in 1..=left / dl.gpus() {
+                    for dr in replica_counts(left / dl.gpus()) {
                         let rate = (dr as f64 * d_rate).min(0.9 * pr as f64 * p_rate);
                         let rho = rate / (pr as f64 * p_rate);
                         let ttft = self_serving_ms
@@ -879,5 +977,31 @@ mod tests {
         }
         let e = run("Llama-3.1-8B", "H100", 0, 5000.0, 100.0).unwrap_err();
         assert!(matches!(e, SearchError::NotPositive { field: "gpus", .. }));
+        let e = run("Llama-3.1-8B", "H100", MAX_GPUS + 1, 5000.0, 100.0).unwrap_err();
+        assert!(
+            matches!(e, SearchError::TooLarge { field: "gpus", .. }),
+            "{e}"
+        );
+        let e = run("Llama-3.1-8B", "H100", 8, f64::INFINITY, 100.0).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                SearchError::NotPositive {
+                    field: "ttft_ms",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = run_q("Llama-3.1-8B", "H100", |q| q.isl = u32::MAX).unwrap_err();
+        assert!(
+            matches!(e, SearchError::TooLarge { field: "isl", .. }),
+            "{e}"
+        );
+        let e = run_q("Llama-3.1-8B", "H100", |q| {
+            q.load = Some(Load::Concurrency(f64::INFINITY))
+        })
+        .unwrap_err();
+        assert!(matches!(e, SearchError::NotPositive { .. }), "{e}");
     }
 }

@@ -7,23 +7,17 @@
 //! prefill replicas as M/D/1 servers of prompt batches and decode at the
 //! batch Little's law gives at the decode pool's share of the rate.
 
-use super::{Candidate, Ctx, KvCharge, Layout, Mode};
+use super::{replica_counts, Candidate, Ctx, Layout, Mode};
 use crate::online::{self, Load, Workload};
 
 impl Ctx<'_> {
     /// A replica's online workload.
-    pub(super) fn workload(&self, kv_tokens: u64) -> Workload {
-        let charge = if self.profile.reserves_whole_sequence {
-            KvCharge::WorstCase
-        } else {
-            self.q.kv_charge
-        };
-        let per_seq = charge.tokens(self.q.isl, self.q.osl).max(1);
+    pub(super) fn workload(&self, l: Layout, kv_tokens: u64) -> Workload {
         Workload {
             isl: self.q.isl as f64,
             osl: self.q.osl as f64,
-            max_num_tokens: self.q.max_num_tokens as f64,
-            max_batch: (kv_tokens / per_seq).min(self.profile.max_batch as u64) as f64,
+            max_num_tokens: self.step_tokens(l) as f64,
+            max_batch: self.max_batch(l, kv_tokens) as f64,
             serving_ms: self.profile.serving_ms,
         }
     }
@@ -47,7 +41,7 @@ impl Ctx<'_> {
         let mut out = Vec::new();
         for &(l, kv) in layouts {
             let sm = self.step_model(l);
-            let w = self.workload(kv);
+            let w = self.workload(l, kv);
             // A closed loop needs the replica's capacity: once per layout.
             let cap = matches!(load, Load::Concurrency(_)).then(|| online::capacity(&sm, &w));
             for replicas in replica_counts(q.gpus / l.gpus()) {
@@ -78,12 +72,12 @@ impl Ctx<'_> {
             let p_rate = n as f64 / (p_us * 1e-6);
             for &(dl, kv) in layouts {
                 let dsm = self.step_model(dl);
-                let max_batch = self.workload(kv).max_batch;
+                let max_batch = self.workload(dl, kv).max_batch;
                 let ctx = q.isl as f64 + osl / 2.0;
                 let mut best: Option<Candidate> = None;
-                for pr in 1..=q.gpus / pl.gpus() {
+                for pr in replica_counts(q.gpus / pl.gpus()) {
                     let left = q.gpus - pr * pl.gpus();
-                    for dr in 1..=left / dl.gpus() {
+                    for dr in replica_counts(left / dl.gpus()) {
                         // Service at total rate `rate`: (TTFT, ITL, batch).
                         let at = |rate: f64| -> Option<(f64, f64, f64)> {
                             let rho = rate / (pr as f64 * p_rate);
@@ -201,19 +195,4 @@ fn decode_fixed_point(step: &dyn Fn(f64) -> f64, tokens_per_s: f64) -> Option<f6
         }
     }
     None
-}
-
-/// Replica counts to try up to `most`: every count to 16, then powers of
-/// two, and `most` itself.
-fn replica_counts(most: u32) -> Vec<u32> {
-    let mut v: Vec<u32> = (1..=most.min(16)).collect();
-    let mut p = 32;
-    while p < most {
-        v.push(p);
-        p *= 2;
-    }
-    if most > 16 {
-        v.push(most);
-    }
-    v
 }
