@@ -78,24 +78,30 @@ fn steady(sm: &StepModel, w: &Workload, rate: f64) -> Option<(f64, f64)> {
             .total();
         (t, decode, per_step * w.isl)
     };
-    // T = f(T) with f increasing: iterate, jumping to the fixed point of
-    // the secant through the last two iterates (Steffensen) where that
-    // lies ahead, which converges in a few steps even near capacity
-    // where plain iteration crawls.
-    let mut t = step_at(0.0).0;
+    let t = fixed_point(|t| step_at(t).0)?;
+    // The limits hold at the fixed point, not on the way there.
+    let (_, decode, prefill) = step_at(t);
+    (decode <= w.max_batch && decode + prefill <= w.max_num_tokens).then_some((t, decode))
+}
+
+/// The smallest T ≥ f(0) with T = f(T), for f increasing; None when none
+/// is found below 10⁹. Iterates, jumping to the fixed point of the secant
+/// through the last two iterates (Steffensen) where that lies ahead, which
+/// converges in a few steps even near capacity where plain iteration
+/// crawls; where f is locally steeper than the identity (MoE layers
+/// touching more experts as tokens grow), plain iteration walks on
+/// towards the next fixed point.
+pub fn fixed_point(f: impl Fn(f64) -> f64) -> Option<f64> {
+    let mut t = f(0.0);
     for _ in 0..200 {
-        let (t1, d1, p1) = step_at(t);
+        let t1 = f(t);
         if !t1.is_finite() {
             return None;
         }
         if (t1 - t).abs() <= 1e-6 * t {
-            // The limits hold at the fixed point, not on the way there.
-            return (d1 <= w.max_batch && d1 + p1 <= w.max_num_tokens).then_some((t1, d1));
+            return Some(t1);
         }
-        let (t2, _, _) = step_at(t1);
-        // Where the step is locally steeper than the time (MoE layers
-        // touching more experts as tokens grow), plain iteration walks on
-        // towards the next fixed point; elsewhere the secant jumps there.
+        let t2 = f(t1);
         let slope = (t2 - t1) / (t1 - t);
         let jump = t1 + (t2 - t1) / (1.0 - slope);
         t = if slope < 1.0 && jump.is_finite() && jump > 0.0 {

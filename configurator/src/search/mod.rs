@@ -519,6 +519,19 @@ pub fn batch_cap(
     Some(max_batch_for(q, profile, l, p.kv_tokens).min(u32::MAX as u64) as u32)
 }
 
+/// Keeps `c` in `best` if it meets the SLA where `best` does not, or has
+/// more tokens/s per GPU at the same standing: one P:D split per layout
+/// pair and batch.
+pub(super) fn keep_better(best: &mut Option<Candidate>, c: Candidate) {
+    let better = match best {
+        None => true,
+        Some(b) => (c.meets_sla, c.tokens_per_s_per_gpu) > (b.meets_sla, b.tokens_per_s_per_gpu),
+    };
+    if better {
+        *best = Some(c);
+    }
+}
+
 /// Replica counts to try up to `most`: every count to 16, then powers of
 /// two, and `most` itself.
 pub(super) fn replica_counts(most: u32) -> Vec<u32> {
@@ -670,16 +683,7 @@ pub fn search(
                             tokens_per_s_per_gpu: rate * q.osl as f64 / gpus as f64,
                             meets_sla: sla(ttft, d_itl_ms),
                         };
-                        let better = match &best {
-                            None => true,
-                            Some(b) => {
-                                (c.meets_sla, c.tokens_per_s_per_gpu)
-                                    > (b.meets_sla, b.tokens_per_s_per_gpu)
-                            }
-                        };
-                        if better {
-                            best = Some(c);
-                        }
+                        keep_better(&mut best, c);
                     }
                 }
                 all.extend(best);

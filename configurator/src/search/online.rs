@@ -7,7 +7,7 @@
 //! prefill replicas as M/D/1 servers of prompt batches and decode at the
 //! batch Little's law gives at the decode pool's share of the rate.
 
-use super::{replica_counts, Candidate, Ctx, Layout, Mode};
+use super::{keep_better, replica_counts, Candidate, Ctx, Layout, Mode};
 use crate::online::{self, Load, Workload};
 
 impl Ctx<'_> {
@@ -148,17 +148,7 @@ impl Ctx<'_> {
                             tokens_per_s_per_gpu: rate * osl / gpus as f64,
                             meets_sla: sla(ttft, itl),
                         };
-                        // Fewest GPUs meeting the SLA, then most tokens/s per GPU.
-                        let better = match &best {
-                            None => true,
-                            Some(b) => {
-                                (c.meets_sla, c.tokens_per_s_per_gpu)
-                                    > (b.meets_sla, b.tokens_per_s_per_gpu)
-                            }
-                        };
-                        if better {
-                            best = Some(c);
-                        }
+                        keep_better(&mut best, c);
                     }
                 }
                 out.extend(best);
@@ -172,27 +162,5 @@ impl Ctx<'_> {
 /// `tokens_per_s × T` sequences decoding: T = step(tokens_per_s × T).
 /// None when no such step exists (the pool cannot keep up).
 fn decode_fixed_point(step: &dyn Fn(f64) -> f64, tokens_per_s: f64) -> Option<f64> {
-    let f = |t: f64| step((tokens_per_s * t * 1e-6).max(1.0));
-    let mut t = f(0.0);
-    for _ in 0..200 {
-        let t1 = f(t);
-        if (t1 - t).abs() <= 1e-6 * t {
-            return Some(t1);
-        }
-        let t2 = f(t1);
-        // Where the step is locally steeper than the time (MoE layers
-        // touching more experts as tokens grow), plain iteration walks on
-        // towards the next fixed point; elsewhere the secant jumps there.
-        let slope = (t2 - t1) / (t1 - t);
-        let jump = t1 + (t2 - t1) / (1.0 - slope);
-        t = if slope < 1.0 && jump.is_finite() && jump > 0.0 {
-            jump
-        } else {
-            t2
-        };
-        if t > 1e9 {
-            return None;
-        }
-    }
-    None
+    online::fixed_point(|t| step((tokens_per_s * t * 1e-6).max(1.0)))
 }
