@@ -522,6 +522,19 @@ mod tests {
     }
 
     #[test]
+    fn the_readme_carries_every_row_as_predicted_now() {
+        let readme = include_str!("../README.md");
+        for c in run() {
+            let table = markdown(&[&c]);
+            let row = table.lines().nth(2).unwrap();
+            assert!(
+                readme.contains(row),
+                "README is stale: rerun `cargo run -p dynamo-configurator --example validate`; missing {row}"
+            );
+        }
+    }
+
+    #[test]
     fn a_profile_fitted_on_a_validation_point_is_refused() {
         let c = Catalog::builtin().unwrap();
         let cal = Calibration::parse(H200_JSON, c.gpu("H200").unwrap()).unwrap();
