@@ -18,9 +18,10 @@ use thiserror::Error;
 pub enum Dtype {
     Bf16,
     Fp8,
-    /// MXFP4 weights (4-bit values, one 8-bit scale per 32): stored at
-    /// 4.25 bits, computed at the FP8 rate (Hopper has no FP4 tensor
-    /// cores; its kernels dequantize). KV is never FP4.
+    /// MXFP4 routed experts (4-bit values, one 8-bit scale per 32: 4.25
+    /// bits), computed at the FP8 rate (Hopper has no FP4 tensor cores;
+    /// its kernels dequantize), with every other weight in BF16, as
+    /// MXFP4 checkpoints (gpt-oss) ship. KV is never FP4.
     Fp4,
 }
 
@@ -30,6 +31,14 @@ impl Dtype {
             Dtype::Bf16 => 2.0,
             Dtype::Fp8 => 1.0,
             Dtype::Fp4 => 0.53125,
+        }
+    }
+
+    /// The type of the weights that are not routed experts.
+    pub fn dense(self) -> Dtype {
+        match self {
+            Dtype::Fp4 => Dtype::Bf16,
+            d => d,
         }
     }
 
@@ -178,11 +187,15 @@ pub fn plan(model: &Model, gpu: &Gpu, d: &Deployment) -> Result<MemoryPlan, Memo
     if !(m.fraction > 0.0 && m.fraction <= 1.0) {
         return Err(MemoryError::Fraction(m.fraction));
     }
+    // Routed experts in the weights' type, the rest in its dense type.
+    let experts = model.routed_expert_params() as f64;
+    let (expert_bytes, dense_bytes) = (d.weights.bytes(), d.weights.dense().bytes());
     let weight_bytes_per_gpu = if d.dp_attention {
         let (whole, split) = model.dp_attention_split();
-        (whole as f64 + split as f64 / d.tp as f64) * d.weights.bytes()
+        whole as f64 * dense_bytes
+            + ((split as f64 - experts) * dense_bytes + experts * expert_bytes) / d.tp as f64
     } else {
-        model.params() as f64 * d.weights.bytes() / d.gpus() as f64
+        ((model.params() as f64 - experts) * dense_bytes + experts * expert_bytes) / d.gpus() as f64
     };
     let hbm = gpu.hbm_bytes();
     let runtime = m.runtime_gib.max(0.0) * GIB;
@@ -325,6 +338,26 @@ mod tests {
         let want = 0.9 * (79.6 * GIB - 8.03e9 - 2.0 * GIB) / (32.0 * 2048.0 * 2.0);
         assert!((free / want - 1.0).abs() < 0.01, "{free} vs {want}");
         assert!(free > total);
+    }
+
+    #[test]
+    fn mxfp4_stores_only_the_routed_experts_at_four_bits() {
+        let c = Catalog::builtin().unwrap();
+        let (m, h100) = (c.model("gpt-oss-120b").unwrap(), c.gpu("H100").unwrap());
+        let p = plan(m, h100, &dep(1, 1, Dtype::Fp4)).unwrap();
+        let experts = m.routed_expert_params() as f64;
+        let rest = m.params() as f64 - experts;
+        assert!(experts / m.params() as f64 > 0.95);
+        let want = experts * 0.53125 + rest * 2.0;
+        assert!((p.weight_bytes_per_gpu / want - 1.0).abs() < 1e-9);
+        // About 65 GB: one 80 GB card holds it, with room for KV.
+        assert!((60e9..70e9).contains(&p.weight_bytes_per_gpu), "{p:?}");
+        assert!(p.kv_tokens > 100_000, "{p:?}");
+        // A dense model has no experts: FP4 leaves it in BF16.
+        let l = c.model("Llama-3.1-8B").unwrap();
+        let bf = plan(l, h100, &dep(1, 1, Dtype::Bf16)).unwrap();
+        let f4 = plan(l, h100, &dep(1, 1, Dtype::Fp4)).unwrap();
+        assert_eq!(bf.weight_bytes_per_gpu, f4.weight_bytes_per_gpu);
     }
 
     #[test]

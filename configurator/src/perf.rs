@@ -64,13 +64,16 @@ pub struct StepModel<'a> {
 }
 
 impl StepModel<'_> {
+    /// A GEMM over weights that are not routed experts.
     fn gemm(&self, m: f64, n: f64, k: f64) -> f64 {
+        self.gemm_of(m, n, k, self.deployment.weights.dense())
+    }
+
+    fn gemm_of(&self, m: f64, n: f64, k: f64, dtype: crate::memory::Dtype) -> f64 {
         if m <= 0.0 {
             return 0.0;
         }
-        self.calib
-            .gemm_us(self.gpu, m, n, k, self.deployment.weights)
-            * self.profile.gemm_scale
+        self.calib.gemm_us(self.gpu, m, n, k, dtype) * self.profile.gemm_scale
     }
 
     /// One collective's synchronisation on top of its transfer time.
@@ -223,8 +226,9 @@ impl StepModel<'_> {
                 // The touched experts run as one grouped GEMM (as MoE kernels
                 // do): the weights streamed once per expert, one launch, so
                 // the work of a GEMM `touched` times as wide.
-                t.gemm += (self.gemm(per_expert, 2.0 * ef * touched, hidden)
-                    + self.gemm(per_expert, hidden * touched, ef))
+                let w = d.weights;
+                t.gemm += (self.gemm_of(per_expert, 2.0 * ef * touched, hidden, w)
+                    + self.gemm_of(per_expert, hidden * touched, ef, w))
                     * self.profile.moe_scale;
                 let shared = moe.shared as f64 * moe.expert_ffn as f64 / if dpa { 1.0 } else { tp };
                 if shared > 0.0 {

@@ -141,6 +141,18 @@ impl Model {
         attention + mlp + self.embedding_params()
     }
 
+    /// Parameters of the routed experts (0 for a dense model).
+    pub fn routed_expert_params(&self) -> u64 {
+        match &self.moe {
+            None => 0,
+            Some(m) => {
+                (self.layers - m.dense_layers) as u64
+                    * m.experts as u64
+                    * self.mlp_params(m.expert_ffn)
+            }
+        }
+    }
+
     /// Under data-parallel attention: the parameters every GPU of the group
     /// holds whole (attention, dense MLPs, shared experts, routers), and
     /// those split across it (routed experts; embeddings by vocabulary).
