@@ -935,6 +935,23 @@ mod tests {
         })
         .unwrap();
         assert!(!closed.feasible.is_empty());
+        // Far more clients than any deployment holds: they queue, in
+        // aggregated and disaggregated deployments alike.
+        let flood = run_q("Llama-3.1-8B", "H100", |q| {
+            q.gpus = 4;
+            q.ttft_ms = 1e9;
+            q.itl_ms = 1e4;
+            q.load = Some(Load::Concurrency(50_000.0));
+        })
+        .unwrap();
+        let disagg = |c: &Candidate| matches!(c.mode, Mode::Disaggregated { .. });
+        assert!(flood.feasible.iter().any(disagg));
+        assert!(flood.feasible.iter().any(|c| !disagg(c)));
+        assert!(
+            flood.feasible.iter().all(|c| c.ttft_ms > 10_000.0),
+            "{:?}",
+            flood.feasible[0]
+        );
         // A load nothing sustains is a clear error.
         let e = run_q("Llama-3.1-70B", "H100", |q| {
             q.gpus = 4;

@@ -2,10 +2,12 @@
 //! load (a request rate or closed-loop clients) with the queueing it
 //! implies ([`crate::online`]), instead of at each batch size.
 //!
-//! Aggregated replicas split the load evenly; a replica count the load
-//! saturates is left out. Disaggregated deployments serve prompts with
-//! prefill replicas as M/D/1 servers of prompt batches and decode at the
-//! batch Little's law gives at the decode pool's share of the rate.
+//! Aggregated replicas split the load evenly; a replica count a request
+//! rate saturates is left out. Disaggregated deployments serve prompts
+//! with prefill replicas as M/D/1 servers of prompt batches and decode at
+//! the batch Little's law gives at the decode pool's share of the rate. A
+//! closed loop never saturates: clients past what the pools hold queue
+//! before their first token, aggregated or disaggregated alike.
 
 use super::{keep_better, replica_counts, Candidate, Ctx, Layout, Mode};
 use crate::online::{self, Load, Workload};
@@ -128,8 +130,26 @@ impl Ctx<'_> {
                                 rate
                             }
                         };
-                        let Some((ttft, itl, batch)) = at(rate) else {
-                            continue;
+                        let (ttft, itl, batch) = match (at(rate), load) {
+                            (Some(x), _) => x,
+                            (None, Load::Concurrency(c)) => {
+                                // More clients than the pools hold: they
+                                // run at the highest rate the pools
+                                // sustain, and the rest queue before their
+                                // first token.
+                                // The decode pool at its batch cap, and
+                                // the prefill pool short of saturation.
+                                let full = dsm.decode_us(max_batch.max(1.0), ctx);
+                                let decode_cap = dr as f64 * max_batch / (osl * full * 1e-6);
+                                let lo = 0.999 * decode_cap.min(0.999 * pr as f64 * p_rate);
+                                let Some((ttft, itl, batch)) = at(lo).filter(|_| lo > 0.0) else {
+                                    continue;
+                                };
+                                let held = lo * (ttft + (osl - 1.0) * itl) / 1e3;
+                                let queued = (c - held).max(0.0);
+                                (ttft + queued / lo * 1e3, itl, batch)
+                            }
+                            (None, Load::Rate(_)) => continue,
                         };
                         let gpus = pr * pl.gpus() + dr * dl.gpus();
                         let c = Candidate {
