@@ -429,6 +429,43 @@ impl Ctx<'_> {
         (step / 1e3, batch as f64 / osl / (step * 1e-6))
     }
 
+    /// TTFT of a disaggregated deployment whose prefill pool, computing a
+    /// batch in `p_us`, is busy a share `rho` of the time: the serving
+    /// overhead, the batch and its M/D/1 wait, and the KV transfer.
+    fn disagg_ttft_ms(&self, p_us: f64, rho: f64, transfer_ms: f64) -> f64 {
+        self.profile.serving_ms + p_us / 1e3 * (1.0 + rho / (2.0 * (1.0 - rho))) + transfer_ms
+    }
+
+    /// A disaggregated candidate serving `rate` requests/s.
+    #[allow(clippy::too_many_arguments)]
+    fn disagg_candidate(
+        &self,
+        (prefill, prefill_replicas, prefill_batch): (Layout, u32, u32),
+        (decode, decode_replicas, batch): (Layout, u32, u32),
+        rate: f64,
+        ttft_ms: f64,
+        itl_ms: f64,
+        sla: &dyn Fn(f64, f64) -> bool,
+    ) -> Candidate {
+        let gpus = prefill_replicas * prefill.gpus() + decode_replicas * decode.gpus();
+        Candidate {
+            mode: Mode::Disaggregated {
+                prefill,
+                prefill_replicas,
+                prefill_batch,
+                decode,
+                decode_replicas,
+                batch,
+            },
+            gpus,
+            ttft_ms,
+            itl_ms,
+            tokens_per_s_per_user: 1e3 / itl_ms,
+            tokens_per_s_per_gpu: rate * self.q.osl as f64 / gpus as f64,
+            meets_sla: sla(ttft_ms, itl_ms),
+        }
+    }
+
     /// Seconds to move one prompt's KV from a prefill to a decode replica.
     fn transfer_s(&self) -> f64 {
         let per_token = self.model.kv_elements_per_token_layer() as f64
@@ -614,7 +651,6 @@ pub fn search(
         });
     }
     let sla = |ttft: f64, itl: f64| ttft <= q.ttft_ms && itl <= q.itl_ms;
-    let self_serving_ms = profile.serving_ms;
     let mut all = match q.load {
         Some(load) => cx.online(&layouts, load, &sla),
         None => Vec::new(),
@@ -663,26 +699,15 @@ pub fn search(
                     for dr in replica_counts(left / dl.gpus()) {
                         let rate = (dr as f64 * d_rate).min(0.9 * pr as f64 * p_rate);
                         let rho = rate / (pr as f64 * p_rate);
-                        let ttft = self_serving_ms
-                            + p_us / 1e3 * (1.0 + rho / (2.0 * (1.0 - rho)))
-                            + transfer_ms;
-                        let gpus = pr * pl.gpus() + dr * dl.gpus();
-                        let c = Candidate {
-                            mode: Mode::Disaggregated {
-                                prefill: pl,
-                                prefill_replicas: pr,
-                                prefill_batch: n,
-                                decode: dl,
-                                decode_replicas: dr,
-                                batch,
-                            },
-                            gpus,
-                            ttft_ms: ttft,
-                            itl_ms: d_itl_ms,
-                            tokens_per_s_per_user: 1e3 / d_itl_ms,
-                            tokens_per_s_per_gpu: rate * q.osl as f64 / gpus as f64,
-                            meets_sla: sla(ttft, d_itl_ms),
-                        };
+                        let ttft = cx.disagg_ttft_ms(p_us, rho, transfer_ms);
+                        let c = cx.disagg_candidate(
+                            (pl, pr, n),
+                            (dl, dr, batch),
+                            rate,
+                            ttft,
+                            d_itl_ms,
+                            &sla,
+                        );
                         keep_better(&mut best, c);
                     }
                 }
@@ -835,17 +860,11 @@ mod tests {
     use crate::Catalog;
 
     fn run(model: &str, gpu: &str, gpus: u32, ttft: f64, itl: f64) -> Result<Outcome, SearchError> {
-        let c = Catalog::builtin().unwrap();
-        let cal = Calibration::parse(H200_JSON, c.gpu("H200").unwrap()).unwrap();
-        let g = c.gpu(gpu).unwrap();
-        let q = Query::new(g, gpus, 2000, 500, ttft, itl);
-        search(
-            c.model(model).unwrap(),
-            g,
-            &cal,
-            &EngineProfile::current(&cal),
-            &q,
-        )
+        run_q(model, gpu, |q| {
+            q.gpus = gpus;
+            q.ttft_ms = ttft;
+            q.itl_ms = itl;
+        })
     }
 
     #[test]

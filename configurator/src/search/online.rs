@@ -86,9 +86,7 @@ impl Ctx<'_> {
                             if rho >= 1.0 {
                                 return None;
                             }
-                            let ttft = self.profile.serving_ms
-                                + p_us / 1e3 * (1.0 + rho / (2.0 * (1.0 - rho)))
-                                + transfer_ms;
+                            let ttft = self.disagg_ttft_ms(p_us, rho, transfer_ms);
                             let per = rate / dr as f64;
                             let t = decode_fixed_point(&|b| dsm.decode_us(b, ctx), per * osl)?;
                             let b = (per * osl * t * 1e-6).max(1.0);
@@ -104,12 +102,7 @@ impl Ctx<'_> {
                                 // time) = clients, TTFT from the prefill
                                 // pool's queue.
                                 let mu = pr as f64 * p_rate;
-                                let ttft = |r: f64| {
-                                    let rho = r / mu;
-                                    self.profile.serving_ms
-                                        + p_us / 1e3 * (1.0 + rho / (2.0 * (1.0 - rho)))
-                                        + transfer_ms
-                                };
+                                let ttft = |r: f64| self.disagg_ttft_ms(p_us, r / mu, transfer_ms);
                                 let mut rate = 0.0;
                                 let mut decoding = c;
                                 for _ in 0..4 {
@@ -151,23 +144,14 @@ impl Ctx<'_> {
                             }
                             (None, Load::Rate(_)) => continue,
                         };
-                        let gpus = pr * pl.gpus() + dr * dl.gpus();
-                        let c = Candidate {
-                            mode: Mode::Disaggregated {
-                                prefill: pl,
-                                prefill_replicas: pr,
-                                prefill_batch: n,
-                                decode: dl,
-                                decode_replicas: dr,
-                                batch: batch.round() as u32,
-                            },
-                            gpus,
-                            ttft_ms: ttft,
-                            itl_ms: itl,
-                            tokens_per_s_per_user: 1e3 / itl,
-                            tokens_per_s_per_gpu: rate * osl / gpus as f64,
-                            meets_sla: sla(ttft, itl),
-                        };
+                        let c = self.disagg_candidate(
+                            (pl, pr, n),
+                            (dl, dr, batch.round() as u32),
+                            rate,
+                            ttft,
+                            itl,
+                            sla,
+                        );
                         keep_better(&mut best, c);
                     }
                 }
