@@ -181,12 +181,6 @@ impl EngineProfile {
     pub fn current(calib: &Calibration) -> Self {
         profile("current", calib).expect("the built-in engines.toml has `current`")
     }
-
-    /// TensorRT-LLM 0.5.0 (October 2023): its decode attention read each KV
-    /// head once per query head.
-    pub fn trtllm_0_5(calib: &Calibration) -> Self {
-        profile("trtllm-0.5", calib).expect("the built-in engines.toml has `trtllm-0.5`")
-    }
 }
 
 #[cfg(test)]
