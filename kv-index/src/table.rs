@@ -3,17 +3,30 @@
 //! place in a run ([`Loc`], the index).
 //!
 //! Invariants:
-//! - a slot is occupied iff its value is not [`Value::EMPTY`]; keys are unique;
+//! - a slot is occupied iff its key is not 0; keys are unique; an occupied
+//!   slot's value is never [`Value::EMPTY`]. Key 0 (a sequence hash like any
+//!   other, if improbable) lives beside the slots, in `zero`;
+//! - so all-zero memory is an empty table: slots come zeroed from the kernel
+//!   and are never filled by us, and a large table is advised onto huge pages
+//!   before any of its pages is touched;
 //! - linear probing with backward-shift deletion: every key is reachable
 //!   from its home slot without crossing an empty slot (no tombstones);
-//! - the load factor stays ≤ 3/4 (the table doubles before exceeding it).
+//! - the load factor stays ≤ 2/3 (the table doubles before exceeding it):
+//!   a fresh key probes to the first free slot, about ½(1 + 1/(1−α)²) slots,
+//!   5 at 2/3 against 8.5 at 3/4; past its minimum size a table never has
+//!   more than three slots per key.
 //!
 //! Keys are sequence hashes (XXH3 outputs), so a Fibonacci multiply-shift
 //! spreads them; a key's home slot can be prefetched before it is probed so
 //! that cache misses overlap.
 
-/// A value a slot can hold; `EMPTY` marks a free slot and is never stored.
-pub trait Value: Copy {
+/// A value a slot can hold; `EMPTY` is the answer for an absent key and is
+/// never stored.
+///
+/// # Safety
+/// The all-zero byte pattern must be a valid `Self` (slots are allocated
+/// zeroed and read before they are written).
+pub unsafe trait Value: Copy {
     const EMPTY: Self;
     fn is_empty(&self) -> bool;
 }
@@ -44,7 +57,8 @@ impl From<u128> for Mask {
     }
 }
 
-impl Value for Mask {
+// SAFETY: two integers; all-zero is a valid mask.
+unsafe impl Value for Mask {
     const EMPTY: Self = Mask { lo: 0, hi: 0 };
     #[inline]
     fn is_empty(&self) -> bool {
@@ -60,7 +74,8 @@ pub struct Loc {
     pub pos: u32,
 }
 
-impl Value for Loc {
+// SAFETY: two integers; all-zero is a valid location.
+unsafe impl Value for Loc {
     const EMPTY: Self = Loc {
         run: u32::MAX,
         pos: 0,
@@ -82,30 +97,46 @@ struct Slot<V> {
 /// probes are random, and 4 KiB pages make nearly every probe a TLB miss.
 const HUGE_PAGE_BYTES: usize = 4 << 20;
 
+/// `n` empty (all-zero) slots, which the allocator takes zeroed from the
+/// kernel for a large table, untouched. A large table is advised onto huge
+/// pages *before* its pages are first touched: a page faulted in as 4 KiB
+/// stays 4 KiB until khugepaged collapses it, long after the table is in use.
 fn alloc_slots<V: Value>(n: usize) -> Vec<Slot<V>> {
-    let v = vec![
-        Slot {
-            key: 0,
-            val: V::EMPTY
-        };
-        n
-    ];
-    let bytes = n * std::mem::size_of::<Slot<V>>();
+    assert!(n > 0 && std::mem::size_of::<Slot<V>>() > 0);
+    let layout = std::alloc::Layout::array::<Slot<V>>(n).expect("a table within the address space");
+    // SAFETY: `layout` has a non-zero size (asserted above).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut Slot<V>;
+    if ptr.is_null() {
+        std::alloc::handle_alloc_error(layout);
+    }
+    let bytes = layout.size();
     #[cfg(target_os = "linux")]
     if bytes >= HUGE_PAGE_BYTES {
-        // SAFETY: advisory call on our own, live allocation; failure is harmless.
+        // madvise wants a page-aligned start; the allocator's pointer is not.
+        const PAGE: usize = 4096;
+        let start = ptr as usize;
+        let aligned = (start + PAGE - 1) & !(PAGE - 1);
+        let len = (bytes - (aligned - start)) & !(PAGE - 1);
+        // SAFETY: an advisory call on a range inside our own, live
+        // allocation; failure is harmless.
         unsafe {
-            libc::madvise(v.as_ptr() as *mut libc::c_void, bytes, libc::MADV_HUGEPAGE);
+            libc::madvise(aligned as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
         }
     }
     #[cfg(not(target_os = "linux"))]
     let _ = bytes;
-    v
+    // SAFETY: `ptr` was allocated by the global allocator with the layout of
+    // `n` slots (`Vec`'s own layout for this capacity), and all-zero slots
+    // are valid values (`Value`'s safety contract: zero key, zero value).
+    unsafe { Vec::from_raw_parts(ptr, n, n) }
 }
 
 pub struct Table<V: Value> {
     slots: Vec<Slot<V>>,
+    /// The value of key 0 (`EMPTY` if absent): a zero key marks a free slot.
+    zero: V,
     shift: u32,
+    /// Occupied slots, plus one if key 0 is present.
     len: usize,
 }
 
@@ -113,6 +144,21 @@ pub struct Table<V: Value> {
 pub type MaskTable = Table<Mask>;
 
 const FIB: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// Whether `len` keys in `slots` slots exceed the maximum load factor, 2/3.
+#[inline]
+fn over_load(len: usize, slots: usize) -> bool {
+    len * 3 > slots * 2
+}
+
+/// The fewest slot bits, at least `min`, that hold `n` entries and one more.
+fn bits_for(n: usize, min: u32) -> u32 {
+    let mut bits = min;
+    while over_load(n + 1, 1 << bits) {
+        bits += 1;
+    }
+    bits
+}
 const MIN_BITS: u32 = 4;
 
 impl<V: Value> Table<V> {
@@ -122,16 +168,23 @@ impl<V: Value> Table<V> {
 
     /// A table that holds `n` entries without growing.
     pub fn with_capacity(n: usize) -> Self {
-        let mut bits = MIN_BITS;
-        while (n + 1) * 4 > (1usize << bits) * 3 {
-            bits += 1;
+        Self::with_bits(bits_for(n, MIN_BITS))
+    }
+
+    /// Makes room for `additional` more entries without growing, in one
+    /// rehash at most.
+    pub fn reserve(&mut self, additional: usize) {
+        let bits = 64 - self.shift;
+        let want = bits_for(self.len + additional, bits);
+        if want > bits {
+            self.rehash(want);
         }
-        Self::with_bits(bits)
     }
 
     fn with_bits(bits: u32) -> Self {
         Table {
             slots: alloc_slots(1 << bits),
+            zero: V::EMPTY,
             shift: 64 - bits,
             len: 0,
         }
@@ -156,17 +209,19 @@ impl<V: Value> Table<V> {
         (key.wrapping_mul(FIB) >> self.shift) as usize
     }
 
+    /// The slot of a non-zero `key`, or the free slot where it would go.
     #[inline]
     fn find(&self, key: u64) -> Result<usize, usize> {
+        debug_assert!(key != 0);
         let m = self.slots.len() - 1;
         let mut i = self.home(key);
         loop {
             let s = &self.slots[i];
-            if s.val.is_empty() {
-                return Err(i);
-            }
             if s.key == key {
                 return Ok(i);
+            }
+            if s.key == 0 {
+                return Err(i);
             }
             i = (i + 1) & m;
         }
@@ -175,6 +230,9 @@ impl<V: Value> Table<V> {
     /// The value of `key` (`EMPTY` if absent).
     #[inline]
     pub fn get(&self, key: u64) -> V {
+        if key == 0 {
+            return self.zero;
+        }
         match self.find(key) {
             Ok(i) => self.slots[i].val,
             Err(_) => V::EMPTY,
@@ -185,6 +243,13 @@ impl<V: Value> Table<V> {
     #[inline]
     pub fn replace(&mut self, key: u64, v: V) -> bool {
         debug_assert!(!v.is_empty());
+        if key == 0 {
+            let present = !self.zero.is_empty();
+            if present {
+                self.zero = v;
+            }
+            return present;
+        }
         match self.find(key) {
             Ok(i) => {
                 self.slots[i].val = v;
@@ -199,9 +264,15 @@ impl<V: Value> Table<V> {
     pub fn prefetch(&self, key: u64) {
         #[cfg(target_arch = "x86_64")]
         {
-            let p = &self.slots[self.home(key)] as *const Slot<V> as *const i8;
-            // SAFETY: prefetch is a hint; `p` points into our own allocation.
-            unsafe { std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0) };
+            // The home slot's cache line and the next: a probe for a free
+            // slot runs past the home line about as often as not.
+            let home = self.home(key);
+            let next = (home + 64 / std::mem::size_of::<Slot<V>>()) & (self.slots.len() - 1);
+            for i in [home, next] {
+                let p = &self.slots[i] as *const Slot<V> as *const i8;
+                // SAFETY: prefetch is a hint; `p` points into our own allocation.
+                unsafe { std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0) };
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = key;
@@ -210,7 +281,14 @@ impl<V: Value> Table<V> {
     /// Sets `key` to `f(old)` (`old` is `EMPTY` when absent): an empty result
     /// removes the key. Returns the old value.
     pub fn update(&mut self, key: u64, f: impl FnOnce(V) -> V) -> V {
-        if (self.len + 1) * 4 > self.slots.len() * 3 {
+        if key == 0 {
+            let old = self.zero;
+            let new = f(old);
+            self.len = self.len + !new.is_empty() as usize - !old.is_empty() as usize;
+            self.zero = if new.is_empty() { V::EMPTY } else { new };
+            return old;
+        }
+        if over_load(self.len + 1, self.slots.len()) {
             self.grow();
         }
         match self.find(key) {
@@ -240,7 +318,15 @@ impl<V: Value> Table<V> {
     #[inline]
     pub fn insert_new(&mut self, key: u64, v: V) -> bool {
         debug_assert!(!v.is_empty());
-        if (self.len + 1) * 4 > self.slots.len() * 3 {
+        if key == 0 {
+            if !self.zero.is_empty() {
+                return false;
+            }
+            self.zero = v;
+            self.len += 1;
+            return true;
+        }
+        if over_load(self.len + 1, self.slots.len()) {
             self.grow();
         }
         match self.find(key) {
@@ -255,6 +341,11 @@ impl<V: Value> Table<V> {
 
     /// Removes `key`; returns its old value (`EMPTY` if absent).
     pub fn remove(&mut self, key: u64) -> V {
+        if key == 0 {
+            let old = std::mem::replace(&mut self.zero, V::EMPTY);
+            self.len -= !old.is_empty() as usize;
+            return old;
+        }
         let Ok(i) = self.find(key) else {
             return V::EMPTY;
         };
@@ -273,17 +364,17 @@ impl<V: Value> Table<V> {
         let mut touched = 0;
         let n = self.slots.len();
         let old = std::mem::replace(&mut self.slots, alloc_slots(n));
+        let zero = std::mem::replace(&mut self.zero, V::EMPTY);
         self.len = 0;
-        for s in old {
-            if s.val.is_empty() {
-                continue;
-            }
-            let new = f(s.val);
-            if new != s.val {
+        let present = old.iter().filter(|s| s.key != 0).map(|s| (s.key, s.val));
+        let zero = (!zero.is_empty()).then_some((0, zero));
+        for (key, val) in present.chain(zero) {
+            let new = f(val);
+            if new != val {
                 touched += 1;
             }
             if !new.is_empty() {
-                self.insert_new(s.key, new);
+                self.insert_new(key, new);
             }
         }
         touched
@@ -294,7 +385,7 @@ impl<V: Value> Table<V> {
         let mut i = (hole + 1) & m;
         loop {
             let s = self.slots[i];
-            if s.val.is_empty() {
+            if s.key == 0 {
                 break;
             }
             let home = self.home(s.key);
@@ -307,25 +398,41 @@ impl<V: Value> Table<V> {
             }
             i = (i + 1) & m;
         }
-        self.slots[hole].val = V::EMPTY;
+        self.slots[hole].key = 0;
     }
 
+    /// Doubles the table.
     fn grow(&mut self) {
-        let bits = 64 - self.shift + 1;
-        let old = std::mem::replace(self, Self::with_bits(bits));
-        for s in old.slots {
-            if !s.val.is_empty() {
-                self.insert_new(s.key, s.val);
+        self.rehash(64 - self.shift + 1);
+    }
+
+    /// Moves every entry into a table of `1 << bits` slots (more than now).
+    /// A key's home there is its old home times a power of two (plus less),
+    /// so walking the old slots in order writes the new ones nearly in
+    /// order: the copy streams instead of probing at random.
+    fn rehash(&mut self, bits: u32) {
+        let old = std::mem::replace(&mut self.slots, alloc_slots(1 << bits));
+        self.shift = 64 - bits;
+        let m = self.slots.len() - 1;
+        for s in old.iter().filter(|s| s.key != 0) {
+            // Keys are unique: the first free slot from home is the place.
+            let mut i = self.home(s.key);
+            while self.slots[i].key != 0 {
+                i = (i + 1) & m;
             }
+            self.slots[i] = *s;
         }
     }
 
-    /// Every (key, value) pair, in table order.
+    /// Every (key, value) pair: key 0 first if present, then in table order.
     pub fn iter(&self) -> impl Iterator<Item = (u64, V)> + '_ {
-        self.slots
-            .iter()
-            .filter(|s| !s.val.is_empty())
-            .map(|s| (s.key, s.val))
+        let zero = (!self.zero.is_empty()).then_some((0, self.zero));
+        zero.into_iter().chain(
+            self.slots
+                .iter()
+                .filter(|s| s.key != 0)
+                .map(|s| (s.key, s.val)),
+        )
     }
 }
 
@@ -340,6 +447,43 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::HashMap;
+
+    #[test]
+    fn key_zero_lives_beside_the_slots_through_growth_and_rebuilds() {
+        let mut t: Table<Loc> = Table::new();
+        assert!(t.get(0).is_empty());
+        assert!(t.insert_new(0, Loc { run: 7, pos: 1 }));
+        assert!(!t.insert_new(0, Loc { run: 8, pos: 1 }));
+        // Enough keys to grow past the huge-page size (16-byte slots).
+        let n = 400_000u64;
+        for k in 1..=n {
+            assert!(t.insert_new(
+                k.wrapping_mul(FIB),
+                Loc {
+                    run: k as u32,
+                    pos: 0
+                }
+            ));
+        }
+        assert!(t.heap_bytes() >= HUGE_PAGE_BYTES);
+        assert_eq!(t.len(), n as usize + 1);
+        assert_eq!(t.get(0), Loc { run: 7, pos: 1 });
+        assert!(t.replace(0, Loc { run: 9, pos: 2 }));
+        assert_eq!(t.iter().next(), Some((0, Loc { run: 9, pos: 2 })));
+        assert_eq!(t.iter().count(), n as usize + 1);
+        // A rebuild keeps key 0 and drops what it empties.
+        let changed = t.map_all(|l| if l.run % 2 == 0 { Loc::EMPTY } else { l });
+        assert_eq!(changed, n as usize / 2);
+        assert_eq!(t.get(0), Loc { run: 9, pos: 2 });
+        assert_eq!(t.len(), n as usize / 2 + 1);
+        assert_eq!(t.remove(0), Loc { run: 9, pos: 2 });
+        assert!(t.get(0).is_empty());
+        assert_eq!(t.len(), n as usize / 2);
+        for k in 1..=n {
+            let l = t.get(k.wrapping_mul(FIB));
+            assert_eq!(l.is_empty(), k % 2 == 0, "key {k}");
+        }
+    }
 
     proptest! {
         #![proptest_config(ProptestConfig { cases: 200, rng_seed: proptest::test_runner::RngSeed::Fixed(11), ..ProptestConfig::default() })]

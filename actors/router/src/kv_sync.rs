@@ -90,6 +90,25 @@ pub struct KvSync {
     since_snapshot: u64,
 }
 
+/// A wire event as the index takes it; `None` for a kind or tier this
+/// version does not know.
+fn index_event(w: WorkerId, ev: KvEvent) -> Option<IndexEvent> {
+    let data = match (ev.kind, tier(ev.tier)) {
+        (KvEventKind::Stored, Some(tier)) => IndexEventData::Stored {
+            tier,
+            parent: ev.parent,
+            blocks: ev.blocks,
+        },
+        (KvEventKind::Removed, Some(tier)) => IndexEventData::Removed {
+            tier,
+            blocks: ev.blocks,
+        },
+        (KvEventKind::Cleared, _) => IndexEventData::Cleared,
+        _ => return None,
+    };
+    Some(IndexEvent { worker: w, data })
+}
+
 fn tier(t: StorageTier) -> Option<Tier> {
     match t {
         StorageTier::Device => Some(Tier::Device),
@@ -207,7 +226,22 @@ impl KvSync {
         self.feed(w, b.events)
     }
 
+    /// Takes a worker's events in order. Those in sequence on a live worker
+    /// are applied together at the end (or before a gap re-syncs it), so
+    /// that the index overlaps their cache misses (`apply_batch`).
     fn feed(&mut self, w: WorkerId, events: Vec<KvEvent>) -> bool {
+        let mut ready = Vec::new();
+        let dump = self.feed_into(w, events, &mut ready);
+        self.apply_ready(w, ready);
+        dump
+    }
+
+    fn feed_into(
+        &mut self,
+        w: WorkerId,
+        events: Vec<KvEvent>,
+        ready: &mut Vec<IndexEvent>,
+    ) -> bool {
         let mut iter = events.into_iter();
         while let Some(ev) = iter.next() {
             let Some(state) = self.workers.get_mut(&w) else {
@@ -244,11 +278,14 @@ impl KvSync {
                             asked_at: None,
                         };
                         let rest: Vec<KvEvent> = std::iter::once(ev).chain(iter).collect();
-                        self.feed(w, rest);
+                        self.feed_into(w, rest, ready);
                         return true;
                     } else {
                         *next += 1;
-                        self.apply(w, ev);
+                        match index_event(w, ev) {
+                            Some(e) => ready.push(e),
+                            None => self.stats.unknown += 1,
+                        }
                     }
                 }
             }
@@ -256,29 +293,19 @@ impl KvSync {
         false
     }
 
-    fn apply(&mut self, w: WorkerId, ev: KvEvent) {
-        let data = match (ev.kind, tier(ev.tier)) {
-            (KvEventKind::Stored, Some(tier)) => IndexEventData::Stored {
-                tier,
-                parent: ev.parent,
-                blocks: ev.blocks,
-            },
-            (KvEventKind::Removed, Some(tier)) => IndexEventData::Removed {
-                tier,
-                blocks: ev.blocks,
-            },
-            (KvEventKind::Cleared, _) => IndexEventData::Cleared,
-            _ => {
-                self.stats.unknown += 1;
-                return;
-            }
-        };
-        match self.index.apply(&IndexEvent { worker: w, data }) {
+    /// Applies one worker's events, in order. The index refuses only a
+    /// worker it has no slot for, and then refuses every later event of
+    /// that worker too (bar no-ops), so none of them counts as applied.
+    fn apply_ready(&mut self, w: WorkerId, ready: Vec<IndexEvent>) {
+        if ready.is_empty() {
+            return;
+        }
+        match self.index.apply_batch(&ready) {
             Ok(()) => {
-                self.stats.applied += 1;
-                self.since_snapshot += 1;
+                self.stats.applied += ready.len() as u64;
+                self.since_snapshot += ready.len() as u64;
             }
-            Err(e) => tracing::error!(error = %e, "KV index refused an event"),
+            Err(e) => tracing::error!(worker = %w, error = %e, "KV index refused events"),
         }
     }
 
@@ -625,6 +652,35 @@ mod tests {
         assert_eq!(held(&s, &[8]), 0);
         s.worker_gone(WorkerId(1));
         assert_eq!(held(&s, &[7]), 0);
+    }
+
+    #[test]
+    fn a_batch_applies_what_precedes_its_gap_and_keeps_the_rest_for_the_dump() {
+        let mut s = synced(&[], 0);
+        let applied = s.stats.applied;
+        let b = batch(
+            1,
+            vec![
+                stored(1, &[1]),
+                stored(2, &[2]),
+                stored(4, &[4]),
+                stored(5, &[5]),
+            ],
+        );
+        assert!(s.batch(b), "event 3 was lost");
+        assert_eq!(s.stats.applied - applied, 2);
+        assert_eq!(held(&s, &[1, 2]), 2);
+        assert_eq!(held(&s, &[4]), 0, "past the gap: buffered, not applied");
+        // The dump covers event 3; the buffered 4 and 5 follow it.
+        s.dump(KvDump {
+            worker_id: WorkerId(1),
+            generation: 1,
+            last_event_id: EventId(3),
+            tier: StorageTier::Device,
+            blocks: vec![SequenceHash(1), SequenceHash(2), SequenceHash(3)],
+        });
+        assert_eq!(held(&s, &[1, 2, 3, 4, 5]), 5);
+        assert_eq!(s.stats.applied - applied, 4);
     }
 
     fn synced(blocks: &[u64], last: u64) -> KvSync {

@@ -76,7 +76,7 @@ impl KvIndex {
     pub fn from_runs(runs: &[KvSnapshotRun], max_workers: usize) -> Result<KvIndex, SnapshotError> {
         let mut idx = KvIndex::with_max_workers(max_workers);
         let blocks: usize = runs.iter().map(|r| r.blocks.len()).sum();
-        idx.loc = crate::table::Table::with_capacity(blocks);
+        idx.reserve(blocks);
         idx.runs.reserve(runs.len());
         for (i, r) in runs.iter().enumerate() {
             if r.blocks.is_empty() {
