@@ -180,6 +180,9 @@ open_enum!(
         /// One of the target actor's background tasks ends as if its input
         /// had gone away (see [`ActorFault::task`]).
         EndTask = 4,
+        /// The router drops the next KV event batch it receives live, as if
+        /// core NATS had lost it (the KV events stream still holds it).
+        DropKvBatch = 5,
     }
 );
 

@@ -193,3 +193,75 @@ async fn a_late_replica_catches_up_from_the_snapshot_and_the_stream_without_dump
     }
     assert!(b.alive() && c.alive() && d.alive() && w.alive());
 }
+
+/// A live KV event batch lost on core NATS leaves a gap that the router
+/// fills from the KV events stream: the index agrees with the workers again
+/// and no worker is asked for a dump.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_gap_is_filled_from_the_stream_without_a_dump() {
+    let nats = Nats::start();
+    let mut w = Node::start(&node_config("w", &nats.url, None, 2, "").replace(
+        "heartbeat_ms = 500\n",
+        "heartbeat_ms = 500\ncontext_length = 16384\n",
+    ));
+    let port = free_port();
+    let faults = "[supervision]\nfault_injection = true\n";
+    let mut g = Node::start(
+        &node_config("g", &nats.url, Some(port), 0, faults)
+            .replace("policy = \"least_loaded\"", "policy = \"round_robin\""),
+    );
+    let h = Http::new(port);
+    h.wait_ready(2, &mut g).await;
+    let workers: Vec<String> = registrations(&nats.url)
+        .await
+        .iter()
+        .map(|r| r.worker_id.to_string())
+        .collect();
+    send(&h, 0..4).await;
+    agrees(&h, &nats.url, &workers, &mut g).await;
+    let dumps = h.metric("dynamo_router_kv_dumps_total").await;
+    let gaps = h.metric("dynamo_router_kv_event_gaps_total").await;
+
+    let ack = inject(
+        &nats.url,
+        "g",
+        &dynamo_bus_schema::ActorFault {
+            actor: "router".into(),
+            fault: dynamo_bus_schema::FaultKind::DropKvBatch,
+            task: String::new(),
+        },
+    )
+    .await;
+    assert!(ack.applied, "{}", ack.message);
+    // The first batch after the fault is lost; later ones reveal the gap.
+    send(&h, 4..6).await;
+    wait_log(&mut g, Duration::from_secs(10), "the dropped batch", |l| {
+        l.contains("a live KV event batch dropped")
+    })
+    .await;
+    send(&h, 6..10).await;
+    agrees(&h, &nats.url, &workers, &mut g).await;
+    assert!(h.metric("dynamo_router_kv_event_gaps_total").await > gaps);
+    assert!(
+        h.metric("dynamo_router_kv_gaps_filled_from_stream_total")
+            .await
+            >= 1,
+        "{}",
+        g.log_text()
+    );
+    assert_eq!(
+        h.metric("dynamo_router_kv_gap_fill_failures_total").await,
+        0
+    );
+    assert_eq!(
+        h.metric("dynamo_router_kv_dumps_total").await,
+        dumps,
+        "a dump was asked for:\n{}",
+        g.log_text()
+    );
+    // Routing follows the cache again: a prompt served before the gap is
+    // found whole on one worker.
+    let o = h.overlap(&prompt(5)).await;
+    assert!(o.as_object().is_some_and(|m| !m.is_empty()), "{o}");
+    assert!(w.alive() && g.alive());
+}

@@ -57,6 +57,16 @@ pub fn router_metrics(info: &dynamo_router::KvInfo) -> String {
             "Catch-ups whose KV events stream no longer held what followed the snapshot",
             st.stream_truncated,
         ),
+        (
+            "kv_gaps_filled_from_stream_total",
+            "Gaps in a worker's KV events filled from the KV events stream (no dump)",
+            st.stream_fills,
+        ),
+        (
+            "kv_gap_fill_failures_total",
+            "Gaps the KV events stream could not fill (a dump followed)",
+            st.stream_fill_failures,
+        ),
     ] {
         let _ = writeln!(out, "# HELP dynamo_router_{name} {help}");
         let _ = writeln!(out, "# TYPE dynamo_router_{name} counter");

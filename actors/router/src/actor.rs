@@ -65,6 +65,11 @@ pub enum RouterMsg {
     KvReplayed(KvEventBatch, Ticket),
     /// The stream replay is over (or could not run).
     KvReplayDone,
+    /// The KV events stream's answer to a gap fill.
+    KvFilled(
+        crate::kv_sync::GapFill,
+        Result<Vec<dynamo_bus_schema::KvEvent>, String>,
+    ),
     /// A snapshot of the index to write, tagged with this stream
     /// sequence, if this replica should write one now.
     TakeKvSnapshot(u64, RpcReplyPort<Option<KvIndexSnapshot>>),
@@ -99,7 +104,8 @@ pub enum RouterMsg {
     /// A background task ended on its own (its input is gone).
     TaskEnded(String),
     /// Fault injection: [`FaultKind::EndTask`] ends the named task,
-    /// [`FaultKind::PanicActor`] panics in the handler.
+    /// [`FaultKind::PanicActor`] panics in the handler,
+    /// [`FaultKind::DropKvBatch`] drops the next live KV event batch.
     InjectFault(FaultKind, String),
     Models(RpcReplyPort<Vec<ModelEntry>>),
     KvInfo(RpcReplyPort<KvInfo>),
@@ -147,6 +153,8 @@ pub struct RouterRuntime {
     /// that replayed batches find their workers registered).
     kv_feed_started: bool,
     kv_snapshot: crate::kv_stream::KvSnapshotConfig,
+    /// Fault injection: drop the next live KV event batch.
+    drop_next_kv_batch: bool,
 }
 
 /// Longest a starting replica waits for the KV events replay before it
@@ -154,7 +162,15 @@ pub struct RouterRuntime {
 const KV_REPLAY_MAX: Duration = Duration::from_secs(30);
 
 impl RouterRuntime {
+    /// Starts the repairs due: gap fills from the KV events stream, and
+    /// dumps (for workers first seen, and gaps the stream could not fill).
     fn spawn_dumps(&mut self, myself: &ActorRef<RouterMsg>, now: Instant) {
+        for fill in self.state.kv_fills_due(now) {
+            self.tasks.spawn_transient(
+                "kv-fill",
+                crate::kv_stream::fill_gap(self.bus.clone(), fill, myself.clone()),
+            );
+        }
         for w in self.state.kv_dumps_due(now) {
             self.tasks
                 .spawn_transient("kv-dump", request_dump(self.bus.clone(), w, myself.clone()));
@@ -283,6 +299,7 @@ impl Actor for RouterActor {
             tasks,
             kv_feed_started: false,
             kv_snapshot: args.config.kv_snapshot,
+            drop_next_kv_batch: false,
         })
     }
 
@@ -310,7 +327,19 @@ impl Actor for RouterActor {
                 // the next tick: a starting replica routes only after that.
                 rt.spawn_dumps(&myself, now);
             }
-            RouterMsg::KvBatch(b, _ticket) => s.kv_batch(b),
+            RouterMsg::KvBatch(_, _ticket) if rt.drop_next_kv_batch => {
+                rt.drop_next_kv_batch = false;
+                tracing::warn!("fault injected: a live KV event batch dropped");
+            }
+            RouterMsg::KvBatch(b, _ticket) => {
+                if s.kv_batch(b) {
+                    rt.spawn_dumps(&myself, now);
+                }
+            }
+            RouterMsg::KvFilled(fill, found) => {
+                s.kv_filled(&fill, found);
+                rt.spawn_dumps(&myself, now);
+            }
             RouterMsg::KvDump(d) => s.kv_dump(d),
             RouterMsg::KvSnapshot(snap) => match s.kv_restore(&snap) {
                 Ok(blocks) => tracing::info!(
@@ -351,6 +380,7 @@ impl Actor for RouterActor {
                     tracing::warn!(task, tasks = ?rt.tasks.names(), "no such task to end");
                 }
             }
+            RouterMsg::InjectFault(FaultKind::DropKvBatch, _) => rt.drop_next_kv_batch = true,
             RouterMsg::InjectFault(other, _) => {
                 tracing::warn!(?other, "fault not applicable to the router")
             }

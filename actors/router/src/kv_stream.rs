@@ -18,7 +18,10 @@
 //!    dropped as duplicates by their event ids).
 //!
 //! Dumps wait until step 3 is over (`KvSync::begin_replay`): a new replica
-//! asks a worker for one only when the stream cannot fill its gap.
+//! asks a worker for one only when the stream cannot fill its gap. A gap
+//! found later, on the live feed (a batch core NATS lost), is filled the
+//! same way ([`fill_gap`]): the worker's own messages read back from the
+//! stream, a dump only when they are not all there.
 //!
 //! Snapshots: every `period` the replica with the lowest id among the live
 //! ones (see [`crate::state::RouterState::kv_snapshot`]) writes its index to
@@ -33,9 +36,10 @@
 //! take over), it never holds the router.
 
 use crate::actor::RouterMsg;
+use crate::kv_sync::GapFill;
 use dynamo_bus_schema::codec::MAX_ASSEMBLED;
 use dynamo_bus_schema::{
-    decode, decode_assembled, encode, KvEventBatch, KvIndexSnapshot, WireMessage,
+    decode, decode_assembled, encode, KvEvent, KvEventBatch, KvIndexSnapshot, WireMessage,
     KV_SNAPSHOT_OBJECT,
 };
 use dynamo_runtime::{counters, Bus, Gate};
@@ -277,6 +281,70 @@ pub async fn replay(bus: &Bus, after: u64, sink: &mut impl ReplaySink) -> Result
         }
     }
     Ok(n)
+}
+
+/// Most events one gap fill may bring back (as many as a worker's buffer
+/// holds while it waits): past it the fill fails and a dump follows.
+const FILL_MAX_EVENTS: usize = 100_000;
+
+/// Fills `fill`'s gap: the worker's events of its generation from id
+/// `from` on, read back from the KV events stream (only that worker's
+/// subject, from when its last batch before the gap was published) up to
+/// the stream's last message now. Casts the answer to the router, which
+/// applies it or falls back to a dump.
+pub async fn fill_gap(bus: Bus, fill: GapFill, router: ActorRef<RouterMsg>) {
+    let found = read_gap(&bus, &fill).await;
+    let _ = router.cast(RouterMsg::KvFilled(fill, found));
+}
+
+async fn read_gap(bus: &Bus, fill: &GapFill) -> Result<Vec<KvEvent>, String> {
+    use async_nats::jetstream::consumer::{push, DeliverPolicy};
+    let name = bus.subjects.kv_events_stream();
+    let mut stream = bus.js.get_stream(&name).await.map_err(|e| e.to_string())?;
+    let last = stream
+        .info()
+        .await
+        .map_err(|e| e.to_string())?
+        .state
+        .last_sequence;
+    // async-nats takes a start time as `time`'s type (not chrono's).
+    let start_time =
+        time::OffsetDateTime::from_unix_timestamp_nanos(fill.since_unix_ms as i128 * 1_000_000)
+            .map_err(|e| e.to_string())?;
+    let consumer = stream
+        .create_consumer(push::OrderedConfig {
+            deliver_subject: bus.client.new_inbox(),
+            filter_subject: bus.subjects.kv_events(fill.worker),
+            deliver_policy: DeliverPolicy::ByStartTime { start_time },
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut messages = consumer.messages().await.map_err(|e| e.to_string())?;
+    let mut events = Vec::new();
+    loop {
+        let m = match tokio::time::timeout(REPLAY_IDLE, messages.next()).await {
+            Ok(Some(Ok(m))) => m,
+            Ok(Some(Err(e))) => return Err(e.to_string()),
+            // Nothing more of this worker's up to now (or it went quiet).
+            Ok(None) | Err(_) => break,
+        };
+        let seq = m.info().map(|i| i.stream_sequence).unwrap_or(last);
+        match decode::<KvEventBatch>(&m.payload) {
+            Ok(b) if b.worker_id == fill.worker && b.generation == fill.generation => {
+                events.extend(b.events.into_iter().filter(|e| e.event_id.0 >= fill.from));
+                if events.len() > FILL_MAX_EVENTS {
+                    return Err(format!("more than {FILL_MAX_EVENTS} events to fill"));
+                }
+            }
+            Ok(_) => {}
+            Err(e) => counters::reject(KvEventBatch::NAME, m.subject.as_str(), &e),
+        }
+        if seq >= last {
+            break;
+        }
+    }
+    Ok(events)
 }
 
 /// Writes this replica's index to the object store when it is due.

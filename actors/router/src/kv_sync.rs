@@ -2,13 +2,18 @@
 //!
 //! Each worker's events carry ids that increase by one within a generation.
 //! Per worker the router is either `Live` (expecting event `next`) or
-//! `Syncing` (waiting for a dump of the worker's block table, buffering what
-//! arrives meanwhile).
+//! `Syncing` (waiting for a repair, buffering what arrives meanwhile). A
+//! repair is the missing events read back from the KV events stream, or a
+//! dump of the worker's block table.
 //!
 //! Invariants:
 //! - an event is applied at most once and only in id order: an id below
 //!   `next` is a duplicate (dropped, counted), an id above it is a gap
-//!   (counted; the worker is re-synced from a dump);
+//!   (counted). A gap on a live worker is first filled from the stream
+//!   ([`KvSync::fills_due`], [`KvSync::filled`]): the missing events, then
+//!   the buffer, applied in order. Only when the stream cannot fill it (it
+//!   does not hold them, cannot be read, or takes longer than
+//!   [`FILL_MAX`]) is the worker re-synced from a dump;
 //! - a dump replaces everything known about the worker (`Cleared`, then its
 //!   blocks) and events up to its `last_event_id` are skipped afterwards;
 //! - a newer generation (the engine restarted) clears the worker's blocks
@@ -39,6 +44,45 @@ const MAX_BUFFER: usize = 100_000;
 const MAX_BUFFER_BLOCKS: usize = 1 << 20;
 /// A dump not answered within this long is asked for again.
 const DUMP_RETRY: Duration = Duration::from_secs(2);
+/// A stream fill not answered within this long gives way to a dump.
+pub const FILL_MAX: Duration = Duration::from_secs(5);
+/// A fill reads the worker's stream messages from this long before the
+/// last batch applied before the gap (clocks of worker and server differ).
+const FILL_MARGIN_MS: u64 = 5_000;
+/// Where no batch was applied before the gap (the worker was just synced),
+/// a fill reads this far back.
+const FILL_WINDOW_MS: u64 = 60_000;
+
+/// How a worker that lost its place is brought back in sync.
+#[derive(Debug)]
+enum Repair {
+    /// Read events `from` on back from the KV events stream, among those
+    /// published since `since_unix_ms`; asked at `asked_at`.
+    Stream {
+        from: u64,
+        since_unix_ms: u64,
+        asked_at: Option<Instant>,
+    },
+    /// Ask the worker for a dump of its block table (again after
+    /// [`DUMP_RETRY`]).
+    Dump { asked_at: Option<Instant> },
+}
+
+impl Repair {
+    fn dump() -> Self {
+        Repair::Dump { asked_at: None }
+    }
+}
+
+/// A gap to fill from the KV events stream: the worker's events of
+/// `generation` from id `from` on, published since `since_unix_ms`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GapFill {
+    pub worker: WorkerId,
+    pub generation: u64,
+    pub from: u64,
+    pub since_unix_ms: u64,
+}
 
 #[derive(Debug)]
 enum Sync {
@@ -53,8 +97,20 @@ enum Sync {
         buffered_blocks: usize,
         /// Events were dropped past the bounds: the buffer is not a whole history.
         overflowed: bool,
-        asked_at: Option<Instant>,
+        repair: Repair,
     },
+}
+
+impl Sync {
+    fn syncing(generation: u64, repair: Repair) -> Self {
+        Sync::Syncing {
+            generation,
+            buffer: Vec::new(),
+            buffered_blocks: 0,
+            overflowed: false,
+            repair,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -75,6 +131,10 @@ pub struct KvStats {
     /// Catch-ups whose stream no longer held everything after the snapshot
     /// (every worker was then synced from a dump).
     pub stream_truncated: u64,
+    /// Live gaps filled from the KV events stream (no dump).
+    pub stream_fills: u64,
+    /// Live gaps the stream could not fill (a dump followed).
+    pub stream_fill_failures: u64,
 }
 
 #[derive(Default)]
@@ -84,6 +144,9 @@ pub struct KvSync {
     pub stats: KvStats,
     /// Publish-to-apply delay of each worker's last batch, ms.
     lag_ms: HashMap<WorkerId, u64>,
+    /// When each worker published its last batch taken before the current
+    /// one (worker clock): where a gap's fill starts reading.
+    published_ms: HashMap<WorkerId, u64>,
     /// A starting replica is replaying the KV events stream: dumps wait.
     replaying: bool,
     /// Events applied since the last snapshot.
@@ -140,16 +203,8 @@ impl KvSync {
                 false
             }
             None => {
-                self.workers.insert(
-                    w,
-                    Sync::Syncing {
-                        generation,
-                        buffer: Vec::new(),
-                        buffered_blocks: 0,
-                        overflowed: false,
-                        asked_at: None,
-                    },
-                );
+                self.workers
+                    .insert(w, Sync::syncing(generation, Repair::dump()));
                 true
             }
         }
@@ -172,6 +227,7 @@ impl KvSync {
     pub fn worker_gone(&mut self, w: WorkerId) {
         self.workers.remove(&w);
         self.lag_ms.remove(&w);
+        self.published_ms.remove(&w);
         self.index.remove_worker(w);
     }
 
@@ -189,18 +245,18 @@ impl KvSync {
             w,
             dynamo_bus_schema::unix_ms().saturating_sub(b.published_unix_ms),
         );
+        let published = b.published_unix_ms;
+        let dump = self.batch_events(b);
+        self.published_ms.insert(w, published);
+        dump
+    }
+
+    fn batch_events(&mut self, b: KvEventBatch) -> bool {
+        let w = b.worker_id;
         match self.workers.get(&w) {
             None => {
-                self.workers.insert(
-                    w,
-                    Sync::Syncing {
-                        generation: b.generation,
-                        buffer: Vec::new(),
-                        buffered_blocks: 0,
-                        overflowed: false,
-                        asked_at: None,
-                    },
-                );
+                self.workers
+                    .insert(w, Sync::syncing(b.generation, Repair::dump()));
                 self.feed(w, b.events);
                 return true;
             }
@@ -269,14 +325,20 @@ impl KvSync {
                         self.stats.duplicates += 1;
                     } else if id > *next {
                         self.stats.gaps += 1;
-                        tracing::warn!(worker = %w, expected = *next, got = id, "KV event gap; re-syncing from a dump");
-                        *state = Sync::Syncing {
-                            generation: *generation,
-                            buffer: Vec::new(),
-                            buffered_blocks: 0,
-                            overflowed: false,
-                            asked_at: None,
-                        };
+                        tracing::warn!(worker = %w, expected = *next, got = id, "KV event gap; filling it from the KV events stream");
+                        let since_unix_ms = match self.published_ms.get(&w) {
+                            Some(&t) => t,
+                            None => dynamo_bus_schema::unix_ms().saturating_sub(FILL_WINDOW_MS),
+                        }
+                        .saturating_sub(FILL_MARGIN_MS);
+                        *state = Sync::syncing(
+                            *generation,
+                            Repair::Stream {
+                                from: *next,
+                                since_unix_ms,
+                                asked_at: None,
+                            },
+                        );
                         let rest: Vec<KvEvent> = std::iter::once(ev).chain(iter).collect();
                         self.feed_into(w, rest, ready);
                         return true;
@@ -414,13 +476,7 @@ impl KvSync {
         self.stats.stream_truncated += 1;
         for s in self.workers.values_mut() {
             if let Sync::Live { generation, .. } = *s {
-                *s = Sync::Syncing {
-                    generation,
-                    buffer: Vec::new(),
-                    buffered_blocks: 0,
-                    overflowed: false,
-                    asked_at: None,
-                };
+                *s = Sync::syncing(generation, Repair::dump());
             }
         }
     }
@@ -508,7 +564,11 @@ impl KvSync {
             return due;
         }
         for (w, s) in &mut self.workers {
-            if let Sync::Syncing { asked_at, .. } = s {
+            if let Sync::Syncing {
+                repair: Repair::Dump { asked_at },
+                ..
+            } = s
+            {
                 if asked_at.is_none_or(|t| now.duration_since(t) >= DUMP_RETRY) {
                     *asked_at = Some(now);
                     due.push(*w);
@@ -516,6 +576,112 @@ impl KvSync {
             }
         }
         due
+    }
+
+    /// Gaps to fill from the KV events stream now; marks them asked. A fill
+    /// asked [`FILL_MAX`] ago and not answered gives way to a dump (which
+    /// [`KvSync::dumps_due`] then returns). None while the stream is being
+    /// replayed.
+    pub fn fills_due(&mut self, now: Instant) -> Vec<GapFill> {
+        let mut due = Vec::new();
+        if self.replaying {
+            return due;
+        }
+        for (w, s) in &mut self.workers {
+            let Sync::Syncing {
+                generation, repair, ..
+            } = s
+            else {
+                continue;
+            };
+            match repair {
+                Repair::Stream {
+                    from,
+                    since_unix_ms,
+                    asked_at: asked @ None,
+                } => {
+                    *asked = Some(now);
+                    due.push(GapFill {
+                        worker: *w,
+                        generation: *generation,
+                        from: *from,
+                        since_unix_ms: *since_unix_ms,
+                    });
+                }
+                Repair::Stream {
+                    asked_at: Some(t), ..
+                } if now.duration_since(*t) >= FILL_MAX => {
+                    tracing::warn!(worker = %w, "the KV events stream did not fill the gap in time; re-syncing from a dump");
+                    self.stats.stream_fill_failures += 1;
+                    *repair = Repair::dump();
+                }
+                _ => {}
+            }
+        }
+        due
+    }
+
+    /// The stream's answer to `fill`: the worker's events it holds (any
+    /// order, any ids), or why it could not be read. When they join the
+    /// worker's place to what was buffered since the gap, all of it is
+    /// applied in order and the worker is live again; otherwise it is
+    /// re-synced from a dump. A stale answer (the worker was repaired,
+    /// restarted or re-gapped meanwhile) is dropped.
+    pub fn filled(&mut self, fill: &GapFill, found: Result<Vec<KvEvent>, String>) {
+        let w = fill.worker;
+        let Some(Sync::Syncing {
+            generation,
+            buffer,
+            repair,
+            ..
+        }) = self.workers.get_mut(&w)
+        else {
+            return;
+        };
+        let asked =
+            matches!(repair, Repair::Stream { from, asked_at: Some(_), .. } if *from == fill.from);
+        if *generation != fill.generation || !asked {
+            return;
+        }
+        let mut events = match found {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(worker = %w, error = %e, "cannot fill the KV event gap from the stream; re-syncing from a dump");
+                self.stats.stream_fill_failures += 1;
+                *repair = Repair::dump();
+                return;
+            }
+        };
+        events.sort_by_key(|e| e.event_id.0);
+        let mut next = fill.from;
+        let mut run = Vec::new();
+        for e in events {
+            if e.event_id.0 < next {
+                continue;
+            }
+            if e.event_id.0 > next {
+                break;
+            }
+            next += 1;
+            run.push(e);
+        }
+        if buffer.first().is_some_and(|b| b.event_id.0 > next) {
+            tracing::warn!(worker = %w, from = fill.from, reached = next, "the KV events stream does not hold the whole gap; re-syncing from a dump");
+            self.stats.stream_fill_failures += 1;
+            *repair = Repair::dump();
+            return;
+        }
+        let generation = *generation;
+        run.append(buffer);
+        self.stats.stream_fills += 1;
+        self.workers.insert(
+            w,
+            Sync::Live {
+                generation,
+                next: fill.from,
+            },
+        );
+        self.feed(w, run);
     }
 }
 
@@ -620,6 +786,13 @@ mod tests {
         assert!(!s.batch(batch(1, vec![stored(1, &[1])])));
         assert!(s.batch(batch(1, vec![stored(3, &[3])])), "event 2 was lost");
         assert_eq!(s.stats.gaps, 1);
+        // The stream is asked first; it cannot be read: a dump follows.
+        assert!(s.dumps_due(Instant::now()).is_empty());
+        let fills = s.fills_due(Instant::now());
+        assert_eq!(fills.len(), 1);
+        assert_eq!((fills[0].worker, fills[0].from), (WorkerId(1), 2));
+        s.filled(&fills[0], Err("no stream".into()));
+        assert_eq!(s.stats.stream_fill_failures, 1);
         assert_eq!(s.dumps_due(Instant::now()), vec![WorkerId(1)]);
         s.dump(KvDump {
             worker_id: WorkerId(1),
@@ -631,6 +804,13 @@ mod tests {
         assert_eq!(held(&s, &[1, 2, 3]), 3);
         // A bogus far-future event: one re-sync, then live again (no dump loop).
         assert!(s.batch(batch(1, vec![stored(1_000_000, &[66])])));
+        let fills = s.fills_due(Instant::now());
+        s.filled(&fills[0], Ok(vec![]));
+        assert_eq!(
+            s.dumps_due(Instant::now()),
+            vec![WorkerId(1)],
+            "the stream cannot fill it"
+        );
         s.dump(KvDump {
             worker_id: WorkerId(1),
             generation: 1,
@@ -671,6 +851,8 @@ mod tests {
         assert_eq!(s.stats.applied - applied, 2);
         assert_eq!(held(&s, &[1, 2]), 2);
         assert_eq!(held(&s, &[4]), 0, "past the gap: buffered, not applied");
+        let fills = s.fills_due(Instant::now());
+        s.filled(&fills[0], Err("no stream".into()));
         // The dump covers event 3; the buffered 4 and 5 follow it.
         s.dump(KvDump {
             worker_id: WorkerId(1),
@@ -681,6 +863,72 @@ mod tests {
         });
         assert_eq!(held(&s, &[1, 2, 3, 4, 5]), 5);
         assert_eq!(s.stats.applied - applied, 4);
+    }
+
+    #[test]
+    fn a_live_gap_is_filled_from_the_stream_without_a_dump() {
+        let mut s = synced(&[], 0);
+        assert!(!s.batch(batch(1, vec![stored(1, &[1])])));
+        // Events 2 and 3 are lost on the live feed; 4 and 5 arrive.
+        assert!(s.batch(batch(1, vec![stored(4, &[4])])));
+        assert!(
+            !s.batch(batch(1, vec![stored(5, &[5])])),
+            "buffered while the fill runs"
+        );
+        assert!(
+            s.dumps_due(Instant::now()).is_empty(),
+            "no dump while the stream is asked"
+        );
+        let fills = s.fills_due(Instant::now());
+        assert_eq!(fills.len(), 1);
+        let f = &fills[0];
+        assert_eq!((f.worker, f.generation, f.from), (WorkerId(1), 1, 2));
+        assert!(f.since_unix_ms <= dynamo_bus_schema::unix_ms() - FILL_MARGIN_MS);
+        assert!(s.fills_due(Instant::now()).is_empty(), "asked once");
+        // The stream holds the worker's history from before the gap on, in
+        // any order and with more than the gap.
+        s.filled(
+            f,
+            Ok(vec![
+                stored(3, &[3]),
+                stored(1, &[1]),
+                stored(2, &[2]),
+                stored(4, &[4]),
+            ]),
+        );
+        assert_eq!(s.stats.stream_fills, 1);
+        assert_eq!(held(&s, &[1, 2, 3, 4, 5]), 5);
+        assert_eq!(s.stats.dumps, 1, "only the first sight's");
+        assert!(s.dumps_due(Instant::now()).is_empty());
+        // Live again: the next event applies, a stale answer changes nothing.
+        assert!(!s.batch(batch(1, vec![stored(6, &[6])])));
+        s.filled(f, Ok(vec![]));
+        assert_eq!(held(&s, &[1, 2, 3, 4, 5, 6]), 6);
+    }
+
+    #[test]
+    fn a_fill_that_leaves_a_hole_or_does_not_answer_gives_way_to_a_dump() {
+        // The stream holds event 2 but not 3.
+        let mut s = synced(&[], 0);
+        assert!(!s.batch(batch(1, vec![stored(1, &[1])])));
+        assert!(s.batch(batch(1, vec![stored(4, &[4])])));
+        let fills = s.fills_due(Instant::now());
+        s.filled(&fills[0], Ok(vec![stored(2, &[2])]));
+        assert_eq!(s.stats.stream_fills, 0);
+        assert_eq!(s.stats.stream_fill_failures, 1);
+        assert_eq!(s.dumps_due(Instant::now()), vec![WorkerId(1)]);
+        assert_eq!(held(&s, &[1, 2]), 1, "nothing of a partial fill applied");
+
+        // No answer within FILL_MAX.
+        let mut s = synced(&[], 0);
+        assert!(s.batch(batch(1, vec![stored(3, &[3])])));
+        let t0 = Instant::now();
+        assert_eq!(s.fills_due(t0).len(), 1);
+        assert!(s.fills_due(t0 + FILL_MAX / 2).is_empty());
+        assert!(s.dumps_due(t0 + FILL_MAX / 2).is_empty());
+        assert!(s.fills_due(t0 + FILL_MAX).is_empty());
+        assert_eq!(s.stats.stream_fill_failures, 1);
+        assert_eq!(s.dumps_due(t0 + FILL_MAX), vec![WorkerId(1)]);
     }
 
     fn synced(blocks: &[u64], last: u64) -> KvSync {

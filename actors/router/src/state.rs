@@ -20,13 +20,15 @@ use crate::active::{ActiveLoad, WorkerLoad};
 use crate::approx::Approx;
 use crate::catch_up::CatchUp;
 use crate::disagg::{DisaggPolicy, PrefillCandidate};
-use crate::kv_sync::{KvStats, KvSync};
+use crate::kv_sync::{GapFill, KvStats, KvSync};
 use crate::policy::{Candidate, KvCostWeights, RouteRequest, RoutingPolicy};
 pub use crate::registry::{ModelEntry, WorkerEntry};
 use crate::registry::{Registry, Upserted};
 use crate::timing::RouteTimings;
 use dynamo_bus_schema::blocks::{sequence_hashes, SequenceHash};
-use dynamo_bus_schema::{ActiveLoadEvent, KvDumpTiered, KvEventBatch, RequestId, RouterId};
+use dynamo_bus_schema::{
+    ActiveLoadEvent, KvDumpTiered, KvEvent, KvEventBatch, RequestId, RouterId,
+};
 use dynamo_bus_schema::{LoadReport, ModelName, WorkerId, WorkerRegistration, WorkerRole};
 use dynamo_kv_index::Overlap;
 use std::collections::HashMap;
@@ -269,14 +271,26 @@ impl RouterState {
     /// its registered generation are applied: anything else (a worker not
     /// registered yet, a stale or bogus generation) is dropped and counted,
     /// and the gap it may leave is repaired from a dump once the worker's
-    /// registration says which generation is real.
-    pub fn kv_batch(&mut self, b: KvEventBatch) {
+    /// registration says which generation is real. Returns true when the
+    /// worker now needs a repair (a gap, or a worker first seen).
+    pub fn kv_batch(&mut self, b: KvEventBatch) -> bool {
         match self.registry.get(b.worker_id) {
-            Some(e) if e.reg.generation == b.generation && e.reg.kv_events => {
-                self.kv.batch(b);
+            Some(e) if e.reg.generation == b.generation && e.reg.kv_events => self.kv.batch(b),
+            _ => {
+                self.kv.stats.ignored += 1;
+                false
             }
-            _ => self.kv.stats.ignored += 1,
         }
+    }
+
+    /// Gaps to fill from the KV events stream now.
+    pub fn kv_fills_due(&mut self, now: Instant) -> Vec<GapFill> {
+        self.kv.fills_due(now)
+    }
+
+    /// The stream's answer to a gap fill.
+    pub fn kv_filled(&mut self, fill: &GapFill, found: Result<Vec<KvEvent>, String>) {
+        self.kv.filled(fill, found)
     }
 
     /// A worker's block table arrived (applied only for its registered generation).

@@ -456,6 +456,9 @@ impl WorkerRuntime {
                     tracing::warn!(task, tasks = ?self.tasks.names(), "no such task to end");
                 }
             }
+            FaultKind::DropKvBatch => {
+                tracing::warn!("a fault for routers; not applicable to a worker")
+            }
             FaultKind::Unknown(k) => tracing::warn!(kind = k, "unknown fault kind ignored"),
         }
         Ok(())
