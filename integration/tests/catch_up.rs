@@ -265,3 +265,39 @@ async fn a_live_gap_is_filled_from_the_stream_without_a_dump() {
     assert!(o.as_object().is_some_and(|m| !m.is_empty()), "{o}");
     assert!(w.alive() && g.alive());
 }
+
+/// A replica with snapshots turned off does not stop its peers from writing
+/// them, whichever has the lowest id: once the store's newest snapshot is
+/// stale (here: missing, then older than three intervals), a replica that
+/// writes them writes one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_with_snapshots_off_does_not_stop_its_peers_writing_them() {
+    let nats = Nats::start();
+    let mut w = Node::start(&node_config("w", &nats.url, None, 2, "").replace(
+        "heartbeat_ms = 500\n",
+        "heartbeat_ms = 500\ncontext_length = 16384\n",
+    ));
+    let (pa, pb) = (free_port(), free_port());
+    let mut a = Node::start(&gateway("a", &nats.url, pa, false));
+    let mut b = Node::start(&gateway("b", &nats.url, pb, true));
+    let (ha, hb) = (Http::new(pa), Http::new(pb));
+    ha.wait_ready(2, &mut a).await;
+    hb.wait_ready(2, &mut b).await;
+    // Events keep arriving for longer than three intervals (1 s each), so
+    // that the writer is due again after its first snapshot goes stale.
+    let t0 = Instant::now();
+    let mut i = 0;
+    while t0.elapsed() < Duration::from_secs(8) {
+        send(&ha, i..i + 2).await;
+        i += 2;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let taken = wait_metric(&hb, "dynamo_router_kv_snapshots_taken_total", 2, &mut b).await;
+    assert!(taken >= 2, "{taken}");
+    assert_eq!(
+        ha.metric("dynamo_router_kv_snapshots_taken_total").await,
+        0,
+        "snapshots are off on replica a"
+    );
+    assert!(a.alive() && b.alive() && w.alive());
+}

@@ -71,8 +71,9 @@ pub enum RouterMsg {
         Result<Vec<dynamo_bus_schema::KvEvent>, String>,
     ),
     /// A snapshot of the index to write, tagged with this stream
-    /// sequence, if this replica should write one now.
-    TakeKvSnapshot(u64, RpcReplyPort<Option<KvIndexSnapshot>>),
+    /// sequence, if this replica should write one now; the flag says the
+    /// store's newest is stale (any replica it is due at writes then).
+    TakeKvSnapshot(u64, bool, RpcReplyPort<Option<KvIndexSnapshot>>),
     Remove(WorkerId, Ticket),
     Load(LoadReport, Ticket),
     Expire(Ticket),
@@ -360,8 +361,8 @@ impl Actor for RouterActor {
                 s.kv_replay_done();
                 rt.spawn_dumps(&myself, now);
             }
-            RouterMsg::TakeKvSnapshot(seq, reply) => {
-                let _ = reply.send(s.kv_snapshot(seq, &rt.kv_snapshot, now));
+            RouterMsg::TakeKvSnapshot(seq, stale, reply) => {
+                let _ = reply.send(s.kv_snapshot(seq, stale, &rt.kv_snapshot, now));
             }
             RouterMsg::Remove(id, _ticket) => s.remove(id),
             RouterMsg::Load(r, _ticket) => s.load(r, now),

@@ -255,6 +255,8 @@ pub async fn replay(bus: &Bus, after: u64, sink: &mut impl ReplaySink) -> Result
         .map_err(|e| e.to_string())?;
     let mut messages = consumer.messages().await.map_err(|e| e.to_string())?;
     let mut n = 0;
+    // Whether a hole at the head was already reported.
+    let mut truncated = after + 1 < first || after > last;
     loop {
         let m = match tokio::time::timeout(REPLAY_IDLE, messages.next()).await {
             Ok(Some(Ok(m))) => m,
@@ -267,6 +269,19 @@ pub async fn replay(bus: &Bus, after: u64, sink: &mut impl ReplaySink) -> Result
             }
         };
         let seq = m.info().map(|i| i.stream_sequence).unwrap_or(last);
+        // The head was trimmed (age or bytes) between reading the stream's
+        // state and the first delivery: what lay before `seq` is gone too.
+        if n == 0 && seq > start && !truncated {
+            truncated = true;
+            tracing::warn!(
+                snapshot_seq = after,
+                first_delivered = seq,
+                "the KV events stream lost its head while the replay started"
+            );
+            if !sink.take(Replayed::Truncated).await {
+                return Ok(0);
+            }
+        }
         match decode::<KvEventBatch>(&m.payload) {
             Ok(b) => {
                 if !sink.take(Replayed::Batch(b)).await {
@@ -366,9 +381,10 @@ pub async fn snapshots(bus: Bus, router: ActorRef<RouterMsg>, cfg: KvSnapshotCon
             Err(_) => None,
         };
         if let Some(seq) = earlier {
+            let stale = snapshot_stale(&bus, &bucket, cfg.interval * STALE_INTERVALS).await;
             let snap = router
                 .call(
-                    |reply| RouterMsg::TakeKvSnapshot(seq, reply),
+                    |reply| RouterMsg::TakeKvSnapshot(seq, stale, reply),
                     Some(Duration::from_secs(10)),
                 )
                 .await;
@@ -377,6 +393,30 @@ pub async fn snapshots(bus: Bus, router: ActorRef<RouterMsg>, cfg: KvSnapshotCon
             }
         }
         earlier = now_seq;
+    }
+}
+
+/// A snapshot older than this many intervals (or none at all) is written by
+/// any replica it is due at, not only the elected one: the elected writer
+/// may have snapshots turned off, or fail to write.
+const STALE_INTERVALS: u32 = 3;
+
+/// Whether the newest snapshot in the object store is older than `age`, or
+/// missing. A store that cannot be read says nothing (false): writing would
+/// fail too.
+async fn snapshot_stale(bus: &Bus, bucket: &str, age: Duration) -> bool {
+    let Ok(store) = bus.object_store(bucket).await else {
+        return false;
+    };
+    match store.info(KV_SNAPSHOT_OBJECT).await {
+        Ok(info) => info.modified.is_none_or(|m| {
+            let elapsed = time::OffsetDateTime::now_utc() - m;
+            elapsed > age
+        }),
+        Err(e) => {
+            use async_nats::jetstream::object_store::InfoErrorKind;
+            matches!(e.kind(), InfoErrorKind::NotFound)
+        }
     }
 }
 

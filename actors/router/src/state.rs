@@ -197,17 +197,19 @@ impl RouterState {
     }
 
     /// A snapshot of the KV index, if this replica should write one now:
-    /// it routes (caught up), it has the lowest id among the live replicas,
-    /// and `cfg.events` were applied or `cfg.interval` passed since its last.
-    /// `stream_seq`: every stream message up to it is applied.
+    /// it routes (caught up), it has the lowest id among the live replicas
+    /// or the store's newest snapshot is `stale` (the elected writer does
+    /// not write), and `cfg.events` were applied or `cfg.interval` passed
+    /// since its last. `stream_seq`: every stream message up to it is applied.
     pub fn kv_snapshot(
         &mut self,
         stream_seq: u64,
+        stale: bool,
         cfg: &crate::kv_stream::KvSnapshotConfig,
         now: Instant,
     ) -> Option<dynamo_bus_schema::KvIndexSnapshot> {
         let me = self.router_id();
-        let lowest = self.active.peers().all(|p| p.0 > me.0);
+        let lowest = stale || self.active.peers().all(|p| p.0 > me.0);
         let changed = self.kv.since_snapshot();
         let due = changed >= cfg.events
             || (changed > 0

@@ -432,26 +432,41 @@ fn only_the_lowest_live_replica_snapshots_once_caught_up_and_when_due() {
     };
     // The replay brings worker 1's events from id 1: no dump needed.
     s.kv_replayed(batch(1..=2));
-    assert!(s.kv_snapshot(7, &cfg, t0).is_none(), "still replaying");
+    assert!(
+        s.kv_snapshot(7, false, &cfg, t0).is_none(),
+        "still replaying"
+    );
     s.kv_replay_done();
     assert!(s.kv_dumps_due(t0).is_empty());
     assert_eq!(s.kv_blocks_of(WorkerId(1)), [2, 0, 0]);
     let _ = route(&mut s, &ModelName("a".into()), &[], t0); // caught up now
-    let snap = s.kv_snapshot(7, &cfg, t0).expect("due: events since start");
+    let snap = s
+        .kv_snapshot(7, false, &cfg, t0)
+        .expect("due: events since start");
     assert_eq!((snap.stream_seq, snap.blocks()), (7, 2));
-    assert!(s.kv_snapshot(8, &cfg, t0).is_none(), "nothing changed");
+    assert!(
+        s.kv_snapshot(8, false, &cfg, t0).is_none(),
+        "nothing changed"
+    );
     s.kv_batch(batch(3..=3));
     assert!(
-        s.kv_snapshot(8, &cfg, t0).is_none(),
+        s.kv_snapshot(8, false, &cfg, t0).is_none(),
         "1 event, interval not over"
     );
-    assert!(s.kv_snapshot(8, &cfg, t0 + cfg.interval).is_some());
+    assert!(s.kv_snapshot(8, false, &cfg, t0 + cfg.interval).is_some());
     // A live peer with a lower id writes them instead.
     s.kv_batch(batch(4..=7));
     s.peer_heartbeat(RouterId(2), t0);
-    assert!(s.kv_snapshot(9, &cfg, t0 + cfg.interval).is_none());
+    assert!(s.kv_snapshot(9, false, &cfg, t0 + cfg.interval).is_none());
+    // Unless the store's newest is stale: that peer does not write.
+    assert!(s.kv_snapshot(9, true, &cfg, t0 + cfg.interval).is_some());
+    s.kv_batch(batch(8..=8));
     s.peer_heartbeat(RouterId(9), t0);
     let mut off = cfg.clone();
     off.enabled = false;
-    assert!(s.kv_snapshot(9, &off, t0 + cfg.interval).is_none());
+    assert!(
+        s.kv_snapshot(9, true, &off, t0 + 2 * cfg.interval)
+            .is_none(),
+        "never with snapshots off"
+    );
 }
