@@ -88,11 +88,8 @@ fn tiers_of(h: &[u32], slot: u32) -> u8 {
 /// `h` with tier bit `bit` of `slot` turned on or off.
 fn with_tier(h: &[u32], slot: u32, bit: u8, on: bool) -> Holders {
     let mut out: Holders = h.iter().copied().filter(|x| x >> 3 != slot).collect();
-    let tiers = if on {
-        tiers_of(h, slot) | bit
-    } else {
-        tiers_of(h, slot) & !bit
-    };
+    let had = tiers_of(h, slot);
+    let tiers = if on { had | bit } else { had & !bit };
     if tiers != 0 {
         let v = slot << 3 | tiers as u32;
         let at = out.partition_point(|x| *x < v);
@@ -469,9 +466,7 @@ impl KvIndex {
         let k = keep as usize;
         let start = if prepend {
             self.runs[k].base -= la as u32;
-            let mut v = moved.clone();
-            v.extend_from_slice(&self.runs[k].hashes);
-            self.runs[k].hashes = v;
+            self.runs[k].hashes.splice(0..0, moved.iter().copied());
             self.runs[k].base
         } else {
             let e = self.runs[k].end();
