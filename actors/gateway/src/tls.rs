@@ -4,9 +4,14 @@
 //! Handshakes run off the accept loop, each in a task of the loop's own
 //! set and bounded in time ([`HANDSHAKE_TIMEOUT`]) and number
 //! ([`MAX_HANDSHAKES`]), so a client that connects and says nothing delays
-//! no one. A failed handshake (a client that does not trust the
-//! certificate, plain HTTP on the TLS port) is logged at debug and counted;
-//! the listener goes on.
+//! no one. When that many are pending, a new connection evicts the oldest
+//! pending handshake rather than waiting for it: a real client finishes in
+//! a few round trips, so clients that connect and stall (slowloris) can
+//! hold the pool only by opening connections faster than real clients
+//! finish, not by sitting on it for the timeout. A failed, timed-out or
+//! evicted handshake (a client that does not trust the certificate, plain
+//! HTTP on the TLS port) is logged at debug and counted; the listener goes
+//! on.
 //!
 //! Invariant: the accept loop is owned by the gateway's task set (it fails
 //! the gateway if it ends), and the queue of finished handshakes is bounded.
@@ -21,10 +26,11 @@ use tokio_rustls::server::TlsStream;
 
 /// Longest a client may take to finish its handshake.
 pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Handshakes in progress at once; past it, accepting waits.
+/// Handshakes in progress at once; past it, a new connection evicts the
+/// oldest.
 pub const MAX_HANDSHAKES: usize = 1024;
 
-/// Handshakes that failed or timed out (exported as
+/// Handshakes that failed, timed out or were evicted (exported as
 /// `dynamo_gateway_tls_handshake_failures_total`).
 pub static HANDSHAKE_FAILURES: AtomicU64 = AtomicU64::new(0);
 
@@ -66,15 +72,24 @@ impl TlsListener {
         tcp: TcpListener,
         config: Arc<rustls::ServerConfig>,
     ) -> std::io::Result<(Self, impl std::future::Future<Output = ()> + Send)> {
+        Self::with_limit(tcp, config, MAX_HANDSHAKES)
+    }
+
+    /// [`TlsListener::new`] with at most `max` handshakes pending.
+    fn with_limit(
+        tcp: TcpListener,
+        config: Arc<rustls::ServerConfig>,
+        max: usize,
+    ) -> std::io::Result<(Self, impl std::future::Future<Output = ()> + Send)> {
         let local = tcp.local_addr()?;
         // Bounded: finished handshakes wait here for axum's accept; while
-        // it is full, handshakes in flight hold their permits and the
-        // accept loop waits for one.
-        let (tx, rx) = mpsc::channel(MAX_HANDSHAKES);
+        // it is full, finished handshakes wait to be taken (and count as
+        // pending, so new connections evict the oldest of those too).
+        let (tx, rx) = mpsc::channel(max);
         let acceptor = tokio_rustls::TlsAcceptor::from(config);
         Ok((
             TlsListener { ready: rx, local },
-            accept_loop(tcp, acceptor, tx),
+            accept_loop(tcp, acceptor, tx, max),
         ))
     }
 }
@@ -83,17 +98,24 @@ async fn accept_loop(
     tcp: TcpListener,
     acceptor: tokio_rustls::TlsAcceptor,
     tx: mpsc::Sender<(TlsStream<TcpStream>, SocketAddr)>,
+    max: usize,
 ) {
-    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
     let mut handshakes = tokio::task::JoinSet::new();
+    // Pending handshakes, oldest first (ids of the set's tasks; finished
+    // ones are dropped lazily when they reach the front).
+    let mut pending: std::collections::VecDeque<tokio::task::AbortHandle> =
+        std::collections::VecDeque::new();
     loop {
         // Reap finished handshakes so the set stays small.
         while handshakes.try_join_next().is_some() {}
-        let Ok(permit) = permits.clone().acquire_owned().await else {
-            // Never closed: the semaphore lives here.
-            std::future::pending::<()>().await;
-            continue;
-        };
+        pending.retain(|h| !h.is_finished());
+        if pending.len() >= max {
+            if let Some(oldest) = pending.pop_front() {
+                oldest.abort();
+                HANDSHAKE_FAILURES.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!("TLS handshake evicted: {max} pending");
+            }
+        }
         let (stream, peer) = tokio::select! {
             r = tcp.accept() => match r {
                 Ok(c) => c,
@@ -113,8 +135,7 @@ async fn accept_loop(
             tracing::debug!(error = %e, "cannot set TCP_NODELAY");
         }
         let (acceptor, tx) = (acceptor.clone(), tx.clone());
-        handshakes.spawn(async move {
-            let _permit = permit;
+        let handle = handshakes.spawn(async move {
             match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                 Ok(Ok(tls)) => {
                     let _ = tx.send((tls, peer)).await;
@@ -129,6 +150,7 @@ async fn accept_loop(
                 }
             }
         });
+        pending.push_back(handle);
     }
 }
 
@@ -147,5 +169,69 @@ impl axum::serve::Listener for TlsListener {
 
     fn local_addr(&self) -> std::io::Result<Self::Addr> {
         Ok(self.local)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Clients that connect and never send a byte fill the pending
+    /// handshakes; a real client that comes next is still served at once,
+    /// well before their timeout, because it evicts the oldest of them.
+    #[tokio::test]
+    async fn stalled_clients_cannot_hold_the_handshake_pool() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = dynamo_runtime::tls::Pki::generate("test", &["127.0.0.1"])
+            .unwrap()
+            .write(dir.path())
+            .unwrap();
+        let server = dynamo_runtime::tls::server_config(&files.cert, &files.key).unwrap();
+        let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = tcp.local_addr().unwrap();
+        const MAX: usize = 4;
+        let (mut listener, accept) = TlsListener::with_limit(tcp, server, MAX).unwrap();
+        let mut tasks = tokio::task::JoinSet::new();
+        tasks.spawn(accept);
+        // An echo of one 5-byte message per accepted connection.
+        tasks.spawn(async move {
+            loop {
+                let (mut io, _) = axum::serve::Listener::accept(&mut listener).await;
+                let mut buf = [0u8; 5];
+                if io.read_exact(&mut buf).await.is_ok() {
+                    let _ = io.write_all(&buf).await;
+                    let _ = io.flush().await;
+                }
+            }
+        });
+        let failures = HANDSHAKE_FAILURES.load(Ordering::Relaxed);
+        // More stalled clients than the pool holds.
+        let mut stalled = Vec::new();
+        for _ in 0..MAX * 2 {
+            stalled.push(TcpStream::connect(addr).await.unwrap());
+        }
+        let client = dynamo_runtime::tls::client_config(&files.ca).unwrap();
+        let connector = tokio_rustls::TlsConnector::from(client);
+        let served = async {
+            let tcp = TcpStream::connect(addr).await.unwrap();
+            let name = rustls::pki_types::ServerName::try_from("127.0.0.1").unwrap();
+            let mut tls = connector.connect(name, tcp).await.unwrap();
+            tls.write_all(b"hello").await.unwrap();
+            tls.flush().await.unwrap();
+            let mut buf = [0u8; 5];
+            tls.read_exact(&mut buf).await.unwrap();
+            buf
+        };
+        let got = tokio::time::timeout(HANDSHAKE_TIMEOUT / 5, served)
+            .await
+            .expect("served before the stalled clients time out");
+        assert_eq!(&got, b"hello");
+        assert!(
+            HANDSHAKE_FAILURES.load(Ordering::Relaxed) >= failures + MAX as u64,
+            "the oldest stalled handshakes were evicted and counted"
+        );
+        assert!(tasks.try_join_next().is_none(), "the accept loop runs on");
+        drop(stalled);
     }
 }
