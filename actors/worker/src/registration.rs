@@ -6,9 +6,12 @@
 //!
 //! Invariants: all of this runs in a task of its own ([`Registrar::run`]),
 //! never on the worker actor, so a slow or absent bus never blocks the
-//! actor; every bus call is bounded by [`WRITE_TIMEOUT`]; the newest state
-//! wins (writes are coalesced through a watch channel); a deregistration
-//! is the last write and nothing is written after it.
+//! actor; inside it the record is written by a writer of its own, beside
+//! the heartbeat loop, so a stalled bucket (its stream re-electing a
+//! leader takes seconds) never delays a load report; every bus call is
+//! bounded by [`WRITE_TIMEOUT`]; the newest record wins (writes are
+//! coalesced through watch channels); a deregistration is the last write
+//! and nothing is written after it.
 
 use dynamo_bus_schema::{
     encode, unix_ms, LoadMetrics, LoadReport, WorkerMetrics, WorkerRegistration, WorkerState,
@@ -39,14 +42,18 @@ pub struct Registration {
     inflight: Arc<AtomicUsize>,
 }
 
-/// The task's side.
+/// The task's side: the heartbeat loop and the record writer.
 pub struct Registrar {
+    beat: Heartbeat,
+    writer: RecordWriter,
+}
+
+/// Publishes load and metrics, and hands the writer the newest record.
+struct Heartbeat {
     bus: Bus,
-    kv: async_nats::jetstream::kv::Store,
     reg: WorkerRegistration,
     engine: Arc<dyn Engine>,
     desired: watch::Receiver<Desired>,
-    written: watch::Sender<u64>,
     inflight: Arc<AtomicUsize>,
     heartbeat: Duration,
     load_interval: Duration,
@@ -122,31 +129,47 @@ pub async fn register(
     let (desired_tx, desired) = watch::channel(Desired::State(reg.state));
     let (written_tx, written) = watch::channel(0);
     let inflight = Arc::new(AtomicUsize::new(0));
-    let mut r = Registrar {
-        bus,
+    let mut writer = RecordWriter {
+        bus: bus.clone(),
         kv,
+        key: reg.worker_id.to_string(),
+        written: written_tx,
+    };
+    let mut beat = Heartbeat {
+        bus,
         reg,
         engine,
         desired,
-        written: written_tx,
         inflight: inflight.clone(),
         heartbeat,
         load_interval,
         stats,
         metrics_interval,
     };
-    r.write().await?;
+    let first = beat.record();
+    writer.write(&first).await?;
     Ok((
         Registration {
             desired: desired_tx,
             written,
             inflight,
         },
-        r,
+        Registrar { beat, writer },
     ))
 }
 
 impl Registrar {
+    /// Keeps the registration fresh and the load published until the
+    /// worker deregisters (or the actor drops its half). The record writer
+    /// runs beside the heartbeat loop in this same task; the loop hands it
+    /// the newest record and never waits for a write.
+    pub async fn run(self) {
+        let (jobs, rx) = watch::channel(None);
+        tokio::join!(self.writer.run(rx), self.beat.run(jobs));
+    }
+}
+
+impl Heartbeat {
     fn load(&self) -> LoadMetrics {
         let mut l = self.engine.load();
         l.inflight_requests = self.inflight.load(Ordering::Relaxed) as u32;
@@ -154,9 +177,16 @@ impl Registrar {
         l
     }
 
-    /// Keeps the registration fresh and the load published until the
-    /// worker deregisters (or the actor drops its half).
-    pub async fn run(mut self) {
+    /// The record as of now (state, heartbeat time and load).
+    fn record(&mut self) -> WorkerRegistration {
+        self.reg.heartbeat_unix_ms = unix_ms();
+        self.reg.load = self.load();
+        self.reg.clone()
+    }
+
+    /// Publishes until the worker deregisters (then asks the writer for
+    /// the delete) or the actor drops its half.
+    async fn run(mut self, jobs: watch::Sender<Option<Job>>) {
         let mut beat = tokio::time::interval(self.heartbeat);
         beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         beat.tick().await;
@@ -177,12 +207,11 @@ impl Registrar {
                     match d {
                         Desired::State(s) => {
                             self.reg.state = s;
-                            if let Err(e) = self.write().await {
-                                tracing::warn!(error = %e, "registration write failed");
-                            }
+                            jobs.send_replace(Some(Job::Write(Box::new(self.record()))));
                         }
                         Desired::Deregistered => {
-                            self.delete().await;
+                            // The writer deletes and ends; so does this loop.
+                            jobs.send_replace(Some(Job::Delete));
                             return;
                         }
                     }
@@ -193,9 +222,7 @@ impl Registrar {
                     // while the bucket cannot be written (its stream leader
                     // is being re-elected, which takes seconds).
                     last_load = self.publish_load(None).await;
-                    if let Err(e) = self.write().await {
-                        tracing::warn!(error = %e, "heartbeat failed");
-                    }
+                    jobs.send_replace(Some(Job::Write(Box::new(self.record()))));
                 }
                 _ = load_tick.tick() => {
                     let load = self.load();
@@ -254,15 +281,55 @@ impl Registrar {
             tracing::debug!("worker metrics not published");
         }
     }
+}
+
+/// What the record writer is asked to do next (only the newest counts).
+#[derive(Clone)]
+enum Job {
+    Write(Box<WorkerRegistration>),
+    Delete,
+}
+
+/// Writes the worker's record into the workers bucket.
+struct RecordWriter {
+    bus: Bus,
+    kv: async_nats::jetstream::kv::Store,
+    /// The record's key: the worker id.
+    key: String,
+    /// Bumped after each write (or the delete).
+    written: watch::Sender<u64>,
+}
+
+impl RecordWriter {
+    /// Writes the newest record asked for, one write at a time, until the
+    /// delete (or until the heartbeat loop is gone).
+    async fn run(mut self, mut jobs: watch::Receiver<Option<Job>>) {
+        loop {
+            if jobs.changed().await.is_err() {
+                return;
+            }
+            let job = jobs.borrow_and_update().clone();
+            match job {
+                Some(Job::Write(reg)) => {
+                    if let Err(e) = self.write(&reg).await {
+                        tracing::warn!(error = %e, "registration write failed");
+                    }
+                }
+                Some(Job::Delete) => {
+                    self.delete().await;
+                    return;
+                }
+                None => {}
+            }
+        }
+    }
 
     /// Writes the record once (bounded); a bus restarted without its
     /// JetStream state has lost the bucket, so it is created again and the
     /// write retried once.
-    async fn write(&mut self) -> Result<(), String> {
-        self.reg.heartbeat_unix_ms = unix_ms();
-        self.reg.load = self.load();
-        let bytes: bytes::Bytes = encode(&self.reg).map_err(|e| e.to_string())?.into();
-        let key = self.reg.worker_id.to_string();
+    async fn write(&mut self, reg: &WorkerRegistration) -> Result<(), String> {
+        let bytes: bytes::Bytes = encode(reg).map_err(|e| e.to_string())?.into();
+        let key = self.key.clone();
         let first = tokio::time::timeout(WRITE_TIMEOUT, self.kv.put(key.clone(), bytes.clone()))
             .await
             .map_err(|_| "timed out".to_string())
@@ -293,8 +360,7 @@ impl Registrar {
 
     async fn delete(&mut self) {
         if self.bus.is_connected() {
-            let key = self.reg.worker_id.to_string();
-            match tokio::time::timeout(WRITE_TIMEOUT, self.kv.delete(key)).await {
+            match tokio::time::timeout(WRITE_TIMEOUT, self.kv.delete(&self.key)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::warn!(error = %e, "cannot delete the registration"),
                 Err(_) => tracing::warn!("deleting the registration timed out"),
