@@ -100,7 +100,7 @@ def main():
     row("Faults")
     ts("Migrations",
        [(rate("dynamo_gateway_migrations_total", "reason"), "{{reason}}"),
-        (rate("dynamo_gateway_migration_failures_total", "reason"), "not migrated: {{reason}}")],
+        (rate("dynamo_gateway_migration_failures_total", "why"), "not migrated: {{why}}")],
        "reqps", 8, 0)
     ts("Worker request outcomes",
        [(rate("dynamo_worker_requests_total", "outcome"), "{{outcome}}")], "reqps", 8, 8)

@@ -1,7 +1,9 @@
 //! The Grafana dashboard against a running cluster: every metric a panel
 //! names must be exported by some node's metrics listener or a gateway's
 //! `/metrics`, with the type the query assumes (a `histogram_quantile`
-//! over `_bucket` needs a histogram).
+//! over `_bucket` needs a histogram), with at least one sample (a `# TYPE`
+//! line alone draws nothing), and with every label the query selects on or
+//! groups by (labels the scrape job adds, like `namespace`, excepted).
 
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -51,6 +53,99 @@ pub fn names_in(expr: &str) -> Vec<(String, bool)> {
     out
 }
 
+/// Labels Prometheus's scrape job adds (not the exporter's to carry).
+const SCRAPE_LABELS: [&str; 3] = ["namespace", "job", "instance"];
+
+/// The label names of each sample in an exposition, by metric (a
+/// histogram's `_bucket`, `_sum` and `_count` samples under its own name).
+pub fn samples(text: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let types = exported(text);
+    let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for line in text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+    {
+        let name_end = line
+            .find(|c: char| c == '{' || c.is_whitespace())
+            .unwrap_or(line.len());
+        let mut name = &line[..name_end];
+        for suffix in ["_bucket", "_sum", "_count"] {
+            if let Some(base) = name.strip_suffix(suffix) {
+                if types.get(base).is_some_and(|k| k == "histogram") {
+                    name = base;
+                }
+            }
+        }
+        let labels = out.entry(name.to_string()).or_default();
+        if line[name_end..].starts_with('{') {
+            labels.extend(label_names(&line[name_end + 1..]));
+        }
+    }
+    out
+}
+
+/// The label names in `a="x",b="y"}…` (values may hold commas, braces and
+/// escaped quotes).
+fn label_names(s: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut name = String::new();
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '}' => break,
+            '"' => {
+                // Skip the quoted value.
+                while let Some(v) = chars.next() {
+                    match v {
+                        '\\' => {
+                            chars.next();
+                        }
+                        '"' => break,
+                        _ => {}
+                    }
+                }
+            }
+            '=' | '!' | '~' => {
+                if !name.trim().is_empty() {
+                    out.push(name.trim().to_string());
+                }
+                name.clear();
+            }
+            ',' => name.clear(),
+            c => name.push(c),
+        }
+    }
+    out
+}
+
+/// The labels an expression selects `name` on (`name{a="x",b=~"y"}`).
+fn selector_labels(expr: &str, name_end: usize) -> Vec<String> {
+    match expr[name_end..].strip_prefix('{') {
+        Some(rest) => label_names(rest),
+        None => Vec::new(),
+    }
+}
+
+/// The labels an expression groups by (`by (a, b)`), every clause.
+fn group_labels(expr: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while let Some(at) = expr[i..].find("by (") {
+        let start = i + at + 4;
+        let Some(len) = expr[start..].find(')') else {
+            break;
+        };
+        out.extend(
+            expr[start..start + len]
+                .split(',')
+                .map(|l| l.trim().to_string())
+                .filter(|l| !l.is_empty()),
+        );
+        i = start + len;
+    }
+    out
+}
+
 /// `# TYPE name kind` lines of an exposition.
 pub fn exported(text: &str) -> BTreeMap<String, String> {
     text.lines()
@@ -62,26 +157,79 @@ pub fn exported(text: &str) -> BTreeMap<String, String> {
         .collect()
 }
 
-/// The metrics the dashboard names that `expositions` do not export (or
-/// not as the type the query needs); empty when all are there.
+/// What the dashboard reads that `expositions` do not export: a metric
+/// not there (or not as the type the query needs, or with no sample), or a
+/// label a query selects on or groups by that no sample carries; empty
+/// when everything is there.
 pub fn missing(d: &Value, expositions: &[String]) -> BTreeSet<String> {
     let mut have: BTreeMap<String, String> = BTreeMap::new();
+    let mut labels: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for e in expositions {
         have.extend(exported(e));
+        for (name, l) in samples(e) {
+            labels.entry(name).or_default().extend(l);
+        }
     }
+    let scrape = |l: &str| SCRAPE_LABELS.contains(&l);
     let mut out = BTreeSet::new();
     for e in expressions(d) {
-        for (name, histogram) in names_in(&e) {
+        let names = names_in(&e);
+        for (name, histogram, end) in names_at(&e) {
             match have.get(&name) {
                 Some(kind) if !histogram || kind == "histogram" => {}
                 Some(kind) => {
                     out.insert(format!("{name} (read as a histogram, exported as {kind})"));
+                    continue;
                 }
                 None => {
                     out.insert(name);
+                    continue;
+                }
+            }
+            let Some(carried) = labels.get(&name) else {
+                out.insert(format!("{name} (no sample)"));
+                continue;
+            };
+            for l in selector_labels(&e, end) {
+                if !scrape(&l) && !carried.contains(&l) {
+                    out.insert(format!("{name} (no sample carries the label {l})"));
                 }
             }
         }
+        // A grouping label must be on some metric the expression reads
+        // (`le` on a histogram's buckets).
+        for l in group_labels(&e) {
+            let on_some = names.iter().any(|(n, histogram)| {
+                (l == "le" && *histogram) || labels.get(n).is_some_and(|c| c.contains(&l))
+            });
+            if !scrape(&l) && !on_some {
+                out.insert(format!(
+                    "{e} (groups by {l}, which no metric it reads carries)"
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// [`names_in`], with where each name ends in the expression (its
+/// `_bucket` suffix included), for reading its selector.
+fn names_at(expr: &str) -> Vec<(String, bool, usize)> {
+    let bytes = expr.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while let Some(at) = expr[i..].find("dynamo_") {
+        let start = i + at;
+        let mut end = start;
+        while end < bytes.len() && (bytes[end].is_ascii_alphanumeric() || bytes[end] == b'_') {
+            end += 1;
+        }
+        let name = &expr[start..end];
+        match name.strip_suffix("_bucket") {
+            Some(base) => out.push((base.to_string(), true, end)),
+            None => out.push((name.to_string(), false, end)),
+        }
+        i = end;
     }
     out
 }
@@ -110,13 +258,48 @@ mod tests {
             ]
         );
         let d = serde_json::json!({"panels": [{"targets": [{"expr": e}]}]});
-        let text =
-            "# TYPE dynamo_gateway_ttft histogram\n# TYPE dynamo_worker_kv_used_blocks gauge\n"
-                .to_string();
-        assert!(missing(&d, &[text]).is_empty());
+        let text = "# TYPE dynamo_gateway_ttft histogram\n\
+                    dynamo_gateway_ttft_bucket{a=\"x,}y\",le=\"0.1\"} 1\n\
+                    dynamo_gateway_ttft_sum{a=\"x\"} 1\n\
+                    # TYPE dynamo_worker_kv_used_blocks gauge\n\
+                    dynamo_worker_kv_used_blocks{worker=\"w\"} 3\n"
+            .to_string();
+        assert!(
+            missing(&d, &[text.clone()]).is_empty(),
+            "{:?}",
+            missing(&d, &[text])
+        );
         let wrong = "# TYPE dynamo_gateway_ttft counter\n".to_string();
         let m = missing(&d, &[wrong]);
         assert_eq!(m.len(), 2, "{m:?}");
+        // A TYPE line alone, or samples without the selected label, fail.
+        let bare =
+            "# TYPE dynamo_gateway_ttft histogram\n# TYPE dynamo_worker_kv_used_blocks gauge\n\
+                    dynamo_worker_kv_used_blocks 3\n"
+                .to_string();
+        let m = missing(&d, &[bare]);
+        assert_eq!(
+            m,
+            BTreeSet::from(["dynamo_gateway_ttft (no sample)".to_string()]),
+            "{m:?}"
+        );
+        let unlabelled = "# TYPE dynamo_gateway_ttft histogram\ndynamo_gateway_ttft_bucket{le=\"1\"} 1\n\
+                          # TYPE dynamo_worker_kv_used_blocks gauge\ndynamo_worker_kv_used_blocks 3\n"
+            .to_string();
+        let m = missing(&d, &[unlabelled]);
+        assert!(
+            m.contains("dynamo_gateway_ttft (no sample carries the label a)"),
+            "{m:?}"
+        );
+        // Grouping labels: `le` on a histogram; `worker` must be carried.
+        let g = serde_json::json!({"panels": [{"targets": [{"expr": "sum by (worker) (dynamo_x{namespace=~\"n\"})"}]}]});
+        let x = "# TYPE dynamo_x gauge\ndynamo_x{node=\"a\"} 1\n".to_string();
+        assert_eq!(missing(&g, &[x]).len(), 1);
+        let x = "# TYPE dynamo_x gauge\ndynamo_x{worker=\"a\"} 1\n".to_string();
+        assert!(
+            missing(&g, &[x]).is_empty(),
+            "namespace is the scrape job's"
+        );
     }
 
     #[test]
