@@ -265,7 +265,7 @@ mod tests {
                     dynamo_worker_kv_used_blocks{worker=\"w\"} 3\n"
             .to_string();
         assert!(
-            missing(&d, &[text.clone()]).is_empty(),
+            missing(&d, std::slice::from_ref(&text)).is_empty(),
             "{:?}",
             missing(&d, &[text])
         );
