@@ -1,7 +1,8 @@
 //! The live cluster page (`/dashboard`) in a real browser: Debian's
 //! headless Chromium loads it from a running node (gateway, router, two
-//! mocker workers, real NATS) and the DOM it renders shows the cluster;
-//! a screenshot is taken (`DYNAMO_SCREENSHOT` names where to keep it).
+//! mocker workers, real NATS) and the DOM it renders shows the cluster,
+//! its KV hit rate and a migration that happened; a screenshot is taken
+//! (`DYNAMO_SCREENSHOT` names where to keep it).
 
 use dynamo_integration::*;
 use serde_json::json;
@@ -45,7 +46,13 @@ async fn the_cluster_page_shows_nodes_workers_load_and_hit_rate_in_chromium() {
     let browser = chromium();
     let nats = Nats::start();
     let port = free_port();
-    let mut node = Node::start(&node_config("n1", &nats.url, Some(port), 2, ""));
+    // Real-time mockers (streams last long enough to be interrupted) and
+    // fault injection (to make a migration happen).
+    let faults = "[supervision]\nrestart_base_ms = 50\nfault_injection = true\n";
+    let mut node = Node::start(
+        &node_config("n1", &nats.url, Some(port), 2, faults)
+            .replace("speedup = 0.0", "speedup = 1.0"),
+    );
     let http = Http::new(port);
     http.wait_ready(2, &mut node).await;
     // Traffic with a repeated prompt: some of it is served from cache.
@@ -59,6 +66,30 @@ async fn the_cluster_page_shows_nodes_workers_load_and_hit_rate_in_chromium() {
             .await;
         assert_eq!(r.status, 200, "{}", r.json);
     }
+    // A worker's engine dies under streams: they migrate, and the page
+    // lists the migration.
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|i| (0..40).map(|k| 3000 + (i * 131 + k * 7) as u32).collect())
+        .collect();
+    let streams = Streams::start(port, prompts, 100).await;
+    let (busiest, _) = busiest_worker(&http).await;
+    let victim = registrations(&nats.url)
+        .await
+        .into_iter()
+        .find(|r| r.worker_id.to_string() == busiest)
+        .expect("registered");
+    let ack = inject(
+        &nats.url,
+        "n1",
+        &dynamo_bus_schema::FaultInjection {
+            worker_id: victim.worker_id,
+            fault: dynamo_bus_schema::FaultKind::PanicEngine,
+        },
+    )
+    .await;
+    assert!(ack.applied, "{}", ack.message);
+    streams.expect_undisturbed().await;
+    http.wait_ready(2, &mut node).await;
 
     // The JSON behind the page.
     let c: serde_json::Value = reqwest::get(format!("http://127.0.0.1:{port}/v1/dynamo/cluster"))
@@ -82,6 +113,13 @@ async fn the_cluster_page_shows_nodes_workers_load_and_hit_rate_in_chromium() {
             .all(|w| w["kv_total_blocks"].as_u64() > Some(0)),
         "{c}"
     );
+    let migration = c["events"]
+        .as_array()
+        .expect("events")
+        .iter()
+        .find(|e| e["kind"] == "migration")
+        .unwrap_or_else(|| panic!("no migration event: {c}"));
+    let migration_text = migration["message"].as_str().expect("message").to_string();
 
     // The page in Chromium: the DOM it renders after its first poll.
     let url = format!("http://127.0.0.1:{port}/dashboard");
@@ -99,6 +137,10 @@ async fn the_cluster_page_shows_nodes_workers_load_and_hit_rate_in_chromium() {
     assert!(dom.contains("<td>n1</td>"), "{dom}");
     let shown = format!("{:.1}%", 100.0 * hit);
     assert!(dom.contains(&shown), "hit rate {shown} not shown:\n{dom}");
+    assert!(
+        dom.contains("<td>migration</td>") && dom.contains(&html_escaped(&migration_text)),
+        "the migration ({migration_text}) is not listed:\n{dom}"
+    );
 
     // A screenshot of the running cluster.
     let dir = tempfile::tempdir().expect("dir");
@@ -116,4 +158,11 @@ async fn the_cluster_page_shows_nodes_workers_load_and_hit_rate_in_chromium() {
         "{} bytes",
         png.len()
     );
+}
+
+/// `text` as the page's DOM shows it (text content escaped).
+fn html_escaped(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }
