@@ -479,7 +479,7 @@ async fn two_worker_processes_share_the_load() {
         dashboard::scrape(metrics[1]).await,
     ];
     assert!(
-        texts[0].contains("dynamo_node_info{namespace=\"it\",node=\"w1\""),
+        texts[0].contains("dynamo_node_info{bus_namespace=\"it\",node=\"w1\""),
         "{}",
         texts[0]
     );

@@ -1,7 +1,8 @@
 //! The node's own `GET /metrics` (`[metrics] listen`, or `--metrics-listen`
 //! with `--join`): every series of the process-wide registry (workers and
 //! their engines' load, the controller, the planners) plus the node's:
-//! - `dynamo_node_info{node,namespace,version}` (always 1);
+//! - `dynamo_node_info{node,bus_namespace,version}` (always 1; not
+//!   `namespace`, which scrape jobs set to select a deployment);
 //! - `dynamo_node_actor_restarts_total{node,child}`;
 //! - `dynamo_node_bus_connected{node}` (1 while connected to NATS);
 //! - `dynamo_node_bus_rejected_messages_total`.
@@ -27,8 +28,8 @@ fn m() -> Option<&'static M> {
         let r = dynamo_runtime::metrics::registry();
         let m = M {
             info: IntGaugeVec::new(
-                Opts::new("dynamo_node_info", "The node, its namespace and version"),
-                &["node", "namespace", "version"],
+                Opts::new("dynamo_node_info", "The node, its bus namespace and version"),
+                &["node", "bus_namespace", "version"],
             )
             .ok()?,
             restarts: IntCounterVec::new(
