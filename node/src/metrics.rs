@@ -28,7 +28,10 @@ fn m() -> Option<&'static M> {
         let r = dynamo_runtime::metrics::registry();
         let m = M {
             info: IntGaugeVec::new(
-                Opts::new("dynamo_node_info", "The node, its bus namespace and version"),
+                Opts::new(
+                    "dynamo_node_info",
+                    "The node, its bus namespace and version",
+                ),
                 &["node", "bus_namespace", "version"],
             )
             .ok()?,

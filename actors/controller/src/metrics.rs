@@ -6,7 +6,7 @@
 //! - `dynamo_controller_reconciles_total{node,result}`: `ok` or `error`,
 //!   counted only while active;
 //! - `dynamo_controller_events_total{deployment}`: cluster events recorded
-//!   (placements, lost nodes, pending gangs).
+//!   (placements, lost nodes, pending gangs); removed with the deployment.
 
 use prometheus::{IntCounterVec, IntGaugeVec, Opts};
 use std::sync::OnceLock;
@@ -85,5 +85,12 @@ pub fn ticked(node: &str, active: bool, epoch: u64, ok: bool) {
 pub fn event(deployment: &str) {
     if let Some(m) = m() {
         m.events.with_label_values(&[deployment]).inc();
+    }
+}
+
+/// A deployment was deleted: its event series goes with it.
+pub fn deployment_gone(deployment: &str) {
+    if let Some(m) = m() {
+        let _ = m.events.remove_label_values(&[deployment]);
     }
 }

@@ -457,9 +457,15 @@ impl ControllerState {
                 updated_unix_ms: now,
             });
         }
-        // Deployments gone: forget their events.
+        // Deployments gone: forget their events, and their series.
         let names: BTreeSet<&str> = w.deployments.iter().map(|d| d.spec.name.as_str()).collect();
-        self.events.retain(|k, _| names.contains(k.as_str()));
+        self.events.retain(|k, _| {
+            let keep = names.contains(k.as_str());
+            if !keep {
+                crate::metrics::deployment_gone(k);
+            }
+            keep
+        });
         Decision { changed, statuses }
     }
 }
@@ -673,6 +679,34 @@ services:
                 .any(|e| e.message.contains(&format!("node {victim} lost"))),
             "{ev:?}"
         );
+    }
+
+    #[test]
+    fn a_deleted_deployment_takes_its_event_series_with_it() {
+        let series = || -> Vec<String> {
+            dynamo_runtime::metrics::registry()
+                .gather()
+                .iter()
+                .filter(|f| f.name() == "dynamo_controller_events_total")
+                .flat_map(|f| f.get_metric().iter())
+                .flat_map(|m| m.get_label().iter())
+                .map(|l| l.value().to_string())
+                .collect()
+        };
+        let mut st = ControllerState::new(NodeId("n1".into()), Duration::from_secs(10));
+        let mut w = world(1_000);
+        // A name no other test uses: the registry is the process's.
+        w.deployments[0].spec.name = "deleted-one".into();
+        let name = w.deployments[0].spec.name.clone();
+        for _ in 0..2 {
+            let d = st.reconcile(&w);
+            settle(&mut w, &d);
+        }
+        st.event(&name, 1_000, "something happened".into());
+        assert!(series().contains(&name));
+        w.deployments.clear();
+        st.reconcile(&w);
+        assert!(!series().contains(&name), "{:?}", series());
     }
 
     #[test]
