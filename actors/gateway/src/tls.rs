@@ -101,21 +101,13 @@ async fn accept_loop(
     max: usize,
 ) {
     let mut handshakes = tokio::task::JoinSet::new();
-    // Pending handshakes, oldest first (ids of the set's tasks; finished
-    // ones are dropped lazily when they reach the front).
+    // Pending handshakes, oldest first (abort handles of the set's tasks;
+    // finished ones are dropped before each eviction check).
     let mut pending: std::collections::VecDeque<tokio::task::AbortHandle> =
         std::collections::VecDeque::new();
     loop {
         // Reap finished handshakes so the set stays small.
         while handshakes.try_join_next().is_some() {}
-        pending.retain(|h| !h.is_finished());
-        if pending.len() >= max {
-            if let Some(oldest) = pending.pop_front() {
-                oldest.abort();
-                HANDSHAKE_FAILURES.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!("TLS handshake evicted: {max} pending");
-            }
-        }
         let (stream, peer) = tokio::select! {
             r = tcp.accept() => match r {
                 Ok(c) => c,
@@ -133,6 +125,15 @@ async fn accept_loop(
         };
         if let Err(e) = stream.set_nodelay(true) {
             tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+        // A newcomer and every slot pending: the oldest makes room.
+        pending.retain(|h| !h.is_finished());
+        if pending.len() >= max {
+            if let Some(oldest) = pending.pop_front() {
+                oldest.abort();
+                HANDSHAKE_FAILURES.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!("TLS handshake evicted: {max} pending");
+            }
         }
         let (acceptor, tx) = (acceptor.clone(), tx.clone());
         let handle = handshakes.spawn(async move {

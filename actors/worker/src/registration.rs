@@ -36,8 +36,11 @@ enum Desired {
 
 /// The actor's side: set the state, count requests, deregister.
 pub struct Registration {
-    desired: watch::Sender<Desired>,
-    /// Bumped by the registrar after each write, so a caller can wait for one.
+    /// What the record should say, numbered: each change takes the next
+    /// number.
+    desired: watch::Sender<(u64, Desired)>,
+    /// The highest number the writer has written (or deleted), so a caller
+    /// waits for its own change, not for a heartbeat write in flight.
     written: watch::Receiver<u64>,
     inflight: Arc<AtomicUsize>,
 }
@@ -53,7 +56,9 @@ struct Heartbeat {
     bus: Bus,
     reg: WorkerRegistration,
     engine: Arc<dyn Engine>,
-    desired: watch::Receiver<Desired>,
+    desired: watch::Receiver<(u64, Desired)>,
+    /// The number of the desired state the record now carries.
+    seq: u64,
     inflight: Arc<AtomicUsize>,
     heartbeat: Duration,
     load_interval: Duration,
@@ -62,14 +67,25 @@ struct Heartbeat {
 }
 
 impl Registration {
-    /// Sets the state the registration shows (written at once).
-    pub fn set_state(&self, state: WorkerState) {
-        self.desired.send_replace(Desired::State(state));
+    /// Sets the state the registration shows (written at once); returns
+    /// the change's number.
+    pub fn set_state(&self, state: WorkerState) -> u64 {
+        self.change(Desired::State(state))
+    }
+
+    fn change(&self, d: Desired) -> u64 {
+        let mut seq = 0;
+        self.desired.send_modify(|(n, old)| {
+            *n += 1;
+            *old = d;
+            seq = *n;
+        });
+        seq
     }
 
     /// The state the registration shows (or will, after the next write).
     pub fn state(&self) -> WorkerState {
-        match *self.desired.borrow() {
+        match self.desired.borrow().1 {
             Desired::State(s) => s,
             Desired::Deregistered => WorkerState::Draining,
         }
@@ -82,20 +98,20 @@ impl Registration {
 
     /// Sets a state and waits (at most [`WRITE_TIMEOUT`]) until it is written.
     pub async fn write_state(&mut self, state: WorkerState) -> bool {
-        self.set_state(state);
-        self.wait_written().await
+        let seq = self.set_state(state);
+        self.wait_written(seq).await
     }
 
     /// Removes the registration; waits (bounded) for the delete.
     pub async fn deregister(&mut self) -> bool {
-        self.desired.send_replace(Desired::Deregistered);
-        self.wait_written().await
+        let seq = self.change(Desired::Deregistered);
+        self.wait_written(seq).await
     }
 
-    async fn wait_written(&mut self) -> bool {
-        let seen = *self.written.borrow_and_update();
+    /// Waits (bounded) until change `seq` (or a later one) is written.
+    async fn wait_written(&mut self, seq: u64) -> bool {
         let wait = async {
-            while *self.written.borrow_and_update() <= seen {
+            while *self.written.borrow_and_update() < seq {
                 if self.written.changed().await.is_err() {
                     return false;
                 }
@@ -126,7 +142,7 @@ pub async fn register(
     .await
     .map_err(|_| "the workers bucket did not answer in time".to_string())?
     .map_err(|e| e.to_string())?;
-    let (desired_tx, desired) = watch::channel(Desired::State(reg.state));
+    let (desired_tx, desired) = watch::channel((0, Desired::State(reg.state)));
     let (written_tx, written) = watch::channel(0);
     let inflight = Arc::new(AtomicUsize::new(0));
     let mut writer = RecordWriter {
@@ -140,6 +156,7 @@ pub async fn register(
         reg,
         engine,
         desired,
+        seq: 0,
         inflight: inflight.clone(),
         heartbeat,
         load_interval,
@@ -147,7 +164,7 @@ pub async fn register(
         metrics_interval,
     };
     let first = beat.record();
-    writer.write(&first).await?;
+    writer.write(&first, 0).await?;
     Ok((
         Registration {
             desired: desired_tx,
@@ -203,15 +220,16 @@ impl Heartbeat {
                     if changed.is_err() {
                         return; // the actor is gone
                     }
-                    let d = *self.desired.borrow_and_update();
+                    let (seq, d) = *self.desired.borrow_and_update();
+                    self.seq = seq;
                     match d {
                         Desired::State(s) => {
                             self.reg.state = s;
-                            jobs.send_replace(Some(Job::Write(Box::new(self.record()))));
+                            jobs.send_replace(Some(Job::Write(Box::new(self.record()), seq)));
                         }
                         Desired::Deregistered => {
                             // The writer deletes and ends; so does this loop.
-                            jobs.send_replace(Some(Job::Delete));
+                            jobs.send_replace(Some(Job::Delete(seq)));
                             return;
                         }
                     }
@@ -222,7 +240,7 @@ impl Heartbeat {
                     // while the bucket cannot be written (its stream leader
                     // is being re-elected, which takes seconds).
                     last_load = self.publish_load(None).await;
-                    jobs.send_replace(Some(Job::Write(Box::new(self.record()))));
+                    jobs.send_replace(Some(Job::Write(Box::new(self.record()), self.seq)));
                 }
                 _ = load_tick.tick() => {
                     let load = self.load();
@@ -283,11 +301,12 @@ impl Heartbeat {
     }
 }
 
-/// What the record writer is asked to do next (only the newest counts).
+/// What the record writer is asked to do next (only the newest counts),
+/// with the number of the desired state it carries.
 #[derive(Clone)]
 enum Job {
-    Write(Box<WorkerRegistration>),
-    Delete,
+    Write(Box<WorkerRegistration>, u64),
+    Delete(u64),
 }
 
 /// Writes the worker's record into the workers bucket.
@@ -296,7 +315,7 @@ struct RecordWriter {
     kv: async_nats::jetstream::kv::Store,
     /// The record's key: the worker id.
     key: String,
-    /// Bumped after each write (or the delete).
+    /// The highest change number written (or deleted).
     written: watch::Sender<u64>,
 }
 
@@ -310,13 +329,13 @@ impl RecordWriter {
             }
             let job = jobs.borrow_and_update().clone();
             match job {
-                Some(Job::Write(reg)) => {
-                    if let Err(e) = self.write(&reg).await {
+                Some(Job::Write(reg, seq)) => {
+                    if let Err(e) = self.write(&reg, seq).await {
                         tracing::warn!(error = %e, "registration write failed");
                     }
                 }
-                Some(Job::Delete) => {
-                    self.delete().await;
+                Some(Job::Delete(seq)) => {
+                    self.delete(seq).await;
                     return;
                 }
                 None => {}
@@ -327,7 +346,7 @@ impl RecordWriter {
     /// Writes the record once (bounded); a bus restarted without its
     /// JetStream state has lost the bucket, so it is created again and the
     /// write retried once.
-    async fn write(&mut self, reg: &WorkerRegistration) -> Result<(), String> {
+    async fn write(&mut self, reg: &WorkerRegistration, seq: u64) -> Result<(), String> {
         let bytes: bytes::Bytes = encode(reg).map_err(|e| e.to_string())?.into();
         let key = self.key.clone();
         let first = tokio::time::timeout(WRITE_TIMEOUT, self.kv.put(key.clone(), bytes.clone()))
@@ -354,11 +373,11 @@ impl RecordWriter {
                 .await
                 .map_err(|_| "timed out".to_string())??;
         }
-        self.written.send_modify(|n| *n += 1);
+        self.written.send_modify(|n| *n = (*n).max(seq));
         Ok(())
     }
 
-    async fn delete(&mut self) {
+    async fn delete(&mut self, seq: u64) {
         if self.bus.is_connected() {
             match tokio::time::timeout(WRITE_TIMEOUT, self.kv.delete(&self.key)).await {
                 Ok(Ok(())) => {}
@@ -366,6 +385,6 @@ impl RecordWriter {
                 Err(_) => tracing::warn!("deleting the registration timed out"),
             }
         }
-        self.written.send_modify(|n| *n += 1);
+        self.written.send_modify(|n| *n = (*n).max(seq));
     }
 }
