@@ -259,17 +259,17 @@ async fn a_live_gap_is_filled_from_the_stream_without_a_dump() {
         "a dump was asked for:\n{}",
         g.log_text()
     );
-    // Routing follows the cache again: a prompt served before the gap is
-    // found whole on one worker.
+    // The router finds what the workers hold of a prompt served across
+    // the gap.
     let o = h.overlap(&prompt(5)).await;
     assert!(o.as_object().is_some_and(|m| !m.is_empty()), "{o}");
     assert!(w.alive() && g.alive());
 }
 
 /// A replica with snapshots turned off does not stop its peers from writing
-/// them, whichever has the lowest id: once the store's newest snapshot is
-/// stale (here: missing, then older than three intervals), a replica that
-/// writes them writes one.
+/// them, even when it has the lowest id (the elected writer): once the
+/// store's newest snapshot is stale (missing, then older than three
+/// intervals plus one per lower peer), a replica that writes them writes one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_with_snapshots_off_does_not_stop_its_peers_writing_them() {
     let nats = Nats::start();
@@ -277,17 +277,28 @@ async fn a_replica_with_snapshots_off_does_not_stop_its_peers_writing_them() {
         "heartbeat_ms = 500\n",
         "heartbeat_ms = 500\ncontext_length = 16384\n",
     ));
-    let (pa, pb) = (free_port(), free_port());
+    let pa = free_port();
     let mut a = Node::start(&gateway("a", &nats.url, pa, false));
-    let mut b = Node::start(&gateway("b", &nats.url, pb, true));
-    let (ha, hb) = (Http::new(pa), Http::new(pb));
+    let ha = Http::new(pa);
     ha.wait_ready(2, &mut a).await;
-    hb.wait_ready(2, &mut b).await;
-    // Events keep arriving for longer than three intervals (1 s each), so
-    // that the writer is due again after its first snapshot goes stale.
+    let ida = *router_ids(&nats.url, 1).await.first().expect("a's id");
+    // b must have the higher id, so that a is the elected writer.
+    let (mut b, hb) = loop {
+        let pb = free_port();
+        let mut b = Node::start(&gateway("b", &nats.url, pb, true));
+        let hb = Http::new(pb);
+        hb.wait_ready(2, &mut b).await;
+        let ids = router_ids(&nats.url, 2).await;
+        if ids.iter().any(|id| id.0 > ida.0) {
+            break (b, hb);
+        }
+        drop(b);
+    };
+    // Events keep arriving long enough for b to find the store empty for
+    // four intervals (1 s each), write, and find its own snapshot stale.
     let t0 = Instant::now();
     let mut i = 0;
-    while t0.elapsed() < Duration::from_secs(8) {
+    while t0.elapsed() < Duration::from_secs(12) {
         send(&ha, i..i + 2).await;
         i += 2;
         tokio::time::sleep(Duration::from_millis(250)).await;
@@ -300,4 +311,34 @@ async fn a_replica_with_snapshots_off_does_not_stop_its_peers_writing_them() {
         "snapshots are off on replica a"
     );
     assert!(a.alive() && b.alive() && w.alive());
+}
+
+/// The ids of the live router replicas (asked until `n` distinct answered;
+/// any one replica answers each request).
+async fn router_ids(nats_url: &str, n: usize) -> Vec<dynamo_bus_schema::RouterId> {
+    let bus = dynamo_runtime::Bus::connect(
+        nats_url,
+        "test",
+        dynamo_bus_schema::Subjects::new(dynamo_bus_schema::Namespace::new("it").unwrap()),
+        &Default::default(),
+    )
+    .await
+    .expect("connect to NATS");
+    let mut ids = std::collections::BTreeSet::new();
+    for _ in 0..200 {
+        let info: dynamo_bus_schema::RouterInfo = bus
+            .request(
+                bus.subjects.router_info(),
+                &dynamo_bus_schema::RouterInfoRequest {},
+                Duration::from_secs(5),
+            )
+            .await
+            .expect("a router answers");
+        ids.insert(info.router_id.0);
+        if ids.len() >= n {
+            break;
+        }
+    }
+    assert!(ids.len() >= n, "{ids:?}");
+    ids.into_iter().map(dynamo_bus_schema::RouterId).collect()
 }

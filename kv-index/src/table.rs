@@ -6,15 +6,17 @@
 //! - a slot is occupied iff its key is not 0; keys are unique; an occupied
 //!   slot's value is never [`Value::EMPTY`]. Key 0 (a sequence hash like any
 //!   other, if improbable) lives beside the slots, in `zero`;
-//! - so all-zero memory is an empty table: slots come zeroed from the kernel
-//!   and are never filled by us, and a large table is advised onto huge pages
-//!   before any of its pages is touched;
+//! - so all-zero memory is an empty table: slots are allocated zeroed and
+//!   never filled by us. A large table is advised onto huge pages before we
+//!   touch any of its pages (the allocator maps large allocations fresh from
+//!   the kernel, untouched; if it reuses heap memory instead, it zeroes it
+//!   first and those pages stay 4 KiB);
 //! - linear probing with backward-shift deletion: every key is reachable
 //!   from its home slot without crossing an empty slot (no tombstones);
 //! - the load factor stays ≤ 2/3 (the table doubles before exceeding it):
 //!   a fresh key probes to the first free slot, about ½(1 + 1/(1−α)²) slots,
-//!   5 at 2/3 against 8.5 at 3/4; past its minimum size a table never has
-//!   more than three slots per key.
+//!   5 at 2/3 against 8.5 at 3/4. Right after doubling a table has three
+//!   slots per key (it never shrinks: removals leave it as large).
 //!
 //! Keys are sequence hashes (XXH3 outputs), so a Fibonacci multiply-shift
 //! spreads them; a key's home slot can be prefetched before it is probed so
@@ -265,13 +267,19 @@ impl<V: Value> Table<V> {
         #[cfg(target_arch = "x86_64")]
         {
             // The home slot's cache line and the next: a probe for a free
-            // slot runs past the home line about as often as not.
-            let home = self.home(key);
-            let next = (home + 64 / std::mem::size_of::<Slot<V>>()) & (self.slots.len() - 1);
-            for i in [home, next] {
-                let p = &self.slots[i] as *const Slot<V> as *const i8;
-                // SAFETY: prefetch is a hint; `p` points into our own allocation.
-                unsafe { std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0) };
+            // slot runs past the home line about as often as not (the next
+            // line of the last one is the table's first, where probes wrap).
+            let home = &self.slots[self.home(key)] as *const Slot<V> as usize;
+            let start = self.slots.as_ptr() as usize;
+            let end = start + std::mem::size_of_val(self.slots.as_slice());
+            let next = home + 64;
+            let next = if next < end { next } else { start };
+            for p in [home, next] {
+                // SAFETY: prefetch is a hint that never faults; both
+                // addresses are inside our own allocation.
+                unsafe {
+                    std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0)
+                };
             }
         }
         #[cfg(not(target_arch = "x86_64"))]

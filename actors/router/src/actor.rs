@@ -71,9 +71,13 @@ pub enum RouterMsg {
         Result<Vec<dynamo_bus_schema::KvEvent>, String>,
     ),
     /// A snapshot of the index to write, tagged with this stream
-    /// sequence, if this replica should write one now; the flag says the
-    /// store's newest is stale (any replica it is due at writes then).
-    TakeKvSnapshot(u64, bool, RpcReplyPort<Option<KvIndexSnapshot>>),
+    /// sequence, if this replica should write one now, given what the
+    /// store holds.
+    TakeKvSnapshot(
+        u64,
+        crate::kv_stream::StoredSnapshot,
+        RpcReplyPort<Option<KvIndexSnapshot>>,
+    ),
     Remove(WorkerId, Ticket),
     Load(LoadReport, Ticket),
     Expire(Ticket),
@@ -361,8 +365,8 @@ impl Actor for RouterActor {
                 s.kv_replay_done();
                 rt.spawn_dumps(&myself, now);
             }
-            RouterMsg::TakeKvSnapshot(seq, stale, reply) => {
-                let _ = reply.send(s.kv_snapshot(seq, stale, &rt.kv_snapshot, now));
+            RouterMsg::TakeKvSnapshot(seq, stored, reply) => {
+                let _ = reply.send(s.kv_snapshot(seq, stored, &rt.kv_snapshot, now));
             }
             RouterMsg::Remove(id, _ticket) => s.remove(id),
             RouterMsg::Load(r, _ticket) => s.load(r, now),

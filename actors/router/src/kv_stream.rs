@@ -255,8 +255,10 @@ pub async fn replay(bus: &Bus, after: u64, sink: &mut impl ReplaySink) -> Result
         .map_err(|e| e.to_string())?;
     let mut messages = consumer.messages().await.map_err(|e| e.to_string())?;
     let mut n = 0;
-    // Whether a hole at the head was already reported.
+    // Whether a hole at the head was already reported, and whether a
+    // message was delivered yet.
     let mut truncated = after + 1 < first || after > last;
+    let mut delivered = false;
     loop {
         let m = match tokio::time::timeout(REPLAY_IDLE, messages.next()).await {
             Ok(Some(Ok(m))) => m,
@@ -268,14 +270,15 @@ pub async fn replay(bus: &Bus, after: u64, sink: &mut impl ReplaySink) -> Result
                 ))
             }
         };
-        let seq = m.info().map(|i| i.stream_sequence).unwrap_or(last);
+        let seq = m.info().map(|i| i.stream_sequence).ok();
+        let first_delivery = !std::mem::replace(&mut delivered, true);
         // The head was trimmed (age or bytes) between reading the stream's
         // state and the first delivery: what lay before `seq` is gone too.
-        if n == 0 && seq > start && !truncated {
+        if first_delivery && seq.is_some_and(|q| q > start) && !truncated {
             truncated = true;
             tracing::warn!(
                 snapshot_seq = after,
-                first_delivered = seq,
+                first_delivered = seq.unwrap_or_default(),
                 "the KV events stream lost its head while the replay started"
             );
             if !sink.take(Replayed::Truncated).await {
@@ -291,7 +294,7 @@ pub async fn replay(bus: &Bus, after: u64, sink: &mut impl ReplaySink) -> Result
             }
             Err(e) => counters::reject(KvEventBatch::NAME, m.subject.as_str(), &e),
         }
-        if seq >= last {
+        if seq.unwrap_or(last) >= last {
             break;
         }
     }
@@ -344,7 +347,12 @@ async fn read_gap(bus: &Bus, fill: &GapFill) -> Result<Vec<KvEvent>, String> {
             // Nothing more of this worker's up to now (or it went quiet).
             Ok(None) | Err(_) => break,
         };
-        let seq = m.info().map(|i| i.stream_sequence).unwrap_or(last);
+        // Nothing more of this worker's after it: the consumer says so,
+        // so the fill need not wait out the idle timeout.
+        let (seq, pending) = m
+            .info()
+            .map(|i| (i.stream_sequence, i.pending))
+            .unwrap_or((last, 0));
         match decode::<KvEventBatch>(&m.payload) {
             Ok(b) if b.worker_id == fill.worker && b.generation == fill.generation => {
                 events.extend(b.events.into_iter().filter(|e| e.event_id.0 >= fill.from));
@@ -355,7 +363,7 @@ async fn read_gap(bus: &Bus, fill: &GapFill) -> Result<Vec<KvEvent>, String> {
             Ok(_) => {}
             Err(e) => counters::reject(KvEventBatch::NAME, m.subject.as_str(), &e),
         }
-        if seq >= last {
+        if seq >= last || pending == 0 {
             break;
         }
     }
@@ -381,10 +389,10 @@ pub async fn snapshots(bus: Bus, router: ActorRef<RouterMsg>, cfg: KvSnapshotCon
             Err(_) => None,
         };
         if let Some(seq) = earlier {
-            let stale = snapshot_stale(&bus, &bucket, cfg.interval * STALE_INTERVALS).await;
+            let stored = stored_snapshot(&bus, &bucket).await;
             let snap = router
                 .call(
-                    |reply| RouterMsg::TakeKvSnapshot(seq, stale, reply),
+                    |reply| RouterMsg::TakeKvSnapshot(seq, stored, reply),
                     Some(Duration::from_secs(10)),
                 )
                 .await;
@@ -396,26 +404,39 @@ pub async fn snapshots(bus: Bus, router: ActorRef<RouterMsg>, cfg: KvSnapshotCon
     }
 }
 
-/// A snapshot older than this many intervals (or none at all) is written by
-/// any replica it is due at, not only the elected one: the elected writer
-/// may have snapshots turned off, or fail to write.
-const STALE_INTERVALS: u32 = 3;
+/// What the object store holds of the newest snapshot, as the writer
+/// election reads it (see [`crate::state::RouterState::kv_snapshot`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoredSnapshot {
+    /// Written this long ago.
+    Age(Duration),
+    /// None there (or deleted).
+    Missing,
+    /// The store cannot be read: writing would fail too.
+    Unknown,
+}
 
-/// Whether the newest snapshot in the object store is older than `age`, or
-/// missing. A store that cannot be read says nothing (false): writing would
-/// fail too.
-async fn snapshot_stale(bus: &Bus, bucket: &str, age: Duration) -> bool {
+/// The age of the newest snapshot in the object store.
+async fn stored_snapshot(bus: &Bus, bucket: &str) -> StoredSnapshot {
     let Ok(store) = bus.object_store(bucket).await else {
-        return false;
+        return StoredSnapshot::Unknown;
     };
     match store.info(KV_SNAPSHOT_OBJECT).await {
-        Ok(info) => info.modified.is_none_or(|m| {
-            let elapsed = time::OffsetDateTime::now_utc() - m;
-            elapsed > age
-        }),
+        Ok(info) if info.deleted => StoredSnapshot::Missing,
+        Ok(info) => match info.modified {
+            Some(m) => {
+                let age = time::OffsetDateTime::now_utc() - m;
+                StoredSnapshot::Age(age.try_into().unwrap_or(Duration::ZERO))
+            }
+            None => StoredSnapshot::Missing,
+        },
         Err(e) => {
             use async_nats::jetstream::object_store::InfoErrorKind;
-            matches!(e.kind(), InfoErrorKind::NotFound)
+            if matches!(e.kind(), InfoErrorKind::NotFound) {
+                StoredSnapshot::Missing
+            } else {
+                StoredSnapshot::Unknown
+            }
         }
     }
 }

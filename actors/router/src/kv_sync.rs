@@ -210,7 +210,7 @@ impl KvSync {
         }
     }
 
-    /// Workers whose index still waits for a dump.
+    /// Workers whose index still waits for a repair (a stream fill or a dump).
     pub fn syncing(&self) -> usize {
         self.workers
             .values()
@@ -633,6 +633,7 @@ impl KvSync {
             generation,
             buffer,
             repair,
+            overflowed,
             ..
         }) = self.workers.get_mut(&w)
         else {
@@ -641,6 +642,14 @@ impl KvSync {
         let asked =
             matches!(repair, Repair::Stream { from, asked_at: Some(_), .. } if *from == fill.from);
         if *generation != fill.generation || !asked {
+            return;
+        }
+        if *overflowed {
+            // Events past the buffer's bounds were dropped: what follows
+            // it is unknown, so only a dump puts the worker right.
+            tracing::warn!(worker = %w, "events were dropped while the gap was filled; re-syncing from a dump");
+            self.stats.stream_fill_failures += 1;
+            *repair = Repair::dump();
             return;
         }
         let mut events = match found {
@@ -672,7 +681,13 @@ impl KvSync {
             return;
         }
         let generation = *generation;
-        run.append(buffer);
+        // The buffer from where the stream's events end (what both hold is
+        // not a duplicate the worker sent).
+        run.extend(
+            std::mem::take(buffer)
+                .into_iter()
+                .filter(|e| e.event_id.0 >= next),
+        );
         self.stats.stream_fills += 1;
         self.workers.insert(
             w,
@@ -681,6 +696,10 @@ impl KvSync {
                 next: fill.from,
             },
         );
+        // A hole further on, inside the buffer, is filled from the same
+        // point in the stream (the newest batch came after it).
+        self.published_ms
+            .insert(w, fill.since_unix_ms.saturating_add(FILL_MARGIN_MS));
         self.feed(w, run);
     }
 }
@@ -899,11 +918,40 @@ mod tests {
         assert_eq!(s.stats.stream_fills, 1);
         assert_eq!(held(&s, &[1, 2, 3, 4, 5]), 5);
         assert_eq!(s.stats.dumps, 1, "only the first sight's");
+        assert_eq!(
+            s.stats.duplicates, 0,
+            "what both the stream and the buffer hold"
+        );
         assert!(s.dumps_due(Instant::now()).is_empty());
         // Live again: the next event applies, a stale answer changes nothing.
         assert!(!s.batch(batch(1, vec![stored(6, &[6])])));
         s.filled(f, Ok(vec![]));
         assert_eq!(held(&s, &[1, 2, 3, 4, 5, 6]), 6);
+    }
+
+    #[test]
+    fn a_hole_inside_the_buffer_is_filled_from_where_the_first_fill_read() {
+        let mut s = synced(&[], 0);
+        assert!(!s.batch(batch(1, vec![stored(1, &[1])])));
+        // 2 is lost; 3 reveals it. 4 is lost too; 5 arrives while the
+        // fill runs, which read the stream before 4 and 5 were in it.
+        assert!(s.batch(batch(1, vec![stored(3, &[3])])));
+        assert!(!s.batch(batch(1, vec![stored(5, &[5])])));
+        let first = s.fills_due(Instant::now()).remove(0);
+        s.filled(
+            &first,
+            Ok(vec![stored(1, &[1]), stored(2, &[2]), stored(3, &[3])]),
+        );
+        assert_eq!(held(&s, &[1, 2, 3]), 3);
+        // The hole at 4 is filled next, reading from the same point.
+        let second = s.fills_due(Instant::now());
+        assert_eq!(second.len(), 1);
+        assert_eq!(second[0].from, 4);
+        assert_eq!(second[0].since_unix_ms, first.since_unix_ms);
+        s.filled(&second[0], Ok(vec![stored(4, &[4]), stored(5, &[5])]));
+        assert_eq!(held(&s, &[1, 2, 3, 4, 5]), 5);
+        assert_eq!(s.stats.stream_fills, 2);
+        assert!(s.dumps_due(Instant::now()).is_empty());
     }
 
     #[test]

@@ -21,6 +21,10 @@ use crate::approx::Approx;
 use crate::catch_up::CatchUp;
 use crate::disagg::{DisaggPolicy, PrefillCandidate};
 use crate::kv_sync::{GapFill, KvStats, KvSync};
+
+/// A snapshot older than this many intervals (plus one per live replica
+/// with a lower id) is written by a replica that is not the elected writer.
+pub const STALE_INTERVALS: u32 = 3;
 use crate::policy::{Candidate, KvCostWeights, RouteRequest, RoutingPolicy};
 pub use crate::registry::{ModelEntry, WorkerEntry};
 use crate::registry::{Registry, Upserted};
@@ -103,6 +107,9 @@ pub struct RouterState {
     overload_backoff: Duration,
     /// When this replica last took a snapshot of its KV index.
     last_kv_snapshot: Option<Instant>,
+    /// When this replica first found no snapshot in the store (cleared
+    /// once it finds one).
+    kv_snapshot_missing_since: Option<Instant>,
 }
 
 impl RouterState {
@@ -124,6 +131,7 @@ impl RouterState {
             prefill_sent: HashMap::new(),
             overload_backoff: DEFAULT_OVERLOAD_BACKOFF,
             last_kv_snapshot: None,
+            kv_snapshot_missing_since: None,
         }
     }
 
@@ -197,19 +205,37 @@ impl RouterState {
     }
 
     /// A snapshot of the KV index, if this replica should write one now:
-    /// it routes (caught up), it has the lowest id among the live replicas
-    /// or the store's newest snapshot is `stale` (the elected writer does
-    /// not write), and `cfg.events` were applied or `cfg.interval` passed
-    /// since its last. `stream_seq`: every stream message up to it is applied.
+    /// it routes (caught up), `cfg.events` were applied or `cfg.interval`
+    /// passed since its last, and it is the writer: the live replica with
+    /// the lowest id, or, when the store's newest snapshot is stale (the
+    /// elected writer does not write: snapshots off, writes failing), any
+    /// replica, the `k`-th lowest once it is `STALE_INTERVALS + k`
+    /// intervals old (missing counts from when this replica first saw it
+    /// missing), so that they do not all write at once.
+    /// `stream_seq`: every stream message up to it is applied.
     pub fn kv_snapshot(
         &mut self,
         stream_seq: u64,
-        stale: bool,
+        stored: crate::kv_stream::StoredSnapshot,
         cfg: &crate::kv_stream::KvSnapshotConfig,
         now: Instant,
     ) -> Option<dynamo_bus_schema::KvIndexSnapshot> {
+        use crate::kv_stream::StoredSnapshot;
         let me = self.router_id();
-        let lowest = stale || self.active.peers().all(|p| p.0 > me.0);
+        let rank = self.active.peers().filter(|p| p.0 < me.0).count() as u32;
+        let age = match stored {
+            StoredSnapshot::Age(a) => {
+                self.kv_snapshot_missing_since = None;
+                Some(a)
+            }
+            StoredSnapshot::Missing => {
+                let since = *self.kv_snapshot_missing_since.get_or_insert(now);
+                Some(now.duration_since(since))
+            }
+            StoredSnapshot::Unknown => None,
+        };
+        let stale_after = cfg.interval * (STALE_INTERVALS + rank);
+        let lowest = rank == 0 || age.is_some_and(|a| a >= stale_after);
         let changed = self.kv.since_snapshot();
         let due = changed >= cfg.events
             || (changed > 0

@@ -1,7 +1,11 @@
 //! Unit tests of [`super::RouterState`] (routing, registry, KV scoring).
 use super::*;
+use crate::kv_stream::StoredSnapshot;
 use crate::policy::{LeastLoaded, RoundRobin};
 use dynamo_bus_schema::*;
+
+/// A snapshot just written (the elected writer is at work).
+const FRESH: StoredSnapshot = StoredSnapshot::Age(std::time::Duration::ZERO);
 
 fn route(
     s: &mut RouterState,
@@ -433,7 +437,7 @@ fn only_the_lowest_live_replica_snapshots_once_caught_up_and_when_due() {
     // The replay brings worker 1's events from id 1: no dump needed.
     s.kv_replayed(batch(1..=2));
     assert!(
-        s.kv_snapshot(7, false, &cfg, t0).is_none(),
+        s.kv_snapshot(7, FRESH, &cfg, t0).is_none(),
         "still replaying"
     );
     s.kv_replay_done();
@@ -441,31 +445,53 @@ fn only_the_lowest_live_replica_snapshots_once_caught_up_and_when_due() {
     assert_eq!(s.kv_blocks_of(WorkerId(1)), [2, 0, 0]);
     let _ = route(&mut s, &ModelName("a".into()), &[], t0); // caught up now
     let snap = s
-        .kv_snapshot(7, false, &cfg, t0)
+        .kv_snapshot(7, FRESH, &cfg, t0)
         .expect("due: events since start");
     assert_eq!((snap.stream_seq, snap.blocks()), (7, 2));
     assert!(
-        s.kv_snapshot(8, false, &cfg, t0).is_none(),
+        s.kv_snapshot(8, FRESH, &cfg, t0).is_none(),
         "nothing changed"
     );
     s.kv_batch(batch(3..=3));
     assert!(
-        s.kv_snapshot(8, false, &cfg, t0).is_none(),
+        s.kv_snapshot(8, FRESH, &cfg, t0).is_none(),
         "1 event, interval not over"
     );
-    assert!(s.kv_snapshot(8, false, &cfg, t0 + cfg.interval).is_some());
+    assert!(s.kv_snapshot(8, FRESH, &cfg, t0 + cfg.interval).is_some());
     // A live peer with a lower id writes them instead.
     s.kv_batch(batch(4..=7));
     s.peer_heartbeat(RouterId(2), t0);
-    assert!(s.kv_snapshot(9, false, &cfg, t0 + cfg.interval).is_none());
-    // Unless the store's newest is stale: that peer does not write.
-    assert!(s.kv_snapshot(9, true, &cfg, t0 + cfg.interval).is_some());
+    assert!(s.kv_snapshot(9, FRESH, &cfg, t0 + cfg.interval).is_none());
+    // Unless the store's newest is stale (that peer does not write): past
+    // STALE_INTERVALS intervals plus one for the one peer below us.
+    let old = |k: u32| StoredSnapshot::Age(cfg.interval * k);
+    let t1 = t0 + cfg.interval;
+    assert!(s.kv_snapshot(9, old(STALE_INTERVALS), &cfg, t1).is_none());
+    assert!(s
+        .kv_snapshot(9, old(STALE_INTERVALS + 1), &cfg, t1)
+        .is_some());
+    // None in the store: counted from when it was first seen missing.
     s.kv_batch(batch(8..=8));
+    let t2 = t1 + 2 * cfg.interval;
+    assert!(s
+        .kv_snapshot(10, StoredSnapshot::Missing, &cfg, t2)
+        .is_none());
+    let t3 = t2 + cfg.interval * (STALE_INTERVALS + 1);
+    assert!(s
+        .kv_snapshot(10, StoredSnapshot::Missing, &cfg, t3)
+        .is_some());
+    // A store that cannot be read elects no one else.
+    s.kv_batch(batch(9..=9));
+    let t4 = t3 + cfg.interval * 10;
+    assert!(s
+        .kv_snapshot(11, StoredSnapshot::Unknown, &cfg, t4)
+        .is_none());
+    s.kv_batch(batch(10..=10));
     s.peer_heartbeat(RouterId(9), t0);
     let mut off = cfg.clone();
     off.enabled = false;
     assert!(
-        s.kv_snapshot(9, true, &off, t0 + 2 * cfg.interval)
+        s.kv_snapshot(11, old(100), &off, t4 + cfg.interval)
             .is_none(),
         "never with snapshots off"
     );
