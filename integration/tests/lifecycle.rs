@@ -455,3 +455,34 @@ async fn dynamoctl_drain_stops_new_work_and_lets_in_flight_requests_finish() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("no registered worker"));
 }
+
+/// With `--config`, `--nats-ca` and `--nats-credentials` are not ignored:
+/// they override the config's `[nats]` files and are checked at start, the
+/// error naming the flag (here, files that do not exist).
+#[test]
+fn nats_access_flags_apply_with_a_config_file() {
+    let dir = tempfile::tempdir().expect("dir");
+    let cfg = dir.path().join("node.toml");
+    std::fs::write(&cfg, node_config("n1", "nats://127.0.0.1:1", None, 1, "")).expect("write");
+    let missing = dir.path().join("no-such-ca.pem");
+    let out = std::process::Command::new(bin("dynamo-node"))
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--nats-ca")
+        .arg(&missing)
+        .output()
+        .expect("dynamo-node runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--nats-ca"), "{err}");
+    let out = std::process::Command::new(bin("dynamo-node"))
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--nats-credentials")
+        .arg(dir.path().join("no-such-dir"))
+        .output()
+        .expect("dynamo-node runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--nats-credentials"), "{err}");
+}

@@ -250,6 +250,14 @@ impl ByteSource for Unavailable {
     }
 }
 
+/// How long reading one chunk from the cache may take: a stalled object
+/// store (a server lost mid-read) fails the read, and the loader goes on
+/// from another source, rather than waiting for ever. 30 s plus the chunk
+/// at 10 MB/s.
+fn chunk_read_timeout(bytes: usize) -> std::time::Duration {
+    std::time::Duration::from_secs(30) + std::time::Duration::from_millis(bytes as u64 / 10_000)
+}
+
 /// The in-cluster cache as a loader's source.
 struct CacheSource {
     store: async_nats::jetstream::object_store::ObjectStore,
@@ -274,17 +282,27 @@ impl ByteSource for CacheSource {
         let name = object(&self.manifest.sha256, i);
         let store = self.store.clone();
         let want = out.len();
-        let bytes = self.rt.block_on(async move {
-            let mut o = store
+        let limit = chunk_read_timeout(want);
+        let read = async move {
+            let o = store
                 .get(name.as_str())
                 .await
                 .map_err(|e| SourceError::Io(format!("{name}: {e}")))?;
+            // At most one byte more than the chunk: a longer object is
+            // refused below without reading it all.
             let mut v = Vec::with_capacity(want);
-            o.read_to_end(&mut v)
+            o.take(want as u64 + 1)
+                .read_to_end(&mut v)
                 .await
                 .map_err(|e| SourceError::Io(format!("{name}: {e}")))?;
             Ok::<_, SourceError>(v)
-        })?;
+        };
+        let bytes = self
+            .rt
+            .block_on(async move { tokio::time::timeout(limit, read).await })
+            .map_err(|_| {
+                SourceError::Io(format!("chunk {i} not read within {} s", limit.as_secs()))
+            })??;
         if bytes.len() != out.len() {
             return Err(SourceError::Io(format!(
                 "chunk {i} has {} bytes, not {}",

@@ -54,12 +54,13 @@ struct Args {
     /// default: the spec's `gateway.listen`).
     #[arg(long)]
     http_listen: Option<std::net::SocketAddr>,
-    /// PEM file of the CA that signed the NATS servers' certificates (with
-    /// --join): TLS is then required.
+    /// PEM file of the CA that signed the NATS servers' certificates: TLS
+    /// is then required (with --config, it overrides `[nats] ca_file`).
     #[arg(long, env = env::NATS_CA)]
     nats_ca: Option<PathBuf>,
     /// Directory of NATS role seeds (`<role>.nk`, from `dynamoctl
-    /// nats-auth`; with --join): each actor connects as its role.
+    /// nats-auth`): each actor connects as its role (with --config, it
+    /// overrides `[nats] credentials`).
     #[arg(long, env = env::NATS_CREDENTIALS)]
     nats_credentials: Option<PathBuf>,
     /// Serve this node's Prometheus metrics on `host:port` (`GET /metrics`);
@@ -142,6 +143,26 @@ fn main() {
     let mut cfg = cfg;
     if args.metrics_listen.is_some() {
         cfg.metrics_listen = args.metrics_listen;
+    }
+    // With --config, --nats-ca and --nats-credentials (or their environment
+    // variables) override the config's [nats] ca_file and credentials.
+    if args.config.is_some() && (args.nats_ca.is_some() || args.nats_credentials.is_some()) {
+        match cfg.nats {
+            dynamo_node::config::NatsSpec::Url(_) => {
+                if let Some(ca) = &args.nats_ca {
+                    cfg.nats_access.ca_file = Some(ca.clone());
+                }
+                if let Some(dir) = &args.nats_credentials {
+                    cfg.nats_access.credentials = Some(dir.clone());
+                }
+                cfg.nats_access
+                    .validate("--nats-ca", "--nats-credentials")
+                    .unwrap_or_else(|e| fail(e));
+            }
+            dynamo_node::config::NatsSpec::Embedded { .. } => eprintln!(
+                "dynamo-node: --nats-ca and --nats-credentials ignored: the embedded NATS server makes its own"
+            ),
+        }
     }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -314,3 +314,30 @@ fn nats_and_gateway_security_settings_are_checked() {
         assert!(e.contains(key), "{text}: {e}");
     }
 }
+
+/// `dynamoctl apply` checks a frontend's settings without reading the
+/// files it names: they are on the node that will run it.
+#[test]
+fn a_spec_names_tls_and_key_files_that_only_its_node_has() {
+    let spec = |gateway: &str| {
+        dynamo_cluster_config::spec::DeploymentSpec::parse(&format!(
+            "version: 1\nname: d\nservices:\n  frontend:\n    role: frontend\n    gateway: {{{gateway}}}\n"
+        ))
+        .expect("the spec parses")
+    };
+    let absent = "/nonexistent/on/the/operators/machine";
+    check_spec_settings(&spec(&format!(
+        "listen: \"0.0.0.0:8443\", tls_cert: \"{absent}/c.pem\", tls_key: \"{absent}/k.pem\", api_keys_file: \"{absent}/keys.toml\""
+    )))
+    .expect("the files are read where the frontend runs");
+    // Pairing is still checked, and so is a listen address open without keys.
+    let e = check_spec_settings(&spec(&format!("tls_cert: \"{absent}/c.pem\"")))
+        .expect_err("a certificate without its key");
+    assert!(e.to_string().contains("tls_key"), "{e}");
+    let e = check_spec_settings(&spec("listen: \"0.0.0.0:8000\""))
+        .expect_err("open to other hosts without keys");
+    assert!(
+        e.to_string().contains("allow_unauthenticated") || e.to_string().contains("api_keys"),
+        "{e}"
+    );
+}
