@@ -14,9 +14,13 @@
 //! Invariant: a worker's series are removed when the last [`Series`] of
 //! its labels is dropped (a restarted actor makes a new one before the old
 //! one's tasks are gone: they share the series, counted), so a retired
-//! worker leaves no stale gauge behind.
+//! worker leaves no stale gauge behind. Counting and creating, or counting
+//! and removing, happen under one lock, so a new [`Series`] never sees its
+//! series removed by an old one dropped at the same moment; both walk one
+//! list of the series ([`each`]).
 
 use dynamo_bus_schema::{LoadMetrics, WorkerRole};
+use prometheus::core::{MetricVec, MetricVecBuilder};
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts};
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
@@ -110,6 +114,40 @@ fn m() -> Option<&'static M> {
     .as_ref()
 }
 
+/// A labelled family whose series a [`Series`] makes and removes.
+trait Family {
+    fn make(&self, labels: &[&str]);
+    fn remove(&self, labels: &[&str]);
+}
+
+impl<T: MetricVecBuilder> Family for MetricVec<T> {
+    fn make(&self, labels: &[&str]) {
+        let _ = self.with_label_values(labels);
+    }
+    fn remove(&self, labels: &[&str]) {
+        let _ = self.remove_label_values(labels);
+    }
+}
+
+/// Every series of a worker labelled `l`: the one list both making and
+/// removing walk.
+fn each(m: &M, l: [&str; 3], mut f: impl FnMut(&dyn Family, &[&str])) {
+    for o in [
+        RequestOutcome::Finished,
+        RequestOutcome::Failed,
+        RequestOutcome::Aborted,
+    ] {
+        f(&m.requests, &[l[0], l[1], l[2], o.as_str()]);
+    }
+    f(&m.ttft, &l);
+    f(&m.itl, &l);
+    f(&m.prompt_tokens, &l);
+    f(&m.output_tokens, &l);
+    for g in &m.gauges {
+        f(g, &l);
+    }
+}
+
 /// Live [`Series`] per label set.
 fn live() -> &'static Mutex<HashMap<[String; 3], usize>> {
     static LIVE: OnceLock<Mutex<HashMap<[String; 3], usize>>> = OnceLock::new();
@@ -149,29 +187,15 @@ impl Series {
                 format!("{role:?}").to_lowercase(),
             ],
         };
-        if let Ok(mut live) = live().lock() {
-            *live.entry(s.labels.clone()).or_default() += 1;
-        }
         // Every series exists from the start (at zero), so dashboards and
-        // alerts see a worker before its first request.
+        // alerts see a worker before its first request. Made under the
+        // lock that counts them (see the module's invariant).
+        let mut live = live().lock().unwrap_or_else(|e| e.into_inner());
+        *live.entry(s.labels.clone()).or_default() += 1;
         if let Some(m) = m() {
-            let l = s.l();
-            for o in [
-                RequestOutcome::Finished,
-                RequestOutcome::Failed,
-                RequestOutcome::Aborted,
-            ] {
-                m.requests
-                    .with_label_values(&[l[0], l[1], l[2], o.as_str()]);
-            }
-            m.ttft.with_label_values(&l);
-            m.itl.with_label_values(&l);
-            m.prompt_tokens.with_label_values(&l);
-            m.output_tokens.with_label_values(&l);
-            for g in &m.gauges {
-                g.with_label_values(&l);
-            }
+            each(m, s.l(), |f, l| f.make(l));
         }
+        drop(live);
         s
     }
 
@@ -189,13 +213,15 @@ impl Series {
         }
     }
 
-    /// `n` tokens came `gap` after the previous ones: `n` gaps of `gap / n`.
+    /// `n` tokens came `gap` after the previous ones: `n` gaps of `gap / n`
+    /// (all of them, so the histogram's count is the output tokens' count;
+    /// `n` is one engine step's tokens for one request).
     pub fn tokens(&self, n: u32, gap: Duration) {
         if let (Some(m), true) = (m(), n > 0) {
             let l = self.l();
             let h = m.itl.with_label_values(&l);
             let each = gap.as_secs_f64() / n as f64;
-            for _ in 0..n.min(64) {
+            for _ in 0..n {
                 h.observe(each);
             }
             m.output_tokens.with_label_values(&l).inc_by(n as u64);
@@ -232,39 +258,15 @@ impl Series {
 
 impl Drop for Series {
     fn drop(&mut self) {
-        let last = match live().lock() {
-            Ok(mut live) => match live.get_mut(&self.labels) {
-                Some(n) if *n > 1 => {
-                    *n -= 1;
-                    false
+        // Counted down and removed under one lock (see the module's invariant).
+        let mut live = live().lock().unwrap_or_else(|e| e.into_inner());
+        match live.get_mut(&self.labels) {
+            Some(n) if *n > 1 => *n -= 1,
+            _ => {
+                live.remove(&self.labels);
+                if let Some(m) = m() {
+                    each(m, self.l(), |f, l| f.remove(l));
                 }
-                _ => {
-                    live.remove(&self.labels);
-                    true
-                }
-            },
-            Err(_) => true,
-        };
-        if !last {
-            return;
-        }
-        if let Some(m) = m() {
-            let l = self.l();
-            for o in [
-                RequestOutcome::Finished,
-                RequestOutcome::Failed,
-                RequestOutcome::Aborted,
-            ] {
-                let _ = m
-                    .requests
-                    .remove_label_values(&[l[0], l[1], l[2], o.as_str()]);
-            }
-            let _ = m.ttft.remove_label_values(&l);
-            let _ = m.itl.remove_label_values(&l);
-            let _ = m.prompt_tokens.remove_label_values(&l);
-            let _ = m.output_tokens.remove_label_values(&l);
-            for g in &m.gauges {
-                let _ = g.remove_label_values(&l);
             }
         }
     }
@@ -287,6 +289,9 @@ mod tests {
         assert!(has("w-prom-test", "dynamo_worker_kv_used_blocks"));
         s.first_token(Duration::from_millis(20), 100);
         s.tokens(4, Duration::from_millis(40));
+        // A step of many tokens counts every gap (the histogram's count
+        // stays the output tokens').
+        s.tokens(100, Duration::from_millis(100));
         s.request_done(RequestOutcome::Finished);
         let load = LoadMetrics {
             kv_used_blocks: 7,
@@ -306,11 +311,11 @@ mod tests {
         );
         assert_eq!(
             line("dynamo_worker_output_tokens_total").as_deref(),
-            Some("4")
+            Some("104")
         );
         assert_eq!(
             line("dynamo_worker_inter_token_latency_seconds_count").as_deref(),
-            Some("4")
+            Some("104")
         );
         assert!(text
             .lines()
