@@ -34,23 +34,10 @@ pub fn expressions(d: &Value) -> Vec<String> {
 /// The metric names an expression reads: each `dynamo_…` identifier, with
 /// whether it is read as `_bucket` (a histogram), the suffix removed.
 pub fn names_in(expr: &str) -> Vec<(String, bool)> {
-    let bytes = expr.as_bytes();
-    let mut out = Vec::new();
-    let mut i = 0;
-    while let Some(at) = expr[i..].find("dynamo_") {
-        let start = i + at;
-        let mut end = start;
-        while end < bytes.len() && (bytes[end].is_ascii_alphanumeric() || bytes[end] == b'_') {
-            end += 1;
-        }
-        let name = &expr[start..end];
-        match name.strip_suffix("_bucket") {
-            Some(base) => out.push((base.to_string(), true)),
-            None => out.push((name.to_string(), false)),
-        }
-        i = end;
-    }
-    out
+    names_at(expr)
+        .into_iter()
+        .map(|(name, histogram, _)| (name, histogram))
+        .collect()
 }
 
 /// Labels Prometheus's scrape job adds (not the exporter's to carry).

@@ -25,14 +25,7 @@ pub async fn held(nats_url: &str, worker: &str) -> [u64; 3] {
 
 /// [`held`], and the dump's size in bytes.
 pub async fn held_dump(nats_url: &str, worker: &str) -> ([u64; 3], usize) {
-    let bus = dynamo_runtime::Bus::connect(
-        nats_url,
-        "test",
-        dynamo_bus_schema::Subjects::new(dynamo_bus_schema::Namespace::new("it").unwrap()),
-        &Default::default(),
-    )
-    .await
-    .expect("connect to NATS");
+    let bus = crate::it_bus(nats_url, "test").await;
     let bytes = bus
         .request_large(
             format!("dynamo.it.worker.{worker}.kv_dump"),

@@ -622,6 +622,19 @@ pub async fn worker_blocks(nats_url: &str, worker: &str) -> usize {
         .sum()
 }
 
+/// A plain (no TLS, no user) bus connection in the tests' namespace `it`,
+/// named `name` on the server.
+pub async fn it_bus(nats_url: &str, name: &str) -> dynamo_runtime::Bus {
+    dynamo_runtime::Bus::connect(
+        nats_url,
+        name,
+        dynamo_bus_schema::Subjects::new(dynamo_bus_schema::Namespace::new("it").unwrap()),
+        &Default::default(),
+    )
+    .await
+    .expect("connect to NATS")
+}
+
 /// Injects a fault through a node's fault subject (the node must enable
 /// fault injection); returns whether it was applied.
 pub async fn inject(

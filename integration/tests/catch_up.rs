@@ -316,14 +316,7 @@ async fn a_replica_with_snapshots_off_does_not_stop_its_peers_writing_them() {
 /// The ids of the live router replicas (asked until `n` distinct answered;
 /// any one replica answers each request).
 async fn router_ids(nats_url: &str, n: usize) -> Vec<dynamo_bus_schema::RouterId> {
-    let bus = dynamo_runtime::Bus::connect(
-        nats_url,
-        "test",
-        dynamo_bus_schema::Subjects::new(dynamo_bus_schema::Namespace::new("it").unwrap()),
-        &Default::default(),
-    )
-    .await
-    .expect("connect to NATS");
+    let bus = it_bus(nats_url, "test").await;
     let mut ids = std::collections::BTreeSet::new();
     for _ in 0..200 {
         let info: dynamo_bus_schema::RouterInfo = bus

@@ -456,15 +456,7 @@ struct StatusReader {
 
 impl StatusReader {
     async fn new(nats_url: &str) -> StatusReader {
-        let ns = dynamo_bus_schema::Namespace::new("it").unwrap();
-        let bus = dynamo_runtime::Bus::connect(
-            nats_url,
-            "bench",
-            dynamo_bus_schema::Subjects::new(ns),
-            &Default::default(),
-        )
-        .await
-        .unwrap();
+        let bus = it_bus(nats_url, "bench").await;
         StatusReader {
             status: bus
                 .kv_bucket_durable(&bus.subjects.deploy_status_bucket())

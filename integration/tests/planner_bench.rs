@@ -381,15 +381,7 @@ async fn run(
     )
     .await;
     let port = c.port_of(&d, "frontend");
-    let ns = dynamo_bus_schema::Namespace::new("it").unwrap();
-    let bus = dynamo_runtime::Bus::connect(
-        &c.nats.url,
-        "bench",
-        dynamo_bus_schema::Subjects::new(ns),
-        &Default::default(),
-    )
-    .await
-    .unwrap();
+    let bus = it_bus(&c.nats.url, "bench").await;
     let status = bus
         .kv_bucket_durable(&bus.subjects.deploy_status_bucket())
         .await

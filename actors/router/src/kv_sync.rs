@@ -795,13 +795,7 @@ mod tests {
     fn a_gap_triggers_a_dump_and_a_restart_clears() {
         let mut s = KvSync::default();
         s.worker_seen(WorkerId(1), 1);
-        s.dump(KvDump {
-            worker_id: WorkerId(1),
-            generation: 1,
-            last_event_id: EventId(0),
-            tier: StorageTier::Device,
-            blocks: vec![],
-        });
+        dump(&mut s, 0, &[]);
         assert!(!s.batch(batch(1, vec![stored(1, &[1])])));
         assert!(s.batch(batch(1, vec![stored(3, &[3])])), "event 2 was lost");
         assert_eq!(s.stats.gaps, 1);
@@ -813,13 +807,7 @@ mod tests {
         s.filled(&fills[0], Err("no stream".into()));
         assert_eq!(s.stats.stream_fill_failures, 1);
         assert_eq!(s.dumps_due(Instant::now()), vec![WorkerId(1)]);
-        s.dump(KvDump {
-            worker_id: WorkerId(1),
-            generation: 1,
-            last_event_id: EventId(3),
-            tier: StorageTier::Device,
-            blocks: vec![SequenceHash(1), SequenceHash(2), SequenceHash(3)],
-        });
+        dump(&mut s, 3, &[1, 2, 3]);
         assert_eq!(held(&s, &[1, 2, 3]), 3);
         // A bogus far-future event: one re-sync, then live again (no dump loop).
         assert!(s.batch(batch(1, vec![stored(1_000_000, &[66])])));
@@ -830,13 +818,7 @@ mod tests {
             vec![WorkerId(1)],
             "the stream cannot fill it"
         );
-        s.dump(KvDump {
-            worker_id: WorkerId(1),
-            generation: 1,
-            last_event_id: EventId(3),
-            tier: StorageTier::Device,
-            blocks: vec![SequenceHash(1), SequenceHash(2), SequenceHash(3)],
-        });
+        dump(&mut s, 3, &[1, 2, 3]);
         assert!(s.dumps_due(Instant::now()).is_empty());
         assert_eq!(held(&s, &[66]), 0);
         assert!(!s.batch(batch(1, vec![stored(4, &[4])])));
@@ -873,13 +855,7 @@ mod tests {
         let fills = s.fills_due(Instant::now());
         s.filled(&fills[0], Err("no stream".into()));
         // The dump covers event 3; the buffered 4 and 5 follow it.
-        s.dump(KvDump {
-            worker_id: WorkerId(1),
-            generation: 1,
-            last_event_id: EventId(3),
-            tier: StorageTier::Device,
-            blocks: vec![SequenceHash(1), SequenceHash(2), SequenceHash(3)],
-        });
+        dump(&mut s, 3, &[1, 2, 3]);
         assert_eq!(held(&s, &[1, 2, 3, 4, 5]), 5);
         assert_eq!(s.stats.applied - applied, 4);
     }
@@ -979,9 +955,8 @@ mod tests {
         assert_eq!(s.dumps_due(t0 + FILL_MAX), vec![WorkerId(1)]);
     }
 
-    fn synced(blocks: &[u64], last: u64) -> KvSync {
-        let mut s = KvSync::default();
-        s.worker_seen(WorkerId(1), 1);
+    /// Worker 1's (generation 1) device dump, through event `last`.
+    fn dump(s: &mut KvSync, last: u64, blocks: &[u64]) {
         s.dump(KvDump {
             worker_id: WorkerId(1),
             generation: 1,
@@ -989,6 +964,12 @@ mod tests {
             tier: StorageTier::Device,
             blocks: blocks.iter().map(|b| SequenceHash(*b)).collect(),
         });
+    }
+
+    fn synced(blocks: &[u64], last: u64) -> KvSync {
+        let mut s = KvSync::default();
+        s.worker_seen(WorkerId(1), 1);
+        dump(&mut s, last, blocks);
         s
     }
 
