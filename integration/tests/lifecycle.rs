@@ -458,7 +458,8 @@ async fn dynamoctl_drain_stops_new_work_and_lets_in_flight_requests_finish() {
 
 /// With `--config`, `--nats-ca` and `--nats-credentials` are not ignored:
 /// they override the config's `[nats]` files and are checked at start, the
-/// error naming the flag (here, files that do not exist).
+/// error naming the flag (here, files that do not exist); and an open
+/// `--metrics-listen` needs a token or an allowance.
 #[test]
 fn nats_access_flags_apply_with_a_config_file() {
     let dir = tempfile::tempdir().expect("dir");
@@ -485,4 +486,19 @@ fn nats_access_flags_apply_with_a_config_file() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--nats-credentials"), "{err}");
+    // A metrics listener other hosts can reach, with no token and no
+    // allowance, is refused at start, naming the flags.
+    let out = std::process::Command::new(bin("dynamo-node"))
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--metrics-listen")
+        .arg("0.0.0.0:0")
+        .output()
+        .expect("dynamo-node runs");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--metrics-listen") && err.contains("--metrics-token-file"),
+        "{err}"
+    );
 }

@@ -618,3 +618,61 @@ async fn a_client_that_does_not_stream_gets_its_tokens_in_few_frames() {
         "not streamed: {batched_frames} token frames against {stream_frames} streamed"
     );
 }
+
+/// A node's metrics listener with a bearer token: a scrape without it gets
+/// 401 (nothing rendered), with it the metrics; `/health` stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_metrics_listener_with_a_token_refuses_scrapes_without_it() {
+    let nats = Nats::start();
+    let dir = tempfile::tempdir().expect("dir");
+    let token = dir.path().join("metrics-token");
+    std::fs::write(&token, "scrape-me\n").expect("token file");
+    let port = free_port();
+    let extra = format!(
+        "[metrics]\nlisten = \"127.0.0.1:{port}\"\ntoken_file = {:?}\n",
+        token.display().to_string()
+    );
+    let mut w = Node::start(&node_config("w1", &nats.url, None, 1, &extra));
+    let url = format!("http://127.0.0.1:{port}");
+    let client = reqwest::Client::new();
+    let t0 = std::time::Instant::now();
+    loop {
+        if client.get(format!("{url}/health")).send().await.is_ok() {
+            break;
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(30),
+            "{}",
+            w.log_text()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let health = client.get(format!("{url}/health")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+    let refused = client.get(format!("{url}/metrics")).send().await.unwrap();
+    assert_eq!(refused.status(), 401);
+    assert_eq!(
+        refused
+            .headers()
+            .get("www-authenticate")
+            .and_then(|v| v.to_str().ok()),
+        Some("Bearer")
+    );
+    assert!(!refused.text().await.unwrap().contains("dynamo_"));
+    let wrong = client
+        .get(format!("{url}/metrics"))
+        .bearer_auth("scrape-you")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    let ok = client
+        .get(format!("{url}/metrics"))
+        .bearer_auth("scrape-me")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ok.status(), 200);
+    assert!(ok.text().await.unwrap().contains("dynamo_node_info"));
+    assert!(w.alive());
+}

@@ -9,6 +9,7 @@ use dynamo_gateway::GatewayConfig;
 use dynamo_mocker::MockerConfig;
 use dynamo_router::RouterConfig;
 use dynamo_worker::TransferConfig;
+pub use metrics::MetricsListen;
 pub use nats::{NatsAccess, NatsSpec, RawNats};
 pub use router::RawRouter;
 use serde::Deserialize;
@@ -268,9 +269,10 @@ pub struct NodeConfig {
     /// controller's assignment, not from this config.
     pub join: Option<JoinConfig>,
     /// Where the node serves `GET /metrics` (every actor of this process:
-    /// workers, engine load, controller, planner, node); None: no listener
-    /// (a gateway's own `/metrics` still renders them).
-    pub metrics_listen: Option<SocketAddr>,
+    /// workers, engine load, controller, planner, node), and the bearer
+    /// token it requires; None: no listener (a gateway's own `/metrics`
+    /// still renders them).
+    pub metrics_listen: Option<MetricsListen>,
 }
 
 /// What a node started with `--join` offers the cluster.
@@ -718,7 +720,7 @@ impl NodeConfig {
             controller: None,
             planner: None,
             join: None,
-            metrics_listen: raw.metrics.listen()?,
+            metrics_listen: raw.metrics.listener()?,
         })
     }
 }

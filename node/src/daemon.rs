@@ -126,8 +126,14 @@ async fn serve(
     // Bound before any actor starts: a taken port is a start-up error.
     // Owned by the loop below: the node fails if its listener does.
     let mut metrics_srv = tokio::task::JoinSet::new();
-    if let Some(listen) = cfg.metrics_listen {
-        let (addr, srv) = crate::metrics::serve(listen, cfg.node_id.0.clone(), bus.clone()).await?;
+    if let Some(listen) = &cfg.metrics_listen {
+        let (addr, srv) = crate::metrics::serve(
+            listen.addr,
+            listen.token.clone(),
+            cfg.node_id.0.clone(),
+            bus.clone(),
+        )
+        .await?;
         tracing::info!(%addr, "metrics on http://{addr}/metrics");
         println!(
             "dynamo-node {} metrics on http://{addr}/metrics",

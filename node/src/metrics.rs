@@ -8,8 +8,9 @@
 //! - `dynamo_node_bus_rejected_messages_total`.
 //!
 //! Invariant: the listener serves only `/metrics` (and `/health`), reads
-//! nothing from the request, and lives as long as the daemon (its task is
-//! owned by [`serve`]'s caller and aborted with it).
+//! nothing from the request but its `Authorization` header (when a token
+//! is set), and lives as long as the daemon (its task is owned by
+//! [`serve`]'s caller and aborted with it).
 
 use dynamo_runtime::Bus;
 use prometheus::{IntCounterVec, IntGaugeVec, Opts};
@@ -105,10 +106,26 @@ pub fn render(node: &str, bus: &Bus) -> String {
     text
 }
 
+/// Whether a request carries `Authorization: Bearer <token>` (compared in
+/// time independent of where it differs).
+fn authorized(headers: &axum::http::HeaderMap, token: &str) -> bool {
+    let Some(got) = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+    else {
+        return false;
+    };
+    let (a, b) = (got.trim().as_bytes(), token.as_bytes());
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
 /// Binds the listener (a taken port is a start-up error) and returns the
-/// address it got and the server's future.
+/// address it got and the server's future. With a `token`, `/metrics`
+/// answers 401 to a request without it (`/health` stays open).
 pub async fn serve(
     listen: SocketAddr,
+    token: Option<String>,
     node: String,
     bus: Bus,
 ) -> anyhow::Result<(
@@ -124,16 +141,27 @@ pub async fn serve(
     let app = axum::Router::new()
         .route(
             "/metrics",
-            get(move || {
-                let text = render(&node, &bus);
+            get(move |headers: axum::http::HeaderMap| {
+                let allowed = token.as_deref().is_none_or(|t| authorized(&headers, t));
+                let text = allowed.then(|| render(&node, &bus));
                 async move {
-                    (
-                        [(
-                            axum::http::header::CONTENT_TYPE,
-                            "text/plain; version=0.0.4",
-                        )],
-                        text,
-                    )
+                    use axum::response::IntoResponse;
+                    match text {
+                        Some(text) => (
+                            [(
+                                axum::http::header::CONTENT_TYPE,
+                                "text/plain; version=0.0.4",
+                            )],
+                            text,
+                        )
+                            .into_response(),
+                        None => (
+                            axum::http::StatusCode::UNAUTHORIZED,
+                            [(axum::http::header::WWW_AUTHENTICATE, "Bearer")],
+                            "a bearer token is required\n",
+                        )
+                            .into_response(),
+                    }
                 }
             }),
         )

@@ -64,9 +64,18 @@ struct Args {
     #[arg(long, env = env::NATS_CREDENTIALS)]
     nats_credentials: Option<PathBuf>,
     /// Serve this node's Prometheus metrics on `host:port` (`GET /metrics`);
-    /// overrides the config's `[metrics] listen`.
+    /// overrides the config's `[metrics]`. An address other hosts can
+    /// reach needs --metrics-token-file or --metrics-allow-unauthenticated.
     #[arg(long)]
     metrics_listen: Option<std::net::SocketAddr>,
+    /// File holding the bearer token scrapers must send (with
+    /// --metrics-listen).
+    #[arg(long, requires = "metrics_listen")]
+    metrics_token_file: Option<PathBuf>,
+    /// Serve metrics without a token on an address other hosts can reach
+    /// (with --metrics-listen).
+    #[arg(long, requires = "metrics_listen")]
+    metrics_allow_unauthenticated: bool,
 }
 
 fn fail(e: impl std::fmt::Display) -> ! {
@@ -141,8 +150,19 @@ fn main() {
         (None, None) => fail("give --config FILE or --join NATS_URL"),
     };
     let mut cfg = cfg;
-    if args.metrics_listen.is_some() {
-        cfg.metrics_listen = args.metrics_listen;
+    if let Some(addr) = args.metrics_listen {
+        let listen = dynamo_node::config::MetricsListen::new(
+            addr,
+            args.metrics_token_file.as_deref(),
+            args.metrics_allow_unauthenticated,
+            (
+                "--metrics-listen",
+                "--metrics-token-file",
+                "--metrics-allow-unauthenticated",
+            ),
+        )
+        .unwrap_or_else(|e| fail(e));
+        cfg.metrics_listen = Some(listen);
     }
     // With --config, --nats-ca and --nats-credentials (or their environment
     // variables) override the config's [nats] ca_file and credentials.

@@ -341,3 +341,46 @@ fn a_spec_names_tls_and_key_files_that_only_its_node_has() {
         "{e}"
     );
 }
+
+/// The node's metrics listener: loopback needs nothing; an address other
+/// hosts can reach needs a bearer token or an explicit allowance.
+#[test]
+fn a_metrics_listener_other_hosts_reach_needs_a_token_or_an_allowance() {
+    let base = "node_id = \"a\"\n[nats]\nurl = \"nats://h:1\"\n[[workers]]\ncount = 1\nengine = \"mocker\"\nmodel = \"m\"\n";
+    let with = |metrics: &str| parse(&format!("{base}[metrics]\n{metrics}"));
+    let m = with("listen = \"127.0.0.1:9464\"\n")
+        .unwrap()
+        .metrics_listen
+        .unwrap();
+    assert_eq!((m.addr.port(), m.token), (9464, None));
+    let e = with("listen = \"0.0.0.0:9464\"\n").unwrap_err();
+    assert!(
+        e.to_string().contains("metrics.listen") && e.to_string().contains("metrics.token_file"),
+        "{e}"
+    );
+    assert!(with("listen = \"0.0.0.0:9464\"\nallow_unauthenticated = true\n").is_ok());
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3cret\n").unwrap();
+    let m = with(&format!(
+        "listen = \"0.0.0.0:9464\"\ntoken_file = {:?}\n",
+        token.display().to_string()
+    ))
+    .unwrap()
+    .metrics_listen
+    .unwrap();
+    assert_eq!(m.token.as_deref(), Some("s3cret"));
+    assert!(
+        !format!("{m:?}").contains("s3cret"),
+        "the token is not printed"
+    );
+    std::fs::write(&token, "\n").unwrap();
+    let e = with(&format!(
+        "listen = \"0.0.0.0:9464\"\ntoken_file = {:?}\n",
+        token.display().to_string()
+    ))
+    .unwrap_err();
+    assert!(e.to_string().contains("metrics.token_file"), "{e}");
+    let e = with(&format!("token_file = {:?}\n", token.display().to_string())).unwrap_err();
+    assert!(e.to_string().contains("needs metrics.listen"), "{e}");
+}
