@@ -107,6 +107,8 @@ pub struct RouterState {
     overload_backoff: Duration,
     /// When this replica last took a snapshot of its KV index.
     last_kv_snapshot: Option<Instant>,
+    /// The stream sequence the last snapshot was tagged with.
+    last_kv_snapshot_tag: u64,
     /// When this replica first found no snapshot in the store (cleared
     /// once it finds one).
     kv_snapshot_missing_since: Option<Instant>,
@@ -131,6 +133,7 @@ impl RouterState {
             prefill_sent: HashMap::new(),
             overload_backoff: DEFAULT_OVERLOAD_BACKOFF,
             last_kv_snapshot: None,
+            last_kv_snapshot_tag: 0,
             kv_snapshot_missing_since: None,
         }
     }
@@ -237,17 +240,24 @@ impl RouterState {
         let stale_after = cfg.interval * (STALE_INTERVALS + rank);
         let lowest = rank == 0 || age.is_some_and(|a| a >= stale_after);
         let changed = self.kv.since_snapshot();
-        let due = changed >= cfg.events
-            || (changed > 0
-                && self
-                    .last_kv_snapshot
-                    .is_none_or(|t| now.duration_since(t) >= cfg.interval));
+        let interval_over = self
+            .last_kv_snapshot
+            .is_none_or(|t| now.duration_since(t) >= cfg.interval);
+        // Quiet since the last snapshot, which was tagged a period behind
+        // the stream: nothing was applied since, so everything up to the
+        // stream's sequence now is in it; write it again with that tag, so
+        // that a replica loading it replays nothing it holds.
+        let retag = changed == 0
+            && self.last_kv_snapshot.is_some()
+            && stream_seq > self.last_kv_snapshot_tag;
+        let due = changed >= cfg.events || ((changed > 0 || retag) && interval_over);
         // A replica that routes nothing still finishes catching up here.
         let caught_up = self.catch_up.check(self.kv.syncing(), now);
         if !cfg.enabled || !lowest || !due || !caught_up || self.kv.replaying() {
             return None;
         }
         self.last_kv_snapshot = Some(now);
+        self.last_kv_snapshot_tag = stream_seq;
         Some(self.kv.snapshot(stream_seq, me))
     }
 

@@ -449,9 +449,24 @@ fn only_the_lowest_live_replica_snapshots_once_caught_up_and_when_due() {
         .expect("due: events since start");
     assert_eq!((snap.stream_seq, snap.blocks()), (7, 2));
     assert!(
-        s.kv_snapshot(8, FRESH, &cfg, t0).is_none(),
-        "nothing changed"
+        s.kv_snapshot(7, FRESH, &cfg, t0 + cfg.interval).is_none(),
+        "nothing changed, and the tag is the stream's"
     );
+    // Quiet, but the stream moved past the tag (what was applied before
+    // the snapshot): written again with the newer tag, once.
+    assert!(
+        s.kv_snapshot(8, FRESH, &cfg, t0).is_none(),
+        "within the interval"
+    );
+    let retag = s
+        .kv_snapshot(8, FRESH, &cfg, t0 + cfg.interval)
+        .expect("re-tagged");
+    assert_eq!((retag.stream_seq, retag.blocks()), (8, 2));
+    assert!(s
+        .kv_snapshot(8, FRESH, &cfg, t0 + 2 * cfg.interval)
+        .is_none());
+    // From the re-tagged snapshot on.
+    let t0 = t0 + cfg.interval;
     s.kv_batch(batch(3..=3));
     assert!(
         s.kv_snapshot(8, FRESH, &cfg, t0).is_none(),
