@@ -24,11 +24,15 @@
 //! stream, a dump only when they are not all there.
 //!
 //! Snapshots: every `period` the replica with the lowest id among the live
-//! ones (see [`crate::state::RouterState::kv_snapshot`]) writes its index to
-//! the object store, tagged with the stream's last sequence as read one
-//! period earlier — every message up to it was published at least a period
-//! ago and is applied (one that was not shows up as an event id gap to the
-//! replica that loads the snapshot, which dumps that worker).
+//! ones (or another, when the store's newest is stale: see
+//! [`crate::state::RouterState::kv_snapshot`]) writes its index to the
+//! object store, tagged with the stream's last sequence as read one period
+//! earlier — every message up to it was published at least a period ago
+//! and is applied (one that was not shows up as an event id gap to the
+//! replica that loads the snapshot, which repairs that worker). Once events
+//! stop, the last snapshot is written once more with the newer tag
+//! (nothing was applied since), so that a replica loading it replays none
+//! of what it holds.
 //!
 //! Invariants: every message cast carries a ticket of the feed's gate; an
 //! undecodable message or snapshot is rejected and counted, never fatal; a
