@@ -15,7 +15,8 @@
 //!   they were linked (a later fork may append to the tail of a linked run,
 //!   so a link is a merge hint that queries never rely on); linked runs with
 //!   equal holders are merged, so a chain stored whole by the same workers
-//!   stays one run however its events were split (`Cleared` does not merge);
+//!   stays one run however its events were split, and a `Cleared` worker's
+//!   runs merge back where only it told them apart;
 //! - splitting and merging never change a block's position, only its run:
 //!   a run's `base` moves instead (new runs start at `1 << 31` so that both
 //!   directions have room);
@@ -534,6 +535,7 @@ impl KvIndex {
         if self.counts[s as usize] == [0; 3] {
             return;
         }
+        let mut changed = Vec::new();
         for r in 0..self.runs.len() as u32 {
             let run = &self.runs[r as usize];
             if run.hashes.is_empty() || tiers_of(&run.holders, s) == 0 {
@@ -549,6 +551,15 @@ impl KvIndex {
                 self.delete_run(r);
             } else {
                 self.runs[r as usize].holders = holders;
+                changed.push(r);
+            }
+        }
+        // Runs that differed only by this worker are alike now: merge them
+        // back along their chains (a run merged into a neighbour is freed,
+        // with no blocks, and skipped).
+        for r in changed {
+            if !self.runs[r as usize].hashes.is_empty() {
+                self.merge_around(r);
             }
         }
         self.counts[s as usize] = [0; 3];

@@ -340,4 +340,24 @@ fn a_chain_stored_whole_by_the_same_workers_is_one_run_however_it_was_split() {
     // And stores it again: one run.
     store(&mut idx, 2, 200, 256);
     assert_eq!(idx.runs(), 1);
+    // Worker 2 evicts its tail again, then is cleared (its engine
+    // restarted): worker 1's chain is one run again.
+    idx.apply(&IndexEvent {
+        worker: WorkerId(2),
+        data: IndexEventData::Removed {
+            tier: Tier::Device,
+            blocks: c[100..].to_vec(),
+        },
+    })
+    .unwrap();
+    assert_eq!(idx.runs(), 2);
+    idx.apply(&IndexEvent {
+        worker: WorkerId(2),
+        data: IndexEventData::Cleared,
+    })
+    .unwrap();
+    assert_eq!(idx.runs(), 1, "runs only worker 2 told apart merge back");
+    let m = sorted(idx.find_matches(&c));
+    assert_eq!(m[&1].blocks, 256);
+    assert!(!m.contains_key(&2));
 }
