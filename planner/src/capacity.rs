@@ -222,6 +222,12 @@ pub fn utilisation_at(t: &EngineTiming, factor: f64, itl_ms: f64) -> f64 {
     lo
 }
 
+/// The KV a decoding sequence holds on average, in tokens: its prompt and
+/// half its output (it grows from one to the other while it decodes).
+pub fn live_tokens(isl: f64, osl: f64) -> f64 {
+    isl.max(1.0) + osl.max(1.0) / 2.0
+}
+
 /// The spread term of a replica's KV occupancy: its standard deviation
 /// is `b·√mean / DECODE_Z`, b = Z·√(2·live/(kv·replicas)). A router that
 /// sends each sequence to the replica holding least KV keeps the replicas
@@ -274,7 +280,7 @@ pub fn decode_capacity(
     } else {
         (u, String::new())
     };
-    let live = isl.max(1.0) + osl / 2.0;
+    let live = live_tokens(isl, osl);
     let mean = decode_mean_utilisation(t, u, live, replicas);
     let seqs = (mean * t.kv_tokens / live).min(t.max_seqs * 0.9).max(1.0);
     let step = t.step(mean) * l.decode;

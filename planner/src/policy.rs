@@ -345,7 +345,7 @@ impl PlannerState {
         // The sequences a replica holds at the occupancy limit: the burst
         // rule counts the sequences running now, a realised count, so no
         // margin for the spread about a mean applies.
-        let live = isl.max(1.0) + osl.max(1.0) / 2.0;
+        let live = crate::capacity::live_tokens(isl, osl);
         let decode_util = utilisation_at(&t.timing, l.decode, itl).max(0.02);
         let decode_seqs =
             (decode_util * t.timing.kv_tokens / live).clamp(1.0, t.timing.max_seqs.max(1.0) * 0.9);
