@@ -532,3 +532,84 @@ async fn one_seed_url_of_a_cluster_replicates_and_an_r1_stream_is_scaled_up() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// Lease expiry does not compare wall clocks across nodes: a dead holder
+/// whose clock ran an hour ahead loses its lease after the TTL, and a live
+/// holder whose clock runs an hour behind keeps it while it renews (the
+/// controller's and every planner's lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_expiry_holds_whatever_the_holders_clock_says() {
+    use dynamo_bus_schema::{encode, unix_ms, ControllerLease, NodeId};
+    use dynamo_controller::lease::{claim, Observed};
+    let nats = Nats::start();
+    let bus = it_bus(&nats.url, "lease-test").await;
+    let store = bus
+        .kv_bucket("it_lease_test", Duration::from_secs(60))
+        .await
+        .expect("bucket");
+    let ttl = Duration::from_millis(500);
+    let lease = |holder: &str, renewed_unix_ms: u64| -> Vec<u8> {
+        encode(&ControllerLease {
+            holder: NodeId(holder.into()),
+            epoch: 1,
+            renewed_unix_ms,
+            ttl_ms: ttl.as_millis() as u64,
+        })
+        .expect("encode")
+    };
+    let hour = 3_600_000;
+
+    // A holder an hour ahead, dead after its one write.
+    store
+        .put("ahead", lease("ahead", unix_ms() + hour).into())
+        .await
+        .expect("put");
+    let me = NodeId("challenger".into());
+    let mut seen = Observed::default();
+    let t0 = Instant::now();
+    let taken = loop {
+        if let Some(epoch) = claim(&store, "ahead", &me, ttl, 0, false, &mut seen)
+            .await
+            .expect("claim")
+        {
+            break epoch;
+        }
+        assert!(
+            t0.elapsed() < ttl * 6,
+            "a dead holder with a clock ahead kept its lease"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(taken, 2);
+    assert!(t0.elapsed() >= ttl, "not before the TTL");
+
+    // A live holder an hour behind, renewing every 100 ms.
+    let rev = store
+        .put("behind", lease("behind", unix_ms() - hour).into())
+        .await
+        .expect("put");
+    let renew = {
+        let store = store.clone();
+        async move {
+            let mut rev = rev;
+            for _ in 0..30 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                rev = store
+                    .update("behind", lease("behind", unix_ms() - hour).into(), rev)
+                    .await
+                    .expect("the holder keeps its lease");
+            }
+        }
+    };
+    let challenge = async {
+        let mut seen = Observed::default();
+        for _ in 0..25 {
+            let got = claim(&store, "behind", &me, ttl, 0, false, &mut seen)
+                .await
+                .expect("claim");
+            assert_eq!(got, None, "a live holder with a clock behind was deposed");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::join!(renew, challenge);
+}

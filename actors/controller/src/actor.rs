@@ -84,6 +84,8 @@ pub struct Controller {
     state: ControllerState,
     /// Whether this controller holds the lease.
     active: bool,
+    /// What this controller has seen of the lease while another held it.
+    lease_seen: crate::lease::Observed,
     tasks: dynamo_runtime::Tasks,
     /// A `Changed` is in the mailbox (at most one is: changes coalesce).
     change_queued: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -181,6 +183,7 @@ impl Actor for ControllerActor {
             cfg: args.config,
             buckets: None,
             active: false,
+            lease_seen: Default::default(),
             tasks,
             change_queued,
             absent_streak: BTreeMap::new(),
@@ -312,8 +315,9 @@ impl Controller {
     async fn lease(&mut self) -> Result<bool, String> {
         let me = self.cfg.node_id.clone();
         let (ttl, epoch, was) = (self.cfg.lease_ttl, self.state.epoch, self.active);
-        let b = self.buckets().await?;
-        match crate::lease::claim(&b.lease, LEASE_KEY, &me, ttl, epoch, was).await? {
+        let store = self.buckets().await?.lease.clone();
+        let seen = &mut self.lease_seen;
+        match crate::lease::claim(&store, LEASE_KEY, &me, ttl, epoch, was, seen).await? {
             Some(e) => {
                 self.state.epoch = e;
                 Ok(true)

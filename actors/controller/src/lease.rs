@@ -6,6 +6,13 @@
 //! compare-and-set); the epoch grows by one with every change of holder,
 //! so anything written under an older epoch can be recognised; a holder
 //! that misses renewals for longer than the TTL loses the lease.
+//!
+//! Expiry is judged by the challenger's own monotonic clock, never by
+//! comparing wall clocks across nodes: it remembers the entry's revision
+//! and when it first saw it ([`Observed`]), and takes over only once that
+//! revision has not changed for the TTL. A holder whose clock runs hours
+//! ahead can no longer keep a lease after it dies, and one whose clock runs
+//! behind is not deposed while it renews.
 
 use async_nats::jetstream::kv;
 use dynamo_bus_schema::{decode, encode, unix_ms, ControllerLease, NodeId};
@@ -13,9 +20,32 @@ use std::time::Duration;
 
 const CALL: Duration = Duration::from_secs(2);
 
+/// What a challenger has seen of a lease another holds: the entry's
+/// revision, and when (by this process's monotonic clock) it first saw
+/// that revision. One per lease key, kept by the caller across claims.
+#[derive(Debug, Default)]
+pub struct Observed {
+    seen: Option<(u64, std::time::Instant)>,
+}
+
+impl Observed {
+    /// How long `revision` has been the entry's, as far as this process
+    /// has seen (zero the first time).
+    fn unchanged_for(&mut self, revision: u64, now: std::time::Instant) -> Duration {
+        match self.seen {
+            Some((r, since)) if r == revision => now.duration_since(since),
+            _ => {
+                self.seen = Some((revision, now));
+                Duration::ZERO
+            }
+        }
+    }
+}
+
 /// Takes or renews the lease under `key`. `epoch` is the epoch this holder
-/// last held (0: never), `was_active` whether it believes it holds it now.
-/// Returns the epoch held, or None when another holder has it.
+/// last held (0: never), `was_active` whether it believes it holds it now,
+/// `observed` what this process has seen of the key so far. Returns the
+/// epoch held, or None when another holder has it.
 pub async fn claim(
     store: &kv::Store,
     key: &str,
@@ -23,6 +53,7 @@ pub async fn claim(
     ttl: Duration,
     epoch: u64,
     was_active: bool,
+    observed: &mut Observed,
 ) -> Result<Option<u64>, String> {
     let ttl_ms = ttl.as_millis() as u64;
     let now = unix_ms();
@@ -62,10 +93,14 @@ pub async fn claim(
             )
         }
         (Some(e), Some(l)) => {
-            if now.saturating_sub(l.renewed_unix_ms) <= l.ttl_ms.max(ttl_ms) {
+            // Another's: expired once its revision stood still for the TTL
+            // (the longer of ours and the one it wrote), by our clock.
+            let ttl = Duration::from_millis(l.ttl_ms.max(ttl_ms));
+            let still = observed.unchanged_for(e.revision, std::time::Instant::now());
+            if still <= ttl {
                 return Ok(None);
             }
-            tracing::warn!(holder = %l.holder, key, "lease expired; taking it over");
+            tracing::warn!(holder = %l.holder, key, unrenewed_ms = still.as_millis() as u64, "lease expired; taking it over");
             let next = l.epoch + 1;
             (
                 next,

@@ -235,6 +235,8 @@ pub struct Planner {
     state: Option<PlannerState>,
     epoch: u64,
     active: bool,
+    /// What this planner has seen of the lease while another held it.
+    lease_seen: lease::Observed,
     last_sizing_ms: u64,
     decisions: VecDeque<PlannerDecision>,
     /// Period of the next tick (the spec's fast interval).
@@ -321,6 +323,7 @@ impl Actor for PlannerActor {
             state: None,
             epoch: 0,
             active: false,
+            lease_seen: Default::default(),
             last_sizing_ms: 0,
             decisions: VecDeque::new(),
             every: Duration::from_secs(1),
@@ -392,8 +395,9 @@ impl Planner {
             self.cfg.lease_ttl,
         );
         let (epoch, was) = (self.epoch, self.active);
-        let b = self.buckets().await?;
-        let held = lease::claim(&b.planner, &key, &me, ttl, epoch, was).await?;
+        let store = self.buckets().await?.planner.clone();
+        let seen = &mut self.lease_seen;
+        let held = lease::claim(&store, &key, &me, ttl, epoch, was, seen).await?;
         Ok(match held {
             Some(e) => {
                 self.epoch = e;
