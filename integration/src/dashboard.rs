@@ -71,8 +71,8 @@ pub fn samples(text: &str) -> BTreeMap<String, BTreeSet<String>> {
     out
 }
 
-/// The label names in `a="x",b="y"}…` (values may hold commas, braces and
-/// escaped quotes).
+/// The label names in `a="x",b="y"}…` (values, in any of PromQL's three
+/// quotes, may hold commas, braces and escaped quotes).
 fn label_names(s: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut name = String::new();
@@ -80,18 +80,7 @@ fn label_names(s: &str) -> Vec<String> {
     while let Some(c) = chars.next() {
         match c {
             '}' => break,
-            '"' => {
-                // Skip the quoted value.
-                while let Some(v) = chars.next() {
-                    match v {
-                        '\\' => {
-                            chars.next();
-                        }
-                        '"' => break,
-                        _ => {}
-                    }
-                }
-            }
+            '"' | '\'' | '`' => skip_quoted(&mut chars, c),
             '=' | '!' | '~' => {
                 if !name.trim().is_empty() {
                     out.push(name.trim().to_string());
@@ -105,6 +94,18 @@ fn label_names(s: &str) -> Vec<String> {
     out
 }
 
+/// Skips a quoted string's rest, up to its closing `quote` (a backslash
+/// escapes, except in backticks).
+fn skip_quoted(chars: &mut std::str::Chars<'_>, quote: char) {
+    while let Some(v) = chars.next() {
+        if v == '\\' && quote != '`' {
+            chars.next();
+        } else if v == quote {
+            break;
+        }
+    }
+}
+
 /// The labels an expression selects `name` on (`name{a="x",b=~"y"}`).
 fn selector_labels(expr: &str, name_end: usize) -> Vec<String> {
     match expr[name_end..].strip_prefix('{') {
@@ -113,24 +114,64 @@ fn selector_labels(expr: &str, name_end: usize) -> Vec<String> {
     }
 }
 
-/// The labels an expression groups by (`by (a, b)`), every clause.
+/// The labels an expression groups by (`by (a, b)` or `by(a)`), every
+/// clause (`without` drops labels, which need not exist).
 fn group_labels(expr: &str) -> Vec<String> {
     let mut out = Vec::new();
-    let mut i = 0;
-    while let Some(at) = expr[i..].find("by (") {
-        let start = i + at + 4;
-        let Some(len) = expr[start..].find(')') else {
+    for (at, _) in idents(expr).filter(|(_, w)| *w == "by") {
+        let rest = expr[at + 2..].trim_start();
+        let Some(inner) = rest.strip_prefix('(') else {
+            continue;
+        };
+        let Some(len) = inner.find(')') else {
             break;
         };
         out.extend(
-            expr[start..start + len]
+            inner[..len]
                 .split(',')
                 .map(|l| l.trim().to_string())
                 .filter(|l| !l.is_empty()),
         );
-        i = start + len;
     }
     out
+}
+
+/// The identifiers of an expression, with where each starts, outside its
+/// quoted strings.
+fn idents(expr: &str) -> impl Iterator<Item = (usize, &str)> {
+    let mut out = Vec::new();
+    let mut chars = expr.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        if c == '"' || c == '\'' || c == '`' {
+            let mut rest = expr[i + c.len_utf8()..].chars();
+            let before = rest.as_str().len();
+            skip_quoted(&mut rest, c);
+            let end = i + c.len_utf8() + (before - rest.as_str().len());
+            while chars.peek().is_some_and(|(j, _)| *j < end) {
+                chars.next();
+            }
+        } else if c.is_ascii_alphabetic() || c == '_' {
+            let mut end = i + c.len_utf8();
+            while let Some(&(j, d)) = chars.peek() {
+                if d.is_ascii_alphanumeric() || d == '_' || d == ':' {
+                    end = j + d.len_utf8();
+                    chars.next();
+                } else {
+                    break;
+                }
+            }
+            out.push((i, &expr[i..end]));
+        } else if c.is_ascii_digit() {
+            // A number (or a duration like 5m): not an identifier.
+            while chars
+                .peek()
+                .is_some_and(|(_, d)| d.is_ascii_alphanumeric() || *d == '.')
+            {
+                chars.next();
+            }
+        }
+    }
+    out.into_iter()
 }
 
 /// `# TYPE name kind` lines of an exposition.
@@ -200,25 +241,19 @@ pub fn missing(d: &Value, expositions: &[String]) -> BTreeSet<String> {
 }
 
 /// [`names_in`], with where each name ends in the expression (its
-/// `_bucket` suffix included), for reading its selector.
+/// `_bucket` suffix included), for reading its selector: whole identifiers
+/// outside quoted strings only.
 fn names_at(expr: &str) -> Vec<(String, bool, usize)> {
-    let bytes = expr.as_bytes();
-    let mut out = Vec::new();
-    let mut i = 0;
-    while let Some(at) = expr[i..].find("dynamo_") {
-        let start = i + at;
-        let mut end = start;
-        while end < bytes.len() && (bytes[end].is_ascii_alphanumeric() || bytes[end] == b'_') {
-            end += 1;
-        }
-        let name = &expr[start..end];
-        match name.strip_suffix("_bucket") {
-            Some(base) => out.push((base.to_string(), true, end)),
-            None => out.push((name.to_string(), false, end)),
-        }
-        i = end;
-    }
-    out
+    idents(expr)
+        .filter(|(_, w)| w.starts_with("dynamo_"))
+        .map(|(at, name)| {
+            let end = at + name.len();
+            match name.strip_suffix("_bucket") {
+                Some(base) => (base.to_string(), true, end),
+                None => (name.to_string(), false, end),
+            }
+        })
+        .collect()
 }
 
 /// The whole text of `GET http://127.0.0.1:{port}/metrics` (empty if it
@@ -286,6 +321,15 @@ mod tests {
         assert!(
             missing(&g, &[x]).is_empty(),
             "namespace is the scrape job's"
+        );
+        // Names only as whole identifiers outside quotes; `by(` too.
+        assert_eq!(
+            names_in("sum by(worker) (x_dynamo_y{job='dynamo_node'} + dynamo_z{a=`dynamo_q`})"),
+            vec![("dynamo_z".to_string(), false)]
+        );
+        assert_eq!(
+            group_labels("sum by(worker) (x) / max by (a, b) (y)"),
+            ["worker", "a", "b"]
         );
     }
 

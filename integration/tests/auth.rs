@@ -114,8 +114,25 @@ async fn keys_are_required_limited_per_model_and_rate_limited() {
     assert_eq!((s, code(&v)), (429, "rate_limit_tokens"), "{v}");
     assert!(retry.is_some());
 
+    // Metrics name keys, models and workers: with keys on, they need one.
+    let refused = h
+        .client
+        .get(format!("{}/metrics", h.base))
+        .send()
+        .await
+        .expect("HTTP");
+    assert_eq!(refused.status().as_u16(), 401);
     // Metrics per key name and hashed id, never the key.
-    let m = h.metrics_text().await;
+    let m = h
+        .client
+        .get(format!("{}/metrics", h.base))
+        .bearer_auth("sk-alpha")
+        .send()
+        .await
+        .expect("HTTP")
+        .text()
+        .await
+        .expect("text");
     let id = |k: &str| hex::encode(&dynamo_gateway::auth::hash_key(k)[..6]);
     let (alpha, gamma) = (id("sk-alpha"), id("sk-gamma"));
     assert!(

@@ -155,7 +155,7 @@ async fn catch_up_bench() {
     let snap_seq = publish(&bus, &history).await;
     let snap = watcher.snapshot(snap_seq, RouterId(1));
     let snap_bytes = encode(&snap).unwrap().len();
-    kv_stream::write(&bus, &bus.subjects.router_state_objects(), &snap).await;
+    assert!(kv_stream::write(&bus, &bus.subjects.router_state_objects(), &snap).await);
     publish(&bus, &tail).await;
     for b in &tail {
         watcher.batch(b.clone());

@@ -547,7 +547,9 @@ async fn lease_expiry_holds_whatever_the_holders_clock_says() {
         .kv_bucket("it_lease_test", Duration::from_secs(60))
         .await
         .expect("bucket");
-    let ttl = Duration::from_millis(500);
+    // Renewals every 100 ms against a 2 s TTL: a loaded machine's stalls
+    // do not depose a live holder.
+    let ttl = Duration::from_secs(2);
     let lease = |holder: &str, renewed_unix_ms: u64| -> Vec<u8> {
         encode(&ControllerLease {
             holder: NodeId(holder.into()),
@@ -575,7 +577,7 @@ async fn lease_expiry_holds_whatever_the_holders_clock_says() {
             break epoch;
         }
         assert!(
-            t0.elapsed() < ttl * 6,
+            t0.elapsed() < ttl * 4,
             "a dead holder with a clock ahead kept its lease"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -597,7 +599,7 @@ async fn lease_expiry_holds_whatever_the_holders_clock_says() {
                 rev = store
                     .update("behind", lease("behind", unix_ms() - hour).into(), rev)
                     .await
-                    .expect("the holder keeps its lease");
+                    .expect("the challenger deposed a live holder (its renewal was refused)");
             }
         }
     };

@@ -501,4 +501,35 @@ fn nats_access_flags_apply_with_a_config_file() {
         err.contains("--metrics-listen") && err.contains("--metrics-token-file"),
         "{err}"
     );
+    // A config naming a CA this machine does not have: --nats-ca replaces
+    // it before anything is read, so the start gets past the check.
+    let pki = dynamo_runtime::tls::Pki::generate("it", &["127.0.0.1"])
+        .expect("pki")
+        .write(dir.path())
+        .expect("pki files");
+    let elsewhere = dir.path().join("elsewhere.toml");
+    std::fs::write(
+        &elsewhere,
+        node_config("n1", "tls://127.0.0.1:1", None, 1, "").replace(
+            "[nats]\n",
+            "[nats]\nca_file = \"/on/another/machine/ca.pem\"\n",
+        ),
+    )
+    .expect("write");
+    let mut child = std::process::Command::new(bin("dynamo-node"))
+        .arg("--config")
+        .arg(&elsewhere)
+        .arg("--nats-ca")
+        .arg(&pki.ca)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("dynamo-node runs");
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let _ = child.kill();
+    let out = child.wait_with_output().expect("output");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !err.contains("nats.ca_file") && !err.contains("another/machine"),
+        "{err}"
+    );
 }

@@ -53,6 +53,10 @@ pub struct RawConfig {
     pub supervision: RawSupervision,
     #[serde(default)]
     pub metrics: metrics::RawMetrics,
+    /// Checking a deployment spec's settings where it is applied, not where
+    /// it runs: files named by the environment are not read.
+    #[serde(skip)]
+    pub spec_check: bool,
 }
 
 fn default_namespace() -> String {
@@ -390,14 +394,21 @@ fn ms(v: Option<u64>, default: Duration) -> Duration {
 
 impl NodeConfig {
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        Self::load_with(path, |_| {})
+    }
+
+    /// [`Self::load`], with `edit` applied to the file's settings before
+    /// they are checked (command-line flags that outrank the file).
+    pub fn load_with(path: &Path, edit: impl FnOnce(&mut RawConfig)) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.display().to_string(),
             source,
         })?;
-        let raw: RawConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse {
+        let mut raw: RawConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse {
             path: path.display().to_string(),
             message: e.to_string(),
         })?;
+        edit(&mut raw);
         Self::validate(raw)
     }
 
@@ -441,6 +452,7 @@ impl NodeConfig {
                         g.api_keys_file.as_deref(),
                         g.allow_unauthenticated,
                         listen,
+                        !raw.spec_check,
                     )?,
                     frame_batch: ms(g.frame_batch_ms, d.frame_batch),
                     tls: match (&g.tls_cert, &g.tls_key) {
@@ -797,15 +809,27 @@ pub fn frontend_from_spec(
     gateway: Option<&serde_json::Value>,
     router: Option<&serde_json::Value>,
 ) -> Result<(GatewayConfig, RouterConfig), ConfigError> {
+    frontend_settings(field, gateway, router, false)
+}
+
+/// [`frontend_from_spec`]; `spec_check`: where the spec is applied (the
+/// environment's files are not read).
+fn frontend_settings(
+    field: &str,
+    gateway: Option<&serde_json::Value>,
+    router: Option<&serde_json::Value>,
+    spec_check: bool,
+) -> Result<(GatewayConfig, RouterConfig), ConfigError> {
     let mut g = gateway.cloned().unwrap_or_else(|| serde_json::json!({}));
     if let Some(o) = g.as_object_mut() {
         o.entry("listen").or_insert_with(|| "127.0.0.1:8000".into());
     }
     let r = router.cloned().unwrap_or_else(|| serde_json::json!({}));
-    let raw = raw_from_json(
+    let mut raw = raw_from_json(
         field,
         serde_json::json!({"node_id": "spec", "nats": {"url": "embedded"}, "gateway": g, "router": r}),
     )?;
+    raw.spec_check = spec_check;
     let cfg = NodeConfig::validate(raw).map_err(|e| respec(e, field))?;
     let gw = cfg.gateway.ok_or_else(|| ConfigError::Invalid {
         key: format!("{field}.gateway"),
@@ -830,7 +854,7 @@ pub fn check_spec_settings(
             }
             None => {
                 let g = s.gateway.as_ref().map(without_node_files);
-                frontend_from_spec(&field, g.as_ref(), s.router.as_ref())?;
+                frontend_settings(&field, g.as_ref(), s.router.as_ref(), true)?;
             }
         }
     }
@@ -844,11 +868,15 @@ pub fn check_spec_settings(
 fn without_node_files(g: &serde_json::Value) -> serde_json::Value {
     let mut g = g.clone();
     if let Some(o) = g.as_object_mut() {
-        if o.contains_key("tls_cert") && o.contains_key("tls_key") {
+        let is_str = |o: &serde_json::Map<String, serde_json::Value>, k: &str| {
+            o.get(k).is_some_and(|v| v.is_string())
+        };
+        if is_str(o, "tls_cert") && is_str(o, "tls_key") {
             o.remove("tls_cert");
             o.remove("tls_key");
         }
-        if o.remove("api_keys_file").is_some() {
+        if is_str(o, "api_keys_file") {
+            o.remove("api_keys_file");
             o.insert("allow_unauthenticated".into(), true.into());
         }
     }

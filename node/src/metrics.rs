@@ -106,18 +106,27 @@ pub fn render(node: &str, bus: &Bus) -> String {
     text
 }
 
-/// Whether a request carries `Authorization: Bearer <token>` (compared in
-/// time independent of where it differs).
+/// Whether a request carries `Authorization: Bearer <token>` (the scheme
+/// in any case). The SHA-256 digests are compared, in time independent of
+/// the token and of where they differ, so the comparison leaks neither
+/// the token's bytes nor its length.
 fn authorized(headers: &axum::http::HeaderMap, token: &str) -> bool {
+    use sha2::{Digest, Sha256};
     let Some(got) = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|v| {
+            let (scheme, rest) = v.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then_some(rest)
+        })
     else {
         return false;
     };
-    let (a, b) = (got.trim().as_bytes(), token.as_bytes());
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+    let (a, b) = (
+        Sha256::digest(got.trim().as_bytes()),
+        Sha256::digest(token.as_bytes()),
+    );
+    a.iter().zip(b.iter()).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
 /// Binds the listener (a taken port is a start-up error) and returns the

@@ -251,9 +251,9 @@ impl ByteSource for Unavailable {
 }
 
 /// How long reading one chunk from the cache may take: a stalled object
-/// store (a server lost mid-read) fails the read, and the loader goes on
-/// from another source, rather than waiting for ever. 30 s plus the chunk
-/// at 10 MB/s.
+/// store (a server lost mid-read) fails the read and the cache is given up
+/// for the rest of the load, which goes on from other sources rather than
+/// waiting for ever. 30 s plus the chunk at 10 MB/s.
 fn chunk_read_timeout(bytes: usize) -> std::time::Duration {
     std::time::Duration::from_secs(30) + std::time::Duration::from_millis(bytes as u64 / 10_000)
 }
@@ -300,8 +300,13 @@ impl ByteSource for CacheSource {
         let bytes = self
             .rt
             .block_on(async move { tokio::time::timeout(limit, read).await })
+            // A store that stalls on one chunk would stall on the next:
+            // give the cache up, so the rest comes from other sources.
             .map_err(|_| {
-                SourceError::Io(format!("chunk {i} not read within {} s", limit.as_secs()))
+                SourceError::Gone(format!(
+                    "chunk {i} not read within {} s; the cache is given up for this load",
+                    limit.as_secs()
+                ))
             })??;
         if bytes.len() != out.len() {
             return Err(SourceError::Io(format!(

@@ -414,7 +414,12 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
     (code, Json(body)).into_response()
 }
 
-async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+/// The gateway's and its process's metrics. With API keys on, only for a
+/// caller with a valid key: the exposition names keys, models and workers.
+async fn metrics(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    if let Err(e) = s.auth.authenticate(&headers) {
+        return e.into_response();
+    }
     let _place = match control(&s) {
         Ok(p) => p,
         Err(e) => return e.into_response(),

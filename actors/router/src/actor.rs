@@ -65,6 +65,8 @@ pub enum RouterMsg {
     KvReplayed(KvEventBatch, Ticket),
     /// The stream replay is over (or could not run).
     KvReplayDone,
+    /// The last snapshot taken could not be stored: take one again.
+    KvSnapshotNotWritten,
     /// The KV events stream's answer to a gap fill.
     KvFilled(
         crate::kv_sync::GapFill,
@@ -341,6 +343,7 @@ impl Actor for RouterActor {
                     rt.spawn_dumps(&myself, now);
                 }
             }
+            RouterMsg::KvSnapshotNotWritten => s.kv_snapshot_not_written(),
             RouterMsg::KvFilled(fill, found) => {
                 s.kv_filled(&fill, found);
                 rt.spawn_dumps(&myself, now);

@@ -30,9 +30,11 @@
 //! earlier — every message up to it was published at least a period ago
 //! and is applied (one that was not shows up as an event id gap to the
 //! replica that loads the snapshot, which repairs that worker). Once events
-//! stop, the last snapshot is written once more with the newer tag
-//! (nothing was applied since), so that a replica loading it replays none
-//! of what it holds.
+//! stop, the last snapshot is written again with the newer tag (nothing
+//! was applied since; while the stream moves and nothing is applied, as
+//! when workers are still syncing, once per interval), so that a replica
+//! loading it replays none of what it holds. A snapshot taken but not
+//! stored is taken again at the next interval.
 //!
 //! Invariants: every message cast carries a ticket of the feed's gate; an
 //! undecodable message or snapshot is rejected and counted, never fatal; a
@@ -401,7 +403,10 @@ pub async fn snapshots(bus: Bus, router: ActorRef<RouterMsg>, cfg: KvSnapshotCon
                 )
                 .await;
             if let Ok(ractor::rpc::CallResult::Success(Some(snap))) = snap {
-                write(&bus, &bucket, &snap).await;
+                if !write(&bus, &bucket, &snap).await {
+                    // Taken but not stored: the router writes one again.
+                    let _ = router.cast(RouterMsg::KvSnapshotNotWritten);
+                }
             }
         }
         earlier = now_seq;
@@ -445,14 +450,15 @@ async fn stored_snapshot(bus: &Bus, bucket: &str) -> StoredSnapshot {
     }
 }
 
-/// Writes `snap` to the object store (logged, never fatal).
-pub async fn write(bus: &Bus, bucket: &str, snap: &KvIndexSnapshot) {
+/// Writes `snap` to the object store (logged, never fatal); whether it
+/// was written.
+pub async fn write(bus: &Bus, bucket: &str, snap: &KvIndexSnapshot) -> bool {
     let t0 = Instant::now();
     let bytes = match encode(snap) {
         Ok(b) => b,
         Err(e) => {
             tracing::warn!(error = %e, "cannot encode the KV index snapshot");
-            return;
+            return false;
         }
     };
     let res = match bus.object_store(bucket).await {
@@ -463,6 +469,7 @@ pub async fn write(bus: &Bus, bucket: &str, snap: &KvIndexSnapshot) {
             .map_err(|e| e.to_string()),
         Err(e) => Err(e.to_string()),
     };
+    let written = res.is_ok();
     match res {
         Ok(()) => tracing::info!(
             stream_seq = snap.stream_seq,
@@ -474,4 +481,5 @@ pub async fn write(bus: &Bus, bucket: &str, snap: &KvIndexSnapshot) {
         ),
         Err(e) => tracing::warn!(error = %e, "cannot write the KV index snapshot"),
     }
+    written
 }

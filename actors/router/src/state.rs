@@ -261,6 +261,12 @@ impl RouterState {
         Some(self.kv.snapshot(stream_seq, me))
     }
 
+    /// The last snapshot taken was not stored: the next interval takes one
+    /// again (as a re-tag if nothing was applied meanwhile).
+    pub fn kv_snapshot_not_written(&mut self) {
+        self.last_kv_snapshot_tag = 0;
+    }
+
     /// The registry's history has been read.
     pub fn registry_loaded(&mut self) {
         self.catch_up.registry_loaded();

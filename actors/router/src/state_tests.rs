@@ -465,8 +465,17 @@ fn only_the_lowest_live_replica_snapshots_once_caught_up_and_when_due() {
     assert!(s
         .kv_snapshot(8, FRESH, &cfg, t0 + 2 * cfg.interval)
         .is_none());
-    // From the re-tagged snapshot on.
-    let t0 = t0 + cfg.interval;
+    // Taken but not stored: taken again at the next interval.
+    s.kv_snapshot_not_written();
+    let again = s
+        .kv_snapshot(8, FRESH, &cfg, t0 + 2 * cfg.interval)
+        .expect("taken again");
+    assert_eq!(again.stream_seq, 8);
+    assert!(s
+        .kv_snapshot(8, FRESH, &cfg, t0 + 3 * cfg.interval)
+        .is_none());
+    // From that snapshot on.
+    let t0 = t0 + 2 * cfg.interval;
     s.kv_batch(batch(3..=3));
     assert!(
         s.kv_snapshot(8, FRESH, &cfg, t0).is_none(),

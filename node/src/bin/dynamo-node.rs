@@ -85,7 +85,12 @@ fn fail(e: impl std::fmt::Display) -> ! {
 
 fn main() {
     dynamo_transfer::reset_inherited_signal_handlers();
-    let args = Args::parse();
+    let matches = <Args as clap::CommandFactory>::command().get_matches();
+    let args =
+        <Args as clap::FromArgMatches>::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    // Given as a flag (not only by the environment, which a config's own
+    // keys outrank).
+    let flag = |id: &str| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
     let filter = tracing_subscriber::EnvFilter::try_from_env(env::LOG)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,async_nats=warn"));
     // Colours only on a terminal: a log file or journal gets plain text.
@@ -97,7 +102,36 @@ fn main() {
         .init();
     let cfg = match (&args.config, &args.join) {
         (Some(path), _) => {
-            let mut c = NodeConfig::load(path).unwrap_or_else(|e| fail(e));
+            // --nats-ca and --nats-credentials outrank the config's keys,
+            // and are checked in their place (before the config's files,
+            // which may not exist here).
+            let ca = args.nats_ca.clone().filter(|_| flag("nats_ca"));
+            let creds = args
+                .nats_credentials
+                .clone()
+                .filter(|_| flag("nats_credentials"));
+            let mut c = NodeConfig::load_with(path, |raw| {
+                if let Some(p) = &ca {
+                    raw.nats.ca_file = Some(p.display().to_string());
+                }
+                if let Some(p) = &creds {
+                    raw.nats.credentials = Some(p.display().to_string());
+                }
+            })
+            .map_err(|e| match e {
+                dynamo_node::config::ConfigError::Invalid { key, message }
+                    if key == "nats.ca_file" && ca.is_some() =>
+                {
+                    format!("--nats-ca: {message}")
+                }
+                dynamo_node::config::ConfigError::Invalid { key, message }
+                    if key == "nats.credentials" && creds.is_some() =>
+                {
+                    format!("--nats-credentials: {message}")
+                }
+                e => e.to_string(),
+            })
+            .unwrap_or_else(|e| fail(e));
             if let Some(id) = &args.node_id {
                 if id.is_empty() || id.len() > 64 {
                     fail("--node-id must be 1-64 characters");
@@ -163,26 +197,6 @@ fn main() {
         )
         .unwrap_or_else(|e| fail(e));
         cfg.metrics_listen = Some(listen);
-    }
-    // With --config, --nats-ca and --nats-credentials (or their environment
-    // variables) override the config's [nats] ca_file and credentials.
-    if args.config.is_some() && (args.nats_ca.is_some() || args.nats_credentials.is_some()) {
-        match cfg.nats {
-            dynamo_node::config::NatsSpec::Url(_) => {
-                if let Some(ca) = &args.nats_ca {
-                    cfg.nats_access.ca_file = Some(ca.clone());
-                }
-                if let Some(dir) = &args.nats_credentials {
-                    cfg.nats_access.credentials = Some(dir.clone());
-                }
-                cfg.nats_access
-                    .validate("--nats-ca", "--nats-credentials")
-                    .unwrap_or_else(|e| fail(e));
-            }
-            dynamo_node::config::NatsSpec::Embedded { .. } => eprintln!(
-                "dynamo-node: --nats-ca and --nats-credentials ignored: the embedded NATS server makes its own"
-            ),
-        }
     }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -6,15 +6,19 @@ use super::{invalid, ConfigError};
 use dynamo_gateway::auth::{parse_key_file, ApiKey};
 use std::net::SocketAddr;
 
-/// The keys a gateway checks: from `api_keys_file` (or the file named by
-/// `DYNAMO_API_KEYS_FILE`); none = open, which is refused on an address
-/// other hosts can reach unless `allow_unauthenticated` says so.
+/// The keys a gateway checks: from `api_keys_file` (or, with `read_env`,
+/// the file named by `DYNAMO_API_KEYS_FILE`); none = open, which is
+/// refused on an address other hosts can reach unless
+/// `allow_unauthenticated` says so.
 pub(super) fn api_keys(
     file: Option<&str>,
     allow_unauthenticated: bool,
     listen: SocketAddr,
+    read_env: bool,
 ) -> Result<Vec<ApiKey>, ConfigError> {
-    let env = std::env::var(crate::env::API_KEYS_FILE).ok();
+    let env = read_env
+        .then(|| std::env::var(crate::env::API_KEYS_FILE).ok())
+        .flatten();
     let path = file.map(str::to_string).or(env.filter(|p| !p.is_empty()));
     let keys = match &path {
         None => Vec::new(),

@@ -81,11 +81,13 @@ impl MetricsListen {
                 let t = std::fs::read_to_string(p)
                     .map_err(|e| invalid(keys.1, format!("{}: {e}", p.display())))?;
                 let t = t.trim().to_string();
-                if t.is_empty() || t.len() > 4096 || t.chars().any(|c| c.is_whitespace()) {
+                // What an HTTP header can carry as is: visible ASCII.
+                let visible = t.bytes().all(|b| (0x21..=0x7e).contains(&b));
+                if t.is_empty() || t.len() > 4096 || !visible {
                     return Err(invalid(
                         keys.1,
                         format!(
-                            "{}: the token must be one word of 1-4096 characters",
+                            "{}: the token must be 1-4096 visible ASCII characters, no spaces",
                             p.display()
                         ),
                     ));
