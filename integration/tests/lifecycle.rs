@@ -465,38 +465,26 @@ fn nats_access_flags_apply_with_a_config_file() {
     let dir = tempfile::tempdir().expect("dir");
     let cfg = dir.path().join("node.toml");
     std::fs::write(&cfg, node_config("n1", "nats://127.0.0.1:1", None, 1, "")).expect("write");
+    // `dynamo-node --config cfg ARGS` exits non-zero; its stderr.
+    let refused = |args: &[&std::ffi::OsStr]| -> String {
+        let out = std::process::Command::new(bin("dynamo-node"))
+            .arg("--config")
+            .arg(&cfg)
+            .args(args)
+            .output()
+            .expect("dynamo-node runs");
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
     let missing = dir.path().join("no-such-ca.pem");
-    let out = std::process::Command::new(bin("dynamo-node"))
-        .arg("--config")
-        .arg(&cfg)
-        .arg("--nats-ca")
-        .arg(&missing)
-        .output()
-        .expect("dynamo-node runs");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&["--nats-ca".as_ref(), missing.as_os_str()]);
     assert!(err.contains("--nats-ca"), "{err}");
-    let out = std::process::Command::new(bin("dynamo-node"))
-        .arg("--config")
-        .arg(&cfg)
-        .arg("--nats-credentials")
-        .arg(dir.path().join("no-such-dir"))
-        .output()
-        .expect("dynamo-node runs");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let no_dir = dir.path().join("no-such-dir");
+    let err = refused(&["--nats-credentials".as_ref(), no_dir.as_os_str()]);
     assert!(err.contains("--nats-credentials"), "{err}");
     // A metrics listener other hosts can reach, with no token and no
     // allowance, is refused at start, naming the flags.
-    let out = std::process::Command::new(bin("dynamo-node"))
-        .arg("--config")
-        .arg(&cfg)
-        .arg("--metrics-listen")
-        .arg("0.0.0.0:0")
-        .output()
-        .expect("dynamo-node runs");
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused(&["--metrics-listen".as_ref(), "0.0.0.0:0".as_ref()]);
     assert!(
         err.contains("--metrics-listen") && err.contains("--metrics-token-file"),
         "{err}"
