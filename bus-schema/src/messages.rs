@@ -488,12 +488,13 @@ pub struct FaultInjection {
 wire!(FaultInjection = 50);
 
 /// Admin → node (`Subjects::node_fault`): inject a fault into an actor
-/// named by its role (`router`, `gateway`, or a worker id in hex), for
+/// named by its role (`router`, `indexer`, `gateway`, or a worker id in hex), for
 /// faults that are not a worker's alone (a background task that ends).
 /// Refused unless the node's config enables fault injection.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ActorFault {
-    /// `router`, `gateway`, or a worker id (hex, as `dynamoctl status` shows it).
+    /// `router`, `indexer` (the router's KV index), `gateway`, or a worker
+    /// id (hex, as `dynamoctl status` shows it).
     pub actor: String,
     pub fault: FaultKind,
     /// The task [`FaultKind::EndTask`] ends (names are listed in the refusal

@@ -266,6 +266,101 @@ async fn a_live_gap_is_filled_from_the_stream_without_a_dump() {
     assert!(w.alive() && g.alive());
 }
 
+/// The indexer is an actor of its own under the router: one that panics,
+/// or whose KV events feed ends, is replaced with a fresh index that
+/// catches up from the snapshot and the stream (no dump), while the router
+/// itself keeps running and routing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_indexer_is_replaced_and_catches_up_while_the_router_runs() {
+    let nats = Nats::start();
+    let mut w = Node::start(&node_config("w", &nats.url, None, 2, "").replace(
+        "heartbeat_ms = 500\n",
+        "heartbeat_ms = 500\ncontext_length = 16384\n",
+    ));
+    let port = free_port();
+    let mut g = Node::start(&format!(
+        "{}[supervision]\nfault_injection = true\n",
+        gateway("g", &nats.url, port, true)
+    ));
+    let h = Http::new(port);
+    h.wait_ready(2, &mut g).await;
+    let workers: Vec<String> = registrations(&nats.url)
+        .await
+        .iter()
+        .map(|r| r.worker_id.to_string())
+        .collect();
+    send(&h, 0..4).await;
+    agrees(&h, &nats.url, &workers, &mut g).await;
+    // A snapshot of the filled index is in the store.
+    let taken = h.metric("dynamo_router_kv_snapshots_taken_total").await;
+    wait_metric(
+        &h,
+        "dynamo_router_kv_snapshots_taken_total",
+        taken + 1,
+        &mut g,
+    )
+    .await;
+    let dumps = h.metric("dynamo_router_kv_dumps_total").await;
+    let loaded = h
+        .metric("dynamo_router_kv_snapshot_blocks_loaded_total")
+        .await;
+
+    for (n, (fault, task)) in [
+        (dynamo_bus_schema::FaultKind::PanicActor, ""),
+        (dynamo_bus_schema::FaultKind::EndTask, "kv-events"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let ack = inject(
+            &nats.url,
+            "g",
+            &dynamo_bus_schema::ActorFault {
+                actor: "indexer".into(),
+                fault,
+                task: task.into(),
+            },
+        )
+        .await;
+        assert!(ack.applied, "{}", ack.message);
+        wait_metric(
+            &h,
+            "dynamo_router_indexer_restarts_total",
+            n as u64 + 1,
+            &mut g,
+        )
+        .await;
+        // Served across the restart, and followed into the new index.
+        send(&h, 10 * (n + 1)..10 * (n + 1) + 4).await;
+        agrees(&h, &nats.url, &workers, &mut g).await;
+    }
+    let log = g.log_text();
+    assert_eq!(
+        log.matches("indexer exited; restarting it with a fresh index")
+            .count(),
+        2,
+        "{log}"
+    );
+    assert!(
+        !log.contains("actor exited; restarting"),
+        "the router itself restarted:\n{log}"
+    );
+    assert!(
+        h.metric("dynamo_router_kv_snapshot_blocks_loaded_total")
+            .await
+            > loaded,
+        "the new index started from the snapshot"
+    );
+    assert_eq!(
+        h.metric("dynamo_router_kv_dumps_total").await,
+        dumps,
+        "a dump was asked for:\n{log}"
+    );
+    let o = h.overlap(&prompt(21)).await;
+    assert!(o.as_object().is_some_and(|m| !m.is_empty()), "{o}");
+    assert!(w.alive() && g.alive());
+}
+
 /// A replica with snapshots turned off does not stop its peers from writing
 /// them, even when it has the lowest id (the elected writer): once the
 /// store's newest snapshot is stale (missing, then older than three

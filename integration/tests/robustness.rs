@@ -206,7 +206,7 @@ async fn a_background_task_that_ends_restarts_its_actor() {
     assert_eq!(ok.status, 200, "{}", ok.json);
     let worker = registrations(&nats.url).await[0].clone();
     for (actor, task, child) in [
-        ("router".to_string(), "kv-events", "router"),
+        ("router".to_string(), "load-reports", "router"),
         (worker.worker_id.to_string(), "generate", "worker-0-0"),
         ("gateway".to_string(), "inbox", "gateway"),
     ] {

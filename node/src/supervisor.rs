@@ -523,6 +523,13 @@ impl SupervisorState {
                     r.cast(dynamo_router::RouterMsg::InjectFault(f.fault, task))
                         .is_ok()
                 }),
+            // The router's child: reached through the router.
+            "indexer" => ractor::registry::where_is(ROUTER_ACTOR_NAME)
+                .map(ActorRef::<dynamo_router::RouterMsg>::from)
+                .map(|r| {
+                    r.cast(dynamo_router::RouterMsg::InjectIndexerFault(f.fault, task))
+                        .is_ok()
+                }),
             "gateway" => self
                 .gateway
                 .as_ref()

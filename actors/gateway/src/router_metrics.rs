@@ -67,6 +67,11 @@ pub fn router_metrics(info: &dynamo_router::KvInfo) -> String {
             "Gaps the KV events stream could not fill (a dump followed)",
             st.stream_fill_failures,
         ),
+        (
+            "indexer_restarts_total",
+            "Times the router's indexer failed and was replaced with a fresh index",
+            info.indexer_restarts,
+        ),
     ] {
         let _ = writeln!(out, "# HELP dynamo_router_{name} {help}");
         let _ = writeln!(out, "# TYPE dynamo_router_{name} counter");

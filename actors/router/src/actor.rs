@@ -1,26 +1,30 @@
 //! `RouterActor`: a thin shell around [`RouterState`]. Its feeds
 //! ([`crate::feeds`]) bring the bus in (the workers KV bucket, watched with
-//! history; load reports; KV events; peers' load), dumps
-//! ([`crate::dumps`]) fill the index, and it answers route/release/list
-//! calls from the gateway.
+//! history; load reports; peers' load), and it answers route/release/list
+//! calls from the gateway. The KV index is kept by its child, the
+//! [`IndexerActor`], which it tells of registry changes and reads through
+//! a shared handle.
 //!
 //! Invariants: every task is owned by the actor's `Tasks`: they stop with
 //! its state, and one that ends on its own fails the actor (its supervisor
 //! restarts it with fresh feeds, and it catches up again before routing);
-//! route calls are bounded by the gateway's admission, feeds by their
-//! gates, ticks by one outstanding each.
+//! the indexer is linked to it: one that fails is replaced with a fresh
+//! index (at most [`INDEXER_RESTARTS_MAX`] a minute, past which the router
+//! fails too), and it stops with the router; route calls are bounded by
+//! the gateway's admission, feeds by their gates, ticks by one outstanding
+//! each.
 
-use crate::dumps::request_dump;
 use crate::feeds::{self, FEED_BACKLOG};
+use crate::indexer::{IndexerActor, IndexerArgs, IndexerMsg};
+use crate::kv_sync::{KvStats, KvSync, SharedKv};
 use crate::policy::{build, PolicyKind};
 use crate::state::{ModelEntry, RouteDecision, RouteError, RouterState, WorkerEntry};
-use dynamo_bus_schema::WireMessage;
 use dynamo_bus_schema::{
-    ActiveLoadEvent, FaultKind, KvDumpTiered, KvEventBatch, KvIndexSnapshot, LoadReport, ModelName,
-    RequestId, RouterHeartbeat, RouterId, WorkerId, WorkerRegistration,
+    ActiveLoadEvent, FaultKind, LoadReport, ModelName, RequestId, RouterHeartbeat, RouterId,
+    WorkerId, WorkerRegistration,
 };
-use dynamo_runtime::{counters, Bus, Gate, Tasks, Ticket};
-use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use dynamo_runtime::{Bus, Gate, Tasks, Ticket};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -55,31 +59,6 @@ impl Default for RouterConfig {
 /// [`Ticket`] (dropped once handled), which bounds how many wait.
 pub enum RouterMsg {
     Upsert(Box<WorkerRegistration>, Ticket),
-    KvBatch(KvEventBatch, Ticket),
-    KvDump(KvDumpTiered),
-    /// The newest KV index snapshot, loaded while catching up.
-    KvSnapshot(Box<KvIndexSnapshot>),
-    /// The stream no longer holds what followed the snapshot.
-    KvStreamTruncated,
-    /// A batch read back from the KV events stream while catching up.
-    KvReplayed(KvEventBatch, Ticket),
-    /// The stream replay is over (or could not run).
-    KvReplayDone,
-    /// The last snapshot taken could not be stored: take one again.
-    KvSnapshotNotWritten,
-    /// The KV events stream's answer to a gap fill.
-    KvFilled(
-        crate::kv_sync::GapFill,
-        Result<Vec<dynamo_bus_schema::KvEvent>, String>,
-    ),
-    /// A snapshot of the index to write, tagged with this stream
-    /// sequence, if this replica should write one now, given what the
-    /// store holds.
-    TakeKvSnapshot(
-        u64,
-        crate::kv_stream::StoredSnapshot,
-        RpcReplyPort<Option<KvIndexSnapshot>>,
-    ),
     Remove(WorkerId, Ticket),
     Load(LoadReport, Ticket),
     Expire(Ticket),
@@ -111,9 +90,11 @@ pub enum RouterMsg {
     /// A background task ended on its own (its input is gone).
     TaskEnded(String),
     /// Fault injection: [`FaultKind::EndTask`] ends the named task,
-    /// [`FaultKind::PanicActor`] panics in the handler,
-    /// [`FaultKind::DropKvBatch`] drops the next live KV event batch.
+    /// [`FaultKind::PanicActor`] panics in the handler; any other fault
+    /// goes to the indexer.
     InjectFault(FaultKind, String),
+    /// Fault injection into the indexer (see [`IndexerMsg::InjectFault`]).
+    InjectIndexerFault(FaultKind, String),
     Models(RpcReplyPort<Vec<ModelEntry>>),
     KvInfo(RpcReplyPort<KvInfo>),
     Info(RpcReplyPort<dynamo_bus_schema::RouterInfo>),
@@ -129,6 +110,8 @@ pub enum RouterMsg {
 #[derive(Clone, Debug)]
 pub struct KvInfo {
     pub stats: crate::kv_sync::KvStats,
+    /// Times the indexer failed and was replaced with a fresh index.
+    pub indexer_restarts: u64,
     /// Indexed blocks per worker: device, host, disk.
     pub blocks: Vec<(WorkerId, [u64; 3])>,
     /// Where routing time went.
@@ -150,37 +133,71 @@ pub struct RouterArgs {
 pub struct RouterRuntime {
     state: RouterState,
     bus: Bus,
+    /// The child that keeps the KV index.
+    indexer: ActorRef<IndexerMsg>,
+    /// What each new indexer is started with.
+    indexer_args: IndexerSettings,
+    /// When the indexer failed, within the last minute.
+    indexer_failures: std::collections::VecDeque<Instant>,
+    /// Indexers replaced since the router started.
+    indexer_restarts: u64,
     /// Load events and heartbeats for the peers, published by a task of
     /// their own (the bus never stalls routing). Bounded: when the bus is
     /// away and it fills, newer ones are dropped (peers expire what they
     /// miss with this router's heartbeats).
     to_peers: tokio::sync::mpsc::Sender<ToPeers>,
     tasks: Tasks,
-    /// The KV events feed starts once the registry's history is read (so
-    /// that replayed batches find their workers registered).
-    kv_feed_started: bool,
-    kv_snapshot: crate::kv_stream::KvSnapshotConfig,
-    /// Fault injection: drop the next live KV event batch.
-    drop_next_kv_batch: bool,
 }
 
-/// Longest a starting replica waits for the KV events replay before it
-/// syncs the workers it did not cover from dumps.
-const KV_REPLAY_MAX: Duration = Duration::from_secs(30);
+/// Most indexer failures a minute the router absorbs; past them it fails
+/// too (something outside the indexer is wrong), and the node's
+/// supervisor restarts both.
+pub const INDEXER_RESTARTS_MAX: usize = 5;
+
+/// What a new indexer is started with (less its fresh index).
+#[derive(Clone)]
+struct IndexerSettings {
+    snapshots: crate::kv_stream::KvSnapshotConfig,
+    tick: Duration,
+}
+
+/// Starts an indexer, linked to the router, filling `kv`.
+async fn spawn_indexer(
+    myself: &ActorRef<RouterMsg>,
+    bus: &Bus,
+    router_id: RouterId,
+    kv: SharedKv,
+    settings: &IndexerSettings,
+) -> Result<ActorRef<IndexerMsg>, ActorProcessingErr> {
+    let args = IndexerArgs {
+        bus: bus.clone(),
+        router_id,
+        kv,
+        snapshots: settings.snapshots.clone(),
+        tick: settings.tick,
+    };
+    let (indexer, _) = Actor::spawn_linked(None, IndexerActor, args, myself.get_cell()).await?;
+    Ok(indexer)
+}
+
+/// A fresh index, replaying the stream until its indexer says otherwise
+/// (the router holds routing meanwhile, while catching up).
+fn fresh_index(stats: KvStats) -> SharedKv {
+    let mut kv = KvSync::default();
+    kv.stats = stats;
+    kv.begin_replay();
+    SharedKv::new(kv)
+}
 
 impl RouterRuntime {
-    /// Starts the repairs due: gap fills from the KV events stream, and
-    /// dumps (for workers first seen, and gaps the stream could not fill).
-    fn spawn_dumps(&mut self, myself: &ActorRef<RouterMsg>, now: Instant) {
-        for fill in self.state.kv_fills_due(now) {
-            self.tasks.spawn_transient(
-                "kv-fill",
-                crate::kv_stream::fill_gap(self.bus.clone(), fill, myself.clone()),
-            );
-        }
-        for w in self.state.kv_dumps_due(now) {
-            self.tasks
-                .spawn_transient("kv-dump", request_dump(self.bus.clone(), w, myself.clone()));
+    /// Tells the indexer what the last message changed, in order. A send
+    /// that fails (the indexer is dying) is made good when the router
+    /// replaces it: the new one is told the whole registry.
+    fn tell_indexer(&mut self) {
+        for n in self.state.take_to_indexer() {
+            if self.indexer.cast(IndexerMsg::Router(n)).is_err() {
+                break;
+            }
         }
     }
 }
@@ -235,6 +252,15 @@ impl Actor for RouterActor {
         state.set_disagg(args.config.disagg);
         state.set_overload_backoff(args.config.overload_backoff);
         state.begin_catch_up(Instant::now());
+        let period = (args.config.worker_ttl / 4).max(Duration::from_millis(50));
+        let indexer_args = IndexerSettings {
+            snapshots: args.config.kv_snapshot.clone(),
+            tick: period,
+        };
+        let kv = fresh_index(KvStats::default());
+        let indexer =
+            spawn_indexer(&myself, &bus, state.router_id(), kv.clone(), &indexer_args).await?;
+        state.indexer_replaced(kv);
         tasks.spawn(
             "workers",
             feeds::watch_workers(bus.clone(), myself.clone(), Gate::new(FEED_BACKLOG)),
@@ -249,20 +275,6 @@ impl Actor for RouterActor {
                 RouterMsg::Load,
             ),
         );
-        if let Err(e) = bus.ensure_kv_events_stream().await {
-            tracing::warn!(error = %e, "cannot create the KV events stream");
-        }
-        if args.config.kv_snapshot.enabled {
-            tasks.spawn(
-                "kv-snapshots",
-                crate::kv_stream::snapshots(
-                    bus.clone(),
-                    myself.clone(),
-                    args.config.kv_snapshot.clone(),
-                ),
-            );
-        }
-        let period = (args.config.worker_ttl / 4).max(Duration::from_millis(50));
         tasks.spawn(
             "expiry-tick",
             feeds::ticker(period, myself.clone(), RouterMsg::Expire),
@@ -299,15 +311,18 @@ impl Actor for RouterActor {
         let (to_peers, rx) = tokio::sync::mpsc::channel(TO_PEERS_BACKLOG);
         tasks.spawn("to-peers", publish_to_peers(bus.clone(), rx));
         tracing::info!(policy = state.policy_name(), "router started");
-        Ok(RouterRuntime {
+        let mut rt = RouterRuntime {
             state,
             bus,
+            indexer,
+            indexer_args,
+            indexer_failures: Default::default(),
+            indexer_restarts: 0,
             to_peers,
             tasks,
-            kv_feed_started: false,
-            kv_snapshot: args.config.kv_snapshot,
-            drop_next_kv_batch: false,
-        })
+        };
+        rt.tell_indexer();
+        Ok(rt)
     }
 
     async fn post_stop(
@@ -316,67 +331,70 @@ impl Actor for RouterActor {
         rt: &mut RouterRuntime,
     ) -> Result<(), ActorProcessingErr> {
         rt.tasks.shutdown();
+        rt.indexer.stop(None);
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<RouterMsg>,
+        evt: SupervisionEvent,
+        rt: &mut RouterRuntime,
+    ) -> Result<(), ActorProcessingErr> {
+        let why = match &evt {
+            SupervisionEvent::ActorTerminated(cell, _, reason)
+                if cell.get_id() == rt.indexer.get_id() =>
+            {
+                format!("stopped: {reason:?}")
+            }
+            SupervisionEvent::ActorFailed(cell, err) if cell.get_id() == rt.indexer.get_id() => {
+                format!("failed: {err}")
+            }
+            _ => return Ok(()),
+        };
+        let now = Instant::now();
+        rt.indexer_failures
+            .retain(|t| now.duration_since(*t) < Duration::from_secs(60));
+        rt.indexer_failures.push_back(now);
+        if rt.indexer_failures.len() > INDEXER_RESTARTS_MAX {
+            return Err(format!(
+                "router: the indexer failed {} times in a minute (last: {why})",
+                rt.indexer_failures.len()
+            )
+            .into());
+        }
+        tracing::error!(%why, "indexer exited; restarting it with a fresh index");
+        rt.indexer_restarts += 1;
+        // Counters carry over; the index itself is rebuilt from the
+        // snapshot and the stream.
+        let kv = fresh_index(rt.state.kv().stats());
+        rt.indexer = spawn_indexer(
+            &myself,
+            &rt.bus,
+            rt.state.router_id(),
+            kv.clone(),
+            &rt.indexer_args,
+        )
+        .await?;
+        rt.state.indexer_replaced(kv);
+        rt.tell_indexer();
         Ok(())
     }
 
     async fn handle(
         &self,
-        myself: ActorRef<RouterMsg>,
+        _myself: ActorRef<RouterMsg>,
         msg: RouterMsg,
         rt: &mut RouterRuntime,
     ) -> Result<(), ActorProcessingErr> {
         let s = &mut rt.state;
         let now = Instant::now();
         match msg {
-            RouterMsg::Upsert(reg, _ticket) => {
-                s.upsert(*reg, now);
-                // A worker seen for the first time is dumped at once, not at
-                // the next tick: a starting replica routes only after that.
-                rt.spawn_dumps(&myself, now);
-            }
-            RouterMsg::KvBatch(_, _ticket) if rt.drop_next_kv_batch => {
-                rt.drop_next_kv_batch = false;
-                tracing::warn!("fault injected: a live KV event batch dropped");
-            }
-            RouterMsg::KvBatch(b, _ticket) => {
-                if s.kv_batch(b) {
-                    rt.spawn_dumps(&myself, now);
-                }
-            }
-            RouterMsg::KvSnapshotNotWritten => s.kv_snapshot_not_written(),
-            RouterMsg::KvFilled(fill, found) => {
-                s.kv_filled(&fill, found);
-                rt.spawn_dumps(&myself, now);
-            }
-            RouterMsg::KvDump(d) => s.kv_dump(d),
-            RouterMsg::KvSnapshot(snap) => match s.kv_restore(&snap) {
-                Ok(blocks) => tracing::info!(
-                    blocks,
-                    stream_seq = snap.stream_seq,
-                    workers = snap.workers.len(),
-                    "loaded the KV index snapshot"
-                ),
-                Err(e) => counters::reject(
-                    KvIndexSnapshot::NAME,
-                    &rt.bus.subjects.router_state_objects(),
-                    &e,
-                ),
-            },
-            RouterMsg::KvStreamTruncated => s.kv_stream_truncated(),
-            RouterMsg::KvReplayed(b, _ticket) => s.kv_replayed(b),
-            RouterMsg::KvReplayDone => {
-                s.kv_replay_done();
-                rt.spawn_dumps(&myself, now);
-            }
-            RouterMsg::TakeKvSnapshot(seq, stored, reply) => {
-                let _ = reply.send(s.kv_snapshot(seq, stored, &rt.kv_snapshot, now));
-            }
+            RouterMsg::Upsert(reg, _ticket) => s.upsert(*reg, now),
             RouterMsg::Remove(id, _ticket) => s.remove(id),
             RouterMsg::Load(r, _ticket) => s.load(r, now),
             RouterMsg::Expire(_ticket) => {
                 s.expire(now);
-                s.kv_replay_overdue(now, KV_REPLAY_MAX);
-                rt.spawn_dumps(&myself, now);
             }
             RouterMsg::WorkerOverloaded(w) => s.overloaded(w, now),
             RouterMsg::TaskEnded(why) => return Err(format!("router: {why}").into()),
@@ -388,9 +406,8 @@ impl Actor for RouterActor {
                     tracing::warn!(task, tasks = ?rt.tasks.names(), "no such task to end");
                 }
             }
-            RouterMsg::InjectFault(FaultKind::DropKvBatch, _) => rt.drop_next_kv_batch = true,
-            RouterMsg::InjectFault(other, _) => {
-                tracing::warn!(?other, "fault not applicable to the router")
+            RouterMsg::InjectFault(fault, task) | RouterMsg::InjectIndexerFault(fault, task) => {
+                let _ = rt.indexer.cast(IndexerMsg::InjectFault(fault, task));
             }
             RouterMsg::Route {
                 request_id,
@@ -432,20 +449,7 @@ impl Actor for RouterActor {
                 s.load_snapshot(&entries, now);
             }
             RouterMsg::SnapshotDone => s.snapshot_done(),
-            RouterMsg::RegistryLoaded => {
-                s.registry_loaded();
-                if !rt.kv_feed_started {
-                    rt.kv_feed_started = true;
-                    rt.tasks.spawn(
-                        "kv-events",
-                        crate::kv_stream::follow(
-                            rt.bus.clone(),
-                            myself.clone(),
-                            Gate::new(FEED_BACKLOG),
-                        ),
-                    );
-                }
-            }
+            RouterMsg::RegistryLoaded => s.registry_loaded(),
             RouterMsg::ServeSnapshot(reply) => {
                 let _ = reply.send(s.active_snapshot());
             }
@@ -468,6 +472,7 @@ impl Actor for RouterActor {
                     .collect();
                 let _ = reply.send(KvInfo {
                     stats: s.kv_stats(),
+                    indexer_restarts: rt.indexer_restarts,
                     blocks,
                     load,
                     mismatched: s.kv_mismatches(),
@@ -492,6 +497,7 @@ impl Actor for RouterActor {
                 let _ = reply.send(s.workers());
             }
         }
+        rt.tell_indexer();
         Ok(())
     }
 }

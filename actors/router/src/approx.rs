@@ -1,6 +1,6 @@
-//! Approximate KV tracking for engines that emit no KV events: the router
-//! records the blocks of every request it routes to such a worker, as if the
-//! worker had stored them, and forgets them after a TTL or when a size cap
+//! Approximate KV tracking for engines that emit no KV events: the indexer
+//! records the blocks of every request the router routes to such a worker
+//! (as the router tells it), as if the worker had stored them, and forgets them after a TTL or when a size cap
 //! is exceeded (oldest first).
 //!
 //! Invariants: a (worker, block) is in the index iff at least one unexpired

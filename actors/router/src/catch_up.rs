@@ -20,7 +20,6 @@ pub struct CatchUp {
     started: Instant,
     registry_loaded: bool,
     snapshot_done: bool,
-    kv_replayed: bool,
     done: bool,
 }
 
@@ -31,7 +30,6 @@ impl CatchUp {
             started: Instant::now(),
             registry_loaded: true,
             snapshot_done: true,
-            kv_replayed: true,
             done: true,
         }
     }
@@ -42,7 +40,6 @@ impl CatchUp {
             started: now,
             registry_loaded: false,
             snapshot_done: false,
-            kv_replayed: false,
             done: false,
         }
     }
@@ -55,8 +52,9 @@ impl CatchUp {
         self.snapshot_done = true;
     }
 
-    pub fn kv_replayed(&mut self) {
-        self.kv_replayed = true;
+    /// Whether the registry's history has been read.
+    pub fn registry_was_loaded(&self) -> bool {
+        self.registry_loaded
     }
 
     /// Routing has started.
@@ -69,12 +67,13 @@ impl CatchUp {
         now.duration_since(self.started)
     }
 
-    /// Whether routing may start; `syncing` = workers still waiting for a dump.
-    pub fn check(&mut self, syncing: usize, now: Instant) -> bool {
+    /// Whether routing may start; `syncing` = workers still waiting for a
+    /// repair, `replaying` = the indexer still replays the KV events stream.
+    pub fn check(&mut self, syncing: usize, replaying: bool, now: Instant) -> bool {
         if self.done {
             return true;
         }
-        let whole = self.registry_loaded && self.snapshot_done && self.kv_replayed && syncing == 0;
+        let whole = self.registry_loaded && self.snapshot_done && !replaying && syncing == 0;
         if whole || now.duration_since(self.started) >= CATCH_UP_MAX {
             self.done = true;
             tracing::info!(
@@ -95,18 +94,17 @@ mod tests {
     fn waits_for_every_part_or_the_cap() {
         let t0 = Instant::now();
         let mut c = CatchUp::begin(t0);
-        assert!(!c.check(0, t0));
+        assert!(!c.check(0, false, t0));
         c.registry_loaded();
         c.snapshot_done();
-        assert!(!c.check(0, t0), "the KV stream is still replaying");
-        c.kv_replayed();
-        assert!(!c.check(2, t0), "two workers still syncing");
-        assert!(c.check(0, t0));
-        assert!(c.check(5, t0), "stays caught up");
+        assert!(!c.check(0, true, t0), "the KV stream is still replaying");
+        assert!(!c.check(2, false, t0), "two workers still syncing");
+        assert!(c.check(0, false, t0));
+        assert!(c.check(5, true, t0), "stays caught up");
 
         let mut stuck = CatchUp::begin(t0);
-        assert!(!stuck.check(1, t0 + Duration::from_secs(1)));
-        assert!(stuck.check(1, t0 + CATCH_UP_MAX));
-        assert!(CatchUp::done().check(9, t0));
+        assert!(!stuck.check(1, true, t0 + Duration::from_secs(1)));
+        assert!(stuck.check(1, true, t0 + CATCH_UP_MAX));
+        assert!(CatchUp::done().check(9, true, t0));
     }
 }

@@ -6,7 +6,7 @@
 //! A dump that does not arrive whole within [`DUMP_TIMEOUT`] is dropped
 //! and asked for again (`kv_sync` retries it from the expiry tick).
 
-use crate::actor::RouterMsg;
+use crate::indexer::IndexerMsg;
 use dynamo_bus_schema::{
     decode_assembled, decode_payload, peek_kind, KvDump, KvDumpRequest, KvDumpTiered, WireMessage,
     WorkerId,
@@ -18,8 +18,8 @@ use std::time::Duration;
 /// Longest a whole dump (every piece) may take to arrive.
 pub const DUMP_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Asks a worker for its block table and hands the answer to the router.
-pub async fn request_dump(bus: Bus, w: WorkerId, router: ActorRef<RouterMsg>) {
+/// Asks a worker for its block table and hands the answer to the indexer.
+pub async fn request_dump(bus: Bus, w: WorkerId, indexer: ActorRef<IndexerMsg>) {
     let req = KvDumpRequest {
         reason: "router sync".into(),
     };
@@ -32,7 +32,7 @@ pub async fn request_dump(bus: Bus, w: WorkerId, router: ActorRef<RouterMsg>) {
     });
     match dump {
         Ok(Ok(d)) if d.worker_id == w => {
-            let _ = router.cast(RouterMsg::KvDump(d));
+            let _ = indexer.cast(IndexerMsg::KvDump(d));
         }
         Ok(Ok(d)) => counters::reject(
             "KvDumpTiered",

@@ -130,18 +130,19 @@ pub async fn forward<T: WireMessage>(
     forward_from(sub, router, gate, wrap).await
 }
 
-/// [`forward`] from a subscription already made.
-pub async fn forward_from<T: WireMessage>(
+/// [`forward`] from a subscription already made, to any actor (the router
+/// or its indexer).
+pub async fn forward_from<T: WireMessage, M: ractor::Message>(
     mut sub: async_nats::Subscriber,
-    router: ActorRef<RouterMsg>,
+    actor: ActorRef<M>,
     gate: Gate,
-    wrap: fn(T, Ticket) -> RouterMsg,
+    wrap: fn(T, Ticket) -> M,
 ) {
     while let Some(msg) = sub.next().await {
         match decode::<T>(&msg.payload) {
             Ok(v) => {
                 let ticket = gate.enter().await;
-                if router.cast(wrap(v, ticket)).is_err() {
+                if actor.cast(wrap(v, ticket)).is_err() {
                     return;
                 }
             }
@@ -286,16 +287,21 @@ async fn ask<T: Send + 'static>(
     }
 }
 
-/// Casts `msg()` every `period` while no earlier tick waits in the mailbox
-/// (a slow router skips ticks instead of piling them up).
-pub async fn ticker(period: Duration, router: ActorRef<RouterMsg>, msg: fn(Ticket) -> RouterMsg) {
+/// Casts `msg()` to the router or its indexer every `period` while no
+/// earlier tick waits in the mailbox (a slow actor skips ticks instead of
+/// piling them up).
+pub async fn ticker<M: ractor::Message>(
+    period: Duration,
+    actor: ActorRef<M>,
+    msg: fn(Ticket) -> M,
+) {
     let gate = Gate::new(1);
     let mut iv = tokio::time::interval(period);
     iv.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
         iv.tick().await;
         if let Some(t) = gate.try_enter() {
-            if router.cast(msg(t)).is_err() {
+            if actor.cast(msg(t)).is_err() {
                 return;
             }
         }

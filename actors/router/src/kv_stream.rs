@@ -1,4 +1,4 @@
-//! The KV events feed of a router replica, and its snapshots.
+//! The KV events feed of a router replica's indexer, and its snapshots.
 //!
 //! Workers publish their event batches on `kv.<worker>`; the KV events
 //! stream (JetStream, bounded by age and bytes, see
@@ -25,7 +25,7 @@
 //!
 //! Snapshots: every `period` the replica with the lowest id among the live
 //! ones (or another, when the store's newest is stale: see
-//! [`crate::state::RouterState::kv_snapshot`]) writes its index to the
+//! [`crate::indexer_state::IndexerState::snapshot`]) writes its index to the
 //! object store, tagged with the stream's last sequence as read one period
 //! earlier — every message up to it was published at least a period ago
 //! and is applied (one that was not shows up as an event id gap to the
@@ -41,7 +41,7 @@
 //! stream or object store that cannot be reached ends the replay (dumps
 //! take over), it never holds the router.
 
-use crate::actor::RouterMsg;
+use crate::indexer::IndexerMsg;
 use crate::kv_sync::GapFill;
 use dynamo_bus_schema::codec::MAX_ASSEMBLED;
 use dynamo_bus_schema::{
@@ -94,13 +94,13 @@ const REPLAY_IDLE: Duration = Duration::from_secs(3);
 const SNAPSHOT_LOAD_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The KV events feed: catch-up from the stream, then core NATS.
-pub async fn follow(bus: Bus, router: ActorRef<RouterMsg>, gate: Gate) {
+pub async fn follow(bus: Bus, indexer: ActorRef<IndexerMsg>, gate: Gate) {
     let subject = bus.subjects.kv_events_all();
     let sub = match bus.client.subscribe(subject.clone()).await {
         Ok(s) => s,
         Err(e) => {
             tracing::error!(subject, error = %e, "cannot subscribe to KV events");
-            let _ = router.cast(RouterMsg::KvReplayDone);
+            let _ = indexer.cast(IndexerMsg::KvReplayDone);
             return;
         }
     };
@@ -121,12 +121,12 @@ pub async fn follow(bus: Bus, router: ActorRef<RouterMsg>, gate: Gate) {
     let after = snap.as_ref().map(|s| s.stream_seq).unwrap_or(0);
     let snap_ms = t0.elapsed().as_millis() as u64;
     if let Some(s) = snap {
-        if router.cast(RouterMsg::KvSnapshot(Box::new(s))).is_err() {
+        if indexer.cast(IndexerMsg::KvSnapshot(Box::new(s))).is_err() {
             return;
         }
     }
-    let mut sink = ToRouter {
-        router: &router,
+    let mut sink = ToIndexer {
+        indexer: &indexer,
         gate: &gate,
     };
     let replayed = match replay(&bus, after, &mut sink).await {
@@ -134,7 +134,7 @@ pub async fn follow(bus: Bus, router: ActorRef<RouterMsg>, gate: Gate) {
         Err(e) => {
             // What the snapshot's workers did since is unknown: dump them.
             tracing::warn!(error = %e, "cannot replay the KV events stream; workers are synced from dumps");
-            let _ = router.cast(RouterMsg::KvStreamTruncated);
+            let _ = indexer.cast(IndexerMsg::KvStreamTruncated);
             0
         }
     };
@@ -144,10 +144,10 @@ pub async fn follow(bus: Bus, router: ActorRef<RouterMsg>, gate: Gate) {
         replayed,
         "KV events stream replayed"
     );
-    if router.cast(RouterMsg::KvReplayDone).is_err() {
+    if indexer.cast(IndexerMsg::KvReplayDone).is_err() {
         return;
     }
-    crate::feeds::forward_from::<KvEventBatch>(sub, router, gate, RouterMsg::KvBatch).await;
+    crate::feeds::forward_from::<KvEventBatch, _>(sub, indexer, gate, IndexerMsg::KvBatch).await;
 }
 
 /// The newest snapshot in the object store, if one can be read.
@@ -202,19 +202,19 @@ pub trait ReplaySink: Send {
     fn take(&mut self, item: Replayed) -> impl std::future::Future<Output = bool> + Send;
 }
 
-/// Replayed batches into the router's mailbox, through the feed's gate.
-struct ToRouter<'a> {
-    router: &'a ActorRef<RouterMsg>,
+/// Replayed batches into the indexer's mailbox, through the feed's gate.
+struct ToIndexer<'a> {
+    indexer: &'a ActorRef<IndexerMsg>,
     gate: &'a Gate,
 }
 
-impl ReplaySink for ToRouter<'_> {
+impl ReplaySink for ToIndexer<'_> {
     async fn take(&mut self, item: Replayed) -> bool {
         match item {
-            Replayed::Truncated => self.router.cast(RouterMsg::KvStreamTruncated).is_ok(),
+            Replayed::Truncated => self.indexer.cast(IndexerMsg::KvStreamTruncated).is_ok(),
             Replayed::Batch(b) => {
                 let ticket = self.gate.enter().await;
-                self.router.cast(RouterMsg::KvReplayed(b, ticket)).is_ok()
+                self.indexer.cast(IndexerMsg::KvReplayed(b, ticket)).is_ok()
             }
         }
     }
@@ -314,11 +314,11 @@ const FILL_MAX_EVENTS: usize = 100_000;
 /// Fills `fill`'s gap: the worker's events of its generation from id
 /// `from` on, read back from the KV events stream (only that worker's
 /// subject, from when its last batch before the gap was published) up to
-/// the stream's last message now. Casts the answer to the router, which
+/// the stream's last message now. Casts the answer to the indexer, which
 /// applies it or falls back to a dump.
-pub async fn fill_gap(bus: Bus, fill: GapFill, router: ActorRef<RouterMsg>) {
+pub async fn fill_gap(bus: Bus, fill: GapFill, indexer: ActorRef<IndexerMsg>) {
     let found = read_gap(&bus, &fill).await;
-    let _ = router.cast(RouterMsg::KvFilled(fill, found));
+    let _ = indexer.cast(IndexerMsg::KvFilled(fill, found));
 }
 
 async fn read_gap(bus: &Bus, fill: &GapFill) -> Result<Vec<KvEvent>, String> {
@@ -377,7 +377,7 @@ async fn read_gap(bus: &Bus, fill: &GapFill) -> Result<Vec<KvEvent>, String> {
 }
 
 /// Writes this replica's index to the object store when it is due.
-pub async fn snapshots(bus: Bus, router: ActorRef<RouterMsg>, cfg: KvSnapshotConfig) {
+pub async fn snapshots(bus: Bus, indexer: ActorRef<IndexerMsg>, cfg: KvSnapshotConfig) {
     let period = cfg.check_period();
     let bucket = bus.subjects.router_state_objects();
     let name = bus.subjects.kv_events_stream();
@@ -396,16 +396,16 @@ pub async fn snapshots(bus: Bus, router: ActorRef<RouterMsg>, cfg: KvSnapshotCon
         };
         if let Some(seq) = earlier {
             let stored = stored_snapshot(&bus, &bucket).await;
-            let snap = router
+            let snap = indexer
                 .call(
-                    |reply| RouterMsg::TakeKvSnapshot(seq, stored, reply),
+                    |reply| IndexerMsg::TakeKvSnapshot(seq, stored, reply),
                     Some(Duration::from_secs(10)),
                 )
                 .await;
             if let Ok(ractor::rpc::CallResult::Success(Some(snap))) = snap {
                 if !write(&bus, &bucket, &snap).await {
-                    // Taken but not stored: the router writes one again.
-                    let _ = router.cast(RouterMsg::KvSnapshotNotWritten);
+                    // Taken but not stored: the indexer takes one again.
+                    let _ = indexer.cast(IndexerMsg::KvSnapshotNotWritten);
                 }
             }
         }
@@ -414,7 +414,7 @@ pub async fn snapshots(bus: Bus, router: ActorRef<RouterMsg>, cfg: KvSnapshotCon
 }
 
 /// What the object store holds of the newest snapshot, as the writer
-/// election reads it (see [`crate::state::RouterState::kv_snapshot`]).
+/// election reads it (see [`crate::indexer_state::IndexerState::snapshot`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StoredSnapshot {
     /// Written this long ago.

@@ -137,6 +137,44 @@ pub struct KvStats {
     pub stream_fill_failures: u64,
 }
 
+/// The KV index and its sync state, shared between the indexer actor,
+/// its only writer, and the router, which reads it on every route
+/// (overlap, catch-up, status). Locks are held only inside synchronous
+/// calls, never across an await.
+///
+/// A writer that panics mid-call poisons the lock: readers then get
+/// `None` and route on load alone, until the router replaces the handle
+/// with the restarted indexer's.
+#[derive(Clone, Default)]
+pub struct SharedKv(std::sync::Arc<std::sync::RwLock<KvSync>>);
+
+impl SharedKv {
+    pub fn new(kv: KvSync) -> Self {
+        SharedKv(std::sync::Arc::new(std::sync::RwLock::new(kv)))
+    }
+
+    /// The index to read; `None` if a writer panicked while holding it.
+    pub fn read(&self) -> Option<std::sync::RwLockReadGuard<'_, KvSync>> {
+        self.0.read().ok()
+    }
+
+    /// The counters, even from an index a panicking writer left behind.
+    pub fn stats(&self) -> KvStats {
+        self.0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .stats
+    }
+
+    /// The index to change (the indexer's alone). A poisoned lock is taken
+    /// anyway: only a dying indexer poisons it, and its handle is dropped.
+    pub fn write(&self) -> std::sync::RwLockWriteGuard<'_, KvSync> {
+        self.0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
 #[derive(Default)]
 pub struct KvSync {
     pub index: KvIndex,
@@ -529,6 +567,21 @@ impl KvSync {
     /// The index of the workers in sync, reflecting at least every stream
     /// message up to `stream_seq` (the caller's promise).
     pub fn snapshot(&mut self, stream_seq: u64, router_id: RouterId) -> KvIndexSnapshot {
+        let snap = self.export(stream_seq, router_id);
+        self.snapshot_taken();
+        snap
+    }
+
+    /// A snapshot was taken: events since it count from zero.
+    pub fn snapshot_taken(&mut self) {
+        self.since_snapshot = 0;
+        self.stats.snapshots_taken += 1;
+    }
+
+    /// [`Self::snapshot`] without counting it: reads only, so the indexer
+    /// exports under a read lock while the router keeps routing, then
+    /// calls [`Self::snapshot_taken`].
+    pub fn export(&self, stream_seq: u64, router_id: RouterId) -> KvIndexSnapshot {
         let live: HashMap<WorkerId, KvSnapshotWorker> = self
             .workers
             .iter()
@@ -545,8 +598,6 @@ impl KvSync {
             })
             .collect();
         let runs = self.index.export_runs(|w| live.contains_key(&w));
-        self.since_snapshot = 0;
-        self.stats.snapshots_taken += 1;
         KvIndexSnapshot {
             stream_seq,
             taken_unix_ms: dynamo_bus_schema::unix_ms(),

@@ -18,6 +18,8 @@ pub mod catch_up;
 pub mod disagg;
 pub mod dumps;
 pub mod feeds;
+pub mod indexer;
+pub mod indexer_state;
 pub mod kv_stream;
 pub mod kv_sync;
 pub mod policy;
@@ -27,6 +29,7 @@ pub mod timing;
 
 pub use actor::{KvInfo, RouterActor, RouterArgs, RouterConfig, RouterMsg};
 pub use disagg::DisaggPolicy;
+pub use indexer::{IndexerActor, IndexerMsg};
 pub use policy::PolicyKind;
 pub use state::{ModelEntry, RouteDecision, RouteError, RouterState, WorkerEntry};
 

@@ -1,5 +1,7 @@
-//! The router's synchronous state: the worker registry, the KV index, the
-//! shared active load, and the policy that picks a worker.
+//! The router's synchronous state: the worker registry, the shared active
+//! load, and the policy that picks a worker. It reads the KV index, which
+//! the indexer writes (see [`crate::indexer`]), and queues what the
+//! indexer must be told ([`ToIndexer`]) in the order the registry changed.
 //!
 //! Invariants:
 //! - a worker is routable only if its registration is `Serving`, serves the
@@ -17,22 +19,16 @@
 //! - a routing decision is total: with an eligible worker, one is returned.
 
 use crate::active::{ActiveLoad, WorkerLoad};
-use crate::approx::Approx;
 use crate::catch_up::CatchUp;
 use crate::disagg::{DisaggPolicy, PrefillCandidate};
-use crate::kv_sync::{GapFill, KvStats, KvSync};
-
-/// A snapshot older than this many intervals (plus one per live replica
-/// with a lower id) is written by a replica that is not the elected writer.
-pub const STALE_INTERVALS: u32 = 3;
+use crate::indexer_state::ToIndexer;
+use crate::kv_sync::{KvStats, SharedKv};
 use crate::policy::{Candidate, KvCostWeights, RouteRequest, RoutingPolicy};
 pub use crate::registry::{ModelEntry, WorkerEntry};
 use crate::registry::{Registry, Upserted};
 use crate::timing::RouteTimings;
 use dynamo_bus_schema::blocks::{sequence_hashes, SequenceHash};
-use dynamo_bus_schema::{
-    ActiveLoadEvent, KvDumpTiered, KvEvent, KvEventBatch, RequestId, RouterId,
-};
+use dynamo_bus_schema::{ActiveLoadEvent, RequestId, RouterId};
 use dynamo_bus_schema::{LoadReport, ModelName, WorkerId, WorkerRegistration, WorkerRole};
 use dynamo_kv_index::Overlap;
 use std::collections::HashMap;
@@ -95,23 +91,21 @@ impl Hashed {
 pub struct RouterState {
     registry: Registry,
     policy: Box<dyn RoutingPolicy>,
-    kv: KvSync,
+    /// The KV index, read here and written by the indexer alone.
+    kv: SharedKv,
+    /// What the indexer must be told, in order (the actor sends it after
+    /// each message).
+    to_indexer: Vec<ToIndexer>,
+    /// The view last told to the indexer (rank, caught up).
+    told_view: Option<(u32, bool)>,
     active: ActiveLoad,
     timings: RouteTimings,
-    approx: Approx,
     catch_up: CatchUp,
     disagg: DisaggPolicy,
     /// Prompts sent to each prefill worker since its last load report
     /// (see [`crate::disagg`]); at most one entry per registered worker.
     prefill_sent: HashMap<WorkerId, u32>,
     overload_backoff: Duration,
-    /// When this replica last took a snapshot of its KV index.
-    last_kv_snapshot: Option<Instant>,
-    /// The stream sequence the last snapshot was tagged with.
-    last_kv_snapshot_tag: u64,
-    /// When this replica first found no snapshot in the store (cleared
-    /// once it finds one).
-    kv_snapshot_missing_since: Option<Instant>,
 }
 
 impl RouterState {
@@ -123,18 +117,75 @@ impl RouterState {
         RouterState {
             registry: Registry::new(ttl),
             policy,
-            kv: KvSync::default(),
+            kv: SharedKv::default(),
+            to_indexer: Vec::new(),
+            told_view: None,
             // Peers heartbeat every second; entries outlive any request deadline.
             active: ActiveLoad::new(id, Duration::from_secs(3600), Duration::from_secs(3)),
             timings: RouteTimings::default(),
-            approx: Approx::default(),
             catch_up: CatchUp::done(),
             disagg: DisaggPolicy::default(),
             prefill_sent: HashMap::new(),
             overload_backoff: DEFAULT_OVERLOAD_BACKOFF,
-            last_kv_snapshot: None,
-            last_kv_snapshot_tag: 0,
-            kv_snapshot_missing_since: None,
+        }
+    }
+
+    /// The KV index this router reads (the indexer's to write).
+    pub fn kv(&self) -> &SharedKv {
+        &self.kv
+    }
+
+    /// The indexer was replaced, with a fresh index: it is told the whole
+    /// registry again (and the rest of what it was told), in order.
+    pub fn indexer_replaced(&mut self, kv: SharedKv) {
+        self.kv = kv;
+        self.to_indexer.clear();
+        for e in self.registry.entries() {
+            self.to_indexer.push(ToIndexer::Registered {
+                worker: e.reg.worker_id,
+                generation: e.reg.generation,
+                kv_events: e.reg.kv_events,
+            });
+        }
+        if self.catch_up.registry_was_loaded() {
+            self.to_indexer.push(ToIndexer::RegistryLoaded);
+        }
+        self.told_view = None;
+    }
+
+    /// What the indexer must be told now, in order.
+    pub fn take_to_indexer(&mut self) -> Vec<ToIndexer> {
+        std::mem::take(&mut self.to_indexer)
+    }
+
+    /// Whether the index is still catching up, and how many workers wait
+    /// for a repair (an unreadable index holds nothing up).
+    fn kv_progress(&self) -> (usize, bool) {
+        self.kv
+            .read()
+            .map(|kv| (kv.syncing(), kv.replaying()))
+            .unwrap_or((0, false))
+    }
+
+    /// Whether routing may start (see [`CatchUp`]).
+    fn caught_up(&mut self, now: Instant) -> bool {
+        let (syncing, replaying) = self.kv_progress();
+        self.catch_up.check(syncing, replaying, now)
+    }
+
+    /// Tells the indexer this replica's place among the live ones and
+    /// whether it routes, when either changed (for snapshot election).
+    /// A replica that routes nothing still finishes catching up here.
+    pub fn tell_view(&mut self, now: Instant) {
+        let me = self.router_id();
+        let rank = self.active.peers().filter(|p| p.0 < me.0).count() as u32;
+        let view = (rank, self.caught_up(now));
+        if self.told_view != Some(view) {
+            self.told_view = Some(view);
+            self.to_indexer.push(ToIndexer::View {
+                rank: view.0,
+                caught_up: view.1,
+            });
         }
     }
 
@@ -151,125 +202,12 @@ impl RouterState {
     /// Holds routing until this replica's view is whole (see `catch_up`).
     pub fn begin_catch_up(&mut self, now: Instant) {
         self.catch_up = CatchUp::begin(now);
-        self.kv.begin_replay();
-    }
-
-    /// Loads a KV index snapshot (while catching up, before the stream is
-    /// replayed from its sequence); returns the blocks loaded.
-    pub fn kv_restore(
-        &mut self,
-        snap: &dynamo_bus_schema::KvIndexSnapshot,
-    ) -> Result<u64, dynamo_kv_index::SnapshotError> {
-        if !self.kv.replaying() {
-            // Too late: the replay was ended (overdue) and dumps went out.
-            tracing::warn!("a KV index snapshot arrived after catch-up; ignored");
-            return Ok(0);
-        }
-        let registry = &self.registry;
-        self.kv.restore(snap, |w| {
-            registry
-                .get(w)
-                .filter(|e| e.reg.kv_events)
-                .map(|e| e.reg.generation)
-        })
-    }
-
-    /// The stream lost messages after the snapshot: dump every worker.
-    pub fn kv_stream_truncated(&mut self) {
-        if !self.kv.replaying() {
-            return;
-        }
-        self.kv.stream_truncated();
-    }
-
-    /// A batch read back from the stream while catching up.
-    pub fn kv_replayed(&mut self, b: KvEventBatch) {
-        self.kv.stats.replayed += 1;
-        self.kv_batch(b);
-    }
-
-    /// The stream replay is over (or could not run): dumps may go out.
-    pub fn kv_replay_done(&mut self) {
-        if self.kv.replaying() {
-            self.kv.end_replay();
-        }
-        self.catch_up.kv_replayed();
-    }
-
-    /// Ends a replay that has run past `max` since the catch-up began (its
-    /// feed is stuck): the workers it did not cover are dumped.
-    pub fn kv_replay_overdue(&mut self, now: Instant, max: Duration) -> bool {
-        if self.kv.replaying() && self.catch_up.waited(now) >= max {
-            tracing::warn!("the KV events replay is overdue; syncing workers from dumps");
-            self.kv_replay_done();
-            return true;
-        }
-        false
-    }
-
-    /// A snapshot of the KV index, if this replica should write one now:
-    /// it routes (caught up), `cfg.events` were applied or `cfg.interval`
-    /// passed since its last, and it is the writer: the live replica with
-    /// the lowest id, or, when the store's newest snapshot is stale (the
-    /// elected writer does not write: snapshots off, writes failing), any
-    /// replica, the `k`-th lowest once it is `STALE_INTERVALS + k`
-    /// intervals old (missing counts from when this replica first saw it
-    /// missing), so that they do not all write at once.
-    /// `stream_seq`: every stream message up to it is applied.
-    pub fn kv_snapshot(
-        &mut self,
-        stream_seq: u64,
-        stored: crate::kv_stream::StoredSnapshot,
-        cfg: &crate::kv_stream::KvSnapshotConfig,
-        now: Instant,
-    ) -> Option<dynamo_bus_schema::KvIndexSnapshot> {
-        use crate::kv_stream::StoredSnapshot;
-        let me = self.router_id();
-        let rank = self.active.peers().filter(|p| p.0 < me.0).count() as u32;
-        let age = match stored {
-            StoredSnapshot::Age(a) => {
-                self.kv_snapshot_missing_since = None;
-                Some(a)
-            }
-            StoredSnapshot::Missing => {
-                let since = *self.kv_snapshot_missing_since.get_or_insert(now);
-                Some(now.duration_since(since))
-            }
-            StoredSnapshot::Unknown => None,
-        };
-        let stale_after = cfg.interval * (STALE_INTERVALS + rank);
-        let lowest = rank == 0 || age.is_some_and(|a| a >= stale_after);
-        let changed = self.kv.since_snapshot();
-        let interval_over = self
-            .last_kv_snapshot
-            .is_none_or(|t| now.duration_since(t) >= cfg.interval);
-        // Quiet since the last snapshot, which was tagged a period behind
-        // the stream: nothing was applied since, so everything up to the
-        // stream's sequence now is in it; write it again with that tag, so
-        // that a replica loading it replays nothing it holds.
-        let retag = changed == 0
-            && self.last_kv_snapshot.is_some()
-            && stream_seq > self.last_kv_snapshot_tag;
-        let due = changed >= cfg.events || ((changed > 0 || retag) && interval_over);
-        // A replica that routes nothing still finishes catching up here.
-        let caught_up = self.catch_up.check(self.kv.syncing(), now);
-        if !cfg.enabled || !lowest || !due || !caught_up || self.kv.replaying() {
-            return None;
-        }
-        self.last_kv_snapshot = Some(now);
-        self.last_kv_snapshot_tag = stream_seq;
-        Some(self.kv.snapshot(stream_seq, me))
-    }
-
-    /// The last snapshot taken was not stored: the next interval takes one
-    /// again (as a re-tag if nothing was applied meanwhile).
-    pub fn kv_snapshot_not_written(&mut self) {
-        self.last_kv_snapshot_tag = 0;
     }
 
     /// The registry's history has been read.
     pub fn registry_loaded(&mut self) {
         self.catch_up.registry_loaded();
+        self.to_indexer.push(ToIndexer::RegistryLoaded);
     }
 
     /// A peer's load snapshot was loaded, or none answered.
@@ -311,52 +249,16 @@ impl RouterState {
         self.active.prefill_done_own(id)
     }
 
-    /// A batch of KV events arrived. Only a registered worker's batches of
-    /// its registered generation are applied: anything else (a worker not
-    /// registered yet, a stale or bogus generation) is dropped and counted,
-    /// and the gap it may leave is repaired from a dump once the worker's
-    /// registration says which generation is real. Returns true when the
-    /// worker now needs a repair (a gap, or a worker first seen).
-    pub fn kv_batch(&mut self, b: KvEventBatch) -> bool {
-        match self.registry.get(b.worker_id) {
-            Some(e) if e.reg.generation == b.generation && e.reg.kv_events => self.kv.batch(b),
-            _ => {
-                self.kv.stats.ignored += 1;
-                false
-            }
-        }
-    }
-
-    /// Gaps to fill from the KV events stream now.
-    pub fn kv_fills_due(&mut self, now: Instant) -> Vec<GapFill> {
-        self.kv.fills_due(now)
-    }
-
-    /// The stream's answer to a gap fill.
-    pub fn kv_filled(&mut self, fill: &GapFill, found: Result<Vec<KvEvent>, String>) {
-        self.kv.filled(fill, found)
-    }
-
-    /// A worker's block table arrived (applied only for its registered generation).
-    pub fn kv_dump(&mut self, d: KvDumpTiered) {
-        match self.registry.get(d.worker_id) {
-            Some(e) if e.reg.generation == d.generation => self.kv.dump(d),
-            _ => self.kv.stats.ignored += 1,
-        }
-    }
-
-    /// Workers whose block table must be (re)requested now.
-    pub fn kv_dumps_due(&mut self, now: Instant) -> Vec<WorkerId> {
-        self.kv.dumps_due(now)
-    }
-
     pub fn kv_stats(&self) -> KvStats {
-        self.kv.stats
+        self.kv.read().map(|kv| kv.stats).unwrap_or_default()
     }
 
     /// Blocks the index holds for `w` (device, host, disk).
     pub fn kv_blocks_of(&self, w: WorkerId) -> [u64; 3] {
-        self.kv.index.blocks_of(w)
+        self.kv
+            .read()
+            .map(|kv| kv.index.blocks_of(w))
+            .unwrap_or_default()
     }
 
     pub fn policy_name(&self) -> &'static str {
@@ -370,22 +272,18 @@ impl RouterState {
         match self.registry.upsert(reg, now) {
             Upserted::New => {
                 tracing::info!(worker = %id, node = %node, model = %model, kv_events, "worker registered");
-                if kv_events {
-                    self.kv.worker_seen(id, generation);
-                }
             }
             Upserted::Restarted => {
                 tracing::info!(worker = %id, generation, "worker restarted");
                 self.active.worker_changed(id, generation);
-                self.approx.forget(id);
-                if kv_events {
-                    self.kv.worker_seen(id, generation);
-                } else {
-                    self.kv.worker_gone(id);
-                }
             }
-            Upserted::Refreshed | Upserted::Stale => {}
+            Upserted::Refreshed | Upserted::Stale => return,
         }
+        self.to_indexer.push(ToIndexer::Registered {
+            worker: id,
+            generation,
+            kv_events,
+        });
     }
 
     pub fn timings(&self) -> &RouteTimings {
@@ -394,7 +292,8 @@ impl RouterState {
 
     /// This router's view of its index, for `dynamoctl status`.
     pub fn info(&self) -> dynamo_bus_schema::RouterInfo {
-        let st = self.kv.stats;
+        let kv = self.kv.read();
+        let st = kv.as_ref().map(|kv| kv.stats).unwrap_or_default();
         dynamo_bus_schema::RouterInfo {
             router_id: self.router_id(),
             policy: self.policy_name().to_string(),
@@ -405,8 +304,11 @@ impl RouterState {
                     let w = e.reg.worker_id;
                     dynamo_bus_schema::IndexedWorker {
                         worker_id: w,
-                        blocks: self.kv.index.blocks_of(w),
-                        event_lag_ms: self.kv.lag_ms(w),
+                        blocks: kv
+                            .as_ref()
+                            .map(|kv| kv.index.blocks_of(w))
+                            .unwrap_or_default(),
+                        event_lag_ms: kv.as_ref().map(|kv| kv.lag_ms(w)).unwrap_or(0),
                         inflight: self.active.load_of(w).inflight,
                         kv_config_mismatch: e.kv_mismatch,
                     }
@@ -429,9 +331,8 @@ impl RouterState {
         if self.registry.remove(id) {
             tracing::info!(worker = %id, "worker deregistered");
         }
-        self.kv.worker_gone(id);
+        self.to_indexer.push(ToIndexer::Gone(id));
         self.active.worker_changed(id, u64::MAX);
-        self.approx.forget(id);
         self.prefill_sent.remove(&id);
     }
 
@@ -450,13 +351,12 @@ impl RouterState {
     pub fn expire(&mut self, now: Instant) -> Vec<WorkerId> {
         let dead = self.registry.expire(now);
         for id in &dead {
-            self.kv.worker_gone(*id);
+            self.to_indexer.push(ToIndexer::Gone(*id));
             self.active.worker_changed(*id, u64::MAX);
-            self.approx.forget(*id);
             self.prefill_sent.remove(id);
         }
         self.active.expire(now);
-        self.approx.expire(&mut self.kv.index, now);
+        self.tell_view(now);
         dead
     }
 
@@ -483,7 +383,7 @@ impl RouterState {
         weights: Option<KvCostWeights>,
         now: Instant,
     ) -> Result<(RouteDecision, ActiveLoadEvent), RouteError> {
-        if !self.catch_up.check(self.kv.syncing(), now) {
+        if !self.caught_up(now) {
             return Err(RouteError::CatchingUp);
         }
         let t0 = Instant::now();
@@ -548,10 +448,16 @@ impl RouterState {
             let t1 = Instant::now();
             self.timings.hashing.observe(t1 - th);
             // One index query per distinct configuration, each read only
-            // for the candidates hashed that way.
-            for (cfg, h) in &hashed.by_config {
-                let matches: HashMap<WorkerId, Overlap> =
-                    self.kv.index.find_matches(h).into_iter().collect();
+            // for the candidates hashed that way (none while the index
+            // cannot be read: routing goes by load).
+            let kv = self.kv.read();
+            for (cfg, h) in kv.iter().flat_map(|kv| {
+                hashed
+                    .by_config
+                    .iter()
+                    .map(move |(cfg, h)| (cfg, kv.index.find_matches(h)))
+            }) {
+                let matches: HashMap<WorkerId, Overlap> = h.into_iter().collect();
                 for (c, _) in candidates
                     .iter_mut()
                     .zip(&configs)
@@ -606,7 +512,7 @@ impl RouterState {
         if !kv_events && self.policy.needs_overlap() {
             // No events will tell us what it caches: assume it keeps this prompt.
             let h = hashed.of(token_ids, bs, salt).to_vec();
-            self.approx.record(&mut self.kv.index, wid, &h, now);
+            self.to_indexer.push(ToIndexer::Routed(wid, h));
         }
         let prefill_worker =
             self.pick_prefill(model, token_ids, &mut hashed, prefill_tokens, exclude, now);
@@ -657,10 +563,13 @@ impl RouterState {
             let h = hashed.of(token_ids, e.reg.model.block_size, e.reg.model.hash_salt);
             let overlap_blocks = self
                 .kv
-                .index
-                .find_matches(h)
-                .into_iter()
-                .find(|(w, _)| *w == e.reg.worker_id)
+                .read()
+                .and_then(|kv| {
+                    kv.index
+                        .find_matches(h)
+                        .into_iter()
+                        .find(|(w, _)| *w == e.reg.worker_id)
+                })
                 .map(|(_, o)| o.blocks)
                 .unwrap_or(0);
             candidates.push(PrefillCandidate {
@@ -692,13 +601,12 @@ impl RouterState {
             .filter(|e| &e.reg.model.name == model)
         {
             let h = hashed.of(token_ids, e.reg.model.block_size, e.reg.model.hash_salt);
-            if let Some(m) = self
-                .kv
-                .index
-                .find_matches(h)
-                .into_iter()
-                .find(|(w, _)| *w == e.reg.worker_id)
-            {
+            if let Some(m) = self.kv.read().and_then(|kv| {
+                kv.index
+                    .find_matches(h)
+                    .into_iter()
+                    .find(|(w, _)| *w == e.reg.worker_id)
+            }) {
                 out.push(m);
             }
         }

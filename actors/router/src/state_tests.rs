@@ -1,8 +1,27 @@
 //! Unit tests of [`super::RouterState`] (routing, registry, KV scoring).
 use super::*;
+use crate::indexer_state::{IndexerState, STALE_INTERVALS};
 use crate::kv_stream::StoredSnapshot;
 use crate::policy::{LeastLoaded, RoundRobin};
 use dynamo_bus_schema::*;
+
+/// The router's indexer, filling the index the router reads (as the
+/// actors wire them); `replay`: it starts by replaying the stream.
+fn indexer_of(s: &RouterState, replay: bool, now: Instant) -> IndexerState {
+    if replay {
+        IndexerState::new(s.router_id(), s.kv().clone(), now)
+    } else {
+        IndexerState::live(s.router_id(), s.kv().clone(), now)
+    }
+}
+
+/// Hands the indexer what the router told it, as the router actor does
+/// after every message.
+fn pump(s: &mut RouterState, i: &mut IndexerState, now: Instant) {
+    for n in s.take_to_indexer() {
+        i.notice(n, now);
+    }
+}
 
 /// A snapshot just written (the elected writer is at work).
 const FRESH: StoredSnapshot = StoredSnapshot::Age(std::time::Duration::ZERO);
@@ -180,6 +199,7 @@ fn workers_without_kv_events_are_tracked_approximately() {
     let t0 = Instant::now();
     let policy = crate::policy::build("kv_aware".parse().expect("policy"));
     let mut s = RouterState::new(Duration::from_secs(3), policy);
+    let mut i = indexer_of(&s, false, t0);
     let m = ModelName("a".into());
     for id in [1, 2] {
         let mut r = reg(id, 1, "a");
@@ -189,6 +209,7 @@ fn workers_without_kv_events_are_tracked_approximately() {
     let prompt: Vec<u32> = (0..64).collect();
     let first = s.route(RequestId(1), &m, &prompt, &[], t0).unwrap().0;
     s.release(RequestId(1));
+    pump(&mut s, &mut i, t0);
     assert_eq!(
         s.overlap(&m, &prompt),
         vec![(
@@ -206,14 +227,26 @@ fn workers_without_kv_events_are_tracked_approximately() {
     assert_eq!(again.worker_id, first.worker_id);
     assert_eq!(again.overlap_blocks, 4);
     s.release(RequestId(2));
-    // Records expire with their TTL (checked on the expiry tick).
+    pump(&mut s, &mut i, t0);
+    // Records expire with their TTL (checked on the indexer's tick).
     let later = t0 + crate::approx::DEFAULT_TTL + Duration::from_secs(1);
+    i.expire(later);
+    assert!(s.overlap(&m, &prompt).is_empty());
+    // A restarted worker's records go with its old engine.
     for id in [1, 2] {
         let mut r = reg(id, 1, "a");
         r.kv_events = false;
         s.upsert(r, later);
     }
-    s.expire(later);
+    s.route(RequestId(3), &m, &prompt, &[], later).unwrap();
+    pump(&mut s, &mut i, later);
+    assert_eq!(s.overlap(&m, &prompt).len(), 1);
+    for id in [1, 2] {
+        let mut r = reg(id, 2, "a");
+        r.kv_events = false;
+        s.upsert(r, later);
+    }
+    pump(&mut s, &mut i, later);
     assert!(s.overlap(&m, &prompt).is_empty());
 }
 
@@ -221,7 +254,7 @@ fn workers_without_kv_events_are_tracked_approximately() {
 /// events would (hashed with its own block size and salt).
 fn store(s: &mut RouterState, w: u64, prompt: &[u32], block_size: usize, salt: u64) {
     let blocks = sequence_hashes(prompt, block_size, salt);
-    s.kv.dump(KvDumpTiered {
+    s.kv().write().dump(KvDumpTiered {
         worker_id: WorkerId(w),
         generation: 1,
         last_event_id: EventId(0),
@@ -274,8 +307,10 @@ fn a_misconfigured_lowest_id_worker_does_not_spoil_overlap_for_the_others() {
 fn a_bogus_batch_does_not_blind_the_index() {
     let t0 = Instant::now();
     let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+    let mut i = indexer_of(&s, false, t0);
     s.upsert(reg(1, 5, "a"), t0);
-    store_gen(&mut s, 1, 5, &[10]);
+    pump(&mut s, &mut i, t0);
+    store_gen(&mut i, 1, 5, &[10]);
     let batch = |generation, id, block| KvEventBatch {
         worker_id: WorkerId(1),
         generation,
@@ -289,18 +324,28 @@ fn a_bogus_batch_does_not_blind_the_index() {
         published_unix_ms: unix_ms(),
     };
     // A far-future generation and an unknown worker's batch are dropped…
-    s.kv_batch(batch(u64::MAX, 1, 66));
+    i.batch(batch(u64::MAX, 1, 66));
     let mut stranger = batch(5, 1, 77);
     stranger.worker_id = WorkerId(9);
-    s.kv_batch(stranger);
+    i.batch(stranger);
     assert_eq!(s.kv_stats().ignored, 2);
     // …and the real events still apply.
-    s.kv_batch(batch(5, 1, 11));
+    i.batch(batch(5, 1, 11));
     assert_eq!(s.kv_blocks_of(WorkerId(1)), [2, 0, 0]);
+    // A dump of a generation not registered is dropped too.
+    store_gen(&mut i, 1, 4, &[12, 13, 14]);
+    assert_eq!(s.kv_stats().ignored, 3);
+    assert_eq!(s.kv_blocks_of(WorkerId(1)), [2, 0, 0]);
+    // Once the worker leaves, its blocks go and its batches are dropped.
+    s.remove(WorkerId(1));
+    pump(&mut s, &mut i, t0);
+    assert_eq!(s.kv_blocks_of(WorkerId(1)), [0, 0, 0]);
+    i.batch(batch(5, 2, 15));
+    assert_eq!(s.kv_stats().ignored, 4);
 }
 
-fn store_gen(s: &mut RouterState, w: u64, generation: u64, blocks: &[u64]) {
-    s.kv_dump(KvDumpTiered {
+fn store_gen(i: &mut IndexerState, w: u64, generation: u64, blocks: &[u64]) {
+    i.dump(KvDumpTiered {
         worker_id: WorkerId(w),
         generation,
         last_event_id: EventId(0),
@@ -417,9 +462,11 @@ fn only_the_lowest_live_replica_snapshots_once_caught_up_and_when_due() {
         Box::new(RoundRobin::default()),
     );
     s.begin_catch_up(t0);
+    let mut i = indexer_of(&s, true, t0);
     s.upsert(reg(1, 1, "a"), t0);
     s.registry_loaded();
     s.snapshot_done();
+    pump(&mut s, &mut i, t0);
     let batch = |ids: std::ops::RangeInclusive<u64>| KvEventBatch {
         worker_id: WorkerId(1),
         generation: 1,
@@ -435,88 +482,86 @@ fn only_the_lowest_live_replica_snapshots_once_caught_up_and_when_due() {
         published_unix_ms: unix_ms(),
     };
     // The replay brings worker 1's events from id 1: no dump needed.
-    s.kv_replayed(batch(1..=2));
+    i.replayed(batch(1..=2));
     assert!(
-        s.kv_snapshot(7, FRESH, &cfg, t0).is_none(),
-        "still replaying"
+        route(&mut s, &ModelName("a".into()), &[], t0).is_err(),
+        "the router holds routing while the indexer replays"
     );
-    s.kv_replay_done();
-    assert!(s.kv_dumps_due(t0).is_empty());
+    s.tell_view(t0);
+    pump(&mut s, &mut i, t0);
+    assert!(i.snapshot(7, FRESH, &cfg, t0).is_none(), "still replaying");
+    i.replay_done();
+    assert!(i.dumps_due(t0).is_empty());
     assert_eq!(s.kv_blocks_of(WorkerId(1)), [2, 0, 0]);
+    assert!(
+        i.snapshot(7, FRESH, &cfg, t0).is_none(),
+        "the router has not said it is caught up"
+    );
     let _ = route(&mut s, &ModelName("a".into()), &[], t0); // caught up now
-    let snap = s
-        .kv_snapshot(7, FRESH, &cfg, t0)
+    s.tell_view(t0);
+    pump(&mut s, &mut i, t0);
+    let snap = i
+        .snapshot(7, FRESH, &cfg, t0)
         .expect("due: events since start");
     assert_eq!((snap.stream_seq, snap.blocks()), (7, 2));
     assert!(
-        s.kv_snapshot(7, FRESH, &cfg, t0 + cfg.interval).is_none(),
+        i.snapshot(7, FRESH, &cfg, t0 + cfg.interval).is_none(),
         "nothing changed, and the tag is the stream's"
     );
     // Quiet, but the stream moved past the tag (what was applied before
     // the snapshot): written again with the newer tag, once.
     assert!(
-        s.kv_snapshot(8, FRESH, &cfg, t0).is_none(),
+        i.snapshot(8, FRESH, &cfg, t0).is_none(),
         "within the interval"
     );
-    let retag = s
-        .kv_snapshot(8, FRESH, &cfg, t0 + cfg.interval)
+    let retag = i
+        .snapshot(8, FRESH, &cfg, t0 + cfg.interval)
         .expect("re-tagged");
     assert_eq!((retag.stream_seq, retag.blocks()), (8, 2));
-    assert!(s
-        .kv_snapshot(8, FRESH, &cfg, t0 + 2 * cfg.interval)
-        .is_none());
+    assert!(i.snapshot(8, FRESH, &cfg, t0 + 2 * cfg.interval).is_none());
     // Taken but not stored: taken again at the next interval.
-    s.kv_snapshot_not_written();
-    let again = s
-        .kv_snapshot(8, FRESH, &cfg, t0 + 2 * cfg.interval)
+    i.snapshot_not_written();
+    let again = i
+        .snapshot(8, FRESH, &cfg, t0 + 2 * cfg.interval)
         .expect("taken again");
     assert_eq!(again.stream_seq, 8);
-    assert!(s
-        .kv_snapshot(8, FRESH, &cfg, t0 + 3 * cfg.interval)
-        .is_none());
+    assert!(i.snapshot(8, FRESH, &cfg, t0 + 3 * cfg.interval).is_none());
     // From that snapshot on.
     let t0 = t0 + 2 * cfg.interval;
-    s.kv_batch(batch(3..=3));
+    i.batch(batch(3..=3));
     assert!(
-        s.kv_snapshot(8, FRESH, &cfg, t0).is_none(),
+        i.snapshot(8, FRESH, &cfg, t0).is_none(),
         "1 event, interval not over"
     );
-    assert!(s.kv_snapshot(8, FRESH, &cfg, t0 + cfg.interval).is_some());
+    assert!(i.snapshot(8, FRESH, &cfg, t0 + cfg.interval).is_some());
     // A live peer with a lower id writes them instead.
-    s.kv_batch(batch(4..=7));
+    i.batch(batch(4..=7));
     s.peer_heartbeat(RouterId(2), t0);
-    assert!(s.kv_snapshot(9, FRESH, &cfg, t0 + cfg.interval).is_none());
+    s.tell_view(t0);
+    pump(&mut s, &mut i, t0);
+    assert!(i.snapshot(9, FRESH, &cfg, t0 + cfg.interval).is_none());
     // Unless the store's newest is stale (that peer does not write): past
     // STALE_INTERVALS intervals plus one for the one peer below us.
     let old = |k: u32| StoredSnapshot::Age(cfg.interval * k);
     let t1 = t0 + cfg.interval;
-    assert!(s.kv_snapshot(9, old(STALE_INTERVALS), &cfg, t1).is_none());
-    assert!(s
-        .kv_snapshot(9, old(STALE_INTERVALS + 1), &cfg, t1)
-        .is_some());
+    assert!(i.snapshot(9, old(STALE_INTERVALS), &cfg, t1).is_none());
+    assert!(i.snapshot(9, old(STALE_INTERVALS + 1), &cfg, t1).is_some());
     // None in the store: counted from when it was first seen missing.
-    s.kv_batch(batch(8..=8));
+    i.batch(batch(8..=8));
     let t2 = t1 + 2 * cfg.interval;
-    assert!(s
-        .kv_snapshot(10, StoredSnapshot::Missing, &cfg, t2)
-        .is_none());
+    assert!(i.snapshot(10, StoredSnapshot::Missing, &cfg, t2).is_none());
     let t3 = t2 + cfg.interval * (STALE_INTERVALS + 1);
-    assert!(s
-        .kv_snapshot(10, StoredSnapshot::Missing, &cfg, t3)
-        .is_some());
+    assert!(i.snapshot(10, StoredSnapshot::Missing, &cfg, t3).is_some());
     // A store that cannot be read elects no one else.
-    s.kv_batch(batch(9..=9));
+    i.batch(batch(9..=9));
     let t4 = t3 + cfg.interval * 10;
-    assert!(s
-        .kv_snapshot(11, StoredSnapshot::Unknown, &cfg, t4)
-        .is_none());
-    s.kv_batch(batch(10..=10));
+    assert!(i.snapshot(11, StoredSnapshot::Unknown, &cfg, t4).is_none());
+    i.batch(batch(10..=10));
     s.peer_heartbeat(RouterId(9), t0);
     let mut off = cfg.clone();
     off.enabled = false;
     assert!(
-        s.kv_snapshot(11, old(100), &off, t4 + cfg.interval)
-            .is_none(),
+        i.snapshot(11, old(100), &off, t4 + cfg.interval).is_none(),
         "never with snapshots off"
     );
 }
