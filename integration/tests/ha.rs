@@ -615,3 +615,110 @@ async fn lease_expiry_holds_whatever_the_holders_clock_says() {
     };
     tokio::join!(renew, challenge);
 }
+
+/// A server list that names three servers where the cluster has two (an
+/// alias of one, a stale config) asks for three replicas, which two servers
+/// cannot hold: every stream and bucket is created with one replica
+/// instead, and the bus works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_too_small_for_three_replicas_falls_back_to_one() {
+    let cluster = NatsCluster::start(2).await;
+    let list = format!("{},{}/", cluster.urls(), cluster.url(0));
+    let subjects =
+        dynamo_bus_schema::Subjects::new(dynamo_bus_schema::Namespace::new("it").unwrap());
+    let bus = dynamo_runtime::Bus::connect(&list, "aliases", subjects.clone(), &Default::default())
+        .await
+        .unwrap();
+    assert_eq!(bus.replicas, 3, "three URLs ask for three replicas");
+    bus.ensure_kv_events_stream().await.unwrap();
+    let kv = bus
+        .kv_bucket("dynamo_it_probe", Duration::from_secs(60))
+        .await
+        .unwrap();
+    kv.put("k", "v".into()).await.unwrap();
+    let store = bus.object_store("dynamo_it_objects").await.unwrap();
+    store.put("o", &mut &b"bytes"[..]).await.unwrap();
+    let got = stream_replicas(&cluster.url(1))
+        .await
+        .expect("streams listed");
+    for name in [
+        subjects.kv_events_stream(),
+        "KV_dynamo_it_probe".to_string(),
+        "OBJ_dynamo_it_objects".to_string(),
+    ] {
+        assert_eq!(
+            got.iter().find(|(s, _)| *s == name).map(|(_, r)| *r),
+            Some(1),
+            "{name}: {got:?}"
+        );
+    }
+    // A second process with the same list finds them and works too.
+    let again = dynamo_runtime::Bus::connect(&list, "aliases-2", subjects, &Default::default())
+        .await
+        .unwrap();
+    again.ensure_kv_events_stream().await.unwrap();
+    let kv = again
+        .kv_bucket("dynamo_it_probe", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(kv.get("k").await.unwrap().as_deref(), Some(&b"v"[..]));
+}
+
+/// The planner's fence on the desired state: a scale prepared under a lease
+/// fails its compare-and-set once a successor has taken over and touched
+/// the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deposed_lease_holders_scale_is_fenced_off() {
+    use dynamo_cluster_config::spec::DeploymentSpec;
+    use dynamo_controller::desired;
+    let nats = Nats::start();
+    let bus = it_bus(&nats.url, "fence-test").await;
+    let store = bus
+        .kv_bucket_durable(&bus.subjects.deployments_bucket())
+        .await
+        .unwrap();
+    let yaml = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../cluster-config/examples/mocker-disagg.yaml"
+    ))
+    .unwrap();
+    let spec = DeploymentSpec::parse(&yaml).unwrap();
+    let g0 = desired::write(&store, &spec, None).await.unwrap();
+    let decode_replicas = async || {
+        let (rec, _) = desired::record(&store, "mocker-disagg")
+            .await
+            .unwrap()
+            .unwrap();
+        let spec = DeploymentSpec::parse(&rec.spec_yaml).unwrap();
+        (rec.generation, spec.target_replicas("decode"))
+    };
+    let ready = async || match desired::prepare_scale(&store, "mocker-disagg", "decode", 5)
+        .await
+        .unwrap()
+    {
+        desired::Scale::Ready(p) => p,
+        desired::Scale::Unchanged(_) => panic!("decode has 2 replicas"),
+    };
+    // The old holder reads the record (and then passes its lease check);
+    // its successor takes over and touches the record before the old
+    // holder's write lands: that write fails.
+    let stale = ready().await;
+    assert!(desired::touch(&store, "mocker-disagg").await.unwrap());
+    assert!(stale.commit(&store).await.is_err());
+    assert_eq!(
+        decode_replicas().await,
+        (g0, Some(2)),
+        "nothing written; the touch kept the generation"
+    );
+    // A write read after the touch (by the holder) lands.
+    let g = ready().await.commit(&store).await.unwrap();
+    assert_eq!((g, decode_replicas().await), (g0 + 1, (g0 + 1, Some(5))));
+    assert!(matches!(
+        desired::prepare_scale(&store, "mocker-disagg", "decode", 5)
+            .await
+            .unwrap(),
+        desired::Scale::Unchanged(g1) if g1 == g0 + 1
+    ));
+    // There is nothing to touch for a deployment that does not exist.
+    assert!(!desired::touch(&store, "nope").await.unwrap());
+}

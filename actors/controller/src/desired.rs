@@ -6,6 +6,15 @@
 //! compare-and-set on the entry's revision (a loser retries on the new
 //! state, so two concurrent changes never lose one another); a stored spec
 //! always parses into checked types.
+//!
+//! Fencing a lease holder (the planner): it checks its lease *after*
+//! reading the record ([`prepare_scale`]) and writes by compare-and-set on
+//! the revision read ([`Prepared::commit`]), and a new holder [`touch`]es
+//! the record before it acts. A holder
+//! deposed after its check therefore fails its write: its successor's
+//! takeover came after that check (a lease is only taken once the old
+//! holder can no longer renew it), so the touch bumped the revision it
+//! read, or the successor reads what it wrote.
 
 use async_nats::jetstream::kv;
 use dynamo_bus_schema::{decode, encode, unix_ms, DeploymentRecord};
@@ -13,7 +22,7 @@ use dynamo_cluster_config::spec::DeploymentSpec;
 use thiserror::Error;
 
 /// Attempts of one change against concurrent writers.
-const ATTEMPTS: usize = 5;
+pub const ATTEMPTS: usize = 5;
 
 #[derive(Debug, Error)]
 pub enum DesiredError {
@@ -88,17 +97,80 @@ pub async fn scale(
     replicas: u32,
 ) -> Result<(u64, bool), DesiredError> {
     for _ in 0..ATTEMPTS {
-        let Some((rec, rev)) = record(store, name).await? else {
-            return Err(DesiredError::NoDeployment(name.to_string()));
-        };
-        let mut spec = DeploymentSpec::parse(&rec.spec_yaml)?;
-        let before = spec.target_replicas(target);
-        spec.scale(target, replicas)?;
-        if before == Some(replicas) {
-            return Ok((rec.generation, false));
+        match prepare_scale(store, name, target, replicas).await? {
+            Scale::Unchanged(generation) => return Ok((generation, false)),
+            Scale::Ready(p) => {
+                if let Ok(generation) = p.commit(store).await {
+                    return Ok((generation, true));
+                }
+            }
         }
-        if let Ok(generation) = write(store, &spec, Some((rec, rev))).await {
-            return Ok((generation, true));
+    }
+    Err(DesiredError::Contended(name.to_string()))
+}
+
+/// A scale read and checked, not yet written.
+pub enum Scale {
+    /// The target already has that many replicas: nothing to write (the
+    /// current generation).
+    Unchanged(u64),
+    Ready(Box<Prepared>),
+}
+
+/// A change ready to write over the record it was read from.
+pub struct Prepared {
+    spec: DeploymentSpec,
+    prev: (DeploymentRecord, u64),
+}
+
+impl Prepared {
+    /// Writes it by compare-and-set on the revision it was read at (fails
+    /// when the record changed since, or was touched); the generation
+    /// written.
+    pub async fn commit(self, store: &kv::Store) -> Result<u64, DesiredError> {
+        write(store, &self.spec, Some(self.prev)).await
+    }
+}
+
+/// Reads the deployment and sets a target's replicas in its spec. A lease
+/// holder checks its lease after this and before [`Prepared::commit`]
+/// (see the module docs); a failed commit starts again from here.
+pub async fn prepare_scale(
+    store: &kv::Store,
+    name: &str,
+    target: &str,
+    replicas: u32,
+) -> Result<Scale, DesiredError> {
+    let Some((rec, rev)) = record(store, name).await? else {
+        return Err(DesiredError::NoDeployment(name.to_string()));
+    };
+    let mut spec = DeploymentSpec::parse(&rec.spec_yaml)?;
+    let before = spec.target_replicas(target);
+    spec.scale(target, replicas)?;
+    if before == Some(replicas) {
+        return Ok(Scale::Unchanged(rec.generation));
+    }
+    Ok(Scale::Ready(Box::new(Prepared {
+        spec,
+        prev: (rec, rev),
+    })))
+}
+
+/// Writes the deployment's record again unchanged (same generation), so
+/// that a write a deposed lease holder prepared before now fails its
+/// compare-and-set; false when there is no such deployment. A new lease
+/// holder calls it before it acts.
+pub async fn touch(store: &kv::Store, name: &str) -> Result<bool, DesiredError> {
+    let bus = |e: &dyn std::fmt::Display| DesiredError::Bus(e.to_string());
+    for _ in 0..ATTEMPTS {
+        let entry = store.entry(name).await.map_err(|e| bus(&e))?;
+        match entry {
+            Some(e) if e.operation == kv::Operation::Put => {
+                if store.update(name, e.value, e.revision).await.is_ok() {
+                    return Ok(true);
+                }
+            }
+            _ => return Ok(false),
         }
     }
     Err(DesiredError::Contended(name.to_string()))

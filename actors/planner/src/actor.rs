@@ -435,6 +435,10 @@ impl Planner {
             return Ok(());
         }
         if self.state.is_none() {
+            // Fences the last holder: a write it prepared before this
+            // takeover now fails (see `desired`'s module docs).
+            let store = self.buckets().await?.deployments.clone();
+            bounded("deployment", desired::touch(&store, &dep)).await?;
             self.adopt(&pspec).await?;
             tracing::info!(deployment = %dep, epoch = self.epoch, node = %self.cfg.node_id, "planner active");
         }
@@ -550,13 +554,26 @@ impl Planner {
             return kubernetes(&ns, spec, target, replicas).await;
         }
         let dep = self.deployment.clone();
-        let b = self.buckets().await?;
-        bounded(
-            "scale",
-            desired::scale(&b.deployments, &dep, target, replicas),
-        )
-        .await
-        .map(|_| ())
+        let store = self.buckets().await?.deployments.clone();
+        // Fenced: the lease is renewed between reading the record and
+        // writing it by compare-and-set (see `desired`'s module docs).
+        for _ in 0..desired::ATTEMPTS {
+            let prepared = bounded(
+                "scale",
+                desired::prepare_scale(&store, &dep, target, replicas),
+            )
+            .await?;
+            let desired::Scale::Ready(p) = prepared else {
+                return Ok(());
+            };
+            if !self.hold().await? {
+                return Err("not written: this planner lost its lease".into());
+            }
+            if bounded("scale", p.commit(&store)).await.is_ok() {
+                return Ok(());
+            }
+        }
+        Err(format!("deployment {dep} kept changing under us"))
     }
 
     async fn report(

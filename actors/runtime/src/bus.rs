@@ -93,7 +93,8 @@ pub struct Bus {
     pub subjects: Subjects,
     /// Replicas of every stream and bucket this process creates: 3 on a
     /// NATS cluster of three or more servers (given as URLs, or advertised
-    /// by the server it reached), else 1.
+    /// by the server it reached), else 1. Where the servers cannot place
+    /// that many, a stream is created with one (see `create_stream`).
     pub replicas: usize,
 }
 
@@ -415,10 +416,10 @@ impl Bus {
                 }),
                 ..Default::default()
             };
-            if let Err(e) = self.js.create_stream(cfg).await {
+            if let Err(e) = self.create_stream(cfg).await {
                 // Another process may have created it first.
                 if self.js.get_stream(&stream_name).await.is_err() {
-                    return Err(err(e.to_string()));
+                    return Err(err(e));
                 }
             }
         }
@@ -453,9 +454,9 @@ impl Bus {
                 num_replicas: self.replicas,
                 ..Default::default()
             };
-            if let Err(e) = self.js.create_stream(cfg).await {
+            if let Err(e) = self.create_stream(cfg).await {
                 if self.js.get_stream(&stream_name).await.is_err() {
-                    return Err(err(e.to_string()));
+                    return Err(err(e));
                 }
             }
         }
@@ -464,6 +465,39 @@ impl Bus {
             .get_object_store(bucket)
             .await
             .map_err(|e| err(e.to_string()))
+    }
+
+    /// Creates a stream with [`Self::replicas`]; where the servers cannot
+    /// hold that many (fewer than three in the cluster, or a single server
+    /// reached under several names or advertising several addresses), it is
+    /// created with one replica instead, and that is logged: a bus that works
+    /// unreplicated beats one that does not start.
+    async fn create_stream(&self, cfg: stream::Config) -> Result<(), String> {
+        let name = cfg.name.clone();
+        let replicated = match self.js.create_stream(cfg.clone()).await {
+            Ok(_) => return Ok(()),
+            Err(e) if cfg.num_replicas > 1 => e,
+            Err(e) => return Err(e.to_string()),
+        };
+        if self.js.get_stream(&name).await.is_ok() {
+            // Another process created it meanwhile.
+            return Ok(());
+        }
+        tracing::warn!(
+            stream = name,
+            replicas = cfg.num_replicas,
+            error = %replicated,
+            "the servers cannot replicate the stream; creating it with one replica (are fewer than three NATS servers in the cluster?)"
+        );
+        let one = stream::Config {
+            num_replicas: 1,
+            ..cfg
+        };
+        self.js
+            .create_stream(one)
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("{e} (and with {} replicas: {replicated})", self.replicas))
     }
 
     /// Settles a stream this process uses: one created with fewer replicas
@@ -499,7 +533,8 @@ impl Bus {
         while t0.elapsed() < Duration::from_secs(10) {
             if let Ok(mut s) = self.js.get_stream(name).await {
                 if let Ok(info) = s.info().await {
-                    if info.cluster.as_ref().is_some_and(|c| c.leader.is_some()) {
+                    // A single server's streams need no election.
+                    if info.cluster.as_ref().is_none_or(|c| c.leader.is_some()) {
                         return;
                     }
                 }
@@ -530,11 +565,11 @@ impl Bus {
             num_replicas: self.replicas,
             ..Default::default()
         };
-        if let Err(e) = self.js.create_stream(cfg).await {
+        if let Err(e) = self.create_stream(cfg).await {
             if self.js.get_stream(&name).await.is_err() {
                 return Err(BusError::Bucket {
                     bucket: name,
-                    reason: e.to_string(),
+                    reason: e,
                 });
             }
         }
