@@ -3,6 +3,10 @@
 //! (as the router tells it), as if the worker had stored them, and forgets them after a TTL or when a size cap
 //! is exceeded (oldest first).
 //!
+//! The router hands each routed prompt to the indexer by message, so a
+//! prompt routed right after an identical one may not see its record yet
+//! (as with real KV events, which follow the prefill).
+//!
 //! Invariants: a (worker, block) is in the index iff at least one unexpired
 //! record holds it (records are reference-counted, so routing the same
 //! prefix again keeps it alive); the number of recorded blocks never exceeds
@@ -117,6 +121,26 @@ impl Approx {
         }
     }
 
+    /// Puts every block a live record holds back into `index` (one that
+    /// was replaced, as by a loaded snapshot, which holds none of them).
+    pub fn reapply(&self, index: &mut KvIndex) {
+        // Record by record, in prefix order, as they were first stored
+        // (storing a block twice changes nothing).
+        for (_, w, hashes) in &self.records {
+            let ev = IndexEvent {
+                worker: *w,
+                data: IndexEventData::Stored {
+                    tier: Tier::Device,
+                    parent: None,
+                    blocks: hashes.clone(),
+                },
+            };
+            if let Err(e) = index.apply(&ev) {
+                tracing::error!(error = %e, "approximate KV records not put back");
+            }
+        }
+    }
+
     /// Drops records past their TTL.
     pub fn expire(&mut self, index: &mut KvIndex, now: Instant) {
         while self.records.front().is_some_and(|(t, _, _)| *t <= now) {
@@ -160,5 +184,11 @@ mod tests {
         assert!(a.len() <= 8);
         assert!(idx.find_matches(&hs(10..15)).is_empty());
         assert_eq!(idx.find_matches(&hs(20..25))[0].1.blocks, 5);
+        // An index replaced (a snapshot loaded) gets the live records back.
+        let mut fresh = KvIndex::new();
+        a.reapply(&mut fresh);
+        assert!(fresh.find_matches(&hs(10..15)).is_empty());
+        assert_eq!(fresh.find_matches(&hs(20..25))[0].1.blocks, 5);
+        assert_eq!(fresh.blocks_of(w), idx.blocks_of(w));
     }
 }

@@ -129,10 +129,10 @@ impl Actor for IndexerActor {
         let tasks = Tasks::new(Arc::new(move |why| {
             let _ = me.cast(IndexerMsg::TaskEnded(why));
         }));
+        // Nothing here waits on the bus: the router waits for this start
+        // (its routes too). The KV events stream is made sure of by the
+        // feed task.
         let bus = args.bus;
-        if let Err(e) = bus.ensure_kv_events_stream().await {
-            tracing::warn!(error = %e, "cannot create the KV events stream");
-        }
         if args.snapshots.enabled {
             tasks.spawn(
                 "kv-snapshots",

@@ -15,11 +15,16 @@
 //!   restarted indexer is told the whole registry again;
 //! - a snapshot is written by the replica the router says is elected (see
 //!   [`IndexerState::snapshot`]), only once that router is caught up and
-//!   the replay is over.
+//!   this index is whole (its replay over, its workers synced, or the
+//!   catch-up cap passed), so a restarted indexer does not replace the
+//!   stored snapshot with a partial one;
+//! - the approximate records of workers without events survive a snapshot
+//!   being loaded (they are put back into the loaded index).
 
 use crate::approx::Approx;
+use crate::catch_up::CATCH_UP_MAX;
 use crate::kv_stream::{KvSnapshotConfig, StoredSnapshot};
-use crate::kv_sync::{GapFill, SharedKv};
+use crate::kv_sync::{GapFill, KvSync, SharedKv};
 use dynamo_bus_schema::blocks::SequenceHash;
 use dynamo_bus_schema::{KvDumpTiered, KvEvent, KvEventBatch, KvIndexSnapshot, RouterId, WorkerId};
 use std::collections::HashMap;
@@ -70,6 +75,11 @@ pub struct IndexerState {
     started: Instant,
     rank: u32,
     caught_up: bool,
+    /// This index is whole enough to snapshot: its replay is over and no
+    /// worker waits for a repair, or [`CATCH_UP_MAX`] passed since it
+    /// started (a restarted indexer's router is caught up already, so its
+    /// say alone is not enough). Once set, it stays set.
+    whole: bool,
     /// When this replica last took a snapshot of its KV index.
     last_snapshot: Option<Instant>,
     /// The stream sequence the last snapshot was tagged with.
@@ -97,6 +107,7 @@ impl IndexerState {
             started: now,
             rank: 0,
             caught_up: false,
+            whole: false,
             last_snapshot: None,
             last_snapshot_tag: 0,
             snapshot_missing_since: None,
@@ -110,6 +121,14 @@ impl IndexerState {
     /// A notice from the router. Returns true when a worker now needs a
     /// repair (first seen: a dump).
     pub fn notice(&mut self, n: ToIndexer, now: Instant) -> bool {
+        let repair = self.take_notice(n, now);
+        // Counted once handled: the router's catch-up waits for every
+        // notice it sent (a worker registered is syncing by then).
+        self.kv.write().notices += 1;
+        repair
+    }
+
+    fn take_notice(&mut self, n: ToIndexer, now: Instant) -> bool {
         match n {
             ToIndexer::Registered {
                 worker,
@@ -185,23 +204,30 @@ impl IndexerState {
 
     /// Loads a KV index snapshot (while catching up, before the stream is
     /// replayed from its sequence); returns the blocks loaded.
+    ///
+    /// The index is built without the lock (the router reads the old one
+    /// meanwhile) and swapped in; the approximate records of workers
+    /// without events, which the snapshot does not hold, are put back.
     pub fn restore(
         &mut self,
         snap: &KvIndexSnapshot,
     ) -> Result<u64, dynamo_kv_index::SnapshotError> {
-        let mut kv = self.kv.write();
-        if !kv.replaying() {
+        if !self.kv.read().is_some_and(|kv| kv.replaying()) {
             // Too late: the replay was ended (overdue) and dumps went out.
             tracing::warn!("a KV index snapshot arrived after catch-up; ignored");
             return Ok(0);
         }
         let workers = &self.workers;
-        kv.restore(snap, |w| {
+        let restored = KvSync::restored(snap, |w| {
             workers
                 .get(&w)
                 .filter(|k| k.kv_events)
                 .map(|k| k.generation)
-        })
+        })?;
+        let mut kv = self.kv.write();
+        let blocks = kv.install(restored);
+        self.approx.reapply(&mut kv.index);
+        Ok(blocks)
     }
 
     /// The stream lost messages after the snapshot: dump every worker.
@@ -310,7 +336,10 @@ impl IndexerState {
             let retag =
                 changed == 0 && self.last_snapshot.is_some() && stream_seq > self.last_snapshot_tag;
             let due = changed >= cfg.events || ((changed > 0 || retag) && interval_over);
-            if !cfg.enabled || !lowest || !due || !self.caught_up || kv.replaying() {
+            self.whole = self.whole
+                || (!kv.replaying()
+                    && (kv.syncing() == 0 || now.duration_since(self.started) >= CATCH_UP_MAX));
+            if !cfg.enabled || !lowest || !due || !self.caught_up || !self.whole {
                 return None;
             }
             kv.export(stream_seq, self.router_id)

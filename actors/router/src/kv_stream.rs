@@ -95,6 +95,9 @@ const SNAPSHOT_LOAD_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The KV events feed: catch-up from the stream, then core NATS.
 pub async fn follow(bus: Bus, indexer: ActorRef<IndexerMsg>, gate: Gate) {
+    if let Err(e) = bus.ensure_kv_events_stream().await {
+        tracing::warn!(error = %e, "cannot create the KV events stream");
+    }
     let subject = bus.subjects.kv_events_all();
     let sub = match bus.client.subscribe(subject.clone()).await {
         Ok(s) => s,

@@ -1,7 +1,7 @@
 //! Keeping the KV index exact per worker.
 //!
 //! Each worker's events carry ids that increase by one within a generation.
-//! Per worker the router is either `Live` (expecting event `next`) or
+//! Per worker the indexer is either `Live` (expecting event `next`) or
 //! `Syncing` (waiting for a repair, buffering what arrives meanwhile). A
 //! repair is the missing events read back from the KV events stream, or a
 //! dump of the worker's block table.
@@ -137,6 +137,13 @@ pub struct KvStats {
     pub stream_fill_failures: u64,
 }
 
+/// An index built from a snapshot, to install ([`KvSync::install`]).
+pub struct Restored {
+    index: KvIndex,
+    /// The workers kept: generation and last event id.
+    keep: HashMap<WorkerId, (u64, EventId)>,
+}
+
 /// The KV index and its sync state, shared between the indexer actor,
 /// its only writer, and the router, which reads it on every route
 /// (overlap, catch-up, status). Locks are held only inside synchronous
@@ -189,6 +196,9 @@ pub struct KvSync {
     replaying: bool,
     /// Events applied since the last snapshot.
     since_snapshot: u64,
+    /// Notices from the router the indexer has handled (the router holds
+    /// its catch-up until every notice it sent is handled).
+    pub notices: u64,
 }
 
 /// A wire event as the index takes it; `None` for a kind or tier this
@@ -479,12 +489,22 @@ impl KvSync {
         snap: &KvIndexSnapshot,
         registered: impl Fn(WorkerId) -> Option<u64>,
     ) -> Result<u64, SnapshotError> {
+        Ok(self.install(Self::restored(snap, registered)?))
+    }
+
+    /// The first half of [`Self::restore`], which reads nothing of `self`:
+    /// the index built from the snapshot (the slow part, done without the
+    /// lock while the router reads the old index).
+    pub fn restored(
+        snap: &KvIndexSnapshot,
+        registered: impl Fn(WorkerId) -> Option<u64>,
+    ) -> Result<Restored, SnapshotError> {
         let mut index = KvIndex::from_runs(&snap.runs, dynamo_kv_index::MAX_WORKERS)?;
-        let keep: HashMap<WorkerId, &KvSnapshotWorker> = snap
+        let keep: HashMap<WorkerId, (u64, EventId)> = snap
             .workers
             .iter()
             .filter(|w| registered(w.worker_id) == Some(w.generation))
-            .map(|w| (w.worker_id, w))
+            .map(|w| (w.worker_id, (w.generation, w.last_event_id)))
             .collect();
         let all: Vec<WorkerId> = index.workers().collect();
         for w in all {
@@ -492,19 +512,24 @@ impl KvSync {
                 index.remove_worker(w);
             }
         }
-        self.index = index;
-        for (w, sw) in keep {
+        Ok(Restored { index, keep })
+    }
+
+    /// The second half of [`Self::restore`]: swaps the built index in.
+    pub fn install(&mut self, r: Restored) -> u64 {
+        self.index = r.index;
+        for (w, (generation, last)) in r.keep {
             self.workers.insert(
                 w,
                 Sync::Live {
-                    generation: sw.generation,
-                    next: sw.last_event_id.0 + 1,
+                    generation,
+                    next: last.0 + 1,
                 },
             );
         }
         let blocks = self.index.len() as u64;
         self.stats.snapshot_blocks += blocks;
-        Ok(blocks)
+        blocks
     }
 
     /// The stream no longer holds every message after the snapshot: what a

@@ -98,6 +98,9 @@ pub struct RouterState {
     to_indexer: Vec<ToIndexer>,
     /// The view last told to the indexer (rank, caught up).
     told_view: Option<(u32, bool)>,
+    /// Notices queued for the current indexer since it started (it counts
+    /// those it handled in the shared index).
+    notices_sent: u64,
     active: ActiveLoad,
     timings: RouteTimings,
     catch_up: CatchUp,
@@ -120,6 +123,7 @@ impl RouterState {
             kv: SharedKv::default(),
             to_indexer: Vec::new(),
             told_view: None,
+            notices_sent: 0,
             // Peers heartbeat every second; entries outlive any request deadline.
             active: ActiveLoad::new(id, Duration::from_secs(3600), Duration::from_secs(3)),
             timings: RouteTimings::default(),
@@ -140,17 +144,28 @@ impl RouterState {
     pub fn indexer_replaced(&mut self, kv: SharedKv) {
         self.kv = kv;
         self.to_indexer.clear();
-        for e in self.registry.entries() {
-            self.to_indexer.push(ToIndexer::Registered {
+        self.notices_sent = 0;
+        let known: Vec<ToIndexer> = self
+            .registry
+            .entries()
+            .map(|e| ToIndexer::Registered {
                 worker: e.reg.worker_id,
                 generation: e.reg.generation,
                 kv_events: e.reg.kv_events,
-            });
+            })
+            .collect();
+        for n in known {
+            self.notify(n);
         }
         if self.catch_up.registry_was_loaded() {
-            self.to_indexer.push(ToIndexer::RegistryLoaded);
+            self.notify(ToIndexer::RegistryLoaded);
         }
         self.told_view = None;
+    }
+
+    fn notify(&mut self, n: ToIndexer) {
+        self.notices_sent += 1;
+        self.to_indexer.push(n);
     }
 
     /// What the indexer must be told now, in order.
@@ -158,12 +173,19 @@ impl RouterState {
         std::mem::take(&mut self.to_indexer)
     }
 
-    /// Whether the index is still catching up, and how many workers wait
-    /// for a repair (an unreadable index holds nothing up).
+    /// How many workers wait for a repair, and whether the index is still
+    /// replaying the stream or has notices of ours to handle (a worker
+    /// registered is syncing only once its notice is handled). An
+    /// unreadable index holds nothing up.
     fn kv_progress(&self) -> (usize, bool) {
         self.kv
             .read()
-            .map(|kv| (kv.syncing(), kv.replaying()))
+            .map(|kv| {
+                (
+                    kv.syncing(),
+                    kv.replaying() || kv.notices < self.notices_sent,
+                )
+            })
             .unwrap_or((0, false))
     }
 
@@ -182,7 +204,7 @@ impl RouterState {
         let view = (rank, self.caught_up(now));
         if self.told_view != Some(view) {
             self.told_view = Some(view);
-            self.to_indexer.push(ToIndexer::View {
+            self.notify(ToIndexer::View {
                 rank: view.0,
                 caught_up: view.1,
             });
@@ -207,7 +229,7 @@ impl RouterState {
     /// The registry's history has been read.
     pub fn registry_loaded(&mut self) {
         self.catch_up.registry_loaded();
-        self.to_indexer.push(ToIndexer::RegistryLoaded);
+        self.notify(ToIndexer::RegistryLoaded);
     }
 
     /// A peer's load snapshot was loaded, or none answered.
@@ -250,7 +272,7 @@ impl RouterState {
     }
 
     pub fn kv_stats(&self) -> KvStats {
-        self.kv.read().map(|kv| kv.stats).unwrap_or_default()
+        self.kv.stats()
     }
 
     /// Blocks the index holds for `w` (device, host, disk).
@@ -279,7 +301,7 @@ impl RouterState {
             }
             Upserted::Refreshed | Upserted::Stale => return,
         }
-        self.to_indexer.push(ToIndexer::Registered {
+        self.notify(ToIndexer::Registered {
             worker: id,
             generation,
             kv_events,
@@ -292,8 +314,10 @@ impl RouterState {
 
     /// This router's view of its index, for `dynamoctl status`.
     pub fn info(&self) -> dynamo_bus_schema::RouterInfo {
+        // Counters first: a second read lock taken while holding one can
+        // deadlock behind a waiting writer.
+        let st = self.kv.stats();
         let kv = self.kv.read();
-        let st = kv.as_ref().map(|kv| kv.stats).unwrap_or_default();
         dynamo_bus_schema::RouterInfo {
             router_id: self.router_id(),
             policy: self.policy_name().to_string(),
@@ -331,7 +355,7 @@ impl RouterState {
         if self.registry.remove(id) {
             tracing::info!(worker = %id, "worker deregistered");
         }
-        self.to_indexer.push(ToIndexer::Gone(id));
+        self.notify(ToIndexer::Gone(id));
         self.active.worker_changed(id, u64::MAX);
         self.prefill_sent.remove(&id);
     }
@@ -351,7 +375,7 @@ impl RouterState {
     pub fn expire(&mut self, now: Instant) -> Vec<WorkerId> {
         let dead = self.registry.expire(now);
         for id in &dead {
-            self.to_indexer.push(ToIndexer::Gone(*id));
+            self.notify(ToIndexer::Gone(*id));
             self.active.worker_changed(*id, u64::MAX);
             self.prefill_sent.remove(id);
         }
@@ -512,7 +536,7 @@ impl RouterState {
         if !kv_events && self.policy.needs_overlap() {
             // No events will tell us what it caches: assume it keeps this prompt.
             let h = hashed.of(token_ids, bs, salt).to_vec();
-            self.to_indexer.push(ToIndexer::Routed(wid, h));
+            self.notify(ToIndexer::Routed(wid, h));
         }
         let prefill_worker =
             self.pick_prefill(model, token_ids, &mut hashed, prefill_tokens, exclude, now);

@@ -248,6 +248,48 @@ fn workers_without_kv_events_are_tracked_approximately() {
     }
     pump(&mut s, &mut i, later);
     assert!(s.overlap(&m, &prompt).is_empty());
+    // The new engine's records count from nothing: routed again, the
+    // prompt is recorded again (its old reference counts were forgotten).
+    let d = s.route(RequestId(4), &m, &prompt, &[], later).unwrap().0;
+    pump(&mut s, &mut i, later);
+    assert_eq!(
+        s.overlap(&m, &prompt)
+            .into_iter()
+            .map(|(w, o)| (w, o.blocks))
+            .collect::<Vec<_>>(),
+        vec![(d.worker_id, 4)]
+    );
+}
+
+#[test]
+fn the_router_holds_routing_while_its_indexer_replays_or_has_notices_to_handle() {
+    let t0 = Instant::now();
+    let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+    s.begin_catch_up(t0);
+    let mut i = indexer_of(&s, true, t0);
+    // A worker without KV events: no dump is ever waited for.
+    let mut r = reg(1, 1, "a");
+    r.kv_events = false;
+    s.upsert(r, t0);
+    s.registry_loaded();
+    s.snapshot_done();
+    let m = ModelName("a".into());
+    assert_eq!(
+        route(&mut s, &m, &[], t0),
+        Err(RouteError::CatchingUp),
+        "the indexer has not handled the router's notices"
+    );
+    pump(&mut s, &mut i, t0);
+    assert_eq!(
+        route(&mut s, &m, &[], t0),
+        Err(RouteError::CatchingUp),
+        "the indexer still replays the stream"
+    );
+    i.replay_done();
+    assert!(route(&mut s, &m, &[], t0).is_ok());
+    // Caught up stays caught up: a later worker's notice holds nothing.
+    s.upsert(reg(2, 1, "a"), t0);
+    assert!(route(&mut s, &m, &[], t0).is_ok());
 }
 
 /// Stores `prompt`'s blocks for worker `w` in the index, as its KV
@@ -487,9 +529,17 @@ fn only_the_lowest_live_replica_snapshots_once_caught_up_and_when_due() {
         route(&mut s, &ModelName("a".into()), &[], t0).is_err(),
         "the router holds routing while the indexer replays"
     );
+    // Even were its router caught up, a replaying index is not snapshotted.
+    i.notice(
+        crate::indexer_state::ToIndexer::View {
+            rank: 0,
+            caught_up: true,
+        },
+        t0,
+    );
+    assert!(i.snapshot(7, FRESH, &cfg, t0).is_none(), "still replaying");
     s.tell_view(t0);
     pump(&mut s, &mut i, t0);
-    assert!(i.snapshot(7, FRESH, &cfg, t0).is_none(), "still replaying");
     i.replay_done();
     assert!(i.dumps_due(t0).is_empty());
     assert_eq!(s.kv_blocks_of(WorkerId(1)), [2, 0, 0]);
