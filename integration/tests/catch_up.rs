@@ -147,6 +147,7 @@ async fn a_late_replica_catches_up_from_the_snapshot_and_the_stream_without_dump
     let hb = Http::new(pb);
     hb.wait_ready(WORKERS as u64, &mut b).await;
     agrees(&hb, &nats.url, &workers, &mut b).await;
+    caught_up_whole(&mut b).await;
     let loaded = hb
         .metric("dynamo_router_kv_snapshot_blocks_loaded_total")
         .await;
@@ -183,6 +184,7 @@ async fn a_late_replica_catches_up_from_the_snapshot_and_the_stream_without_dump
     let hd = Http::new(pd);
     hd.wait_ready(WORKERS as u64, &mut d).await;
     agrees(&hd, &nats.url, &workers, &mut d).await;
+    caught_up_whole(&mut d).await;
     assert_eq!(
         hd.metric("dynamo_router_kv_stream_truncated_total").await,
         1
@@ -192,6 +194,21 @@ async fn a_late_replica_catches_up_from_the_snapshot_and_the_stream_without_dump
         assert_eq!(hd.overlap(&prompt(i)).await, hb.overlap(&prompt(i)).await);
     }
     assert!(b.alive() && c.alive() && d.alive() && w.alive());
+}
+
+/// The replica opened routing because its view was whole, not because
+/// the catch-up cap ran out (a piece of the gate that never completes).
+async fn caught_up_whole(node: &mut Node) {
+    wait_log(node, Duration::from_secs(10), "the catch-up", |l| {
+        l.contains("router caught up; routing")
+    })
+    .await;
+    let log = node.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("router caught up; routing"))
+        .unwrap_or_default();
+    assert!(line.contains("complete=true"), "{line}");
 }
 
 /// A live KV event batch lost on core NATS leaves a gap that the router

@@ -104,8 +104,14 @@ impl PlannerState {
                 .filter(|s| matches!(s.phase, Some(Phase::Decode) | Some(Phase::Aggregated)))
                 .map(|s| s.kv_util.clamp(0.0, 1.0))
                 .sum();
+            // A sequence is never split across replicas: more replicas
+            // than sequences hold no less KV each (one long sequence over
+            // the limit is not a fleet too small, and a replica added for
+            // it would sit idle).
             let limit = cap.decode_util * headroom;
-            let n = ceil_u32(held / limit - 1e-9).div_ceil(per_group.1);
+            let n = ceil_u32(held / limit - 1e-9)
+                .min(seqs.max(1))
+                .div_ceil(per_group.1);
             if n > best.0 && held > 0.0 {
                 best = (
                     n,

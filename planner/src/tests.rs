@@ -482,6 +482,22 @@ fn kv_held_by_decoding_sequences_asks_for_decode_replicas_whatever_the_lengths_s
         .changes
         .iter()
         .all(|c| c.target != "decode"));
+    // Nor is one sequence whose own KV is over the limit: a second replica
+    // would not take any of it.
+    let mut w = full(u * 1.1);
+    w.workers.truncate(1);
+    w.workers[0].active = 1;
+    assert!(one
+        .evaluate(&ts1, &w, None)
+        .changes
+        .iter()
+        .all(|c| c.target != "decode"));
+    // Two such sequences on one replica: two replicas hold them.
+    w.workers[0].active = 2;
+    w.workers[0].kv_util = u * 2.2;
+    let c = one.evaluate(&ts1, &w, None).changes;
+    let c = c.iter().find(|c| c.target == "decode").unwrap();
+    assert_eq!((c.rule.as_str(), c.to), ("burst", 2), "{c:?}");
 }
 
 #[test]

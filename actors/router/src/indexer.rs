@@ -172,6 +172,8 @@ impl Actor for IndexerActor {
         let now = Instant::now();
         match msg {
             IndexerMsg::Router(ToIndexer::RegistryLoaded) => {
+                // Counted like every notice (the router waits for them all).
+                s.notice(ToIndexer::RegistryLoaded, now);
                 if !rt.feed_started {
                     rt.feed_started = true;
                     rt.tasks.spawn(
