@@ -324,18 +324,20 @@ async fn a_failed_indexer_is_replaced_and_catches_up_while_the_router_runs() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let dumps = h.metric("dynamo_router_kv_dumps_total").await;
-    // Requests go on throughout, each answered.
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // Requests go on throughout, each answered (`send` asserts it).
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let served = std::sync::Arc::new(AtomicU64::new(0));
     let mut background = tokio::task::JoinSet::new();
     {
-        let (stop, hb) = (stop.clone(), Http::new(port));
+        let (stop, served, hb) = (stop.clone(), served.clone(), Http::new(port));
         background.spawn(async move {
             let mut i = 100;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            while !stop.load(Ordering::Relaxed) {
                 send(&hb, i..i + 2).await;
+                served.fetch_add(2, Ordering::Relaxed);
                 i += 2;
             }
-            i - 100
         });
     }
     for (n, (fault, task)) in [
@@ -374,10 +376,21 @@ async fn a_failed_indexer_is_replaced_and_catches_up_while_the_router_runs() {
             &mut g,
         )
         .await;
+        // And requests are served after the restart too.
+        let before = served.load(Ordering::Relaxed);
+        let t0 = Instant::now();
+        while served.load(Ordering::Relaxed) < before + 4 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "no request served after restart {}:\n{}",
+                n + 1,
+                g.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let served = background.join_next().await.unwrap().unwrap();
-    assert!(served > 0, "requests were served throughout");
+    stop.store(true, Ordering::Relaxed);
+    background.join_next().await.unwrap().unwrap();
     // The last index holds what was served before, during and after the
     // restarts.
     send(&h, 10..14).await;

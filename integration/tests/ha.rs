@@ -664,9 +664,10 @@ async fn a_cluster_too_small_for_three_replicas_falls_back_to_one() {
     assert_eq!(kv.get("k").await.unwrap().as_deref(), Some(&b"v"[..]));
 }
 
-/// The planner's fence on the desired state: a scale prepared under a lease
-/// fails its compare-and-set once a successor has taken over and touched
-/// the record.
+/// The desired-state half of the planner's fence (the planner checks its
+/// lease between `prepare_scale` and `commit`, and touches the record when
+/// it takes over): a scale prepared before a successor's touch fails its
+/// compare-and-set, and the touch changes nothing else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deposed_lease_holders_scale_is_fenced_off() {
     use dynamo_cluster_config::spec::DeploymentSpec;

@@ -7,14 +7,14 @@
 //! state, so two concurrent changes never lose one another); a stored spec
 //! always parses into checked types.
 //!
-//! Fencing a lease holder (the planner): it checks its lease *after*
-//! reading the record ([`prepare_scale`]) and writes by compare-and-set on
-//! the revision read ([`Prepared::commit`]), and a new holder [`touch`]es
-//! the record before it acts. A holder
-//! deposed after its check therefore fails its write: its successor's
-//! takeover came after that check (a lease is only taken once the old
-//! holder can no longer renew it), so the touch bumped the revision it
-//! read, or the successor reads what it wrote.
+//! Fencing a lease holder (the planner): it checks its lease (a renewal,
+//! itself a compare-and-set on the lease entry) *after* reading the record
+//! ([`prepare_scale`]) and writes by compare-and-set on the revision read
+//! ([`Prepared::commit`]); a new holder [`touch`]es the record before it
+//! acts and decides only from a read after the touch. A takeover is a
+//! compare-and-set on the lease entry too, so it comes after the old
+//! holder's last successful check, and so after that check's read: the
+//! touch bumps the revision the old holder read, and its write fails.
 
 use async_nats::jetstream::kv;
 use dynamo_bus_schema::{decode, encode, unix_ms, DeploymentRecord};

@@ -108,8 +108,10 @@ pub async fn claim(
             )
         }
         (Some(e), None) => {
-            // A deleted or unreadable lease: replace it.
-            let next = epoch + 1;
+            // A deleted or unreadable lease: replace it, under an epoch past
+            // any it held (an epoch never exceeds the revision that wrote
+            // it, so the entry's revision bounds them all).
+            let next = epoch.max(e.revision) + 1;
             (
                 next,
                 written(store.update(key, put(next)?, e.revision)).await,

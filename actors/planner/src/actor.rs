@@ -400,6 +400,13 @@ impl Planner {
         let held = lease::claim(&store, &key, &me, ttl, epoch, was, seen).await?;
         Ok(match held {
             Some(e) => {
+                if self.state.is_some() && e != self.epoch {
+                    // Taken back under a new epoch (a lease that was
+                    // deleted or unreadable): a takeover like any other,
+                    // so the next tick fences the last holder and adopts
+                    // afresh.
+                    self.state = None;
+                }
                 self.epoch = e;
                 true
             }
@@ -441,6 +448,10 @@ impl Planner {
             bounded("deployment", desired::touch(&store, &dep)).await?;
             self.adopt(&pspec).await?;
             tracing::info!(deployment = %dep, epoch = self.epoch, node = %self.cfg.node_id, "planner active");
+            // The record read above may predate a last write of the old
+            // holder's that landed before the touch: decide from the next
+            // tick's read.
+            return Ok(());
         }
         let b = self.buckets().await?;
         let status: Option<DeploymentStatus> =
@@ -491,6 +502,13 @@ impl Planner {
                 return Ok(());
             }
             let res = self.apply(&spec, &c.target, c.to).await;
+            if !self.active {
+                // Deposed between reading the record and writing it:
+                // nothing was written, and a deposed planner writes
+                // nothing more (its status neither).
+                tracing::warn!(deployment = %dep, "planner lost its lease before acting");
+                return Ok(());
+            }
             let (applied, reason) = match res {
                 Ok(()) => (true, c.reason.clone()),
                 Err(e) => (false, format!("{}; not applied: {e}", c.reason)),
@@ -567,6 +585,8 @@ impl Planner {
                 return Ok(());
             };
             if !self.hold().await? {
+                self.active = false;
+                self.state = None;
                 return Err("not written: this planner lost its lease".into());
             }
             if bounded("scale", p.commit(&store)).await.is_ok() {

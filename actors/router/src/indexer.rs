@@ -25,7 +25,7 @@
 
 use crate::dumps::request_dump;
 use crate::feeds::{self, FEED_BACKLOG};
-use crate::indexer_state::{IndexerState, ToIndexer};
+use crate::indexer_state::{IndexerState, Then, ToIndexer};
 use crate::kv_stream::{KvSnapshotConfig, StoredSnapshot};
 use crate::kv_sync::{GapFill, SharedKv};
 use dynamo_bus_schema::{
@@ -171,10 +171,11 @@ impl Actor for IndexerActor {
         let s = &mut rt.state;
         let now = Instant::now();
         match msg {
-            IndexerMsg::Router(ToIndexer::RegistryLoaded) => {
-                // Counted like every notice (the router waits for them all).
-                s.notice(ToIndexer::RegistryLoaded, now);
-                if !rt.feed_started {
+            IndexerMsg::Router(n) => match s.notice(n, now) {
+                // A worker seen for the first time is dumped at once, not
+                // at the next tick: a starting replica routes only after.
+                Then::Repair => rt.spawn_repairs(&myself, now),
+                Then::StartFeed if !rt.feed_started => {
                     rt.feed_started = true;
                     rt.tasks.spawn(
                         "kv-events",
@@ -185,14 +186,8 @@ impl Actor for IndexerActor {
                         ),
                     );
                 }
-            }
-            IndexerMsg::Router(n) => {
-                // A worker seen for the first time is dumped at once, not
-                // at the next tick: a starting replica routes only after.
-                if s.notice(n, now) {
-                    rt.spawn_repairs(&myself, now);
-                }
-            }
+                Then::StartFeed | Then::Nothing => {}
+            },
             IndexerMsg::KvBatch(_, _ticket) if rt.drop_next_batch => {
                 rt.drop_next_batch = false;
                 tracing::warn!("fault injected: a live KV event batch dropped");
@@ -224,7 +219,7 @@ impl Actor for IndexerActor {
             IndexerMsg::KvStreamTruncated => s.stream_truncated(),
             IndexerMsg::KvReplayed(b, _ticket) => s.replayed(b),
             IndexerMsg::KvReplayDone => {
-                s.replay_done();
+                s.replay_done(now);
                 rt.spawn_repairs(&myself, now);
             }
             IndexerMsg::TakeKvSnapshot(seq, stored, reply) => {

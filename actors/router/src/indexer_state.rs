@@ -15,9 +15,10 @@
 //!   restarted indexer is told the whole registry again;
 //! - a snapshot is written by the replica the router says is elected (see
 //!   [`IndexerState::snapshot`]), only once that router is caught up and
-//!   this index is whole (its replay over, its workers synced, or the
-//!   catch-up cap passed), so a restarted indexer does not replace the
-//!   stored snapshot with a partial one;
+//!   this index is whole (its replay over and its workers synced, or 5 s
+//!   past the replay for dumps that do not come), so a restarted indexer
+//!   does not replace the stored snapshot with a partial one while its
+//!   repairs are under way;
 //! - the approximate records of workers without events survive a snapshot
 //!   being loaded (they are put back into the loaded index).
 
@@ -59,6 +60,16 @@ pub enum ToIndexer {
     View { rank: u32, caught_up: bool },
 }
 
+/// What the indexer actor does after a notice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Then {
+    Nothing,
+    /// A worker needs a repair now (first seen: a dump).
+    Repair,
+    /// The registry's history is read: start the KV events feed (once).
+    StartFeed,
+}
+
 /// A registered worker, as the indexer knows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Known {
@@ -75,10 +86,14 @@ pub struct IndexerState {
     started: Instant,
     rank: u32,
     caught_up: bool,
+    /// When the replay ended (None while it runs).
+    replay_ended: Option<Instant>,
     /// This index is whole enough to snapshot: its replay is over and no
-    /// worker waits for a repair, or [`CATCH_UP_MAX`] passed since it
-    /// started (a restarted indexer's router is caught up already, so its
-    /// say alone is not enough). Once set, it stays set.
+    /// worker waits for a repair, or [`CATCH_UP_MAX`] passed since the
+    /// replay ended (the dumps it asks for had that long; a worker that
+    /// never answers cannot stop snapshots for good, and is left out of
+    /// them). A restarted indexer's router is caught up already, so its say
+    /// alone is not enough. Once set, it stays set.
     whole: bool,
     /// When this replica last took a snapshot of its KV index.
     last_snapshot: Option<Instant>,
@@ -94,7 +109,10 @@ impl IndexerState {
     /// wait until [`Self::replay_done`]).
     pub fn new(router_id: RouterId, kv: SharedKv, now: Instant) -> Self {
         kv.write().begin_replay();
-        Self::live(router_id, kv, now)
+        IndexerState {
+            replay_ended: None,
+            ..Self::live(router_id, kv, now)
+        }
     }
 
     /// An indexer with nothing to replay (a state built for tests).
@@ -105,6 +123,7 @@ impl IndexerState {
             workers: HashMap::new(),
             approx: Approx::default(),
             started: now,
+            replay_ended: Some(now),
             rank: 0,
             caught_up: false,
             whole: false,
@@ -118,17 +137,17 @@ impl IndexerState {
         &self.kv
     }
 
-    /// A notice from the router. Returns true when a worker now needs a
-    /// repair (first seen: a dump).
-    pub fn notice(&mut self, n: ToIndexer, now: Instant) -> bool {
-        let repair = self.take_notice(n, now);
-        // Counted once handled: the router's catch-up waits for every
-        // notice it sent (a worker registered is syncing by then).
+    /// A notice from the router, and what the actor must do next. Every
+    /// notice is counted here, once handled: the router's catch-up waits
+    /// for every notice it sent (a worker registered is syncing by then).
+    pub fn notice(&mut self, n: ToIndexer, now: Instant) -> Then {
+        let then = self.take_notice(n, now);
         self.kv.write().notices += 1;
-        repair
+        then
     }
 
-    fn take_notice(&mut self, n: ToIndexer, now: Instant) -> bool {
+    fn take_notice(&mut self, n: ToIndexer, now: Instant) -> Then {
+        let repair = |needs: bool| if needs { Then::Repair } else { Then::Nothing };
         match n {
             ToIndexer::Registered {
                 worker,
@@ -138,7 +157,7 @@ impl IndexerState {
                 let before = self.workers.get(&worker).copied();
                 if before.is_some_and(|b| b.generation >= generation) {
                     // Told again, or an older generation: nothing changes.
-                    return false;
+                    return Then::Nothing;
                 }
                 self.workers.insert(
                     worker,
@@ -153,17 +172,17 @@ impl IndexerState {
                 }
                 let mut kv = self.kv.write();
                 if kv_events {
-                    kv.worker_seen(worker, generation)
+                    repair(kv.worker_seen(worker, generation))
                 } else {
                     kv.worker_gone(worker);
-                    false
+                    Then::Nothing
                 }
             }
             ToIndexer::Gone(worker) => {
                 self.workers.remove(&worker);
                 self.approx.forget(worker);
                 self.kv.write().worker_gone(worker);
-                false
+                Then::Nothing
             }
             ToIndexer::Routed(worker, hashes) => {
                 // Only while the worker is still registered without events
@@ -172,13 +191,13 @@ impl IndexerState {
                     let mut kv = self.kv.write();
                     self.approx.record(&mut kv.index, worker, &hashes, now);
                 }
-                false
+                Then::Nothing
             }
-            ToIndexer::RegistryLoaded => false,
+            ToIndexer::RegistryLoaded => Then::StartFeed,
             ToIndexer::View { rank, caught_up } => {
                 self.rank = rank;
                 self.caught_up = caught_up;
-                false
+                Then::Nothing
             }
         }
     }
@@ -239,11 +258,12 @@ impl IndexerState {
     }
 
     /// The stream replay is over (or could not run): dumps may go out.
-    pub fn replay_done(&mut self) {
+    pub fn replay_done(&mut self, now: Instant) {
         let mut kv = self.kv.write();
         if kv.replaying() {
             kv.end_replay();
         }
+        self.replay_ended.get_or_insert(now);
     }
 
     /// Ends a replay that has run past `max` since the indexer started
@@ -252,7 +272,7 @@ impl IndexerState {
         let replaying = self.kv.read().is_some_and(|kv| kv.replaying());
         if replaying && now.duration_since(self.started) >= max {
             tracing::warn!("the KV events replay is overdue; syncing workers from dumps");
-            self.replay_done();
+            self.replay_done(now);
             return true;
         }
         false
@@ -338,7 +358,10 @@ impl IndexerState {
             let due = changed >= cfg.events || ((changed > 0 || retag) && interval_over);
             self.whole = self.whole
                 || (!kv.replaying()
-                    && (kv.syncing() == 0 || now.duration_since(self.started) >= CATCH_UP_MAX));
+                    && (kv.syncing() == 0
+                        || self
+                            .replay_ended
+                            .is_some_and(|t| now.duration_since(t) >= CATCH_UP_MAX)));
             if !cfg.enabled || !lowest || !due || !self.caught_up || !self.whole {
                 return None;
             }

@@ -176,7 +176,8 @@ impl RouterState {
     /// How many workers wait for a repair, and whether the index is still
     /// replaying the stream or has notices of ours to handle (a worker
     /// registered is syncing only once its notice is handled). An
-    /// unreadable index holds nothing up.
+    /// unreadable index (its writer panicked) counts as still replaying:
+    /// the replacement's catch-up, or the cap, decides.
     fn kv_progress(&self) -> (usize, bool) {
         self.kv
             .read()
@@ -186,7 +187,7 @@ impl RouterState {
                     kv.replaying() || kv.notices < self.notices_sent,
                 )
             })
-            .unwrap_or((0, false))
+            .unwrap_or((0, true))
     }
 
     /// Whether routing may start (see [`CatchUp`]).

@@ -261,35 +261,118 @@ fn workers_without_kv_events_are_tracked_approximately() {
     );
 }
 
-#[test]
-fn the_router_holds_routing_while_its_indexer_replays_or_has_notices_to_handle() {
-    let t0 = Instant::now();
+/// A router catching up with a worker without KV events (no dump is ever
+/// waited for), its registry and peers' load read.
+fn catching_up(t0: Instant) -> (RouterState, IndexerState) {
     let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
     s.begin_catch_up(t0);
-    let mut i = indexer_of(&s, true, t0);
-    // A worker without KV events: no dump is ever waited for.
+    let i = indexer_of(&s, true, t0);
     let mut r = reg(1, 1, "a");
     r.kv_events = false;
     s.upsert(r, t0);
     s.registry_loaded();
     s.snapshot_done();
+    (s, i)
+}
+
+#[test]
+fn the_router_holds_routing_until_its_indexer_has_handled_its_notices() {
+    let t0 = Instant::now();
     let m = ModelName("a".into());
+    let (mut s, mut i) = catching_up(t0);
+    i.replay_done(t0);
     assert_eq!(
         route(&mut s, &m, &[], t0),
         Err(RouteError::CatchingUp),
         "the indexer has not handled the router's notices"
     );
     pump(&mut s, &mut i, t0);
+    assert!(route(&mut s, &m, &[], t0).is_ok());
+    // Caught up stays caught up: a later worker's notice holds nothing.
+    s.upsert(reg(2, 1, "a"), t0);
+    assert!(route(&mut s, &m, &[], t0).is_ok());
+}
+
+#[test]
+fn the_router_holds_routing_while_its_indexer_replays() {
+    let t0 = Instant::now();
+    let m = ModelName("a".into());
+    let (mut s, mut i) = catching_up(t0);
+    pump(&mut s, &mut i, t0);
     assert_eq!(
         route(&mut s, &m, &[], t0),
         Err(RouteError::CatchingUp),
         "the indexer still replays the stream"
     );
-    i.replay_done();
+    i.replay_done(t0);
     assert!(route(&mut s, &m, &[], t0).is_ok());
-    // Caught up stays caught up: a later worker's notice holds nothing.
+}
+
+#[test]
+fn a_restarted_indexer_snapshots_only_once_its_workers_are_synced() {
+    let cfg = crate::kv_stream::KvSnapshotConfig {
+        enabled: true,
+        interval: Duration::from_secs(10),
+        events: 1,
+    };
+    let t0 = Instant::now();
+    let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+    // The router routes already (the indexer was replaced).
+    let mut i = indexer_of(&s, true, t0);
+    s.upsert(reg(1, 1, "a"), t0);
     s.upsert(reg(2, 1, "a"), t0);
-    assert!(route(&mut s, &m, &[], t0).is_ok());
+    s.registry_loaded();
+    s.tell_view(t0);
+    pump(&mut s, &mut i, t0);
+    let batch = |w: u64, ids: std::ops::RangeInclusive<u64>| KvEventBatch {
+        worker_id: WorkerId(w),
+        generation: 1,
+        events: ids
+            .map(|i| KvEvent {
+                event_id: EventId(i),
+                kind: KvEventKind::Stored,
+                tier: StorageTier::Device,
+                parent: None,
+                blocks: vec![blocks::SequenceHash(100 * w + i)],
+            })
+            .collect(),
+        published_unix_ms: unix_ms(),
+    };
+    // The stream holds worker 1's history, not worker 2's.
+    i.replayed(batch(1, 1..=3));
+    i.replayed(batch(2, 5..=6));
+    assert!(i.snapshot(9, FRESH, &cfg, t0).is_none(), "still replaying");
+    // Replay over at t1: worker 2 waits for its dump.
+    let t1 = t0 + Duration::from_secs(20);
+    i.replay_done(t1);
+    assert_eq!(i.dumps_due(t1), vec![WorkerId(2)]);
+    assert!(
+        i.snapshot(9, FRESH, &cfg, t1 + Duration::from_secs(1))
+            .is_none(),
+        "a worker still syncing would be left out"
+    );
+    // Its dump arrives: whole.
+    store_gen(&mut i, 2, 1, &[205, 206]);
+    let snap = i
+        .snapshot(9, FRESH, &cfg, t1 + Duration::from_secs(2))
+        .expect("whole now");
+    assert_eq!(snap.workers.len(), 2);
+
+    // A worker that never answers holds snapshots up for 5 s after the
+    // replay, not for good.
+    let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+    let mut i = indexer_of(&s, true, t0);
+    s.upsert(reg(1, 1, "a"), t0);
+    s.upsert(reg(2, 1, "a"), t0);
+    s.tell_view(t0);
+    pump(&mut s, &mut i, t0);
+    i.replayed(batch(1, 1..=3));
+    i.replay_done(t1);
+    assert!(i.snapshot(9, FRESH, &cfg, t1).is_none());
+    let snap = i
+        .snapshot(9, FRESH, &cfg, t1 + crate::catch_up::CATCH_UP_MAX)
+        .expect("past the cap");
+    assert_eq!(snap.workers.len(), 1, "the silent worker is left out");
 }
 
 /// Stores `prompt`'s blocks for worker `w` in the index, as its KV
@@ -529,18 +612,9 @@ fn only_the_lowest_live_replica_snapshots_once_caught_up_and_when_due() {
         route(&mut s, &ModelName("a".into()), &[], t0).is_err(),
         "the router holds routing while the indexer replays"
     );
-    // Even were its router caught up, a replaying index is not snapshotted.
-    i.notice(
-        crate::indexer_state::ToIndexer::View {
-            rank: 0,
-            caught_up: true,
-        },
-        t0,
-    );
-    assert!(i.snapshot(7, FRESH, &cfg, t0).is_none(), "still replaying");
     s.tell_view(t0);
     pump(&mut s, &mut i, t0);
-    i.replay_done();
+    i.replay_done(t0);
     assert!(i.dumps_due(t0).is_empty());
     assert_eq!(s.kv_blocks_of(WorkerId(1)), [2, 0, 0]);
     assert!(

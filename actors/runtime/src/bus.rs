@@ -467,16 +467,28 @@ impl Bus {
             .map_err(|e| err(e.to_string()))
     }
 
-    /// Creates a stream with [`Self::replicas`]; where the servers cannot
-    /// hold that many (fewer than three in the cluster, or a single server
-    /// reached under several names or advertising several addresses), it is
-    /// created with one replica instead, and that is logged: a bus that works
-    /// unreplicated beats one that does not start.
+    /// Creates a stream with [`Self::replicas`]; where the servers say they
+    /// cannot place that many (fewer than three in the cluster, say a
+    /// two-server cluster named by three URLs, or one of three down just
+    /// then), it is created with one replica instead, and that is logged: a
+    /// bus that works unreplicated beats one that does not start. The next
+    /// process to open it with three servers up scales it back up
+    /// (`await_leader`).
     async fn create_stream(&self, cfg: stream::Config) -> Result<(), String> {
         let name = cfg.name.clone();
+        use async_nats::jetstream::{context::CreateStreamErrorKind, ErrorCode};
         let replicated = match self.js.create_stream(cfg.clone()).await {
             Ok(_) => return Ok(()),
-            Err(e) if cfg.num_replicas > 1 => e,
+            // Only where the servers say they cannot place the replicas;
+            // a timeout or a lost leader is an error like any other.
+            Err(e)
+                if cfg.num_replicas > 1
+                    && matches!(e.kind(), CreateStreamErrorKind::JetStream(j)
+                        if [ErrorCode::CLUSTER_NO_PEERS, ErrorCode::INSUFFICIENT_RESOURCES, ErrorCode(10074)]
+                            .contains(&j.error_code())) =>
+            {
+                e
+            }
             Err(e) => return Err(e.to_string()),
         };
         if self.js.get_stream(&name).await.is_ok() {
