@@ -211,22 +211,17 @@ async fn caught_up_whole(node: &mut Node) {
     assert!(line.contains("complete=true"), "{line}");
 }
 
-/// A live KV event batch lost on core NATS leaves a gap that the router
-/// fills from the KV events stream: the index agrees with the workers again
-/// and no worker is asked for a dump.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_live_gap_is_filled_from_the_stream_without_a_dump() {
-    let nats = Nats::start();
-    let mut w = Node::start(&node_config("w", &nats.url, None, 2, "").replace(
+const FAULTS: &str = "[supervision]\nfault_injection = true\n";
+
+/// A node with two mocker workers and a gateway node of config `gateway`
+/// (listening on `port`), four prompts served and indexed: the nodes, the
+/// gateway's HTTP, and the workers' ids.
+async fn two_workers_and(nats: &Nats, gateway: &str, port: u16) -> (Node, Node, Http, Vec<String>) {
+    let w = Node::start(&node_config("w", &nats.url, None, 2, "").replace(
         "heartbeat_ms = 500\n",
         "heartbeat_ms = 500\ncontext_length = 16384\n",
     ));
-    let port = free_port();
-    let faults = "[supervision]\nfault_injection = true\n";
-    let mut g = Node::start(
-        &node_config("g", &nats.url, Some(port), 0, faults)
-            .replace("policy = \"least_loaded\"", "policy = \"round_robin\""),
-    );
+    let mut g = Node::start(gateway);
     let h = Http::new(port);
     h.wait_ready(2, &mut g).await;
     let workers: Vec<String> = registrations(&nats.url)
@@ -236,6 +231,23 @@ async fn a_live_gap_is_filled_from_the_stream_without_a_dump() {
         .collect();
     send(&h, 0..4).await;
     agrees(&h, &nats.url, &workers, &mut g).await;
+    (w, g, h, workers)
+}
+
+/// A live KV event batch lost on core NATS leaves a gap that the router
+/// fills from the KV events stream: the index agrees with the workers again
+/// and no worker is asked for a dump.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_gap_is_filled_from_the_stream_without_a_dump() {
+    let nats = Nats::start();
+    let port = free_port();
+    let (mut w, mut g, h, workers) = two_workers_and(
+        &nats,
+        &node_config("g", &nats.url, Some(port), 0, FAULTS)
+            .replace("policy = \"least_loaded\"", "policy = \"round_robin\""),
+        port,
+    )
+    .await;
     let dumps = h.metric("dynamo_router_kv_dumps_total").await;
     let gaps = h.metric("dynamo_router_kv_event_gaps_total").await;
 
@@ -290,24 +302,13 @@ async fn a_live_gap_is_filled_from_the_stream_without_a_dump() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_indexer_is_replaced_and_catches_up_while_the_router_runs() {
     let nats = Nats::start();
-    let mut w = Node::start(&node_config("w", &nats.url, None, 2, "").replace(
-        "heartbeat_ms = 500\n",
-        "heartbeat_ms = 500\ncontext_length = 16384\n",
-    ));
     let port = free_port();
-    let mut g = Node::start(&format!(
-        "{}[supervision]\nfault_injection = true\n",
-        gateway("g", &nats.url, port, true)
-    ));
-    let h = Http::new(port);
-    h.wait_ready(2, &mut g).await;
-    let workers: Vec<String> = registrations(&nats.url)
-        .await
-        .iter()
-        .map(|r| r.worker_id.to_string())
-        .collect();
-    send(&h, 0..4).await;
-    agrees(&h, &nats.url, &workers, &mut g).await;
+    let (mut w, mut g, h, workers) = two_workers_and(
+        &nats,
+        &format!("{}{FAULTS}", gateway("g", &nats.url, port, true)),
+        port,
+    )
+    .await;
     // A snapshot of the filled index is in the store.
     let bus = it_bus(&nats.url, "test").await;
     let objects = bus

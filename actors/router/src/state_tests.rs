@@ -261,6 +261,24 @@ fn workers_without_kv_events_are_tracked_approximately() {
     );
 }
 
+/// Worker `w`'s generation-1 events `ids`, each storing one block.
+fn stored(w: u64, ids: std::ops::RangeInclusive<u64>) -> KvEventBatch {
+    KvEventBatch {
+        worker_id: WorkerId(w),
+        generation: 1,
+        events: ids
+            .map(|i| KvEvent {
+                event_id: EventId(i),
+                kind: KvEventKind::Stored,
+                tier: StorageTier::Device,
+                parent: None,
+                blocks: vec![blocks::SequenceHash(100 * w + i)],
+            })
+            .collect(),
+        published_unix_ms: unix_ms(),
+    }
+}
+
 /// A router catching up with a worker without KV events (no dump is ever
 /// waited for), its registry and peers' load read.
 fn catching_up(t0: Instant) -> (RouterState, IndexerState) {
@@ -324,23 +342,9 @@ fn a_restarted_indexer_snapshots_only_once_its_workers_are_synced() {
     s.registry_loaded();
     s.tell_view(t0);
     pump(&mut s, &mut i, t0);
-    let batch = |w: u64, ids: std::ops::RangeInclusive<u64>| KvEventBatch {
-        worker_id: WorkerId(w),
-        generation: 1,
-        events: ids
-            .map(|i| KvEvent {
-                event_id: EventId(i),
-                kind: KvEventKind::Stored,
-                tier: StorageTier::Device,
-                parent: None,
-                blocks: vec![blocks::SequenceHash(100 * w + i)],
-            })
-            .collect(),
-        published_unix_ms: unix_ms(),
-    };
     // The stream holds worker 1's history, not worker 2's.
-    i.replayed(batch(1, 1..=3));
-    i.replayed(batch(2, 5..=6));
+    i.replayed(stored(1, 1..=3));
+    i.replayed(stored(2, 5..=6));
     assert!(i.snapshot(9, FRESH, &cfg, t0).is_none(), "still replaying");
     // Replay over at t1: worker 2 waits for its dump.
     let t1 = t0 + Duration::from_secs(20);
@@ -366,7 +370,7 @@ fn a_restarted_indexer_snapshots_only_once_its_workers_are_synced() {
     s.upsert(reg(2, 1, "a"), t0);
     s.tell_view(t0);
     pump(&mut s, &mut i, t0);
-    i.replayed(batch(1, 1..=3));
+    i.replayed(stored(1, 1..=3));
     i.replay_done(t1);
     assert!(i.snapshot(9, FRESH, &cfg, t1).is_none());
     let snap = i
@@ -592,20 +596,7 @@ fn only_the_lowest_live_replica_snapshots_once_caught_up_and_when_due() {
     s.registry_loaded();
     s.snapshot_done();
     pump(&mut s, &mut i, t0);
-    let batch = |ids: std::ops::RangeInclusive<u64>| KvEventBatch {
-        worker_id: WorkerId(1),
-        generation: 1,
-        events: ids
-            .map(|i| KvEvent {
-                event_id: EventId(i),
-                kind: KvEventKind::Stored,
-                tier: StorageTier::Device,
-                parent: None,
-                blocks: vec![blocks::SequenceHash(100 + i)],
-            })
-            .collect(),
-        published_unix_ms: unix_ms(),
-    };
+    let batch = |ids| stored(1, ids);
     // The replay brings worker 1's events from id 1: no dump needed.
     i.replayed(batch(1..=2));
     assert!(
