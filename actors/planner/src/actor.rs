@@ -502,10 +502,12 @@ impl Planner {
                 return Ok(());
             }
             let res = self.apply(&spec, &c.target, c.to).await;
-            if !self.active {
-                // Deposed between reading the record and writing it:
-                // nothing was written, and a deposed planner writes
-                // nothing more (its status neither).
+            if !self.active || self.state.is_none() {
+                // Deposed between reading the record and writing it
+                // (nothing was written), or the lease was re-taken under a
+                // new epoch: either way this tick's decisions are stale,
+                // and nothing more is written (the status neither) until
+                // the next tick fences and adopts.
                 tracing::warn!(deployment = %dep, "planner lost its lease before acting");
                 return Ok(());
             }
