@@ -550,6 +550,28 @@ pub struct FrameTimings {
 }
 wire!(FrameTimings = 15);
 
+/// Worker → gateway (`reply_to`): frames of several requests bound for one
+/// gateway's inbox, in the order the worker made them. Each element is the
+/// complete envelope the frame would have been published as alone (a
+/// [`FrameStarted`], [`FrameTokens`], …; never another `FrameMux`). Sent
+/// only to a gateway that asked for it with [`HEADER_FRAME_MUX`], so a
+/// gateway of an older build keeps getting one frame per message; at most
+/// [`MAX_MUX_FRAMES`] frames.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FrameMux {
+    pub frames: Vec<Vec<u8>>,
+}
+wire!(FrameMux = 16);
+
+/// Most frames one [`FrameMux`] carries (receivers refuse more).
+pub const MAX_MUX_FRAMES: usize = 1024;
+
+/// NATS header on a [`GenerateRequest`] (or [`GenerateDisagg`]): the
+/// gateway's inbox accepts [`FrameMux`] messages, so the worker may send
+/// this request's frames together with other requests' frames bound for
+/// the same inbox. Absent: one frame per message.
+pub const HEADER_FRAME_MUX: &str = "Dynamo-Frame-Mux";
+
 /// One registration over consecutive blocks of a decode engine's KV pool,
 /// for one request alone (closed once the request no longer waits for it,
 /// so a late write is refused instead of landing in reused blocks).

@@ -303,6 +303,19 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             })),
         ),
         (
+            "FrameMux",
+            enc(encode(&FrameMux {
+                frames: vec![
+                    encode(&FrameHeartbeat {
+                        request_id: rid,
+                        worker_id: wid,
+                    })
+                    .unwrap(),
+                    vec![0xd7, 1, 2, 0, 9],
+                ],
+            })),
+        ),
+        (
             "FrameTimings",
             enc(encode(&FrameTimings {
                 request_id: rid,
@@ -734,6 +747,7 @@ fn decode_all(bytes: &[u8]) {
         FrameError,
         FrameHeartbeat,
         FrameTimings,
+        FrameMux,
         CancelRequest,
         LoadReport,
         WorkerRegistration,

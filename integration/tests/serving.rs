@@ -4,6 +4,56 @@
 use dynamo_integration::*;
 use serde_json::{json, Value};
 
+/// What one gateway-inbox message carries: one frame, or a mux's frames.
+enum Frame {
+    Tokens(dynamo_bus_schema::FrameTokens),
+    Other(dynamo_bus_schema::RequestId),
+}
+
+/// The text of a streamed completion (status 200).
+async fn streamed_text(http: &Http, body: &Value) -> String {
+    let (status, events) = http.stream("/v1/completions", body).await;
+    assert_eq!(status, 200);
+    events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
+        .collect()
+}
+
+/// A subscription to every gateway inbox of the test namespace.
+async fn watch_frames(nats_url: &str) -> (async_nats::Client, async_nats::Subscriber) {
+    let client = async_nats::connect(nats_url).await.unwrap();
+    let sub = client
+        .subscribe("dynamo.it.gateway.*.frames")
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    (client, sub)
+}
+
+fn frames_in(payload: &[u8]) -> Vec<Frame> {
+    use dynamo_bus_schema::*;
+    let one = |b: &[u8]| match peek_kind(b).unwrap().0 {
+        k if k == FrameTokens::KIND => Frame::Tokens(decode(b).unwrap()),
+        k if k == FrameStarted::KIND => Frame::Other(decode::<FrameStarted>(b).unwrap().request_id),
+        k if k == FrameFinished::KIND => {
+            Frame::Other(decode::<FrameFinished>(b).unwrap().request_id)
+        }
+        k if k == FrameTimings::KIND => Frame::Other(decode::<FrameTimings>(b).unwrap().request_id),
+        k => panic!("unexpected frame kind {k:?}"),
+    };
+    match peek_kind(payload).unwrap().0 {
+        k if k == FrameMux::KIND => decode::<FrameMux>(payload)
+            .unwrap()
+            .frames
+            .iter()
+            .map(|f| one(f))
+            .collect(),
+        _ => vec![one(payload)],
+    }
+}
+
 async fn single_node(workers: u32) -> (Nats, Node, Http) {
     let nats = Nats::start();
     let port = free_port();
@@ -561,12 +611,7 @@ async fn a_client_that_does_not_stream_gets_its_tokens_in_few_frames() {
     let mut node = Node::start(&config);
     let http = Http::new(port);
     http.wait_ready(1, &mut node).await;
-    let client = async_nats::connect(&nats.url).await.unwrap();
-    let mut frames = client
-        .subscribe("dynamo.it.gateway.*.frames")
-        .await
-        .unwrap();
-    client.flush().await.unwrap();
+    let (_client, mut frames) = watch_frames(&nats.url).await;
 
     let n = 48u32;
     let prompt: Vec<u32> = (0..40).map(|i| 500 + i).collect();
@@ -577,17 +622,10 @@ async fn a_client_that_does_not_stream_gets_its_tokens_in_few_frames() {
         n: u32,
         stream: bool,
     ) -> (String, usize) {
-        use dynamo_bus_schema::{peek_kind, FrameTokens, WireMessage};
         use futures::StreamExt;
         let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": n, "ignore_eos": true, "stream": stream});
         let text = if stream {
-            let (status, events) = http.stream("/v1/completions", &body).await;
-            assert_eq!(status, 200);
-            events
-                .iter()
-                .filter_map(|e| serde_json::from_str::<Value>(e).ok())
-                .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
-                .collect::<String>()
+            streamed_text(http, &body).await
         } else {
             let r = http.post("/v1/completions", &body).await;
             assert_eq!(r.status, 200, "{}", r.json);
@@ -600,9 +638,10 @@ async fn a_client_that_does_not_stream_gets_its_tokens_in_few_frames() {
         while let Ok(Some(m)) =
             tokio::time::timeout(std::time::Duration::from_millis(200), frames.next()).await
         {
-            if peek_kind(&m.payload).map(|(k, _)| k) == Ok(FrameTokens::KIND) {
-                tokens_frames += 1;
-            }
+            tokens_frames += frames_in(&m.payload)
+                .iter()
+                .filter(|f| matches!(f, Frame::Tokens(_)))
+                .count();
         }
         (text, tokens_frames)
     }
@@ -675,4 +714,77 @@ async fn a_metrics_listener_with_a_token_refuses_scrapes_without_it() {
     assert_eq!(ok.status(), 200);
     assert!(ok.text().await.unwrap().contains("dynamo_node_info"));
     assert!(w.alive());
+}
+
+/// Many streams at once on one worker: the frames of one engine step for
+/// every request leave in one bus message per gateway (`FrameMux`), and
+/// every stream still gets exactly its own tokens, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_streams_share_bus_messages_and_each_gets_its_own_tokens() {
+    use futures::StreamExt;
+    let (nats, _node, http) = single_node(1).await;
+    let (_client, mut sub) = watch_frames(&nats.url).await;
+
+    let n = 32usize;
+    let prompts: Vec<Vec<u32>> = (0..24u32)
+        .map(|r| (0..20).map(|i| 1000 + r * 50 + i).collect())
+        .collect();
+    let streams = prompts.iter().map(|p| {
+        let body = json!({"model": MODEL, "prompt": p, "max_tokens": n, "ignore_eos": true, "stream": true});
+        let http = &http;
+        async move {
+            streamed_text(http, &body).await
+        }
+    });
+    let texts = futures::future::join_all(streams).await;
+    for (p, text) in prompts.iter().zip(&texts) {
+        assert_eq!(text, &expected_text(p, n).1, "prompt {p:?}");
+    }
+
+    // What crossed the bus: every frame arrived once, some messages held
+    // frames of more than one request.
+    let (mut messages, mut frames, mut shared) = (0, 0, 0);
+    let mut seqs: std::collections::HashMap<_, Vec<u32>> = Default::default();
+    while let Ok(Some(m)) =
+        tokio::time::timeout(std::time::Duration::from_millis(300), sub.next()).await
+    {
+        let fs = frames_in(&m.payload);
+        messages += 1;
+        frames += fs.len();
+        let mut ids = std::collections::HashSet::new();
+        for f in fs {
+            match f {
+                Frame::Tokens(t) => {
+                    ids.insert(t.request_id);
+                    seqs.entry(t.request_id).or_default().push(t.seq.0);
+                }
+                Frame::Other(id) => {
+                    ids.insert(id);
+                }
+            }
+        }
+        shared += usize::from(ids.len() > 1);
+    }
+    assert_eq!(
+        seqs.len(),
+        prompts.len(),
+        "every request's tokens were seen"
+    );
+    for (id, s) in &seqs {
+        assert!(
+            s.windows(2).all(|w| w[0] < w[1]),
+            "{id}: frames in order: {s:?}"
+        );
+    }
+    assert!(
+        shared > 0 && messages < frames,
+        "{frames} frames in {messages} messages, {shared} shared by requests"
+    );
+    // The worker counts them too.
+    let f = http.metric("dynamo_worker_frames_total").await;
+    let m = http.metric("dynamo_worker_frame_messages_total").await;
+    assert!(
+        f >= frames as u64 && m < f,
+        "metrics: {f} frames in {m} messages"
+    );
 }

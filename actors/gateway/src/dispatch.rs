@@ -16,7 +16,7 @@ use crate::inbox::Frame;
 use crate::shared::Shared;
 use dynamo_bus_schema::{
     unix_ms, CancelReason, CancelRequest, ErrorKind, GenerateAck, GenerateDisagg, GenerateRequest,
-    ModelName, RequestId, SamplingParams, WorkerId, HEADER_FRAME_BATCH_MS,
+    ModelName, RequestId, SamplingParams, WorkerId, HEADER_FRAME_BATCH_MS, HEADER_FRAME_MUX,
 };
 use dynamo_router::{RouteDecision, RouteError, RouterMsg};
 use dynamo_runtime::BusError;
@@ -123,14 +123,16 @@ pub async fn dispatch(
         };
         let subject = shared.bus.subjects.worker_generate(decision.worker_id);
         let wait = shared.config.ack_timeout.min(left);
-        let headers = plan.frame_batch.map(|w| {
-            let mut h = async_nats::HeaderMap::new();
+        // This inbox takes frames of several requests in one message.
+        let mut h = async_nats::HeaderMap::new();
+        h.insert(HEADER_FRAME_MUX, "1");
+        if let Some(w) = plan.frame_batch {
             h.insert(
                 HEADER_FRAME_BATCH_MS,
                 w.as_millis().clamp(1, 1000).to_string().as_str(),
             );
-            h
-        });
+        }
+        let headers = Some(h);
         let res: Result<GenerateAck, BusError> = match decision.prefill_worker {
             Some(prefill_worker) => {
                 let req = GenerateDisagg {

@@ -1,6 +1,9 @@
 //! The gateway's frame inbox: one subscription on `gateway.<id>.frames`,
 //! demultiplexed by request id to the waiting generation.
 //!
+//! A message holds one frame, or a [`FrameMux`] of frames (of several
+//! requests) in the order the worker made them, delivered in that order.
+//!
 //! Invariant: an entry exists from just before a request is sent until its
 //! generation is dropped; frames for unknown ids (late frames after a
 //! cancel) are dropped and counted at debug level; undecodable frames are
@@ -11,8 +14,8 @@
 //! of holding the gateway's memory.
 
 use dynamo_bus_schema::{
-    decode_payload, peek_kind, FrameError, FrameFinished, FrameHeartbeat, FrameStarted,
-    FrameTimings, FrameTokens, RequestId, WireMessage,
+    decode_payload, peek_kind, FrameError, FrameFinished, FrameHeartbeat, FrameMux, FrameStarted,
+    FrameTimings, FrameTokens, RequestId, WireMessage, MAX_MUX_FRAMES,
 };
 use dynamo_runtime::counters;
 use futures::StreamExt;
@@ -111,8 +114,32 @@ impl Inbox {
         }
     }
 
-    /// Decodes one bus message into a frame and delivers it.
+    /// Decodes one bus message into its frame (or, for a [`FrameMux`],
+    /// its frames in order) and delivers them.
     pub fn on_message(&self, subject: &str, payload: &[u8]) {
+        match peek_kind(payload) {
+            Ok((k, p)) if k == FrameMux::KIND => match decode_payload::<FrameMux>(p) {
+                Ok(m) if m.frames.len() > MAX_MUX_FRAMES => counters::reject(
+                    "frame",
+                    subject,
+                    &format!(
+                        "FrameMux of {} frames (at most {MAX_MUX_FRAMES})",
+                        m.frames.len()
+                    ),
+                ),
+                Ok(m) => {
+                    for f in &m.frames {
+                        self.on_frame(subject, f);
+                    }
+                }
+                Err(e) => counters::reject("frame", subject, &e),
+            },
+            _ => self.on_frame(subject, payload),
+        }
+    }
+
+    /// Decodes one frame (never a [`FrameMux`]) and delivers it.
+    fn on_frame(&self, subject: &str, payload: &[u8]) {
         let frame = match peek_kind(payload) {
             Ok((k, p)) if k == FrameTokens::KIND => decode_payload(p).map(Frame::Tokens),
             Ok((k, p)) if k == FrameStarted::KIND => decode_payload(p).map(Frame::Started),
@@ -137,5 +164,66 @@ impl Inbox {
         while let Some(m) = sub.next().await {
             self.on_message(m.subject.as_str(), &m.payload);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dynamo_bus_schema::{encode, FrameSeq, WorkerId};
+
+    fn tokens(id: u128, seq: u32, t: u32) -> Vec<u8> {
+        encode(&FrameTokens {
+            request_id: RequestId(id),
+            seq: FrameSeq(seq),
+            token_ids: vec![t],
+        })
+        .unwrap()
+    }
+
+    fn got(rx: &mut mpsc::Receiver<Frame>) -> Vec<(u32, u32)> {
+        let mut v = Vec::new();
+        while let Ok(Frame::Tokens(f)) = rx.try_recv() {
+            v.push((f.seq.0, f.token_ids[0]));
+        }
+        v
+    }
+
+    #[test]
+    fn a_mux_delivers_each_requests_frames_in_order_and_nothing_nested() {
+        let inbox = Inbox::default();
+        let (mut a, mut b) = (inbox.register(RequestId(1)), inbox.register(RequestId(2)));
+        let mux = FrameMux {
+            frames: vec![tokens(1, 0, 10), tokens(2, 0, 20), tokens(1, 1, 11)],
+        };
+        inbox.on_message("s", &encode(&mux).unwrap());
+        // A lone frame still works.
+        inbox.on_message("s", &tokens(2, 1, 21));
+        assert_eq!(got(&mut a), vec![(0, 10), (1, 11)]);
+        assert_eq!(got(&mut b), vec![(0, 20), (1, 21)]);
+
+        let before = counters::rejected_total();
+        // A mux inside a mux is refused (its frames are not delivered),
+        // the frames beside it are.
+        let nested = FrameMux {
+            frames: vec![encode(&mux).unwrap(), tokens(1, 2, 12)],
+        };
+        inbox.on_message("s", &encode(&nested).unwrap());
+        assert_eq!(got(&mut a), vec![(2, 12)]);
+        assert!(got(&mut b).is_empty());
+        // More frames than a mux may hold: refused whole.
+        let big = FrameMux {
+            frames: vec![tokens(1, 3, 13); MAX_MUX_FRAMES + 1],
+        };
+        inbox.on_message("s", &encode(&big).unwrap());
+        assert!(got(&mut a).is_empty());
+        // Garbage is refused, not delivered.
+        let heartbeat = encode(&FrameHeartbeat {
+            request_id: RequestId(1),
+            worker_id: WorkerId(1),
+        })
+        .unwrap();
+        inbox.on_message("s", &heartbeat[..3]);
+        assert!(counters::rejected_total() >= before + 3);
     }
 }

@@ -199,6 +199,23 @@ impl Bus {
         self.publish_bytes(subject, bytes).await
     }
 
+    /// Publishes an envelope encoded already (refused past [`MAX_MESSAGE`]
+    /// bytes, like [`Self::publish`]).
+    pub async fn publish_encoded(
+        &self,
+        subject: String,
+        name: &'static str,
+        bytes: Vec<u8>,
+    ) -> Result<(), BusError> {
+        if bytes.len() > MAX_MESSAGE {
+            return Err(BusError::TooLarge {
+                name,
+                len: bytes.len(),
+            });
+        }
+        self.publish_bytes(subject, bytes).await
+    }
+
     async fn publish_bytes(&self, subject: String, bytes: Vec<u8>) -> Result<(), BusError> {
         self.client
             .publish(subject.clone(), Bytes::from(bytes))

@@ -71,11 +71,27 @@ impl Tasks {
                     Err(p) => format!("panicked: {}", panic_message(&*p)),
                 },
             };
-            if cancel.is_cancelled() {
-                return;
-            }
-            tracing::error!(task = name, %why, "background task stopped; failing its actor");
-            on_end(format!("background task `{name}` {why}"));
+            stopped(name, &why, &cancel, &on_end);
+        });
+    }
+
+    /// Like [`Self::spawn`], for a task others hand their last words to
+    /// (a queue of outgoing frames): when the set stops it is not dropped
+    /// at once but gets [`TRANSIENT_GRACE`] to end by itself, as transient
+    /// tasks do, so what they queue in their grace still goes out. An end
+    /// before the set stops fails the owner.
+    pub fn spawn_draining<F>(&self, name: &'static str, fut: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let (cancel, on_end) = (self.cancel.clone(), self.on_end.clone());
+        tokio::spawn(async move {
+            let why = match with_grace(fut, &cancel).await {
+                None => return,
+                Some(Ok(())) => "ended".to_string(),
+                Some(Err(p)) => format!("panicked: {}", panic_message(&*p)),
+            };
+            stopped(name, &why, &cancel, &on_end);
         });
     }
 
@@ -154,16 +170,8 @@ impl Spawner {
     {
         let (cancel, on_end) = (self.cancel.clone(), self.on_end.clone());
         tokio::spawn(async move {
-            let fut = AssertUnwindSafe(fut).catch_unwind();
-            tokio::pin!(fut);
-            let r = tokio::select! {
-                r = &mut fut => r,
-                _ = cancel.cancelled() => {
-                    // Its last word (a request's final frame, a cancel to a
-                    // peer) still goes out; then it is dropped.
-                    let _ = tokio::time::timeout(TRANSIENT_GRACE, &mut fut).await;
-                    return;
-                }
+            let Some(r) = with_grace(fut, &cancel).await else {
+                return;
             };
             if let Err(p) = r {
                 let why = panic_message(&*p);
@@ -172,6 +180,34 @@ impl Spawner {
             }
         });
     }
+}
+
+/// Runs `fut` to its end (`Some`, with its panic caught) or, once `cancel`
+/// fires, for at most [`TRANSIENT_GRACE`] more so its last word still goes
+/// out (a request's final frame, a cancel to a peer), then drops it
+/// (`None`).
+async fn with_grace<F: Future<Output = ()>>(
+    fut: F,
+    cancel: &CancellationToken,
+) -> Option<std::thread::Result<()>> {
+    let fut = AssertUnwindSafe(fut).catch_unwind();
+    tokio::pin!(fut);
+    tokio::select! {
+        r = &mut fut => Some(r),
+        _ = cancel.cancelled() => {
+            let _ = tokio::time::timeout(TRANSIENT_GRACE, &mut fut).await;
+            None
+        }
+    }
+}
+
+/// A long-lived task stopped: its owner fails, unless the set was stopping.
+fn stopped(name: &str, why: &str, cancel: &CancellationToken, on_end: &OnTaskEnd) {
+    if cancel.is_cancelled() {
+        return;
+    }
+    tracing::error!(task = name, %why, "background task stopped; failing its actor");
+    on_end(format!("background task `{name}` {why}"));
 }
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
@@ -246,5 +282,39 @@ mod tests {
         let t0 = tokio::time::Instant::now();
         assert_eq!(last.recv().await, None, "the stuck one was dropped");
         assert!(t0.elapsed() <= TRANSIENT_GRACE);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_draining_task_forwards_what_arrives_after_shutdown_and_fails_its_owner_if_it_ends_early(
+    ) {
+        let (on_end, mut rx) = recorder();
+        let t = Tasks::new(on_end);
+        // A queue drained to `out` until its senders are gone.
+        let (q, mut queue) = tokio::sync::mpsc::channel::<&str>(4);
+        let (out_tx, mut out) = tokio::sync::mpsc::channel(4);
+        t.spawn_draining("queue", async move {
+            while let Some(m) = queue.recv().await {
+                let _ = out_tx.send(m).await;
+            }
+        });
+        let token = t.token();
+        let q1 = q.clone();
+        t.spawn_transient("request", async move {
+            token.cancelled().await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let _ = q1.send("final frame").await;
+        });
+        drop(q);
+        tokio::task::yield_now().await;
+        t.shutdown();
+        assert_eq!(out.recv().await, Some("final frame"));
+        assert_eq!(out.recv().await, None, "it ended with its senders");
+        assert!(rx.try_recv().is_err(), "an end after shutdown is expected");
+
+        // One that ends while its owner runs fails the owner.
+        let (on_end, mut rx) = recorder();
+        let t = Tasks::new(on_end);
+        t.spawn_draining("queue", async {});
+        assert!(rx.recv().await.unwrap().contains("`queue` ended"));
     }
 }

@@ -115,6 +115,8 @@ pub struct WorkerRuntime {
     prefilling: HashMap<RequestId, tokio_util::sync::CancellationToken>,
     /// Timings measured around the engine (for the planner).
     stats: Arc<crate::stats::WorkerStats>,
+    /// Where forwards queue their frames ([`crate::mux`]).
+    frames: crate::mux::FrameSink,
     /// Whether the engine serves yet (until then the registration says
     /// `Starting`, and a resume leaves it so).
     engine_ready: bool,
@@ -178,6 +180,9 @@ impl Actor for WorkerActor {
             let sub = bus.client.subscribe(s.worker_transfer(id)).await?;
             tasks.spawn("transfer-starts", pump_transfer_starts(sub, t.clone()));
         }
+        // Response frames of every request leave through one queue.
+        let (frames, queue) = crate::mux::channel();
+        tasks.spawn_draining("frames", crate::mux::run(bus.clone(), queue, stats.clone()));
         // Generate messages: at most the engine's capacity wait in the
         // mailbox; past it a request is refused `Overloaded` at once.
         let gate = Gate::new(engine.capacity());
@@ -303,6 +308,7 @@ impl Actor for WorkerActor {
             tracing::info!(worker = %id, generation = args.generation, "worker serving");
         }
         Ok(WorkerRuntime {
+            frames,
             engine_ready,
             limits,
             transfer,
@@ -482,6 +488,11 @@ impl WorkerRuntime {
             .as_ref()
             .and_then(|h| h.get(dynamo_bus_schema::HEADER_FRAME_BATCH_MS))
             .and_then(|v| dynamo_bus_schema::frame_batch_window(v.as_str()));
+        // The gateway's inbox takes frames of several requests at once.
+        let mux = m
+            .headers
+            .as_ref()
+            .is_some_and(|h| h.get(dynamo_bus_schema::HEADER_FRAME_MUX).is_some());
         let (req, plan) = match admit::parse(&m.payload) {
             Ok(r) => r,
             Err(e) => {
@@ -549,7 +560,8 @@ impl WorkerRuntime {
             Duration::from_millis(req.deadline_unix_ms.saturating_sub(now))
         };
         let fwd = Forward {
-            bus: self.bus.clone(),
+            sink: self.frames.clone(),
+            mux,
             worker_id: self.cfg.worker_id,
             request_id: id,
             reply_to: req.reply_to,

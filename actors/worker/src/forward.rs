@@ -13,12 +13,12 @@
 //! pending), and pending ones always go out before an ending frame of any
 //! kind.
 
+use crate::mux::{FrameSink, Outgoing};
 use dynamo_bus_schema::{
     ErrorKind, FinishReason, FrameError, FrameFinished, FrameHeartbeat, FrameSeq, FrameStarted,
     FrameTimings, FrameTokens, PhaseTimings, PrefillReply, RequestId, WireError, WorkerId,
 };
 use dynamo_engine::{EngineEvent, ResponseStream};
-use dynamo_runtime::Bus;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -28,7 +28,10 @@ use tokio_util::sync::CancellationToken;
 const MAX_BATCHED_TOKENS: usize = 8192;
 
 pub struct Forward {
-    pub bus: Bus,
+    /// The worker's queue of outgoing frames.
+    pub sink: FrameSink,
+    /// The gateway's inbox takes frames together with other requests'.
+    pub mux: bool,
     pub worker_id: WorkerId,
     pub request_id: RequestId,
     pub reply_to: String,
@@ -264,9 +267,21 @@ impl Forward {
 
     async fn send<T: dynamo_bus_schema::WireMessage>(&mut self, msg: &T) {
         self.last_sent = Instant::now();
-        if let Err(e) = self.bus.publish(self.reply_to.clone(), msg).await {
-            // The gateway's liveness checks turn a lost frame into an error.
-            tracing::warn!(request = %self.request_id, error = %e, "cannot publish frame");
+        // The gateway's liveness checks turn a lost frame into an error.
+        let bytes = match dynamo_bus_schema::encode(msg) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(request = %self.request_id, error = %e, "cannot encode frame");
+                return;
+            }
+        };
+        let o = Outgoing {
+            subject: self.reply_to.clone(),
+            bytes,
+            mux: self.mux,
+        };
+        if self.sink.send(o).await.is_err() {
+            tracing::warn!(request = %self.request_id, "the worker's frame queue is gone");
         }
     }
 }

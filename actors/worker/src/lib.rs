@@ -3,7 +3,8 @@
 //!
 //! Modules, one job each: [`actor`] (the mailbox and the request path),
 //! [`admit`] (whether a request is taken), [`forward`] (engine events to
-//! frames), [`registration`] (the registry record and load reports),
+//! frames), [`mux`] (frames of many requests in one bus message),
+//! [`registration`] (the registry record and load reports),
 //! [`kv_events`] (KV event batches), [`endpoints`] (dumps, artifacts),
 //! [`disagg`] (the KV transfer endpoint, its client and server), [`stats`]
 //! (timings measured around the engine, published for the planner).
@@ -14,6 +15,7 @@ pub mod disagg;
 pub mod endpoints;
 pub mod forward;
 pub mod kv_events;
+pub mod mux;
 pub mod prom;
 pub mod registration;
 pub mod stats;

@@ -7,6 +7,9 @@
 //!   worker accepting the request) and
 //!   `dynamo_worker_inter_token_latency_seconds` (histogram);
 //! - `dynamo_worker_prompt_tokens_total`, `dynamo_worker_output_tokens_total`;
+//! - `dynamo_worker_frames_total` and `dynamo_worker_frame_messages_total`:
+//!   response frames sent, and the bus messages that carried them (frames
+//!   of several requests share a message, [`crate::mux`]);
 //! - gauges from the engine's load: `dynamo_worker_active_seqs`,
 //!   `…_waiting_seqs`, `…_kv_used_blocks`, `…_kv_total_blocks`,
 //!   `…_inflight_requests`, `…_queued_prefill_tokens`.
@@ -34,6 +37,8 @@ struct M {
     itl: HistogramVec,
     prompt_tokens: IntCounterVec,
     output_tokens: IntCounterVec,
+    frames: IntCounterVec,
+    frame_messages: IntCounterVec,
     gauges: [IntGaugeVec; 6],
 }
 
@@ -99,6 +104,16 @@ fn m() -> Option<&'static M> {
                 "Output tokens after the first",
                 &[],
             )?,
+            frames: counter(
+                "dynamo_worker_frames_total",
+                "Response frames sent to gateways",
+                &[],
+            )?,
+            frame_messages: counter(
+                "dynamo_worker_frame_messages_total",
+                "Bus messages that carried the response frames",
+                &[],
+            )?,
             gauges: [g(0)?, g(1)?, g(2)?, g(3)?, g(4)?, g(5)?],
         };
         r.register(Box::new(m.requests.clone())).ok()?;
@@ -106,6 +121,8 @@ fn m() -> Option<&'static M> {
         r.register(Box::new(m.itl.clone())).ok()?;
         r.register(Box::new(m.prompt_tokens.clone())).ok()?;
         r.register(Box::new(m.output_tokens.clone())).ok()?;
+        r.register(Box::new(m.frames.clone())).ok()?;
+        r.register(Box::new(m.frame_messages.clone())).ok()?;
         for g in &m.gauges {
             r.register(Box::new(g.clone())).ok()?;
         }
@@ -143,6 +160,8 @@ fn each(m: &M, l: [&str; 3], mut f: impl FnMut(&dyn Family, &[&str])) {
     f(&m.itl, &l);
     f(&m.prompt_tokens, &l);
     f(&m.output_tokens, &l);
+    f(&m.frames, &l);
+    f(&m.frame_messages, &l);
     for g in &m.gauges {
         f(g, &l);
     }
@@ -228,6 +247,15 @@ impl Series {
         }
     }
 
+    /// One bus message carried `frames` response frames.
+    pub fn frames_sent(&self, frames: usize) {
+        if let Some(m) = m() {
+            let l = self.l();
+            m.frames.with_label_values(&l).inc_by(frames as u64);
+            m.frame_messages.with_label_values(&l).inc();
+        }
+    }
+
     pub fn request_done(&self, outcome: RequestOutcome) {
         if let Some(m) = m() {
             let l = self.l();
@@ -293,6 +321,8 @@ mod tests {
         // stays the output tokens').
         s.tokens(100, Duration::from_millis(100));
         s.request_done(RequestOutcome::Finished);
+        s.frames_sent(3);
+        s.frames_sent(1);
         let load = LoadMetrics {
             kv_used_blocks: 7,
             ..Default::default()
@@ -316,6 +346,11 @@ mod tests {
         assert_eq!(
             line("dynamo_worker_inter_token_latency_seconds_count").as_deref(),
             Some("104")
+        );
+        assert_eq!(line("dynamo_worker_frames_total").as_deref(), Some("4"));
+        assert_eq!(
+            line("dynamo_worker_frame_messages_total").as_deref(),
+            Some("2")
         );
         assert!(text
             .lines()

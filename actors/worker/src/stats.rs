@@ -59,6 +59,13 @@ impl WorkerStats {
 
     /// A request ended (Prometheus only: the planner's interval counters
     /// count first tokens, not ends).
+    /// One bus message carried `frames` response frames.
+    pub fn frames_sent(&self, frames: usize) {
+        if let Some(s) = &self.series {
+            s.frames_sent(frames);
+        }
+    }
+
     pub fn request_done(&self, outcome: crate::prom::RequestOutcome) {
         if let Some(s) = &self.series {
             s.request_done(outcome);
