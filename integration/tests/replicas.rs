@@ -65,6 +65,30 @@ async fn replicas_share_load_and_a_late_replica_agrees() {
         "one replica {one:?}, three replicas {three:?}"
     );
 
+    // The spread's last requests may still count in a replica's view for a
+    // moment after their answers came back (a peer's "done" is on its
+    // way): wait until every replica sees every worker idle, so the busy
+    // worker found below is the long request's and not a leftover.
+    for gw in &gws {
+        let t0 = Instant::now();
+        loop {
+            let m = gw.metrics_text().await;
+            let busy: Vec<&str> = m
+                .lines()
+                .filter(|l| l.starts_with("dynamo_router_worker_inflight{") && !l.ends_with(" 0"))
+                .collect();
+            if busy.is_empty() {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "load left over after the spread at {}: {busy:?}",
+                gw.base
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     // A long request through replica 0 is visible in replica 1's load view.
     let long =
         json!({"model": MODEL, "prompt": (5000..5100).collect::<Vec<u32>>(), "max_tokens": 1500});
