@@ -12,8 +12,9 @@
 //! is set), and lives as long as the daemon (its task is owned by
 //! [`serve`]'s caller and aborted with it).
 
+use dynamo_runtime::metrics::{counter_vec, gauge_vec, register};
 use dynamo_runtime::Bus;
-use prometheus::{IntCounterVec, IntGaugeVec, Opts};
+use prometheus::{IntCounterVec, IntGaugeVec};
 use std::net::SocketAddr;
 use std::sync::OnceLock;
 
@@ -26,36 +27,28 @@ struct M {
 fn m() -> Option<&'static M> {
     static CELL: OnceLock<Option<M>> = OnceLock::new();
     CELL.get_or_init(|| {
-        let r = dynamo_runtime::metrics::registry();
         let m = M {
-            info: IntGaugeVec::new(
-                Opts::new(
-                    "dynamo_node_info",
-                    "The node, its bus namespace and version",
-                ),
+            info: gauge_vec(
+                "dynamo_node_info",
+                "The node, its bus namespace and version",
                 &["node", "bus_namespace", "version"],
-            )
-            .ok()?,
-            restarts: IntCounterVec::new(
-                Opts::new(
-                    "dynamo_node_actor_restarts_total",
-                    "Actors of this node restarted after failing",
-                ),
+            )?,
+            restarts: counter_vec(
+                "dynamo_node_actor_restarts_total",
+                "Actors of this node restarted after failing",
                 &["node", "child"],
-            )
-            .ok()?,
-            connected: IntGaugeVec::new(
-                Opts::new(
-                    "dynamo_node_bus_connected",
-                    "1 while the node is connected to NATS",
-                ),
+            )?,
+            connected: gauge_vec(
+                "dynamo_node_bus_connected",
+                "1 while the node is connected to NATS",
                 &["node"],
-            )
-            .ok()?,
+            )?,
         };
-        r.register(Box::new(m.info.clone())).ok()?;
-        r.register(Box::new(m.restarts.clone())).ok()?;
-        r.register(Box::new(m.connected.clone())).ok()?;
+        register([
+            Box::new(m.info.clone()),
+            Box::new(m.restarts.clone()),
+            Box::new(m.connected.clone()),
+        ])?;
         Some(m)
     })
     .as_ref()

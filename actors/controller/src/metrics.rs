@@ -8,7 +8,8 @@
 //! - `dynamo_controller_events_total{deployment}`: cluster events recorded
 //!   (placements, lost nodes, pending gangs); removed with the deployment.
 
-use prometheus::{IntCounterVec, IntGaugeVec, Opts};
+use dynamo_runtime::metrics::{counter_vec, gauge_vec, register};
+use prometheus::{IntCounterVec, IntGaugeVec};
 use std::sync::OnceLock;
 
 struct M {
@@ -21,45 +22,34 @@ struct M {
 fn m() -> Option<&'static M> {
     static CELL: OnceLock<Option<M>> = OnceLock::new();
     CELL.get_or_init(|| {
-        let r = dynamo_runtime::metrics::registry();
         let m = M {
-            active: IntGaugeVec::new(
-                Opts::new(
-                    "dynamo_controller_active",
-                    "1 while this node's controller holds the lease",
-                ),
+            active: gauge_vec(
+                "dynamo_controller_active",
+                "1 while this node's controller holds the lease",
                 &["node"],
-            )
-            .ok()?,
-            epoch: IntGaugeVec::new(
-                Opts::new(
-                    "dynamo_controller_lease_epoch",
-                    "Lease epoch this controller last held",
-                ),
+            )?,
+            epoch: gauge_vec(
+                "dynamo_controller_lease_epoch",
+                "Lease epoch this controller last held",
                 &["node"],
-            )
-            .ok()?,
-            reconciles: IntCounterVec::new(
-                Opts::new(
-                    "dynamo_controller_reconciles_total",
-                    "Reconciliations of the active controller, by result",
-                ),
+            )?,
+            reconciles: counter_vec(
+                "dynamo_controller_reconciles_total",
+                "Reconciliations of the active controller, by result",
                 &["node", "result"],
-            )
-            .ok()?,
-            events: IntCounterVec::new(
-                Opts::new(
-                    "dynamo_controller_events_total",
-                    "Cluster events recorded, per deployment",
-                ),
+            )?,
+            events: counter_vec(
+                "dynamo_controller_events_total",
+                "Cluster events recorded, per deployment",
                 &["deployment"],
-            )
-            .ok()?,
+            )?,
         };
-        r.register(Box::new(m.active.clone())).ok()?;
-        r.register(Box::new(m.epoch.clone())).ok()?;
-        r.register(Box::new(m.reconciles.clone())).ok()?;
-        r.register(Box::new(m.events.clone())).ok()?;
+        register([
+            Box::new(m.active.clone()),
+            Box::new(m.epoch.clone()),
+            Box::new(m.reconciles.clone()),
+            Box::new(m.events.clone()),
+        ])?;
         Some(m)
     })
     .as_ref()

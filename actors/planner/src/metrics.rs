@@ -3,7 +3,8 @@
 //! `dynamo_planner_decisions_total{deployment,target,rule,direction,applied}`
 //! and, per target, `dynamo_planner_{desired,recommended,ready}_replicas`.
 
-use prometheus::{IntCounterVec, IntGaugeVec, Opts};
+use dynamo_runtime::metrics::{counter_vec, gauge_vec, register};
+use prometheus::{IntCounterVec, IntGaugeVec};
 use std::sync::OnceLock;
 
 struct M {
@@ -16,19 +17,13 @@ struct M {
 fn m() -> Option<&'static M> {
     static CELL: OnceLock<Option<M>> = OnceLock::new();
     CELL.get_or_init(|| {
-        let r = dynamo_runtime::metrics::registry();
-        let gauge = |name: &str, help: &str| {
-            IntGaugeVec::new(Opts::new(name, help), &["deployment", "target"]).ok()
-        };
+        let gauge = |name: &str, help: &str| gauge_vec(name, help, &["deployment", "target"]);
         let m = M {
-            decisions: IntCounterVec::new(
-                Opts::new(
-                    "dynamo_planner_decisions_total",
-                    "Scaling decisions of the planner",
-                ),
+            decisions: counter_vec(
+                "dynamo_planner_decisions_total",
+                "Scaling decisions of the planner",
                 &["deployment", "target", "rule", "direction", "applied"],
-            )
-            .ok()?,
+            )?,
             desired: gauge(
                 "dynamo_planner_desired_replicas",
                 "Replicas the spec asks for",
@@ -39,10 +34,12 @@ fn m() -> Option<&'static M> {
             )?,
             ready: gauge("dynamo_planner_ready_replicas", "Replicas ready")?,
         };
-        r.register(Box::new(m.decisions.clone())).ok()?;
-        r.register(Box::new(m.desired.clone())).ok()?;
-        r.register(Box::new(m.recommended.clone())).ok()?;
-        r.register(Box::new(m.ready.clone())).ok()?;
+        register([
+            Box::new(m.decisions.clone()),
+            Box::new(m.desired.clone()),
+            Box::new(m.recommended.clone()),
+            Box::new(m.ready.clone()),
+        ])?;
         Some(m)
     })
     .as_ref()

@@ -23,8 +23,9 @@
 //! list of the series ([`each`]).
 
 use dynamo_bus_schema::{LoadMetrics, WorkerRole};
-use prometheus::core::{MetricVec, MetricVecBuilder};
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts};
+use dynamo_runtime::metrics::{counter_vec, gauge_vec, register};
+use prometheus::core::{Collector, MetricVec, MetricVecBuilder};
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec};
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
@@ -69,15 +70,14 @@ const GAUGES: [(&str, &str); 6] = [
 fn m() -> Option<&'static M> {
     static CELL: OnceLock<Option<M>> = OnceLock::new();
     CELL.get_or_init(|| {
-        let r = dynamo_runtime::metrics::registry();
         let counter = |name: &str, help: &str, extra: &[&str]| {
             let labels: Vec<&str> = LABELS.iter().chain(extra).copied().collect();
-            IntCounterVec::new(Opts::new(name, help), &labels).ok()
+            counter_vec(name, help, &labels)
         };
         let hist = |name: &str, help: &str, buckets: Vec<f64>| {
             HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), &LABELS).ok()
         };
-        let g = |i: usize| IntGaugeVec::new(Opts::new(GAUGES[i].0, GAUGES[i].1), &LABELS).ok();
+        let g = |i: usize| gauge_vec(GAUGES[i].0, GAUGES[i].1, &LABELS);
         let m = M {
             requests: counter(
                 "dynamo_worker_requests_total",
@@ -116,16 +116,16 @@ fn m() -> Option<&'static M> {
             )?,
             gauges: [g(0)?, g(1)?, g(2)?, g(3)?, g(4)?, g(5)?],
         };
-        r.register(Box::new(m.requests.clone())).ok()?;
-        r.register(Box::new(m.ttft.clone())).ok()?;
-        r.register(Box::new(m.itl.clone())).ok()?;
-        r.register(Box::new(m.prompt_tokens.clone())).ok()?;
-        r.register(Box::new(m.output_tokens.clone())).ok()?;
-        r.register(Box::new(m.frames.clone())).ok()?;
-        r.register(Box::new(m.frame_messages.clone())).ok()?;
-        for g in &m.gauges {
-            r.register(Box::new(g.clone())).ok()?;
-        }
+        register([
+            Box::new(m.requests.clone()),
+            Box::new(m.ttft.clone()),
+            Box::new(m.itl.clone()),
+            Box::new(m.prompt_tokens.clone()),
+            Box::new(m.output_tokens.clone()),
+            Box::new(m.frames.clone()),
+            Box::new(m.frame_messages.clone()),
+        ])?;
+        register(m.gauges.clone().map(|g| Box::new(g) as Box<dyn Collector>))?;
         Some(m)
     })
     .as_ref()
