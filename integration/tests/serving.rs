@@ -41,6 +41,11 @@ fn frames_in(payload: &[u8]) -> Vec<Frame> {
             Frame::Other(decode::<FrameFinished>(b).unwrap().request_id)
         }
         k if k == FrameTimings::KIND => Frame::Other(decode::<FrameTimings>(b).unwrap().request_id),
+        // A quiet stream's heartbeat, or an error, may come too.
+        k if k == FrameHeartbeat::KIND => {
+            Frame::Other(decode::<FrameHeartbeat>(b).unwrap().request_id)
+        }
+        k if k == FrameError::KIND => Frame::Other(decode::<FrameError>(b).unwrap().request_id),
         k => panic!("unexpected frame kind {k:?}"),
     };
     match peek_kind(payload).unwrap().0 {

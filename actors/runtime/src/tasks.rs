@@ -3,7 +3,10 @@
 //! An actor's tasks (bus subscriptions that feed its mailbox, tickers,
 //! servers) are spawned through its [`Tasks`]. Invariants:
 //! - every task stops when the `Tasks` is dropped (the actor's state goes
-//!   with it, also when the actor panics) or [`Tasks::shutdown`] is called;
+//!   with it, also when the actor panics) or [`Tasks::shutdown`] is called,
+//!   a transient one within [`TRANSIENT_GRACE`] and a draining one
+//!   ([`Tasks::spawn_draining`], a queue others hand their last words to)
+//!   within twice that;
 //! - a long-lived task ([`Tasks::spawn`]) that ends or panics while its
 //!   owner still runs tells the owner, which fails (its supervisor then
 //!   restarts it with fresh inputs): an input never disappears unnoticed;
@@ -77,19 +80,31 @@ impl Tasks {
 
     /// Like [`Self::spawn`], for a task others hand their last words to
     /// (a queue of outgoing frames): when the set stops it is not dropped
-    /// at once but gets [`TRANSIENT_GRACE`] to end by itself, as transient
-    /// tasks do, so what they queue in their grace still goes out. An end
-    /// before the set stops fails the owner.
+    /// at once but gets twice [`TRANSIENT_GRACE`] to end by itself (it
+    /// should end when its senders are gone), so what transient tasks queue
+    /// until the end of their own grace still goes out. An end before the
+    /// set stops fails the owner, as does [`Self::end`] (fault injection).
     pub fn spawn_draining<F>(&self, name: &'static str, fut: F)
     where
         F: Future<Output = ()> + Send + 'static,
     {
+        let exit = CancellationToken::new();
+        if let Ok(mut n) = self.named.lock() {
+            n.insert(name, exit.clone());
+        }
         let (cancel, on_end) = (self.cancel.clone(), self.on_end.clone());
         tokio::spawn(async move {
-            let why = match with_grace(fut, &cancel).await {
-                None => return,
-                Some(Ok(())) => "ended".to_string(),
-                Some(Err(p)) => format!("panicked: {}", panic_message(&*p)),
+            let run = async {
+                tokio::select! {
+                    r = with_grace(fut, &cancel, 2 * TRANSIENT_GRACE) => r.map(|r| match r {
+                        Ok(()) => "ended".to_string(),
+                        Err(p) => format!("panicked: {}", panic_message(&*p)),
+                    }),
+                    _ = exit.cancelled() => Some("was ended (fault injection)".to_string()),
+                }
+            };
+            let Some(why) = run.await else {
+                return;
             };
             stopped(name, &why, &cancel, &on_end);
         });
@@ -170,7 +185,7 @@ impl Spawner {
     {
         let (cancel, on_end) = (self.cancel.clone(), self.on_end.clone());
         tokio::spawn(async move {
-            let Some(r) = with_grace(fut, &cancel).await else {
+            let Some(r) = with_grace(fut, &cancel, TRANSIENT_GRACE).await else {
                 return;
             };
             if let Err(p) = r {
@@ -183,19 +198,19 @@ impl Spawner {
 }
 
 /// Runs `fut` to its end (`Some`, with its panic caught) or, once `cancel`
-/// fires, for at most [`TRANSIENT_GRACE`] more so its last word still goes
-/// out (a request's final frame, a cancel to a peer), then drops it
-/// (`None`).
+/// fires, for at most `grace` more so its last word still goes out (a
+/// request's final frame, a cancel to a peer), then drops it (`None`).
 async fn with_grace<F: Future<Output = ()>>(
     fut: F,
     cancel: &CancellationToken,
+    grace: std::time::Duration,
 ) -> Option<std::thread::Result<()>> {
     let fut = AssertUnwindSafe(fut).catch_unwind();
     tokio::pin!(fut);
     tokio::select! {
         r = &mut fut => Some(r),
         _ = cancel.cancelled() => {
-            let _ = tokio::time::timeout(TRANSIENT_GRACE, &mut fut).await;
+            let _ = tokio::time::timeout(grace, &mut fut).await;
             None
         }
     }
@@ -299,9 +314,10 @@ mod tests {
         });
         let token = t.token();
         let q1 = q.clone();
+        // Its last word comes at the very end of its own grace.
         t.spawn_transient("request", async move {
             token.cancelled().await;
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(TRANSIENT_GRACE - Duration::from_millis(10)).await;
             let _ = q1.send("final frame").await;
         });
         drop(q);
@@ -316,5 +332,8 @@ mod tests {
         let t = Tasks::new(on_end);
         t.spawn_draining("queue", async {});
         assert!(rx.recv().await.unwrap().contains("`queue` ended"));
+        t.spawn_draining("forever", std::future::pending());
+        assert!(t.end("forever"));
+        assert!(rx.recv().await.unwrap().contains("fault injection"));
     }
 }

@@ -272,6 +272,7 @@ impl Forward {
             Ok(b) => b,
             Err(e) => {
                 tracing::warn!(request = %self.request_id, error = %e, "cannot encode frame");
+                self.stats.frames_sent(1, false);
                 return;
             }
         };
@@ -282,6 +283,7 @@ impl Forward {
         };
         if self.sink.send(o).await.is_err() {
             tracing::warn!(request = %self.request_id, "the worker's frame queue is gone");
+            self.stats.frames_sent(1, false);
         }
     }
 }

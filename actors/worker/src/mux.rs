@@ -18,13 +18,20 @@
 //! - a [`FrameMux`] holds at most [`MAX_MUX_FRAMES`] frames and
 //!   [`MUX_BYTES`] bytes of them; a longer group is split, in order;
 //! - the queue is bounded ([`QUEUE`] frames): a forward waits for room;
+//!   one pass takes at most [`BATCH_BYTES`] (and one frame) off it;
+//! - a frame that cannot be encoded or published is logged and counted
+//!   (`dynamo_worker_frames_lost_total`); the gateway's liveness checks
+//!   then fail or migrate its request;
 //! - the publishing task ends when the last [`FrameSink`] is gone (the
 //!   actor and every forward), so frames queued during shutdown's grace
-//!   still go out.
+//!   still go out; it is dropped at the latest twice
+//!   [`dynamo_runtime::tasks::TRANSIENT_GRACE`] after shutdown
+//!   ([`dynamo_runtime::Tasks::spawn_draining`]).
 
 use crate::stats::WorkerStats;
 use dynamo_bus_schema::{encode, FrameMux, WireMessage, MAX_MUX_FRAMES};
 use dynamo_runtime::Bus;
+use std::collections::HashMap;
 use std::sync::Arc;
 use tokio::sync::mpsc;
 
@@ -33,6 +40,8 @@ pub const QUEUE: usize = 4096;
 /// Most bytes of frames one [`FrameMux`] carries (well under a bus
 /// message's limit, with its framing).
 pub const MUX_BYTES: usize = 256 * 1024;
+/// Most bytes of frames one pass of the publisher takes off the queue.
+pub const BATCH_BYTES: usize = 4 * 1024 * 1024;
 
 /// One encoded frame and where it goes.
 #[derive(Debug)]
@@ -66,7 +75,8 @@ pub fn channel() -> (FrameSink, mpsc::Receiver<Outgoing>) {
 pub struct Message {
     pub subject: String,
     pub name: &'static str,
-    pub bytes: Vec<u8>,
+    /// The envelope, or why it could not be made (its frames are lost).
+    pub bytes: Result<Vec<u8>, String>,
     /// Frames inside.
     pub frames: usize,
 }
@@ -76,18 +86,21 @@ pub struct Message {
 pub fn group(batch: Vec<Outgoing>) -> Vec<Message> {
     // Groups in the order their first frame came; a group's frames in
     // queue order.
-    let mut groups: Vec<(String, bool, Vec<Vec<u8>>)> = Vec::new();
+    let mut groups: Vec<(String, Vec<Vec<u8>>)> = Vec::new();
+    let mut open: HashMap<String, usize> = HashMap::new();
     for o in batch {
-        let open = o
-            .mux
-            .then(|| groups.iter().position(|(s, m, _)| *m && *s == o.subject));
-        match open.flatten() {
-            Some(i) => groups[i].2.push(o.bytes),
-            None => groups.push((o.subject, o.mux, vec![o.bytes])),
+        match o.mux.then(|| open.get(&o.subject).copied()).flatten() {
+            Some(i) => groups[i].1.push(o.bytes),
+            None => {
+                if o.mux {
+                    open.insert(o.subject.clone(), groups.len());
+                }
+                groups.push((o.subject, vec![o.bytes]));
+            }
         }
     }
     let mut out = Vec::new();
-    for (subject, _, frames) in groups {
+    for (subject, frames) in groups {
         let mut part: Vec<Vec<u8>> = Vec::new();
         let mut bytes = 0;
         for f in frames {
@@ -111,15 +124,14 @@ fn message(subject: &str, mut frames: Vec<Vec<u8>>) -> Message {
         return Message {
             subject: subject.to_string(),
             name: "frame",
-            bytes: frames.pop().unwrap_or_default(),
+            bytes: frames.pop().ok_or_else(|| "no frame".to_string()),
             frames: 1,
         };
     }
-    let bytes = encode(&FrameMux { frames }).unwrap_or_default();
     Message {
         subject: subject.to_string(),
         name: FrameMux::NAME,
-        bytes,
+        bytes: encode(&FrameMux { frames }).map_err(|e| e.to_string()),
         frames: n,
     }
 }
@@ -128,22 +140,33 @@ fn message(subject: &str, mut frames: Vec<Vec<u8>>) -> Message {
 pub async fn run(bus: Bus, mut queue: mpsc::Receiver<Outgoing>, stats: Arc<WorkerStats>) {
     let mut batch = Vec::new();
     while let Some(first) = queue.recv().await {
+        let mut bytes = first.bytes.len();
         batch.push(first);
-        // The other forwards woken by the same engine step queue theirs
-        // before this one looks.
+        // Usually, the other forwards woken by the same engine step queue
+        // theirs before this one looks.
         tokio::task::yield_now().await;
-        while batch.len() < QUEUE {
+        while batch.len() < QUEUE && bytes < BATCH_BYTES {
             match queue.try_recv() {
-                Ok(o) => batch.push(o),
+                Ok(o) => {
+                    bytes += o.bytes.len();
+                    batch.push(o);
+                }
                 Err(_) => break,
             }
         }
         for m in group(std::mem::take(&mut batch)) {
-            stats.frames_sent(m.frames);
-            if let Err(e) = bus.publish_encoded(m.subject, m.name, m.bytes).await {
+            let sent = match m.bytes {
+                Ok(b) => bus
+                    .publish_encoded(m.subject, m.name, b)
+                    .await
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e),
+            };
+            if let Err(e) = &sent {
                 // The gateway's liveness checks turn a lost frame into an error.
                 tracing::warn!(error = %e, frames = m.frames, "cannot publish frames");
             }
+            stats.frames_sent(m.frames, sent.is_ok());
         }
     }
 }
@@ -162,14 +185,15 @@ mod tests {
     }
 
     fn inner(m: &Message) -> Vec<u8> {
-        match peek_kind(&m.bytes) {
-            Ok((k, _)) if k == FrameMux::KIND => decode::<FrameMux>(&m.bytes)
+        let b = m.bytes.as_ref().unwrap();
+        match peek_kind(b) {
+            Ok((k, _)) if k == FrameMux::KIND => decode::<FrameMux>(b)
                 .unwrap()
                 .frames
                 .iter()
                 .map(|f| f[0])
                 .collect(),
-            _ => vec![m.bytes[0]],
+            _ => vec![b[0]],
         }
     }
 
@@ -198,7 +222,7 @@ mod tests {
             ]
         );
         // A group of one is the frame itself, not a mux of one.
-        assert_eq!(msgs[1].bytes, vec![2; 3]);
+        assert_eq!(msgs[1].bytes, Ok(vec![2; 3]));
         assert_eq!(msgs[0].frames, 3);
         assert_eq!(msgs[0].name, "FrameMux");
     }
@@ -220,7 +244,11 @@ mod tests {
         );
         let all: Vec<u32> = msgs
             .iter()
-            .flat_map(|m| decode::<FrameMux>(&m.bytes).unwrap().frames)
+            .flat_map(|m| {
+                decode::<FrameMux>(m.bytes.as_ref().unwrap())
+                    .unwrap()
+                    .frames
+            })
             .map(|f| u32::from_le_bytes(f[..4].try_into().unwrap()))
             .collect();
         assert_eq!(all, (0..n as u32).collect::<Vec<_>>());
@@ -240,6 +268,6 @@ mod tests {
         );
         assert!(msgs
             .iter()
-            .all(|m| m.bytes.len() <= dynamo_bus_schema::MAX_MESSAGE));
+            .all(|m| m.bytes.as_ref().unwrap().len() <= dynamo_bus_schema::MAX_MESSAGE));
     }
 }

@@ -9,7 +9,9 @@
 //! - `dynamo_worker_prompt_tokens_total`, `dynamo_worker_output_tokens_total`;
 //! - `dynamo_worker_frames_total` and `dynamo_worker_frame_messages_total`:
 //!   response frames sent, and the bus messages that carried them (frames
-//!   of several requests share a message, [`crate::mux`]);
+//!   of several requests share a message, [`crate::mux`]), and
+//!   `dynamo_worker_frames_lost_total`: frames that could not be encoded
+//!   or published;
 //! - gauges from the engine's load: `dynamo_worker_active_seqs`,
 //!   `…_waiting_seqs`, `…_kv_used_blocks`, `…_kv_total_blocks`,
 //!   `…_inflight_requests`, `…_queued_prefill_tokens`.
@@ -40,6 +42,7 @@ struct M {
     output_tokens: IntCounterVec,
     frames: IntCounterVec,
     frame_messages: IntCounterVec,
+    frames_lost: IntCounterVec,
     gauges: [IntGaugeVec; 6],
 }
 
@@ -114,6 +117,11 @@ fn m() -> Option<&'static M> {
                 "Bus messages that carried the response frames",
                 &[],
             )?,
+            frames_lost: counter(
+                "dynamo_worker_frames_lost_total",
+                "Response frames that could not be encoded or published",
+                &[],
+            )?,
             gauges: [g(0)?, g(1)?, g(2)?, g(3)?, g(4)?, g(5)?],
         };
         register([
@@ -124,6 +132,7 @@ fn m() -> Option<&'static M> {
             Box::new(m.output_tokens.clone()),
             Box::new(m.frames.clone()),
             Box::new(m.frame_messages.clone()),
+            Box::new(m.frames_lost.clone()),
         ])?;
         register(m.gauges.clone().map(|g| Box::new(g) as Box<dyn Collector>))?;
         Some(m)
@@ -162,6 +171,7 @@ fn each(m: &M, l: [&str; 3], mut f: impl FnMut(&dyn Family, &[&str])) {
     f(&m.output_tokens, &l);
     f(&m.frames, &l);
     f(&m.frame_messages, &l);
+    f(&m.frames_lost, &l);
     for g in &m.gauges {
         f(g, &l);
     }
@@ -247,12 +257,17 @@ impl Series {
         }
     }
 
-    /// One bus message carried `frames` response frames.
-    pub fn frames_sent(&self, frames: usize) {
+    /// One bus message carried `frames` response frames (`sent`), or they
+    /// were lost.
+    pub fn frames_sent(&self, frames: usize, sent: bool) {
         if let Some(m) = m() {
             let l = self.l();
-            m.frames.with_label_values(&l).inc_by(frames as u64);
-            m.frame_messages.with_label_values(&l).inc();
+            if sent {
+                m.frames.with_label_values(&l).inc_by(frames as u64);
+                m.frame_messages.with_label_values(&l).inc();
+            } else {
+                m.frames_lost.with_label_values(&l).inc_by(frames as u64);
+            }
         }
     }
 
@@ -321,8 +336,9 @@ mod tests {
         // stays the output tokens').
         s.tokens(100, Duration::from_millis(100));
         s.request_done(RequestOutcome::Finished);
-        s.frames_sent(3);
-        s.frames_sent(1);
+        s.frames_sent(3, true);
+        s.frames_sent(1, true);
+        s.frames_sent(2, false);
         let load = LoadMetrics {
             kv_used_blocks: 7,
             ..Default::default()
@@ -350,6 +366,10 @@ mod tests {
         assert_eq!(line("dynamo_worker_frames_total").as_deref(), Some("4"));
         assert_eq!(
             line("dynamo_worker_frame_messages_total").as_deref(),
+            Some("2")
+        );
+        assert_eq!(
+            line("dynamo_worker_frames_lost_total").as_deref(),
             Some("2")
         );
         assert!(text

@@ -57,15 +57,16 @@ impl WorkerStats {
         }
     }
 
-    /// A request ended (Prometheus only: the planner's interval counters
-    /// count first tokens, not ends).
-    /// One bus message carried `frames` response frames.
-    pub fn frames_sent(&self, frames: usize) {
+    /// One bus message carried `frames` response frames (`Ok`), or could
+    /// not be encoded or published (`Err`: they are lost).
+    pub fn frames_sent(&self, frames: usize, sent: bool) {
         if let Some(s) = &self.series {
-            s.frames_sent(frames);
+            s.frames_sent(frames, sent);
         }
     }
 
+    /// A request ended (Prometheus only: the planner's interval counters
+    /// count first tokens, not ends).
     pub fn request_done(&self, outcome: crate::prom::RequestOutcome) {
         if let Some(s) = &self.series {
             s.request_done(outcome);
