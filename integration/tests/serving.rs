@@ -793,3 +793,103 @@ async fn concurrent_streams_share_bus_messages_and_each_gets_its_own_tokens() {
         "metrics: {f} frames in {m} messages"
     );
 }
+
+/// A gateway of an older build does not send `Dynamo-Frame-Mux`: a worker
+/// then sends its requests' frames one per message, while requests that
+/// ask for muxing, on the same worker at the same time, share messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_without_the_mux_header_get_one_frame_per_message() {
+    use dynamo_bus_schema::*;
+    use futures::StreamExt;
+    let nats = Nats::start();
+    let _node = Node::start(&node_config("w", &nats.url, None, 1, ""));
+    let t0 = std::time::Instant::now();
+    let js = async_nats::jetstream::new(async_nats::connect(&nats.url).await.unwrap());
+    let worker = loop {
+        // The bucket exists once the node made it.
+        if js.get_key_value("dynamo_it_workers").await.is_ok() {
+            if let Some(r) = registrations(&nats.url).await.first() {
+                break r.worker_id;
+            }
+        }
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(30),
+            "no worker registered"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    let bus = it_bus(&nats.url, "old-and-new-gateway").await;
+    let mut old = bus.client.subscribe("it.old.frames").await.unwrap();
+    let mut new = bus.client.subscribe("it.new.frames").await.unwrap();
+    bus.client.flush().await.unwrap();
+
+    let per = 12u128;
+    let sends = (0..2 * per).map(|i| {
+        let bus = &bus;
+        async move {
+            let muxed = i % 2 == 1;
+            let mut sampling = SamplingParams::greedy(24);
+            sampling.ignore_eos = true;
+            let req = GenerateRequest {
+                request_id: RequestId(1000 + i),
+                model: ModelName(MODEL.into()),
+                token_ids: (0..20).map(|k| 2000 + i as u32 * 30 + k).collect(),
+                sampling,
+                reply_to: if muxed {
+                    "it.new.frames"
+                } else {
+                    "it.old.frames"
+                }
+                .into(),
+                deadline_unix_ms: 0,
+            };
+            let headers = muxed.then(|| {
+                let mut h = async_nats::HeaderMap::new();
+                h.insert(HEADER_FRAME_MUX, "1");
+                h
+            });
+            let ack: GenerateAck = bus
+                .request_with(
+                    bus.subjects.worker_generate(worker),
+                    &req,
+                    headers,
+                    std::time::Duration::from_secs(10),
+                )
+                .await
+                .unwrap();
+            assert!(ack.rejected.is_none(), "{ack:?}");
+        }
+    });
+    futures::future::join_all(sends).await;
+
+    // Until every request of a subject has its Finished frame.
+    async fn collect(sub: &mut async_nats::Subscriber, requests: usize) -> (usize, usize) {
+        let (mut messages, mut muxes, mut finished) = (0, 0, 0);
+        while finished < requests {
+            let m = tokio::time::timeout(std::time::Duration::from_secs(20), sub.next())
+                .await
+                .expect("frames stopped before every request finished")
+                .unwrap();
+            messages += 1;
+            muxes += usize::from(peek_kind(&m.payload).unwrap().0 == FrameMux::KIND);
+            let frames: Vec<Vec<u8>> = match peek_kind(&m.payload).unwrap().0 {
+                k if k == FrameMux::KIND => decode::<FrameMux>(&m.payload).unwrap().frames,
+                _ => vec![m.payload.to_vec()],
+            };
+            finished += frames
+                .iter()
+                .filter(|f| peek_kind(f).unwrap().0 == FrameFinished::KIND)
+                .count();
+        }
+        (messages, muxes)
+    }
+    let (old_messages, old_muxes) = collect(&mut old, per as usize).await;
+    let (new_messages, new_muxes) = collect(&mut new, per as usize).await;
+    assert_eq!(old_muxes, 0, "a gateway that did not ask got a FrameMux");
+    // Started, tokens, timings and finished: at least four each, alone.
+    assert!(old_messages >= per as usize * 4, "{old_messages} messages");
+    assert!(
+        new_muxes > 0,
+        "requests that asked shared no message ({new_messages} messages)"
+    );
+}
