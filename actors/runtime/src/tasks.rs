@@ -60,10 +60,7 @@ impl Tasks {
     where
         F: Future<Output = ()> + Send + 'static,
     {
-        let exit = CancellationToken::new();
-        if let Ok(mut n) = self.named.lock() {
-            n.insert(name, exit.clone());
-        }
+        let exit = self.named_exit(name);
         let (cancel, on_end) = (self.cancel.clone(), self.on_end.clone());
         tokio::spawn(async move {
             let why = tokio::select! {
@@ -88,10 +85,7 @@ impl Tasks {
     where
         F: Future<Output = ()> + Send + 'static,
     {
-        let exit = CancellationToken::new();
-        if let Ok(mut n) = self.named.lock() {
-            n.insert(name, exit.clone());
-        }
+        let exit = self.named_exit(name);
         let (cancel, on_end) = (self.cancel.clone(), self.on_end.clone());
         tokio::spawn(async move {
             let run = async {
@@ -150,6 +144,15 @@ impl Tasks {
             }
             None => false,
         }
+    }
+
+    /// A fresh token that ends the long-lived task `name` ([`Self::end`]).
+    fn named_exit(&self, name: &'static str) -> CancellationToken {
+        let exit = CancellationToken::new();
+        if let Ok(mut n) = self.named.lock() {
+            n.insert(name, exit.clone());
+        }
+        exit
     }
 
     /// Stops every task; none reports its end.
