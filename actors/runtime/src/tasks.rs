@@ -60,19 +60,7 @@ impl Tasks {
     where
         F: Future<Output = ()> + Send + 'static,
     {
-        let exit = self.named_exit(name);
-        let (cancel, on_end) = (self.cancel.clone(), self.on_end.clone());
-        tokio::spawn(async move {
-            let why = tokio::select! {
-                _ = cancel.cancelled() => return,
-                _ = exit.cancelled() => "was ended (fault injection)".to_string(),
-                r = AssertUnwindSafe(fut).catch_unwind() => match r {
-                    Ok(()) => "ended".to_string(),
-                    Err(p) => format!("panicked: {}", panic_message(&*p)),
-                },
-            };
-            stopped(name, &why, &cancel, &on_end);
-        });
+        self.spawn_long(name, fut, None)
     }
 
     /// Like [`Self::spawn`], for a task others hand their last words to
@@ -85,20 +73,26 @@ impl Tasks {
     where
         F: Future<Output = ()> + Send + 'static,
     {
+        self.spawn_long(name, fut, Some(2 * TRANSIENT_GRACE))
+    }
+
+    /// A long-lived task: its end or panic fails the owner unless the set
+    /// stopped; once it stops, the task is dropped after `grace` (at once
+    /// for `None`).
+    fn spawn_long<F>(&self, name: &'static str, fut: F, grace: Option<std::time::Duration>)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
         let exit = self.named_exit(name);
         let (cancel, on_end) = (self.cancel.clone(), self.on_end.clone());
         tokio::spawn(async move {
-            let run = async {
-                tokio::select! {
-                    r = with_grace(fut, &cancel, 2 * TRANSIENT_GRACE) => r.map(|r| match r {
-                        Ok(()) => "ended".to_string(),
-                        Err(p) => format!("panicked: {}", panic_message(&*p)),
-                    }),
-                    _ = exit.cancelled() => Some("was ended (fault injection)".to_string()),
-                }
-            };
-            let Some(why) = run.await else {
-                return;
+            let why = tokio::select! {
+                r = with_grace(fut, &cancel, grace) => match r {
+                    None => return,
+                    Some(Ok(())) => "ended".to_string(),
+                    Some(Err(p)) => format!("panicked: {}", panic_message(&*p)),
+                },
+                _ = exit.cancelled() => "was ended (fault injection)".to_string(),
             };
             stopped(name, &why, &cancel, &on_end);
         });
@@ -188,7 +182,7 @@ impl Spawner {
     {
         let (cancel, on_end) = (self.cancel.clone(), self.on_end.clone());
         tokio::spawn(async move {
-            let Some(r) = with_grace(fut, &cancel, TRANSIENT_GRACE).await else {
+            let Some(r) = with_grace(fut, &cancel, Some(TRANSIENT_GRACE)).await else {
                 return;
             };
             if let Err(p) = r {
@@ -201,19 +195,22 @@ impl Spawner {
 }
 
 /// Runs `fut` to its end (`Some`, with its panic caught) or, once `cancel`
-/// fires, for at most `grace` more so its last word still goes out (a
-/// request's final frame, a cancel to a peer), then drops it (`None`).
+/// fires, for at most `grace` more (none: not at all) so its last word
+/// still goes out (a request's final frame, a cancel to a peer), then
+/// drops it (`None`).
 async fn with_grace<F: Future<Output = ()>>(
     fut: F,
     cancel: &CancellationToken,
-    grace: std::time::Duration,
+    grace: Option<std::time::Duration>,
 ) -> Option<std::thread::Result<()>> {
     let fut = AssertUnwindSafe(fut).catch_unwind();
     tokio::pin!(fut);
     tokio::select! {
         r = &mut fut => Some(r),
         _ = cancel.cancelled() => {
-            let _ = tokio::time::timeout(grace, &mut fut).await;
+            if let Some(grace) = grace {
+                let _ = tokio::time::timeout(grace, &mut fut).await;
+            }
             None
         }
     }
