@@ -280,6 +280,8 @@ pub fn permissions(role: Role, s: &Subjects) -> Permissions {
             kv(&s.deploy_status_bucket(), Use::Open, &mut p);
             kv(&s.assignments_bucket(), Use::Open, &mut p);
             kv(&s.pins_bucket(), Use::Open, &mut p);
+            // On Kubernetes its workers are known by their pods' names.
+            kv(&s.workers_bucket(), Use::Open, &mut p);
         }
         Role::Admin => unreachable!("returned above"),
     }

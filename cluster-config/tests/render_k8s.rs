@@ -7,7 +7,9 @@
 //! the core objects round-trip through their `k8s-openapi` types. Grove's
 //! own samples pass the same validator, and broken objects fail it.
 
-use dynamo_cluster_config::render::connector::{scale_request, ScaleKind, ScaleTarget};
+use dynamo_cluster_config::render::connector::{
+    get_request, observed_scale, scale_request, ObservedScale, ScaleKind, ScaleTarget,
+};
 use dynamo_cluster_config::render::{
     names, render_k8s, to_yaml_documents, RenderError, RenderOptions,
 };
@@ -815,4 +817,75 @@ fn node_selectors_become_the_pods_node_selector() {
     assert!(clique(&objs, "decode")["spec"]["podSpec"]
         .get("nodeSelector")
         .is_none());
+}
+
+/// The objects Grove makes from the rendered PodCliqueSet, as the API
+/// server returns them with a status, pass their CRDs' schemas (strict:
+/// no field the CRD does not name), and the connector reads their
+/// replicas back.
+#[test]
+fn the_connector_reads_back_what_grove_reports() {
+    let spec = parse(DISAGG);
+    let objs = render(DISAGG);
+    let p = pcs(&objs);
+    let pcs_name = p["metadata"]["name"]
+        .as_str()
+        .expect("pcs name")
+        .to_string();
+    let tpl = &p["spec"]["template"];
+    // The scaling group, 2 of 3 replicas available, Grove behind by one
+    // generation (a patch it has not reconciled yet).
+    let g = &tpl["podCliqueScalingGroups"][0];
+    let group = g["name"].as_str().expect("group name");
+    let t = ScaleTarget::for_spec(&spec, group).expect("group target");
+    let obj = json!({
+        "apiVersion": "grove.io/v1alpha1",
+        "kind": "PodCliqueScalingGroup",
+        "metadata": {"name": t.name, "namespace": "default", "generation": 5},
+        "spec": {"replicas": 3, "cliqueNames": g["cliqueNames"], "minAvailable": 1},
+        "status": {"replicas": 3, "availableReplicas": 2, "scheduledReplicas": 3,
+                   "updatedReplicas": 3, "observedGeneration": 4},
+    });
+    assert_valid_grove(&obj);
+    assert_eq!(
+        observed_scale(&t, &obj).expect("group read back"),
+        ObservedScale {
+            desired: 3,
+            ready: 2
+        }
+    );
+    // A standalone clique (the frontend), its spec the template's.
+    let c = tpl["cliques"]
+        .as_array()
+        .expect("cliques")
+        .iter()
+        .find(|c| c["name"] == "frontend")
+        .expect("frontend clique");
+    let t = ScaleTarget::for_spec(&spec, "frontend").expect("service target");
+    assert_eq!(t.name, format!("{pcs_name}-0-frontend"));
+    let mut clique_spec = c["spec"].clone();
+    clique_spec["replicas"] = json!(2);
+    let obj = json!({
+        "apiVersion": "grove.io/v1alpha1",
+        "kind": "PodClique",
+        "metadata": {"name": t.name, "namespace": "default", "generation": 2},
+        "spec": clique_spec,
+        "status": {"replicas": 2, "readyReplicas": 1, "scheduledReplicas": 2,
+                   "scheduleGatedReplicas": 0, "updatedReplicas": 2, "observedGeneration": 2},
+    });
+    assert_valid_grove(&obj);
+    assert_eq!(
+        observed_scale(&t, &obj).expect("clique read back"),
+        ObservedScale {
+            desired: 2,
+            ready: 1
+        }
+    );
+    // It is read from where the patch goes.
+    let get = get_request("default", &t).expect("get");
+    assert_eq!(get.method(), http::Method::GET);
+    assert_eq!(
+        get.uri().path(),
+        scale_request("default", &t, 1).expect("patch").uri().path()
+    );
 }

@@ -17,12 +17,13 @@
 //! are never written.
 
 use crate::feed::MetricsFeed;
-use crate::targets::{models, placements, targets, Seed};
+use crate::kube::Kube;
+use crate::targets::{models, placements, pod_placements, targets, with_observed, Seed};
 use async_nats::jetstream::kv;
 use dynamo_bus_schema::{
     decode, encode, peek_kind, unix_ms, DeploymentRecord, DeploymentStatus, FrontendMetrics,
     NodeAssignment, NodeId, PlannerDecision, PlannerPin, PlannerStatus, PlannerTarget, WireMessage,
-    WorkerMetrics, MAX_DECISIONS, MAX_MEMORY_JSON, MAX_PLANNER_ITEMS,
+    WorkerMetrics, WorkerRegistration, MAX_DECISIONS, MAX_MEMORY_JSON, MAX_PLANNER_ITEMS,
 };
 use dynamo_cluster_config::planner_spec::PlannerPolicy;
 use dynamo_cluster_config::spec::DeploymentSpec;
@@ -222,6 +223,8 @@ struct Buckets {
     assignments: kv::Store,
     planner: kv::Store,
     pins: kv::Store,
+    /// The worker registry, read only on Kubernetes (see `pod_placements`).
+    workers: Option<kv::Store>,
 }
 
 pub struct Planner {
@@ -241,6 +244,8 @@ pub struct Planner {
     decisions: VecDeque<PlannerDecision>,
     /// Period of the next tick (the spec's fast interval).
     every: Duration,
+    /// Where the deployment runs on Kubernetes: its connector.
+    kube: Option<Kube>,
     _tasks: dynamo_runtime::Tasks,
 }
 
@@ -313,6 +318,7 @@ impl Actor for PlannerActor {
         let feed = Arc::new(Mutex::new(MetricsFeed::new(unix_ms())));
         tasks.spawn("metrics", listen(args.bus.clone(), feed.clone()));
         let _ = myself.cast(PlannerMsg::Tick);
+        let kube = args.config.kubernetes_namespace.clone().map(Kube::new);
         Ok(Planner {
             bus: args.bus,
             cfg: args.config,
@@ -327,6 +333,7 @@ impl Actor for PlannerActor {
             last_sizing_ms: 0,
             decisions: VecDeque::new(),
             every: Duration::from_secs(1),
+            kube,
             _tasks: tasks,
         })
     }
@@ -374,6 +381,19 @@ impl Planner {
                 planner: bounded("planner bucket", bus.kv_bucket_durable(&s.planner_bucket()))
                     .await?,
                 pins: bounded("pins bucket", bus.kv_bucket_durable(&s.pins_bucket())).await?,
+                workers: match self.kube {
+                    Some(_) => Some(
+                        bounded(
+                            "workers bucket",
+                            bus.kv_bucket(
+                                &s.workers_bucket(),
+                                dynamo_runtime::bus::REGISTRY_MAX_AGE,
+                            ),
+                        )
+                        .await?,
+                    ),
+                    None => None,
+                },
             });
         }
         self.buckets.as_ref().ok_or_else(|| "no buckets".into())
@@ -468,8 +488,29 @@ impl Planner {
         let assignments: std::collections::BTreeMap<String, NodeAssignment> =
             read_all(&b.assignments).await?;
         let assignments: Vec<NodeAssignment> = assignments.into_values().collect();
-        let place = placements(self.bus.subjects.namespace().as_str(), &spec, &assignments);
-        let ts = targets(&spec, status.as_ref(), &pinned, &self.seed);
+        let workers = b.workers.clone();
+        let place = match workers {
+            // On Kubernetes workers are known by their pods' names.
+            Some(workers) => {
+                let regs: std::collections::BTreeMap<String, WorkerRegistration> =
+                    read_all(&workers).await?;
+                let regs: Vec<WorkerRegistration> = regs.into_values().collect();
+                pod_placements(&spec, &regs)
+            }
+            None => placements(self.bus.subjects.namespace().as_str(), &spec, &assignments),
+        };
+        let mut ts = targets(&spec, status.as_ref(), &pinned, &self.seed);
+        if let Some(k) = self.kube.as_mut() {
+            // On Kubernetes the replicas are the API server's (see `kube`).
+            let names: Vec<String> = ts.iter().map(|t| t.name.clone()).collect();
+            let observed = k.observe(&spec, &names).await.map_err(|e| {
+                format!(
+                    "reading the replicas back from Kubernetes namespace {}: {e}",
+                    k.namespace()
+                )
+            })?;
+            with_observed(&mut ts, &observed);
+        }
         let sizing = now.saturating_sub(self.last_sizing_ms) >= pspec.interval.as_millis() as u64;
         if sizing {
             self.last_sizing_ms = now;
@@ -570,8 +611,8 @@ impl Planner {
         target: &str,
         replicas: u32,
     ) -> Result<(), String> {
-        if let Some(ns) = self.cfg.kubernetes_namespace.clone() {
-            return kubernetes(&ns, spec, target, replicas).await;
+        if let Some(k) = self.kube.as_mut() {
+            return k.scale(spec, target, replicas).await;
         }
         let dep = self.deployment.clone();
         let store = self.buckets().await?.deployments.clone();
@@ -646,33 +687,4 @@ impl Planner {
         bounded("planner status", b.planner.put(key, bytes.into())).await?;
         Ok(())
     }
-}
-
-#[cfg(feature = "k8s-client")]
-async fn kubernetes(
-    ns: &str,
-    spec: &DeploymentSpec,
-    target: &str,
-    replicas: u32,
-) -> Result<(), String> {
-    use dynamo_cluster_config::render::connector::{KubeScaler, ScaleTarget};
-    let t = ScaleTarget::for_spec(spec, target).map_err(|e| e.to_string())?;
-    let scaler = KubeScaler::try_default(ns)
-        .await
-        .map_err(|e| e.to_string())?;
-    scaler
-        .scale(&t, replicas)
-        .await
-        .map(|_| ())
-        .map_err(|e| e.to_string())
-}
-
-#[cfg(not(feature = "k8s-client"))]
-async fn kubernetes(
-    _ns: &str,
-    _spec: &DeploymentSpec,
-    _target: &str,
-    _replicas: u32,
-) -> Result<(), String> {
-    Err("this build has no Kubernetes client (build dynamo-planner-actor with the k8s-client feature)".into())
 }

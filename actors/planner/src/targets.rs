@@ -7,10 +7,14 @@
 //! replicas (each member at its count); only this deployment's replicas
 //! map to a target.
 
-use dynamo_bus_schema::{replica_worker_id, DeploymentStatus, NodeAssignment, WorkerId};
+use dynamo_bus_schema::{
+    replica_worker_id, DeploymentStatus, NodeAssignment, WorkerId, WorkerRegistration,
+};
+use dynamo_cluster_config::render::connector::ObservedScale;
+use dynamo_cluster_config::render::names;
 use dynamo_cluster_config::spec::{DeploymentSpec, Role};
 use dynamo_planner::{EngineTiming, Phase, Target, TargetKind};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 /// An engine's step timing from a worker service's settings (the node
@@ -95,6 +99,18 @@ pub fn targets(
     out
 }
 
+/// Where the deployment runs on Kubernetes: each target's replicas as its
+/// Grove object says (the desired state is not where it is scaled there).
+/// A target without a reading is left as it is.
+pub fn with_observed(ts: &mut [Target], observed: &BTreeMap<String, ObservedScale>) {
+    for t in ts.iter_mut() {
+        if let Some(o) = observed.get(&t.name) {
+            t.desired = o.desired;
+            t.ready = o.ready.min(o.desired);
+        }
+    }
+}
+
 /// Which target (and phase) each of this deployment's workers serves.
 pub fn placements(
     namespace: &str,
@@ -118,6 +134,26 @@ pub fn placements(
         }
     }
     out
+}
+
+/// On Kubernetes, where nothing is placed through node assignments: which
+/// target (and phase) each registered worker serves, from its node id,
+/// the name of the pod it runs in (`--node-id $(POD_NAME)`, see the
+/// renderer). Workers of other deployments' pods, or of no pod, map to
+/// none.
+pub fn pod_placements(
+    spec: &DeploymentSpec,
+    workers: &[WorkerRegistration],
+) -> HashMap<WorkerId, (String, Phase)> {
+    workers
+        .iter()
+        .filter_map(|w| {
+            let s = names::service_of_pod(spec, &w.node_id.0)?;
+            let ph = phase(s.role)?;
+            let target = s.group.clone().unwrap_or_else(|| s.name.clone());
+            Some((w.worker_id, (target, ph)))
+        })
+        .collect()
 }
 
 /// The models the deployment's workers serve (its traffic at the gateways).
@@ -196,6 +232,87 @@ planner:
             }
         );
         assert_eq!(models(&spec), ["m".to_string()].into());
+    }
+
+    #[test]
+    fn on_kubernetes_replicas_are_the_api_servers() {
+        let spec = DeploymentSpec::parse(SPEC).unwrap();
+        // The desired state still says 2 prefill and 2 pd, none ready.
+        let mut ts = targets(&spec, None, &BTreeSet::new(), &seed());
+        let observed = BTreeMap::from([
+            (
+                "prefill".to_string(),
+                ObservedScale {
+                    desired: 3,
+                    ready: 1,
+                },
+            ),
+            (
+                "pd".to_string(),
+                ObservedScale {
+                    desired: 1,
+                    ready: 1,
+                },
+            ),
+        ]);
+        with_observed(&mut ts, &observed);
+        let by = |n: &str| ts.iter().find(|t| t.name == n).unwrap();
+        assert_eq!((by("prefill").desired, by("prefill").ready), (3, 1));
+        assert_eq!((by("pd").desired, by("pd").ready), (1, 1));
+        // Unread targets keep what the spec says.
+        assert_eq!((by("decode").desired, by("decode").ready), (2, 0));
+    }
+
+    #[test]
+    fn on_kubernetes_workers_map_to_their_target_by_pod_name() {
+        use dynamo_bus_schema::{
+            ArtifactRef, LoadMetrics, ModelCard, ModelName, WorkerRole, WorkerState,
+        };
+        let spec = DeploymentSpec::parse(SPEC).unwrap();
+        let reg = |id: u64, pod: &str| WorkerRegistration {
+            worker_id: WorkerId(id),
+            generation: 1,
+            node_id: NodeId(pod.into()),
+            pid: 1,
+            role: WorkerRole::Aggregated,
+            state: WorkerState::Serving,
+            engine: "mocker".into(),
+            model: ModelCard {
+                name: ModelName("m".into()),
+                context_length: 100,
+                block_size: 16,
+                chat_template: String::new(),
+                bos_token: None,
+                eos_token: None,
+                eos_token_ids: vec![],
+                vocab_size: 10,
+                tokenizer: ArtifactRef {
+                    name: "t".into(),
+                    len: 0,
+                    sha256: String::new(),
+                },
+                source: String::new(),
+                hash_salt: 0,
+            },
+            started_unix_ms: 0,
+            heartbeat_unix_ms: 0,
+            load: LoadMetrics::default(),
+            kv_events: true,
+        };
+        let m = pod_placements(
+            &spec,
+            &[
+                reg(1, "d-0-prefill-0-ab1cd"),
+                reg(2, "d-0-pd-1-pd-d-1-zzzzz"),
+                reg(3, "d-0-frontend-0-abcde"),
+                reg(4, "e-0-prefill-0-abcde"),
+                reg(5, "laptop"),
+            ],
+        );
+        assert_eq!(m.len(), 2, "{m:?}");
+        assert_eq!(m[&WorkerId(1)], ("prefill".to_string(), Phase::Prefill));
+        // A group member's phase is its service's role, its target the group.
+        assert_eq!(m[&WorkerId(2)], ("pd".to_string(), Phase::Decode));
     }
 
     #[test]

@@ -16,14 +16,19 @@
 //!   `fieldManager=`[`FIELD_MANAGER`]; nothing else in the object changes;
 //! - targets and namespaces are checked before a request exists, and each
 //!   error names the target or field;
+//! - [`get_request`] reads the same object back; [`observed_scale`] takes
+//!   from it the replicas asked for (`spec.replicas`) and those ready
+//!   (a PodClique's `status.readyReplicas`, a scaling group's
+//!   `status.availableReplicas`), refusing an object of another kind or
+//!   name, or a count outside `0..=MAX_REPLICAS`, with the field named;
 //! - sending needs the non-default `k8s-client` feature (`KubeScaler`);
-//!   the default build only constructs requests.
+//!   the default build only constructs requests and parses answers.
 
 use super::names;
 use crate::spec::{DeploymentSpec, MAX_REPLICAS};
-use kube::core::params::{Patch, PatchParams};
+use kube::core::params::{GetParams, Patch, PatchParams};
 use kube::core::{ApiResource, DynamicObject, Request, Resource};
-use serde_json::json;
+use serde_json::{json, Value};
 use thiserror::Error;
 
 /// Grove's API group and version.
@@ -125,14 +130,8 @@ impl ScaleTarget {
     }
 }
 
-/// The request setting `target`'s `spec.replicas` to `replicas` in
-/// `namespace`. Grove may refuse 0 (scale to zero); the API server's answer
-/// says so.
-pub fn scale_request(
-    namespace: &str,
-    target: &ScaleTarget,
-    replicas: u32,
-) -> Result<http::Request<Vec<u8>>, ConnectorError> {
+/// Checks the namespace and the target's name before a request is built.
+fn checked(namespace: &str, target: &ScaleTarget) -> Result<String, ConnectorError> {
     if !names::is_dns1123_label(namespace) {
         return Err(ConnectorError::Invalid {
             field: "namespace",
@@ -145,13 +144,37 @@ pub fn scale_request(
             message: format!("{:?} is not a DNS-1123 subdomain", target.name),
         });
     }
+    Ok(DynamicObject::url_path(
+        &target.kind.api_resource(),
+        Some(namespace),
+    ))
+}
+
+fn request_err(target: &ScaleTarget) -> impl FnOnce(kube::core::request::Error) -> ConnectorError {
+    let kind = target.kind.kind();
+    let name = target.name.clone();
+    move |e| ConnectorError::Request {
+        kind,
+        name,
+        message: e.to_string(),
+    }
+}
+
+/// The request setting `target`'s `spec.replicas` to `replicas` in
+/// `namespace`. Grove may refuse 0 (scale to zero); the API server's answer
+/// says so.
+pub fn scale_request(
+    namespace: &str,
+    target: &ScaleTarget,
+    replicas: u32,
+) -> Result<http::Request<Vec<u8>>, ConnectorError> {
+    let url = checked(namespace, target)?;
     if replicas > MAX_REPLICAS {
         return Err(ConnectorError::Invalid {
             field: "replicas",
             message: format!("{replicas} is more than {MAX_REPLICAS}"),
         });
     }
-    let url = DynamicObject::url_path(&target.kind.api_resource(), Some(namespace));
     let pp = PatchParams {
         field_manager: Some(FIELD_MANAGER.into()),
         ..Default::default()
@@ -159,11 +182,76 @@ pub fn scale_request(
     let patch = Patch::Merge(json!({"spec": {"replicas": replicas}}));
     Request::new(url)
         .patch(&target.name, &pp, &patch)
-        .map_err(|e| ConnectorError::Request {
-            kind: target.kind.kind(),
-            name: target.name.clone(),
-            message: e.to_string(),
-        })
+        .map_err(request_err(target))
+}
+
+/// The request reading `target`'s object back (a `GET` of the same URL
+/// [`scale_request`] patches).
+pub fn get_request(
+    namespace: &str,
+    target: &ScaleTarget,
+) -> Result<http::Request<Vec<u8>>, ConnectorError> {
+    let url = checked(namespace, target)?;
+    Request::new(url)
+        .get(&target.name, &GetParams::default())
+        .map_err(request_err(target))
+}
+
+/// What a scale target's object says about its replicas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ObservedScale {
+    /// `spec.replicas`: what was asked for, by the planner or anyone else
+    /// (`kubectl scale` included).
+    pub desired: u32,
+    /// Of those, the ones serving: a PodClique's `status.readyReplicas`
+    /// (ready pods), a scaling group's `status.availableReplicas` (replicas
+    /// whose every clique has its minimum ready). 0 until Grove reports;
+    /// never more than `desired`.
+    pub ready: u32,
+}
+
+/// Reads [`ObservedScale`] from `target`'s object as the API server
+/// returned it.
+pub fn observed_scale(target: &ScaleTarget, obj: &Value) -> Result<ObservedScale, ConnectorError> {
+    let invalid = |field: &'static str, message: String| ConnectorError::Invalid { field, message };
+    if obj["kind"].as_str() != Some(target.kind.kind()) {
+        return Err(invalid(
+            "kind",
+            format!("{} is not a {}", obj["kind"], target.kind.kind()),
+        ));
+    }
+    if obj["metadata"]["name"].as_str() != Some(target.name.as_str()) {
+        return Err(invalid(
+            "metadata.name",
+            format!("{} is not {:?}", obj["metadata"]["name"], target.name),
+        ));
+    }
+    let count = |field: &'static str, v: &Value| -> Result<Option<u32>, ConnectorError> {
+        if v.is_null() {
+            return Ok(None);
+        }
+        match v.as_u64() {
+            Some(n) if n <= u64::from(MAX_REPLICAS) => Ok(Some(n as u32)),
+            _ => Err(invalid(
+                field,
+                format!("{v} is not a count in 0..={MAX_REPLICAS}"),
+            )),
+        }
+    };
+    let desired = count("spec.replicas", &obj["spec"]["replicas"])?
+        .ok_or_else(|| invalid("spec.replicas", "missing".into()))?;
+    let status = &obj["status"];
+    let ready = match target.kind {
+        ScaleKind::PodClique => count("status.readyReplicas", &status["readyReplicas"])?,
+        ScaleKind::PodCliqueScalingGroup => {
+            count("status.availableReplicas", &status["availableReplicas"])?
+        }
+    }
+    .unwrap_or(0);
+    Ok(ObservedScale {
+        desired,
+        ready: ready.min(desired),
+    })
 }
 
 /// Sends scale requests to a Kubernetes API server (feature `k8s-client`).
@@ -193,9 +281,16 @@ impl KubeScaler {
         &self,
         target: &ScaleTarget,
         replicas: u32,
-    ) -> Result<serde_json::Value, ConnectorError> {
+    ) -> Result<Value, ConnectorError> {
         let req = scale_request(&self.namespace, target, replicas)?;
-        Ok(self.client.request::<serde_json::Value>(req).await?)
+        Ok(self.client.request::<Value>(req).await?)
+    }
+
+    /// Reads `target`'s replicas back: asked for and ready.
+    pub async fn observe(&self, target: &ScaleTarget) -> Result<ObservedScale, ConnectorError> {
+        let req = get_request(&self.namespace, target)?;
+        let obj = self.client.request::<Value>(req).await?;
+        observed_scale(target, &obj)
     }
 }
 
@@ -247,6 +342,126 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("`name`"), "{e}");
+    }
+
+    #[test]
+    fn the_read_back_gets_the_object_it_patches() {
+        let t = target(ScaleKind::PodCliqueScalingGroup, "d-0-pd");
+        let get = get_request("serving", &t).unwrap();
+        let patch = scale_request("serving", &t, 2).unwrap();
+        assert_eq!(get.method(), http::Method::GET);
+        assert_eq!(get.uri().path(), patch.uri().path());
+        assert_eq!(
+            get.uri().path(),
+            "/apis/grove.io/v1alpha1/namespaces/serving/podcliquescalinggroups/d-0-pd"
+        );
+        let e = get_request("ns", &target(ScaleKind::PodClique, "Bad_Name"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`name`"), "{e}");
+    }
+
+    fn object(kind: &str, name: &str, spec: Value, status: Value) -> Value {
+        json!({
+            "apiVersion": "grove.io/v1alpha1",
+            "kind": kind,
+            "metadata": {"name": name, "generation": 4},
+            "spec": spec,
+            "status": status,
+        })
+    }
+
+    #[test]
+    fn observed_replicas_come_from_spec_and_the_kinds_own_ready_count() {
+        let pclq = target(ScaleKind::PodClique, "d-0-prefill");
+        let obj = object(
+            "PodClique",
+            "d-0-prefill",
+            json!({"replicas": 3}),
+            json!({"replicas": 3, "readyReplicas": 2, "availableReplicas": 9, "observedGeneration": 4}),
+        );
+        assert_eq!(
+            observed_scale(&pclq, &obj).unwrap(),
+            ObservedScale {
+                desired: 3,
+                ready: 2
+            }
+        );
+        let pcsg = target(ScaleKind::PodCliqueScalingGroup, "d-0-pd");
+        let obj = object(
+            "PodCliqueScalingGroup",
+            "d-0-pd",
+            json!({"replicas": 2}),
+            json!({"replicas": 2, "readyReplicas": 9, "availableReplicas": 1, "observedGeneration": 3}),
+        );
+        assert_eq!(
+            observed_scale(&pcsg, &obj).unwrap(),
+            ObservedScale {
+                desired: 2,
+                ready: 1
+            }
+        );
+        // No status yet (Grove has not reconciled): nothing ready.
+        let fresh = object(
+            "PodClique",
+            "d-0-prefill",
+            json!({"replicas": 1}),
+            Value::Null,
+        );
+        let o = observed_scale(&pclq, &fresh).unwrap();
+        assert_eq!((o.desired, o.ready), (1, 0));
+        // Ready never exceeds what is asked for (pods still terminating).
+        let shrinking = object(
+            "PodClique",
+            "d-0-prefill",
+            json!({"replicas": 1}),
+            json!({"readyReplicas": 3}),
+        );
+        assert_eq!(observed_scale(&pclq, &shrinking).unwrap().ready, 1);
+    }
+
+    #[test]
+    fn a_wrong_object_or_count_is_refused_with_its_field() {
+        let pclq = target(ScaleKind::PodClique, "d-0-prefill");
+        let err = |obj: Value| observed_scale(&pclq, &obj).unwrap_err().to_string();
+        let ok_spec = json!({"replicas": 1});
+        let e = err(object(
+            "PodCliqueScalingGroup",
+            "d-0-prefill",
+            ok_spec.clone(),
+            Value::Null,
+        ));
+        assert!(e.contains("`kind`"), "{e}");
+        let e = err(object(
+            "PodClique",
+            "d-0-decode",
+            ok_spec.clone(),
+            Value::Null,
+        ));
+        assert!(e.contains("`metadata.name`"), "{e}");
+        let e = err(object("PodClique", "d-0-prefill", json!({}), Value::Null));
+        assert!(e.contains("`spec.replicas`"), "{e}");
+        let e = err(object(
+            "PodClique",
+            "d-0-prefill",
+            json!({"replicas": -1}),
+            Value::Null,
+        ));
+        assert!(e.contains("`spec.replicas`"), "{e}");
+        let e = err(object(
+            "PodClique",
+            "d-0-prefill",
+            json!({"replicas": MAX_REPLICAS + 1}),
+            Value::Null,
+        ));
+        assert!(e.contains("`spec.replicas`"), "{e}");
+        let e = err(object(
+            "PodClique",
+            "d-0-prefill",
+            ok_spec,
+            json!({"readyReplicas": "two"}),
+        ));
+        assert!(e.contains("`status.readyReplicas`"), "{e}");
     }
 
     #[test]

@@ -76,6 +76,43 @@ pub fn pod_name(podclique: &str, pod_index: u32) -> String {
     format!("{podclique}-{pod_index}-{}", "x".repeat(POD_SUFFIX))
 }
 
+/// The service of `spec` whose pod Grove named `pod` (in PodCliqueSet
+/// replica 0, the one the renderer's objects and the connector use), or
+/// `None` for a name that is no such pod: the exact inverse of the names
+/// above, suffix included, so that one service's name being a prefix of
+/// another's never confuses the two.
+pub fn service_of_pod<'a>(
+    spec: &'a DeploymentSpec,
+    pod: &str,
+) -> Option<&'a crate::spec::ServiceSpec> {
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    // `<pclq>-<k>-<suffix>`
+    let mut parts = pod.rsplitn(3, '-');
+    let suffix = parts.next()?;
+    let k = parts.next()?;
+    let pclq = parts.next()?;
+    if suffix.len() != POD_SUFFIX
+        || !suffix
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        || !digits(k)
+    {
+        return None;
+    }
+    spec.services.iter().find(|svc| match &svc.group {
+        None => pclq == podclique_name(&spec.name, 0, &svc.name),
+        Some(g) => {
+            // `<pcsg>-<j>-<clique>`
+            let rest = pclq
+                .strip_prefix(&scaling_group_name(&spec.name, 0, g))
+                .and_then(|r| r.strip_prefix('-'))
+                .and_then(|r| r.strip_suffix(&svc.name))
+                .and_then(|r| r.strip_suffix('-'));
+            rest.is_some_and(digits)
+        }
+    })
+}
+
 /// The name of the ConfigMap holding a service's `node.toml`.
 pub fn config_map_name(deployment: &str, service: &str) -> String {
     format!("{deployment}-{service}")
@@ -210,5 +247,50 @@ mod tests {
             "d-0-pd-3-decode"
         );
         assert_eq!(pod_name("d-0-prefill", 12), "d-0-prefill-12-xxxxx");
+    }
+
+    #[test]
+    fn pods_map_back_to_their_service_exactly() {
+        // `pre` is a prefix of `prefill`, and the group `pd` of the
+        // standalone `pd-x`: neither confuses the inverse.
+        let spec = DeploymentSpec::parse(
+            r#"
+version: 1
+name: d
+services:
+  pre: {role: prefill, worker: {engine: mocker, model: m}}
+  prefill: {role: prefill, worker: {engine: mocker, model: m}}
+  pd-x: {role: decode, worker: {engine: mocker, model: m}}
+  p: {role: prefill, worker: {engine: mocker, model: m}}
+  dec: {role: decode, worker: {engine: mocker, model: m}}
+groups:
+  pd: {services: [p, dec], replicas: 2}
+"#,
+        )
+        .unwrap();
+        let of = |pod: &str| service_of_pod(&spec, pod).map(|s| s.name.as_str());
+        for (pod, want) in [
+            ("d-0-pre-0-a1b2c", Some("pre")),
+            ("d-0-prefill-12-zz9zz", Some("prefill")),
+            ("d-0-pd-x-0-abcde", Some("pd-x")),
+            ("d-0-pd-1-p-0-abcde", Some("p")),
+            ("d-0-pd-0-dec-3-abcde", Some("dec")),
+            // Not pods of this deployment, or not pods at all.
+            ("d-0-pd-1-p-0-abcd", None),
+            ("d-0-pd-1-p-x-abcde", None),
+            ("d-0-pd-p-0-abcde", None),
+            ("d-1-pre-0-abcde", None),
+            ("e-0-pre-0-abcde", None),
+            ("d-0-pre-0-ABCDE", None),
+            ("d-0-frontend-0-abcde", None),
+            ("pod", None),
+            ("", None),
+        ] {
+            assert_eq!(of(pod), want, "{pod}");
+        }
+        // What Grove names from the composed names maps back.
+        let pclq = group_podclique_name("d", 0, "pd", 7, "dec");
+        let pod = pod_name(&pclq, 2).replace('x', "q");
+        assert_eq!(of(&pod), Some("dec"));
     }
 }

@@ -1,0 +1,148 @@
+//! The planner's Kubernetes side, for a deployment that runs there
+//! (`PlannerConfig::kubernetes_namespace`): each tick reads its targets'
+//! replicas back from Grove's objects, and a decision patches them.
+//!
+//! Invariants:
+//! - on Kubernetes a target's desired and ready replicas are the API
+//!   server's (`spec.replicas`, and ready pods or available group
+//!   replicas), read every tick: nothing writes the desired state there,
+//!   and a `kubectl scale` by hand is seen as any outside change is;
+//! - a tick whose read-back fails decides nothing (the actor logs the
+//!   error and tries again next tick): a planner never acts on counts it
+//!   could not read;
+//! - one client per planner, made on first use and dropped after a failed
+//!   call, so rotated credentials are read again; every call is bounded
+//!   (`dynamo_controller::bounded`);
+//! - without the `k8s-client` feature every call fails, naming the
+//!   feature.
+
+use dynamo_cluster_config::render::connector::ObservedScale;
+use dynamo_cluster_config::spec::DeploymentSpec;
+use std::collections::BTreeMap;
+
+/// The Kubernetes connector of one planner.
+pub struct Kube {
+    namespace: String,
+    #[cfg(feature = "k8s-client")]
+    scaler: Option<dynamo_cluster_config::render::connector::KubeScaler>,
+}
+
+#[cfg(not(feature = "k8s-client"))]
+const NO_CLIENT: &str =
+    "this build has no Kubernetes client (build dynamo-planner-actor with the k8s-client feature)";
+
+impl Kube {
+    pub fn new(namespace: impl Into<String>) -> Self {
+        Kube {
+            namespace: namespace.into(),
+            #[cfg(feature = "k8s-client")]
+            scaler: None,
+        }
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    #[cfg(feature = "k8s-client")]
+    async fn scaler(
+        &mut self,
+    ) -> Result<dynamo_cluster_config::render::connector::KubeScaler, String> {
+        use dynamo_cluster_config::render::connector::KubeScaler;
+        if self.scaler.is_none() {
+            let s = dynamo_controller::bounded(
+                "Kubernetes client",
+                KubeScaler::try_default(self.namespace.clone()),
+            )
+            .await?;
+            self.scaler = Some(s);
+        }
+        self.scaler
+            .clone()
+            .ok_or_else(|| "no Kubernetes client".to_string())
+    }
+
+    /// Sets `target`'s replicas in its Grove object.
+    #[cfg(feature = "k8s-client")]
+    pub async fn scale(
+        &mut self,
+        spec: &DeploymentSpec,
+        target: &str,
+        replicas: u32,
+    ) -> Result<(), String> {
+        use dynamo_cluster_config::render::connector::ScaleTarget;
+        let t = ScaleTarget::for_spec(spec, target).map_err(|e| e.to_string())?;
+        let scaler = self.scaler().await?;
+        let what = format!("scaling {} {}", t.kind.kind(), t.name);
+        let res = dynamo_controller::bounded(&what, scaler.scale(&t, replicas)).await;
+        if res.is_err() {
+            self.scaler = None;
+        }
+        res.map(|_| ())
+    }
+
+    /// Reads each of `targets`' replicas back from its Grove object; any
+    /// failure fails the whole read.
+    #[cfg(feature = "k8s-client")]
+    pub async fn observe(
+        &mut self,
+        spec: &DeploymentSpec,
+        targets: &[String],
+    ) -> Result<BTreeMap<String, ObservedScale>, String> {
+        use dynamo_cluster_config::render::connector::ScaleTarget;
+        let scaler = self.scaler().await?;
+        let mut out = BTreeMap::new();
+        for name in targets {
+            let t = ScaleTarget::for_spec(spec, name).map_err(|e| e.to_string())?;
+            let what = format!("reading {} {}", t.kind.kind(), t.name);
+            match dynamo_controller::bounded(&what, scaler.observe(&t)).await {
+                Ok(o) => {
+                    out.insert(name.clone(), o);
+                }
+                Err(e) => {
+                    self.scaler = None;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    #[cfg(not(feature = "k8s-client"))]
+    pub async fn scale(
+        &mut self,
+        _spec: &DeploymentSpec,
+        _target: &str,
+        _replicas: u32,
+    ) -> Result<(), String> {
+        Err(NO_CLIENT.into())
+    }
+
+    #[cfg(not(feature = "k8s-client"))]
+    pub async fn observe(
+        &mut self,
+        _spec: &DeploymentSpec,
+        _targets: &[String],
+    ) -> Result<BTreeMap<String, ObservedScale>, String> {
+        Err(NO_CLIENT.into())
+    }
+}
+
+#[cfg(all(test, not(feature = "k8s-client")))]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn without_the_client_every_call_fails_naming_the_feature() {
+        let spec = DeploymentSpec::parse(
+            "version: 1\nname: d\nservices:\n  w: {role: aggregated, worker: {engine: mocker, model: m}}\n",
+        )
+        .unwrap();
+        let mut k = Kube::new("serving");
+        assert_eq!(k.namespace(), "serving");
+        let e = k.scale(&spec, "w", 2).await.unwrap_err();
+        assert!(e.contains("k8s-client"), "{e}");
+        let e = k.observe(&spec, &["w".to_string()]).await.unwrap_err();
+        assert!(e.contains("k8s-client"), "{e}");
+    }
+}
