@@ -433,6 +433,18 @@ mod tests {
     }
 
     #[test]
+    fn the_planner_reads_the_worker_registry_but_never_writes_it() {
+        let s = subjects("t1");
+        let pubs = |subj: &str| allows(Role::Planner, &s, subj, true);
+        // Watching the registry (Kubernetes: workers by pod name).
+        assert!(pubs("$JS.API.CONSUMER.CREATE.KV_dynamo_t1_workers"));
+        assert!(pubs("$JS.API.STREAM.INFO.KV_dynamo_t1_workers"));
+        // Registering or deregistering a worker is not its business.
+        assert!(!pubs("$KV.dynamo_t1_workers.0000000000000001"));
+        assert!(!pubs("$JS.API.STREAM.PURGE.KV_dynamo_t1_workers"));
+    }
+
+    #[test]
     fn no_role_but_admin_reaches_another_namespace() {
         let s = subjects("t1");
         let other = subjects("t2");

@@ -749,7 +749,7 @@ fn the_connector_scales_the_rendered_objects() {
             name: "disagg-0-pd".into()
         }
     );
-    let req = scale_request("default", &t, 5).expect("request");
+    let req = scale_request("default", &t, 5, None).expect("request");
     assert_eq!(req.method(), http::Method::PATCH);
     assert_eq!(
         req.uri().path(),
@@ -773,7 +773,7 @@ fn the_connector_scales_the_rendered_objects() {
         }
     );
     assert_eq!(
-        scale_request("default", &t, 1)
+        scale_request("default", &t, 1, None)
             .expect("request")
             .uri()
             .path(),
@@ -841,7 +841,7 @@ fn the_connector_reads_back_what_grove_reports() {
     let obj = json!({
         "apiVersion": "grove.io/v1alpha1",
         "kind": "PodCliqueScalingGroup",
-        "metadata": {"name": t.name, "namespace": "default", "generation": 5},
+        "metadata": {"name": t.name, "namespace": "default", "generation": 5, "resourceVersion": "9"},
         "spec": {"replicas": 3, "cliqueNames": g["cliqueNames"], "minAvailable": 1},
         "status": {"replicas": 3, "availableReplicas": 2, "scheduledReplicas": 3,
                    "updatedReplicas": 3, "observedGeneration": 4},
@@ -851,7 +851,8 @@ fn the_connector_reads_back_what_grove_reports() {
         observed_scale(&t, &obj).expect("group read back"),
         ObservedScale {
             desired: 3,
-            ready: 2
+            ready: 2,
+            resource_version: Some("9".into())
         }
     );
     // A standalone clique (the frontend), its spec the template's.
@@ -878,7 +879,8 @@ fn the_connector_reads_back_what_grove_reports() {
         observed_scale(&t, &obj).expect("clique read back"),
         ObservedScale {
             desired: 2,
-            ready: 1
+            ready: 1,
+            resource_version: None
         }
     );
     // It is read from where the patch goes.
@@ -886,6 +888,9 @@ fn the_connector_reads_back_what_grove_reports() {
     assert_eq!(get.method(), http::Method::GET);
     assert_eq!(
         get.uri().path(),
-        scale_request("default", &t, 1).expect("patch").uri().path()
+        scale_request("default", &t, 1, None)
+            .expect("patch")
+            .uri()
+            .path()
     );
 }

@@ -12,13 +12,18 @@
 //!
 //! Invariants: one active planner per deployment (the lease); a planner
 //! checks its lease right before each write, so a deposed one writes
-//! nothing; its status carries its memory, so the next holder continues
-//! (no decision is made twice, no shrink delay restarts); pinned targets
-//! are never written.
+//! nothing (on the desired state a compare-and-set fences it too; on
+//! Kubernetes the patch's `resourceVersion` precondition does, see `k8s`);
+//! its status carries its memory, so the next holder continues (no
+//! decision is made twice, no shrink delay restarts); pinned targets are
+//! never changed by a decision (on Kubernetes the pin's own count is what
+//! gets applied, since nothing else applies it there).
 
 use crate::feed::MetricsFeed;
-use crate::kube::Kube;
-use crate::targets::{models, placements, pod_placements, targets, with_observed, Seed};
+use crate::k8s::K8s;
+use crate::targets::{
+    models, placements, pod_placements, pod_serving, targets, with_observed, Seed,
+};
 use async_nats::jetstream::kv;
 use dynamo_bus_schema::{
     decode, encode, peek_kind, unix_ms, DeploymentRecord, DeploymentStatus, FrontendMetrics,
@@ -245,7 +250,7 @@ pub struct Planner {
     /// Period of the next tick (the spec's fast interval).
     every: Duration,
     /// Where the deployment runs on Kubernetes: its connector.
-    kube: Option<Kube>,
+    k8s: Option<K8s>,
     _tasks: dynamo_runtime::Tasks,
 }
 
@@ -318,7 +323,7 @@ impl Actor for PlannerActor {
         let feed = Arc::new(Mutex::new(MetricsFeed::new(unix_ms())));
         tasks.spawn("metrics", listen(args.bus.clone(), feed.clone()));
         let _ = myself.cast(PlannerMsg::Tick);
-        let kube = args.config.kubernetes_namespace.clone().map(Kube::new);
+        let k8s = args.config.kubernetes_namespace.clone().map(K8s::new);
         Ok(Planner {
             bus: args.bus,
             cfg: args.config,
@@ -333,7 +338,7 @@ impl Actor for PlannerActor {
             last_sizing_ms: 0,
             decisions: VecDeque::new(),
             every: Duration::from_secs(1),
-            kube,
+            k8s,
             _tasks: tasks,
         })
     }
@@ -381,7 +386,7 @@ impl Planner {
                 planner: bounded("planner bucket", bus.kv_bucket_durable(&s.planner_bucket()))
                     .await?,
                 pins: bounded("pins bucket", bus.kv_bucket_durable(&s.pins_bucket())).await?,
-                workers: match self.kube {
+                workers: match self.k8s {
                     Some(_) => Some(
                         bounded(
                             "workers bucket",
@@ -480,37 +485,29 @@ impl Planner {
                 _ => None,
             };
         let pins: std::collections::BTreeMap<String, PlannerPin> = read_all(&b.pins).await?;
-        let pinned: BTreeSet<String> = pins
-            .values()
-            .filter(|p| p.deployment == dep)
-            .map(|p| p.target.clone())
-            .collect();
-        let assignments: std::collections::BTreeMap<String, NodeAssignment> =
-            read_all(&b.assignments).await?;
-        let assignments: Vec<NodeAssignment> = assignments.into_values().collect();
-        let workers = b.workers.clone();
+        let pins: Vec<PlannerPin> = pins.into_values().filter(|p| p.deployment == dep).collect();
+        let pinned: BTreeSet<String> = pins.iter().map(|p| p.target.clone()).collect();
+        let (workers, assignments) = (b.workers.clone(), b.assignments.clone());
+        let mut ts = targets(&spec, status.as_ref(), &pinned, &self.seed);
         let place = match workers {
-            // On Kubernetes workers are known by their pods' names.
             Some(workers) => {
+                // On Kubernetes: replicas from the API server, workers by
+                // their pods' names (see `k8s`).
                 let regs: std::collections::BTreeMap<String, WorkerRegistration> =
                     read_all(&workers).await?;
                 let regs: Vec<WorkerRegistration> = regs.into_values().collect();
+                if !self.kubernetes(&spec, &mut ts, &regs, &pins).await? {
+                    return Ok(());
+                }
                 pod_placements(&spec, &regs)
             }
-            None => placements(self.bus.subjects.namespace().as_str(), &spec, &assignments),
+            None => {
+                let assignments: std::collections::BTreeMap<String, NodeAssignment> =
+                    read_all(&assignments).await?;
+                let assignments: Vec<NodeAssignment> = assignments.into_values().collect();
+                placements(self.bus.subjects.namespace().as_str(), &spec, &assignments)
+            }
         };
-        let mut ts = targets(&spec, status.as_ref(), &pinned, &self.seed);
-        if let Some(k) = self.kube.as_mut() {
-            // On Kubernetes the replicas are the API server's (see `kube`).
-            let names: Vec<String> = ts.iter().map(|t| t.name.clone()).collect();
-            let observed = k.observe(&spec, &names).await.map_err(|e| {
-                format!(
-                    "reading the replicas back from Kubernetes namespace {}: {e}",
-                    k.namespace()
-                )
-            })?;
-            with_observed(&mut ts, &observed);
-        }
         let sizing = now.saturating_sub(self.last_sizing_ms) >= pspec.interval.as_millis() as u64;
         if sizing {
             self.last_sizing_ms = now;
@@ -578,6 +575,58 @@ impl Planner {
         self.report(&pspec.policy, &ev.notes, now).await
     }
 
+    /// On Kubernetes: reads each target's replicas back into `ts` (ready
+    /// only as far as its workers serve), and makes a manual `dynamoctl
+    /// scale` (a pin, written to the desired state, which nothing else
+    /// applies there) take effect on the Grove object. False when the read
+    /// failed or the lease was lost (logged): the tick then decides
+    /// nothing.
+    async fn kubernetes(
+        &mut self,
+        spec: &DeploymentSpec,
+        ts: &mut [dynamo_planner::Target],
+        regs: &[WorkerRegistration],
+        pins: &[PlannerPin],
+    ) -> Result<bool, String> {
+        let dep = self.deployment.clone();
+        let Some(k) = self.k8s.as_mut() else {
+            return Ok(true);
+        };
+        let names: Vec<String> = ts.iter().map(|t| t.name.clone()).collect();
+        let observed = match k.observe(spec, &names).await {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::warn!(deployment = %dep, namespace = %k.namespace(), error = %e, "planner: cannot read the replicas back from Kubernetes; deciding nothing this tick");
+                return Ok(false);
+            }
+        };
+        with_observed(ts, &observed, &pod_serving(spec, regs));
+        for p in pins {
+            let Some(o) = observed.get(&p.target) else {
+                continue;
+            };
+            if o.desired == p.replicas {
+                continue;
+            }
+            // Fenced like every write: only with the lease renewed.
+            if !self.hold().await? || self.state.is_none() {
+                return Ok(false);
+            }
+            let Some(k) = self.k8s.as_mut() else {
+                return Ok(false);
+            };
+            match k.scale(spec, &p.target, p.replicas).await {
+                Ok(()) => {
+                    tracing::info!(deployment = %dep, target = %p.target, from = o.desired, to = p.replicas, "planner: applied a manual scale (pin) to Kubernetes")
+                }
+                Err(e) => {
+                    tracing::warn!(deployment = %dep, target = %p.target, to = p.replicas, error = %e, "planner: cannot apply a manual scale (pin) to Kubernetes")
+                }
+            }
+        }
+        Ok(true)
+    }
+
     /// Continues from the last holder's status (its memory and decisions),
     /// or starts afresh.
     async fn adopt(
@@ -611,7 +660,7 @@ impl Planner {
         target: &str,
         replicas: u32,
     ) -> Result<(), String> {
-        if let Some(k) = self.kube.as_mut() {
+        if let Some(k) = self.k8s.as_mut() {
             return k.scale(spec, target, replicas).await;
         }
         let dep = self.deployment.clone();

@@ -7,13 +7,13 @@
 //! - [`actor`]: the supervised actors (one manager per node, one planner
 //!   per deployment, one active through a lease) that wire the core
 //!   (`dynamo-planner`) to JetStream KV and NATS;
-//! - [`kube`]: the Kubernetes connector's read-back and patches, where a
+//! - [`k8s`]: the Kubernetes connector's read-back and patches, where a
 //!   deployment runs on Kubernetes;
 //! - [`metrics`]: its decisions as Prometheus metrics.
 
 pub mod actor;
 pub mod feed;
-pub mod kube;
+pub mod k8s;
 pub mod metrics;
 pub mod targets;
 

@@ -1,14 +1,20 @@
-//! What the planner scales, read off the desired state: each target of the
-//! spec's `planner:` section with its replicas, readiness, slots, pin and
-//! capacity seed; and which worker (by id) belongs to which target.
+//! What the planner scales: each target of the spec's `planner:` section
+//! with its replicas, readiness, slots, pin and capacity seed; and which
+//! worker (by id) belongs to which target. Read off the desired state, or
+//! on Kubernetes off the Grove objects and the worker registry
+//! ([`with_observed`], [`pod_placements`], [`pod_serving`]).
 //!
 //! Invariants: a target is a worker service outside any group, or a group
 //! (the spec checks that); a group's ready replicas are the complete group
-//! replicas (each member at its count); only this deployment's replicas
-//! map to a target.
+//! replicas (each member at its count, serving); only this deployment's
+//! replicas map to a target; on Kubernetes a worker maps to a target only
+//! if its pod's name names exactly one service and its role is that
+//! service's, and a target's ready replicas are at most those whose
+//! workers have registered as serving.
 
 use dynamo_bus_schema::{
-    replica_worker_id, DeploymentStatus, NodeAssignment, WorkerId, WorkerRegistration,
+    replica_worker_id, DeploymentStatus, NodeAssignment, WorkerId, WorkerRegistration, WorkerRole,
+    WorkerState,
 };
 use dynamo_cluster_config::render::connector::ObservedScale;
 use dynamo_cluster_config::render::names;
@@ -100,15 +106,43 @@ pub fn targets(
 }
 
 /// Where the deployment runs on Kubernetes: each target's replicas as its
-/// Grove object says (the desired state is not where it is scaled there).
-/// A target without a reading is left as it is.
-pub fn with_observed(ts: &mut [Target], observed: &BTreeMap<String, ObservedScale>) {
+/// Grove object says (the desired state is not where it is scaled there),
+/// ready only as far as its workers have registered as serving (`serving`,
+/// from [`pod_serving`]: Grove counts a pod ready once its container runs,
+/// before the engine has loaded). Grove keeps at least one replica of a
+/// PodClique, so the floor is 1: no scale to zero there. A target without
+/// a reading is left as it is.
+pub fn with_observed(
+    ts: &mut [Target],
+    observed: &BTreeMap<String, ObservedScale>,
+    serving: &BTreeMap<String, u32>,
+) {
     for t in ts.iter_mut() {
         if let Some(o) = observed.get(&t.name) {
             t.desired = o.desired;
-            t.ready = o.ready.min(o.desired);
+            t.ready = o
+                .ready
+                .min(serving.get(&t.name).copied().unwrap_or(0))
+                .min(o.desired);
+            t.limits.min = t.limits.min.max(1).min(t.limits.max);
         }
     }
+}
+
+/// Whether a worker registered as `reg` may run a service of role `role`.
+fn role_matches(reg: WorkerRole, role: Role) -> bool {
+    matches!(
+        (reg, role),
+        (WorkerRole::Aggregated, Role::Aggregated)
+            | (WorkerRole::Prefill, Role::Prefill)
+            | (WorkerRole::Decode, Role::Decode)
+    )
+}
+
+/// The pod a registered worker runs in, if it is one of this
+/// deployment's, of a matching role.
+fn pod<'a>(spec: &'a DeploymentSpec, w: &WorkerRegistration) -> Option<names::PodOf<'a>> {
+    names::pod_of(spec, &w.node_id.0).filter(|p| role_matches(w.role, p.service.role))
 }
 
 /// Which target (and phase) each of this deployment's workers serves.
@@ -148,12 +182,51 @@ pub fn pod_placements(
     workers
         .iter()
         .filter_map(|w| {
-            let s = names::service_of_pod(spec, &w.node_id.0)?;
+            let s = pod(spec, w)?.service;
             let ph = phase(s.role)?;
             let target = s.group.clone().unwrap_or_else(|| s.name.clone());
             Some((w.worker_id, (target, ph)))
         })
         .collect()
+}
+
+/// On Kubernetes: each target's replicas whose workers are all registered
+/// as serving. A standalone service's pod runs one worker; a group replica
+/// `j` counts when each member has its count of serving workers in `j`.
+pub fn pod_serving(spec: &DeploymentSpec, workers: &[WorkerRegistration]) -> BTreeMap<String, u32> {
+    // (service, group replica) -> serving workers
+    let mut by: HashMap<(&str, Option<u32>), u32> = HashMap::new();
+    for w in workers.iter().filter(|w| w.state == WorkerState::Serving) {
+        if let Some(p) = pod(spec, w) {
+            *by.entry((p.service.name.as_str(), p.group_replica))
+                .or_default() += 1;
+        }
+    }
+    let mut out = BTreeMap::new();
+    for s in spec.services.iter().filter(|s| s.group.is_none()) {
+        out.insert(
+            s.name.clone(),
+            by.get(&(s.name.as_str(), None)).copied().unwrap_or(0),
+        );
+    }
+    for g in &spec.groups {
+        let replicas: BTreeSet<u32> = by
+            .keys()
+            .filter(|(s, _)| g.services.iter().any(|m| m == s))
+            .filter_map(|(_, j)| *j)
+            .collect();
+        let complete = replicas
+            .into_iter()
+            .filter(|j| {
+                g.services.iter().all(|m| {
+                    let want = spec.service(m).map(|s| s.replicas).unwrap_or(0);
+                    by.get(&(m.as_str(), Some(*j))).copied().unwrap_or(0) >= want
+                })
+            })
+            .count();
+        out.insert(g.name.clone(), complete as u32);
+    }
+    out
 }
 
 /// The models the deployment's workers serve (its traffic at the gateways).
@@ -234,48 +307,15 @@ planner:
         assert_eq!(models(&spec), ["m".to_string()].into());
     }
 
-    #[test]
-    fn on_kubernetes_replicas_are_the_api_servers() {
-        let spec = DeploymentSpec::parse(SPEC).unwrap();
-        // The desired state still says 2 prefill and 2 pd, none ready.
-        let mut ts = targets(&spec, None, &BTreeSet::new(), &seed());
-        let observed = BTreeMap::from([
-            (
-                "prefill".to_string(),
-                ObservedScale {
-                    desired: 3,
-                    ready: 1,
-                },
-            ),
-            (
-                "pd".to_string(),
-                ObservedScale {
-                    desired: 1,
-                    ready: 1,
-                },
-            ),
-        ]);
-        with_observed(&mut ts, &observed);
-        let by = |n: &str| ts.iter().find(|t| t.name == n).unwrap();
-        assert_eq!((by("prefill").desired, by("prefill").ready), (3, 1));
-        assert_eq!((by("pd").desired, by("pd").ready), (1, 1));
-        // Unread targets keep what the spec says.
-        assert_eq!((by("decode").desired, by("decode").ready), (2, 0));
-    }
-
-    #[test]
-    fn on_kubernetes_workers_map_to_their_target_by_pod_name() {
-        use dynamo_bus_schema::{
-            ArtifactRef, LoadMetrics, ModelCard, ModelName, WorkerRole, WorkerState,
-        };
-        let spec = DeploymentSpec::parse(SPEC).unwrap();
-        let reg = |id: u64, pod: &str| WorkerRegistration {
+    fn reg(id: u64, pod: &str, role: WorkerRole, state: WorkerState) -> WorkerRegistration {
+        use dynamo_bus_schema::{ArtifactRef, LoadMetrics, ModelCard, ModelName};
+        WorkerRegistration {
             worker_id: WorkerId(id),
             generation: 1,
             node_id: NodeId(pod.into()),
             pid: 1,
-            role: WorkerRole::Aggregated,
-            state: WorkerState::Serving,
+            role,
+            state,
             engine: "mocker".into(),
             model: ModelCard {
                 name: ModelName("m".into()),
@@ -298,21 +338,80 @@ planner:
             heartbeat_unix_ms: 0,
             load: LoadMetrics::default(),
             kv_events: true,
+        }
+    }
+
+    #[test]
+    fn on_kubernetes_replicas_are_the_api_servers_and_ready_is_what_serves() {
+        let spec = DeploymentSpec::parse(SPEC).unwrap();
+        // The desired state still says 2 prefill and 2 pd, none ready.
+        let mut ts = targets(&spec, None, &BTreeSet::new(), &seed());
+        let read = |desired, ready| ObservedScale {
+            desired,
+            ready,
+            resource_version: None,
         };
+        let observed = BTreeMap::from([
+            ("prefill".to_string(), read(3, 2)),
+            ("pd".to_string(), read(1, 1)),
+        ]);
+        // Grove says 2 prefill pods ready, but only one has registered as
+        // serving (the other's engine is still loading).
+        let serving = BTreeMap::from([("prefill".to_string(), 1), ("pd".to_string(), 4)]);
+        with_observed(&mut ts, &observed, &serving);
+        let by = |n: &str| ts.iter().find(|t| t.name == n).unwrap();
+        assert_eq!((by("prefill").desired, by("prefill").ready), (3, 1));
+        assert_eq!((by("pd").desired, by("pd").ready), (1, 1));
+        // Grove keeps a PodClique at 1 or more: decode's `min: 0` is 1 here.
+        assert_eq!(by("prefill").limits.min, 1);
+        // Unread targets keep what the spec says.
+        assert_eq!((by("decode").desired, by("decode").ready), (2, 0));
+        assert_eq!(by("decode").limits.min, 0);
+    }
+
+    #[test]
+    fn on_kubernetes_workers_map_to_their_target_by_pod_name_and_role() {
+        let spec = DeploymentSpec::parse(SPEC).unwrap();
+        let s = WorkerState::Serving;
         let m = pod_placements(
             &spec,
             &[
-                reg(1, "d-0-prefill-0-ab1cd"),
-                reg(2, "d-0-pd-1-pd-d-1-zzzzz"),
-                reg(3, "d-0-frontend-0-abcde"),
-                reg(4, "e-0-prefill-0-abcde"),
-                reg(5, "laptop"),
+                reg(1, "d-0-prefill-0-ab1cd", WorkerRole::Prefill, s),
+                reg(2, "d-0-pd-1-pd-d-1-zzzzz", WorkerRole::Decode, s),
+                // A role its service does not have: not this service's.
+                reg(3, "d-0-decode-0-abcde", WorkerRole::Prefill, s),
+                reg(4, "d-0-frontend-0-abcde", WorkerRole::Aggregated, s),
+                reg(5, "e-0-prefill-0-abcde", WorkerRole::Prefill, s),
+                reg(6, "laptop", WorkerRole::Prefill, s),
             ],
         );
         assert_eq!(m.len(), 2, "{m:?}");
         assert_eq!(m[&WorkerId(1)], ("prefill".to_string(), Phase::Prefill));
         // A group member's phase is its service's role, its target the group.
         assert_eq!(m[&WorkerId(2)], ("pd".to_string(), Phase::Decode));
+    }
+
+    #[test]
+    fn on_kubernetes_a_group_replica_serves_when_every_member_does() {
+        let spec = DeploymentSpec::parse(SPEC).unwrap();
+        let (on, off) = (WorkerState::Serving, WorkerState::Draining);
+        let (p, d) = (WorkerRole::Prefill, WorkerRole::Decode);
+        let regs = [
+            reg(1, "d-0-prefill-0-aaaaa", p, on),
+            reg(2, "d-0-prefill-1-bbbbb", p, off),
+            // Group replica 0: pd-p ×1 and pd-d ×2, all serving.
+            reg(3, "d-0-pd-0-pd-p-0-aaaaa", p, on),
+            reg(4, "d-0-pd-0-pd-d-0-aaaaa", d, on),
+            reg(5, "d-0-pd-0-pd-d-1-aaaaa", d, on),
+            // Group replica 1: one of its two decoders is not serving.
+            reg(6, "d-0-pd-1-pd-p-0-aaaaa", p, on),
+            reg(7, "d-0-pd-1-pd-d-0-aaaaa", d, on),
+            reg(8, "d-0-pd-1-pd-d-1-aaaaa", d, off),
+        ];
+        let serving = pod_serving(&spec, &regs);
+        assert_eq!(serving["prefill"], 1);
+        assert_eq!(serving["decode"], 0);
+        assert_eq!(serving["pd"], 1);
     }
 
     #[test]

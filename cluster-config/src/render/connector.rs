@@ -14,6 +14,10 @@
 //!   whose body is the JSON merge patch `{"spec":{"replicas":N}}`
 //!   (`Content-Type: application/merge-patch+json`), with
 //!   `fieldManager=`[`FIELD_MANAGER`]; nothing else in the object changes;
+//! - given the `resourceVersion` a read returned, the patch carries it
+//!   (`metadata.resourceVersion`), so the API server refuses it (409
+//!   Conflict) if anyone changed the object since: a decision made on
+//!   what was read never overwrites a change it did not see;
 //! - targets and namespaces are checked before a request exists, and each
 //!   error names the target or field;
 //! - [`get_request`] reads the same object back; [`observed_scale`] takes
@@ -167,6 +171,7 @@ pub fn scale_request(
     namespace: &str,
     target: &ScaleTarget,
     replicas: u32,
+    resource_version: Option<&str>,
 ) -> Result<http::Request<Vec<u8>>, ConnectorError> {
     let url = checked(namespace, target)?;
     if replicas > MAX_REPLICAS {
@@ -179,7 +184,11 @@ pub fn scale_request(
         field_manager: Some(FIELD_MANAGER.into()),
         ..Default::default()
     };
-    let patch = Patch::Merge(json!({"spec": {"replicas": replicas}}));
+    let mut body = json!({"spec": {"replicas": replicas}});
+    if let Some(rv) = resource_version {
+        body["metadata"] = json!({ "resourceVersion": rv });
+    }
+    let patch = Patch::Merge(body);
     Request::new(url)
         .patch(&target.name, &pp, &patch)
         .map_err(request_err(target))
@@ -198,7 +207,7 @@ pub fn get_request(
 }
 
 /// What a scale target's object says about its replicas.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ObservedScale {
     /// `spec.replicas`: what was asked for, by the planner or anyone else
     /// (`kubectl scale` included).
@@ -206,8 +215,13 @@ pub struct ObservedScale {
     /// Of those, the ones serving: a PodClique's `status.readyReplicas`
     /// (ready pods), a scaling group's `status.availableReplicas` (replicas
     /// whose every clique has its minimum ready). 0 until Grove reports;
-    /// never more than `desired`.
+    /// never more than `desired`. Grove counts a pod ready when its
+    /// container is, and a group replica available when each clique has
+    /// its `minAvailable` ready, so this is an upper bound on what serves.
     pub ready: u32,
+    /// `metadata.resourceVersion`: the precondition of a patch decided on
+    /// this reading.
+    pub resource_version: Option<String>,
 }
 
 /// Reads [`ObservedScale`] from `target`'s object as the API server
@@ -251,6 +265,9 @@ pub fn observed_scale(target: &ScaleTarget, obj: &Value) -> Result<ObservedScale
     Ok(ObservedScale {
         desired,
         ready: ready.min(desired),
+        resource_version: obj["metadata"]["resourceVersion"]
+            .as_str()
+            .map(String::from),
     })
 }
 
@@ -276,14 +293,17 @@ impl KubeScaler {
         Ok(Self::new(kube::Client::try_default().await?, namespace))
     }
 
-    /// Sets `target`'s replicas; returns the patched object.
+    /// Sets `target`'s replicas, if the object is still at
+    /// `resource_version` (when given); returns what the object says after.
     pub async fn scale(
         &self,
         target: &ScaleTarget,
         replicas: u32,
-    ) -> Result<Value, ConnectorError> {
-        let req = scale_request(&self.namespace, target, replicas)?;
-        Ok(self.client.request::<Value>(req).await?)
+        resource_version: Option<&str>,
+    ) -> Result<ObservedScale, ConnectorError> {
+        let req = scale_request(&self.namespace, target, replicas, resource_version)?;
+        let obj = self.client.request::<Value>(req).await?;
+        observed_scale(target, &obj)
     }
 
     /// Reads `target`'s replicas back: asked for and ready.
@@ -307,8 +327,13 @@ mod tests {
 
     #[test]
     fn a_podclique_patch_sets_only_replicas() {
-        let req =
-            scale_request("serving", &target(ScaleKind::PodClique, "d-0-prefill"), 3).unwrap();
+        let req = scale_request(
+            "serving",
+            &target(ScaleKind::PodClique, "d-0-prefill"),
+            3,
+            None,
+        )
+        .unwrap();
         assert_eq!(req.method(), http::Method::PATCH);
         assert_eq!(
             req.uri().path(),
@@ -328,17 +353,28 @@ mod tests {
     }
 
     #[test]
+    fn a_patch_decided_on_a_reading_is_conditional_on_it() {
+        let t = target(ScaleKind::PodClique, "d-0-prefill");
+        let req = scale_request("serving", &t, 2, Some("4711")).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(req.body()).unwrap();
+        assert_eq!(
+            body,
+            json!({"metadata": {"resourceVersion": "4711"}, "spec": {"replicas": 2}})
+        );
+    }
+
+    #[test]
     fn bad_requests_name_the_field() {
         let t = target(ScaleKind::PodCliqueScalingGroup, "d-0-pd");
-        let e = scale_request("Not_A_Namespace", &t, 1)
+        let e = scale_request("Not_A_Namespace", &t, 1, None)
             .unwrap_err()
             .to_string();
         assert!(e.contains("`namespace`"), "{e}");
-        let e = scale_request("ns", &t, MAX_REPLICAS + 1)
+        let e = scale_request("ns", &t, MAX_REPLICAS + 1, None)
             .unwrap_err()
             .to_string();
         assert!(e.contains("`replicas`"), "{e}");
-        let e = scale_request("ns", &target(ScaleKind::PodClique, ""), 1)
+        let e = scale_request("ns", &target(ScaleKind::PodClique, ""), 1, None)
             .unwrap_err()
             .to_string();
         assert!(e.contains("`name`"), "{e}");
@@ -348,7 +384,7 @@ mod tests {
     fn the_read_back_gets_the_object_it_patches() {
         let t = target(ScaleKind::PodCliqueScalingGroup, "d-0-pd");
         let get = get_request("serving", &t).unwrap();
-        let patch = scale_request("serving", &t, 2).unwrap();
+        let patch = scale_request("serving", &t, 2, None).unwrap();
         assert_eq!(get.method(), http::Method::GET);
         assert_eq!(get.uri().path(), patch.uri().path());
         assert_eq!(
@@ -365,7 +401,7 @@ mod tests {
         json!({
             "apiVersion": "grove.io/v1alpha1",
             "kind": kind,
-            "metadata": {"name": name, "generation": 4},
+            "metadata": {"name": name, "generation": 4, "resourceVersion": "77"},
             "spec": spec,
             "status": status,
         })
@@ -384,7 +420,8 @@ mod tests {
             observed_scale(&pclq, &obj).unwrap(),
             ObservedScale {
                 desired: 3,
-                ready: 2
+                ready: 2,
+                resource_version: Some("77".into())
             }
         );
         let pcsg = target(ScaleKind::PodCliqueScalingGroup, "d-0-pd");
@@ -398,7 +435,8 @@ mod tests {
             observed_scale(&pcsg, &obj).unwrap(),
             ObservedScale {
                 desired: 2,
-                ready: 1
+                ready: 1,
+                resource_version: Some("77".into())
             }
         );
         // No status yet (Grove has not reconciled): nothing ready.

@@ -76,16 +76,32 @@ pub fn pod_name(podclique: &str, pod_index: u32) -> String {
     format!("{podclique}-{pod_index}-{}", "x".repeat(POD_SUFFIX))
 }
 
-/// The service of `spec` whose pod Grove named `pod` (in PodCliqueSet
-/// replica 0, the one the renderer's objects and the connector use), or
-/// `None` for a name that is no such pod: the exact inverse of the names
-/// above, suffix included, so that one service's name being a prefix of
-/// another's never confuses the two.
-pub fn service_of_pod<'a>(
-    spec: &'a DeploymentSpec,
-    pod: &str,
-) -> Option<&'a crate::spec::ServiceSpec> {
-    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+/// What a pod name says: the service of the deployment whose pod it is
+/// and, for a scaling-group member, which group replica it belongs to.
+#[derive(Clone, Copy, Debug)]
+pub struct PodOf<'a> {
+    pub service: &'a crate::spec::ServiceSpec,
+    /// The group replica `j` (a group member's pod), or `None`.
+    pub group_replica: Option<u32>,
+}
+
+/// An index as Grove writes it: decimal, no leading zero, within `u32`.
+fn index(s: &str) -> Option<u32> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) || (s.len() > 1 && s.starts_with('0'))
+    {
+        return None;
+    }
+    s.parse().ok()
+}
+
+/// Which service of `spec` the pod Grove named `pod` runs (in PodCliqueSet
+/// replica 0, the one the renderer's objects and the connector use), by
+/// the exact inverse of the names above, random suffix included, so one
+/// service's name being a prefix of another's confuses nothing. `None` for
+/// a name that is no such pod, and for one that two services' names could
+/// both compose (a standalone `g-5-a` beside member `a` of group `g`):
+/// an ambiguous pod is attributed to neither.
+pub fn pod_of<'a>(spec: &'a DeploymentSpec, pod: &str) -> Option<PodOf<'a>> {
     // `<pclq>-<k>-<suffix>`
     let mut parts = pod.rsplitn(3, '-');
     let suffix = parts.next()?;
@@ -95,22 +111,31 @@ pub fn service_of_pod<'a>(
         || !suffix
             .bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-        || !digits(k)
     {
         return None;
     }
-    spec.services.iter().find(|svc| match &svc.group {
-        None => pclq == podclique_name(&spec.name, 0, &svc.name),
+    index(k)?;
+    let mut found = spec.services.iter().filter_map(|svc| match &svc.group {
+        None => (pclq == podclique_name(&spec.name, 0, &svc.name)).then_some(PodOf {
+            service: svc,
+            group_replica: None,
+        }),
         Some(g) => {
             // `<pcsg>-<j>-<clique>`
-            let rest = pclq
+            let j = pclq
                 .strip_prefix(&scaling_group_name(&spec.name, 0, g))
                 .and_then(|r| r.strip_prefix('-'))
                 .and_then(|r| r.strip_suffix(&svc.name))
-                .and_then(|r| r.strip_suffix('-'));
-            rest.is_some_and(digits)
+                .and_then(|r| r.strip_suffix('-'))
+                .and_then(index)?;
+            Some(PodOf {
+                service: svc,
+                group_replica: Some(j),
+            })
         }
-    })
+    });
+    let first = found.next()?;
+    found.next().is_none().then_some(first)
 }
 
 /// The name of the ConfigMap holding a service's `node.toml`.
@@ -268,7 +293,7 @@ groups:
 "#,
         )
         .unwrap();
-        let of = |pod: &str| service_of_pod(&spec, pod).map(|s| s.name.as_str());
+        let of = |pod: &str| pod_of(&spec, pod).map(|p| p.service.name.as_str());
         for (pod, want) in [
             ("d-0-pre-0-a1b2c", Some("pre")),
             ("d-0-prefill-12-zz9zz", Some("prefill")),
@@ -277,6 +302,9 @@ groups:
             ("d-0-pd-0-dec-3-abcde", Some("dec")),
             // Not pods of this deployment, or not pods at all.
             ("d-0-pd-1-p-0-abcd", None),
+            // Indexes as Grove writes them: no leading zero.
+            ("d-0-pre-01-abcde", None),
+            ("d-0-pd-01-p-0-abcde", None),
             ("d-0-pd-1-p-x-abcde", None),
             ("d-0-pd-p-0-abcde", None),
             ("d-1-pre-0-abcde", None),
@@ -288,9 +316,36 @@ groups:
         ] {
             assert_eq!(of(pod), want, "{pod}");
         }
-        // What Grove names from the composed names maps back.
+        // What Grove names from the composed names maps back, with the
+        // group replica.
         let pclq = group_podclique_name("d", 0, "pd", 7, "dec");
         let pod = pod_name(&pclq, 2).replace('x', "q");
-        assert_eq!(of(&pod), Some("dec"));
+        let p = pod_of(&spec, &pod).unwrap();
+        assert_eq!((p.service.name.as_str(), p.group_replica), ("dec", Some(7)));
+        let p = pod_of(&spec, "d-0-pre-0-a1b2c").unwrap();
+        assert_eq!(p.group_replica, None);
+    }
+
+    #[test]
+    fn a_pod_two_services_could_name_is_nobodys() {
+        // Member `a` of group `g`, replica 5, and the standalone `g-5-a`
+        // compose the same PodClique name.
+        let spec = DeploymentSpec::parse(
+            r#"
+version: 1
+name: d
+services:
+  a: {role: decode, worker: {engine: mocker, model: m}}
+  g-5-a: {role: decode, worker: {engine: mocker, model: m}}
+groups:
+  g: {services: [a], replicas: 1}
+"#,
+        )
+        .unwrap();
+        assert!(pod_of(&spec, "d-0-g-5-a-0-abcde").is_none());
+        assert_eq!(
+            pod_of(&spec, "d-0-g-4-a-0-abcde").map(|p| p.service.name.as_str()),
+            Some("a")
+        );
     }
 }

@@ -3,13 +3,16 @@
 //! replicas back from Grove's objects, and a decision patches them.
 //!
 //! Invariants:
-//! - on Kubernetes a target's desired and ready replicas are the API
-//!   server's (`spec.replicas`, and ready pods or available group
-//!   replicas), read every tick: nothing writes the desired state there,
-//!   and a `kubectl scale` by hand is seen as any outside change is;
-//! - a tick whose read-back fails decides nothing (the actor logs the
-//!   error and tries again next tick): a planner never acts on counts it
-//!   could not read;
+//! - on Kubernetes a target's desired replicas are the API server's
+//!   (`spec.replicas`), read every tick: nothing writes the desired state
+//!   there, and a `kubectl scale` by hand is seen as any outside change is;
+//! - a patch carries the `resourceVersion` of this planner's latest
+//!   reading of the object, so a change it has not seen (a `kubectl scale`
+//!   since, another planner's patch) makes the patch fail rather than be
+//!   overwritten;
+//! - a tick whose read-back fails decides nothing (the actor logs why and
+//!   tries again next tick): a planner never acts on counts it could not
+//!   read;
 //! - one client per planner, made on first use and dropped after a failed
 //!   call, so rotated credentials are read again; every call is bounded
 //!   (`dynamo_controller::bounded`);
@@ -21,8 +24,12 @@ use dynamo_cluster_config::spec::DeploymentSpec;
 use std::collections::BTreeMap;
 
 /// The Kubernetes connector of one planner.
-pub struct Kube {
+pub struct K8s {
     namespace: String,
+    /// The latest reading of each target: its `resourceVersion` is the
+    /// precondition of the next patch.
+    #[cfg(feature = "k8s-client")]
+    last: BTreeMap<String, ObservedScale>,
     #[cfg(feature = "k8s-client")]
     scaler: Option<dynamo_cluster_config::render::connector::KubeScaler>,
 }
@@ -31,10 +38,12 @@ pub struct Kube {
 const NO_CLIENT: &str =
     "this build has no Kubernetes client (build dynamo-planner-actor with the k8s-client feature)";
 
-impl Kube {
+impl K8s {
     pub fn new(namespace: impl Into<String>) -> Self {
-        Kube {
+        K8s {
             namespace: namespace.into(),
+            #[cfg(feature = "k8s-client")]
+            last: BTreeMap::new(),
             #[cfg(feature = "k8s-client")]
             scaler: None,
         }
@@ -62,7 +71,8 @@ impl Kube {
             .ok_or_else(|| "no Kubernetes client".to_string())
     }
 
-    /// Sets `target`'s replicas in its Grove object.
+    /// Sets `target`'s replicas in its Grove object, on condition that the
+    /// object is as this planner last read it.
     #[cfg(feature = "k8s-client")]
     pub async fn scale(
         &mut self,
@@ -73,12 +83,22 @@ impl Kube {
         use dynamo_cluster_config::render::connector::ScaleTarget;
         let t = ScaleTarget::for_spec(spec, target).map_err(|e| e.to_string())?;
         let scaler = self.scaler().await?;
+        let rv = self
+            .last
+            .get(target)
+            .and_then(|o| o.resource_version.clone());
         let what = format!("scaling {} {}", t.kind.kind(), t.name);
-        let res = dynamo_controller::bounded(&what, scaler.scale(&t, replicas)).await;
-        if res.is_err() {
-            self.scaler = None;
+        match dynamo_controller::bounded(&what, scaler.scale(&t, replicas, rv.as_deref())).await {
+            Ok(after) => {
+                self.last.insert(target.to_string(), after);
+                Ok(())
+            }
+            Err(e) => {
+                self.scaler = None;
+                self.last.remove(target);
+                Err(e)
+            }
         }
-        res.map(|_| ())
     }
 
     /// Reads each of `targets`' replicas back from its Grove object; any
@@ -101,10 +121,12 @@ impl Kube {
                 }
                 Err(e) => {
                     self.scaler = None;
+                    self.last.clear();
                     return Err(e);
                 }
             }
         }
+        self.last = out.clone();
         Ok(out)
     }
 
@@ -138,7 +160,7 @@ mod tests {
             "version: 1\nname: d\nservices:\n  w: {role: aggregated, worker: {engine: mocker, model: m}}\n",
         )
         .unwrap();
-        let mut k = Kube::new("serving");
+        let mut k = K8s::new("serving");
         assert_eq!(k.namespace(), "serving");
         let e = k.scale(&spec, "w", 2).await.unwrap_err();
         assert!(e.contains("k8s-client"), "{e}");
