@@ -7,7 +7,12 @@
 #        request, NATS with TLS and a user per role (the default); the
 #        parts can be left out one by one: HTTPS=0, KEYS=0, NATS_TLS=0,
 #        NATS_USERS=0;
-# and `dynamoctl bench` alternates between them for ROUNDS rounds (each
+# TOPOLOGY=fleet runs each cluster as a fleet does instead: its own
+# nats-server (TLS and the per-role users of `dynamoctl nats-auth` for
+# "on"), a frontend node (gateway + router) and a worker node (the two
+# mocker workers), so gateway and workers talk over separate connections
+# whatever is on; CPU is then both nodes' and the server's.
+# `dynamoctl bench` alternates between them for ROUNDS rounds (each
 # round: non-streaming then streaming, REQUESTS chat requests at
 # CONCURRENCY, keep-alive connections as real clients use). It reports
 # latency p50 and the server processes' CPU-ms per request (dynamo-node +
@@ -51,6 +56,14 @@ echo "on: HTTPS=$HTTPS KEYS=$KEYS NATS_TLS=$NATS_TLS NATS_USERS=$NATS_USERS"
 scheme_on=http
 [ "$HTTPS" = 1 ] && scheme_on=https
 
+TOPOLOGY=${TOPOLOGY:-node}
+case "$TOPOLOGY" in node | fleet) ;; *)
+  echo "security_bench.sh: TOPOLOGY is node or fleet, not $TOPOLOGY" >&2
+  exit 2
+  ;;
+esac
+echo "topology: $TOPOLOGY"
+
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
 trap cleanup EXIT
@@ -68,12 +81,52 @@ start() { # NAME CONFIG HEALTH_URL [curl args]: sets the pid in $started
   echo "$name node not ready; see $work/$name.log" >&2
   exit 1
 }
-start off "$work/off.toml" "http://127.0.0.1:$PORT_OFF/health"
-node_off=$started
-start on "$work/on.toml" "$scheme_on://127.0.0.1:$PORT_ON/health" --cacert "$work/pki/tls/ca.pem"
-node_on=$started
-nats_off=$(pgrep -P "$node_off" nats-server)
-nats_on=$(pgrep -P "$node_on" nats-server)
+if [ "$TOPOLOGY" = node ]; then
+  start off "$work/off.toml" "http://127.0.0.1:$PORT_OFF/health"
+  node_off=$started
+  start on "$work/on.toml" "$scheme_on://127.0.0.1:$PORT_ON/health" --cacert "$work/pki/tls/ca.pem"
+  node_on=$started
+  nats_off=$(pgrep -P "$node_off" nats-server)
+  nats_on=$(pgrep -P "$node_on" nats-server)
+else
+  # One nats-server per cluster; "on" with TLS and users as configured.
+  free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+  fleet() { # NAME TLS USERS GATEWAY_TOML: sets nats_pid, front_pid, work_pid
+    local name=$1 tls=$2 users=$3 gateway=$4 port scheme=nats nats_access=""
+    port=$(free_port)
+    {
+      echo "listen: \"127.0.0.1:$port\""
+      echo "jetstream { store_dir: \"$work/js-$name\" }"
+      if [ "$tls" = 1 ]; then
+        echo "tls { cert_file: \"$work/pki/tls/cert.pem\", key_file: \"$work/pki/tls/key.pem\", timeout: 5 }"
+      fi
+      [ "$users" = 1 ] && echo "include \"pki/auth.conf\""
+    } >"$work/nats-$name.conf"
+    nats-server -c "$work/nats-$name.conf" >"$work/nats-$name.log" 2>&1 &
+    nats_pid=$!
+    pids+=("$nats_pid")
+    for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
+    if [ "$tls" = 1 ]; then
+      scheme=tls
+      nats_access="$nats_access\nca_file = \"$work/pki/tls/ca.pem\""
+    fi
+    [ "$users" = 1 ] && nats_access="$nats_access\ncredentials = \"$work/pki/bench\""
+    local nats_block="[nats]\nurl = \"$scheme://127.0.0.1:$port\"$nats_access"
+    printf "node_id = \"front-$name\"\nnamespace = \"bench\"\n\n$nats_block\n\n[gateway]$gateway\n\n[router]\npolicy = \"least_loaded\"\n" >"$work/front-$name.toml"
+    printf "node_id = \"work-$name\"\nnamespace = \"bench\"\n\n$nats_block\n\n[[workers]]\ncount = 2\nengine = \"mocker\"\nmodel = \"smollm2-135m-instruct\"\n\n[workers.mocker]\nspeedup = 0.0\n" >"$work/work-$name.toml"
+    DYNAMO_STATE_DIR="$work/state-work-$name" "$BIN/dynamo-node" --config "$work/work-$name.toml" >"$work/work-$name.log" 2>&1 &
+    work_pid=$!
+    pids+=("$work_pid")
+  }
+  fleet off 0 0 "\nlisten = \"127.0.0.1:$PORT_OFF\""
+  nats_off=$nats_pid
+  start off "$work/front-off.toml" "http://127.0.0.1:$PORT_OFF/health"
+  node_off="$started $work_pid"
+  fleet on "$NATS_TLS" "$NATS_USERS" "\nlisten = \"127.0.0.1:$PORT_ON\"${gateway_on}"
+  nats_on=$nats_pid
+  start on "$work/front-on.toml" "$scheme_on://127.0.0.1:$PORT_ON/health" --cacert "$work/pki/tls/ca.pem"
+  node_on="$started $work_pid"
+fi
 TCK=$(getconf CLK_TCK)
 ticks() { local t=0 p; for p in "$@"; do t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat"))); done; echo $t; }
 
@@ -89,11 +142,13 @@ bench() { # off|on MODE: prints "p50_ms cpu_ms_per_request node_share"
     url="http://127.0.0.1:$PORT_OFF"
     node=$node_off nats=$nats_off
   fi
-  n0=$(ticks "$node") s0=$(ticks "$nats")
+  # shellcheck disable=SC2086 # $node may name two processes (fleet)
+  n0=$(ticks $node) s0=$(ticks "$nats")
   # shellcheck disable=SC2086 # $2 is one optional flag
   out=$(DYNAMO_API_KEY=$k "$BIN/dynamoctl" bench --url "$url" "${args[@]}" --concurrency "$CONCURRENCY" \
       --requests "$REQUESTS" --max-tokens 16 --prompt-tokens 60 $2 --json)
-  n1=$(ticks "$node") s1=$(ticks "$nats")
+  # shellcheck disable=SC2086
+  n1=$(ticks $node) s1=$(ticks "$nats")
   python3 - "$out" "$n0" "$n1" "$s0" "$s1" "$TCK" "$REQUESTS" <<'PY'
 import json, sys
 r = json.loads(sys.argv[1])
