@@ -414,9 +414,13 @@ async fn run(
     let decisions = Arc::new(Mutex::new(BTreeMap::<u64, Value>::new()));
     // The model's numbers per target, as the planner's status showed them.
     let model = Arc::new(Mutex::new(Vec::<(Instant, String)>::new()));
+    // Requests the load generator has sent so far (the verbose lines show
+    // the rate it sent at beside the rate the planner heard).
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
     {
         let (stop, decisions, url) = (stop.clone(), decisions.clone(), c.nats.url.clone());
-        let model = model.clone();
+        let (model, sent) = (model.clone(), sent.clone());
+        let mut history = std::collections::VecDeque::<(Instant, u64)>::new();
         background.spawn(async move {
             while !stop.load(std::sync::atomic::Ordering::SeqCst) {
                 let out = dynamoctl(&url, &["planner", "status", "bench", "--json"]);
@@ -430,10 +434,13 @@ async fn run(
                                         .unwrap_or_default();
                                 let g = |k: &str| n.get(k).copied().unwrap_or(f64::NAN);
                                 format!(
-                                    "{} {}/{} per-replica {:.2} (ISL {:.0}, OSL {:.0}) learned ×{:.2}/×{:.2} correction {:.0}/{:.1} ms",
+                                    "{} {}/{} rate {:.1} (upper {:.1}, ahead {:.1}) per-replica {:.2} (ISL {:.0}, OSL {:.0}) learned ×{:.2}/×{:.2} correction {:.0}/{:.1} ms",
                                     t["name"].as_str().unwrap_or(""),
                                     t["ready"],
                                     t["desired"],
+                                    g("rate"),
+                                    g("rate_upper"),
+                                    g("rate_ahead"),
                                     g("capacity_per_replica"),
                                     g("isl"),
                                     g("osl"),
@@ -444,7 +451,24 @@ async fn run(
                                 )
                             })
                             .collect();
-                        m.push((Instant::now(), line.join("; ")));
+                        // What the client sent over the planner's rate
+                        // window (3 sizing windows of 2 s).
+                        let now = Instant::now();
+                        let n = sent.load(std::sync::atomic::Ordering::SeqCst);
+                        history.push_back((now, n));
+                        while history.len() > 1
+                            && now.duration_since(history[0].0) > Duration::from_secs(6)
+                        {
+                            history.pop_front();
+                        }
+                        let (t0, n0) = history[0];
+                        let secs = now.duration_since(t0).as_secs_f64();
+                        let client = if secs > 0.0 {
+                            (n - n0) as f64 / secs
+                        } else {
+                            f64::NAN
+                        };
+                        m.push((now, format!("client {client:.1}/s; {}", line.join("; "))));
                     }
                     if let (Some(list), Ok(mut d)) =
                         (v[0]["decisions"].as_array(), decisions.lock())
@@ -475,6 +499,7 @@ async fn run(
             osl: r.osl,
         };
         let client = client.clone();
+        sent.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         tasks.spawn(async move { one(&client, port, &req, n).await });
     }
     let results: Vec<Outcome> = tasks.join_all().await.into_iter().collect();
@@ -560,11 +585,14 @@ async fn run(
     itls.sort_by(|a, b| a.total_cmp(b));
     let itl_p50 = at(&itls, 0.5);
     let decisions: Vec<Value> = decisions.lock().unwrap().values().cloned().collect();
-    if std::env::var_os("PLANNER_BENCH_VERBOSE").is_some() {
+    if let Some(v) = std::env::var_os("PLANNER_BENCH_VERBOSE") {
+        // `all`: every sample of the model's numbers (every 0.7 s), else one
+        // per 5 s.
+        let every = if v == "all" { 0.0 } else { 5.0 };
         let mut last = None;
         for (at, line) in model.lock().unwrap().iter() {
             let t = at.saturating_duration_since(start).as_secs_f64();
-            if last.is_none_or(|l| t - l >= 5.0) {
+            if last.is_none_or(|l| t - l >= every) {
                 eprintln!("  {t:7.1}s model: {line}");
                 last = Some(t);
             }
