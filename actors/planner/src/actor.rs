@@ -13,7 +13,9 @@
 //! Invariants: one active planner per deployment (the lease); a planner
 //! checks its lease right before each write, so a deposed one writes
 //! nothing (on the desired state a compare-and-set fences it too; on
-//! Kubernetes the patch's `resourceVersion` precondition does, see `k8s`);
+//! Kubernetes a patch applies only if the replica count is still the one
+//! read that tick, see `k8s`, which stops a deposed planner once its
+//! successor has patched);
 //! its status carries its memory, so the next holder continues (no
 //! decision is made twice, no shrink delay restarts); pinned targets are
 //! never changed by a decision (on Kubernetes the pin's own count is what
@@ -592,7 +594,14 @@ impl Planner {
         let Some(k) = self.k8s.as_mut() else {
             return Ok(true);
         };
-        let names: Vec<String> = ts.iter().map(|t| t.name.clone()).collect();
+        // The planner's targets, and any other service a pin scales.
+        let names: Vec<String> = ts
+            .iter()
+            .map(|t| t.name.clone())
+            .chain(pins.iter().map(|p| p.target.clone()))
+            .collect::<BTreeSet<String>>()
+            .into_iter()
+            .collect();
         let observed = match k.observe(spec, &names).await {
             Ok(o) => o,
             Err(e) => {
@@ -600,12 +609,26 @@ impl Planner {
                 return Ok(false);
             }
         };
-        with_observed(ts, &observed, &pod_serving(spec, regs));
+        with_observed(
+            ts,
+            &observed,
+            &pod_serving(spec, regs, unix_ms(), &observed),
+        );
         for p in pins {
             let Some(o) = observed.get(&p.target) else {
                 continue;
             };
             if o.desired == p.replicas {
+                continue;
+            }
+            if p.replicas == 0 {
+                let first = self
+                    .k8s
+                    .as_mut()
+                    .is_some_and(|k| k.first_warning(&p.target, p.replicas));
+                if first {
+                    tracing::warn!(deployment = %dep, target = %p.target, "planner: a pin of 0 replicas cannot be applied on Kubernetes (Grove keeps at least one); release it or pin 1 or more");
+                }
                 continue;
             }
             // Fenced like every write: only with the lease renewed.
@@ -617,10 +640,17 @@ impl Planner {
             };
             match k.scale(spec, &p.target, p.replicas).await {
                 Ok(()) => {
-                    tracing::info!(deployment = %dep, target = %p.target, from = o.desired, to = p.replicas, "planner: applied a manual scale (pin) to Kubernetes")
+                    tracing::info!(deployment = %dep, target = %p.target, from = o.desired, to = p.replicas, "planner: applied a manual scale (pin) to Kubernetes");
+                    // This tick's budget sees the pinned count.
+                    if let Some(t) = ts.iter_mut().find(|t| t.name == p.target) {
+                        t.desired = p.replicas;
+                        t.ready = t.ready.min(p.replicas);
+                    }
                 }
                 Err(e) => {
-                    tracing::warn!(deployment = %dep, target = %p.target, to = p.replicas, error = %e, "planner: cannot apply a manual scale (pin) to Kubernetes")
+                    if k.first_warning(&p.target, p.replicas) {
+                        tracing::warn!(deployment = %dep, target = %p.target, to = p.replicas, error = %e, "planner: cannot apply a manual scale (pin) to Kubernetes (retried every tick; logged once)");
+                    }
                 }
             }
         }

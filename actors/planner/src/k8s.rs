@@ -6,9 +6,10 @@
 //! - on Kubernetes a target's desired replicas are the API server's
 //!   (`spec.replicas`), read every tick: nothing writes the desired state
 //!   there, and a `kubectl scale` by hand is seen as any outside change is;
-//! - a patch carries the `resourceVersion` of this planner's latest
-//!   reading of the object, so a change it has not seen (a `kubectl scale`
-//!   since, another planner's patch) makes the patch fail rather than be
+//! - a patch is made only on a reading of the same tick, and is applied
+//!   only if the object's count is still the one read (a JSON Patch
+//!   `test`), so a change it has not seen (a `kubectl scale` since,
+//!   another planner's patch) makes the patch fail rather than be
 //!   overwritten;
 //! - a tick whose read-back fails decides nothing (the actor logs why and
 //!   tries again next tick): a planner never acts on counts it could not
@@ -26,10 +27,13 @@ use std::collections::BTreeMap;
 /// The Kubernetes connector of one planner.
 pub struct K8s {
     namespace: String,
-    /// The latest reading of each target: its `resourceVersion` is the
-    /// precondition of the next patch.
+    /// The latest reading of each target: its count is the precondition
+    /// of the next patch.
     #[cfg(feature = "k8s-client")]
     last: BTreeMap<String, ObservedScale>,
+    /// Pins already warned about (target, replicas), so one that cannot be
+    /// applied is not logged every tick.
+    warned: std::collections::BTreeSet<(String, u32)>,
     #[cfg(feature = "k8s-client")]
     scaler: Option<dynamo_cluster_config::render::connector::KubeScaler>,
 }
@@ -44,6 +48,7 @@ impl K8s {
             namespace: namespace.into(),
             #[cfg(feature = "k8s-client")]
             last: BTreeMap::new(),
+            warned: Default::default(),
             #[cfg(feature = "k8s-client")]
             scaler: None,
         }
@@ -51,6 +56,12 @@ impl K8s {
 
     pub fn namespace(&self) -> &str {
         &self.namespace
+    }
+
+    /// Whether a pin that could not be applied should be logged (once per
+    /// target and count).
+    pub fn first_warning(&mut self, target: &str, replicas: u32) -> bool {
+        self.warned.insert((target.to_string(), replicas))
     }
 
     #[cfg(feature = "k8s-client")]
@@ -82,13 +93,16 @@ impl K8s {
     ) -> Result<(), String> {
         use dynamo_cluster_config::render::connector::ScaleTarget;
         let t = ScaleTarget::for_spec(spec, target).map_err(|e| e.to_string())?;
+        let Some(expect) = self.last.get(target).map(|o| o.desired) else {
+            return Err(format!(
+                "no reading of {} {} this tick: not patched",
+                t.kind.kind(),
+                t.name
+            ));
+        };
         let scaler = self.scaler().await?;
-        let rv = self
-            .last
-            .get(target)
-            .and_then(|o| o.resource_version.clone());
         let what = format!("scaling {} {}", t.kind.kind(), t.name);
-        match dynamo_controller::bounded(&what, scaler.scale(&t, replicas, rv.as_deref())).await {
+        match dynamo_controller::bounded(&what, scaler.scale(&t, replicas, Some(expect))).await {
             Ok(after) => {
                 self.last.insert(target.to_string(), after);
                 Ok(())

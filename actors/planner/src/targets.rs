@@ -190,37 +190,54 @@ pub fn pod_placements(
         .collect()
 }
 
+/// A registration whose heartbeat is older than this does not count as
+/// serving (its pod may be gone; the registry keeps it for a while).
+pub const SERVING_HEARTBEAT_MS: u64 = 5_000;
+
 /// On Kubernetes: each target's replicas whose workers are all registered
-/// as serving. A standalone service's pod runs one worker; a group replica
-/// `j` counts when each member has its count of serving workers in `j`.
-pub fn pod_serving(spec: &DeploymentSpec, workers: &[WorkerRegistration]) -> BTreeMap<String, u32> {
-    // (service, group replica) -> serving workers
-    let mut by: HashMap<(&str, Option<u32>), u32> = HashMap::new();
-    for w in workers.iter().filter(|w| w.state == WorkerState::Serving) {
+/// as serving, with a fresh heartbeat (at `now_ms`). Pods count once each
+/// (a standalone service's pod runs one worker); a group replica `j`
+/// counts when each member has its count of such pods in `j`, and only
+/// below the group's observed count (`observed`), so a replica being
+/// removed does not.
+pub fn pod_serving(
+    spec: &DeploymentSpec,
+    workers: &[WorkerRegistration],
+    now_ms: u64,
+    observed: &BTreeMap<String, ObservedScale>,
+) -> BTreeMap<String, u32> {
+    // (service, group replica) -> its serving pods
+    let mut by: HashMap<(&str, Option<u32>), BTreeSet<&str>> = HashMap::new();
+    let fresh = |w: &&WorkerRegistration| {
+        w.state == WorkerState::Serving
+            && now_ms.saturating_sub(w.heartbeat_unix_ms) <= SERVING_HEARTBEAT_MS
+    };
+    for w in workers.iter().filter(fresh) {
         if let Some(p) = pod(spec, w) {
-            *by.entry((p.service.name.as_str(), p.group_replica))
-                .or_default() += 1;
+            by.entry((p.service.name.as_str(), p.group_replica))
+                .or_default()
+                .insert(w.node_id.0.as_str());
         }
     }
     let mut out = BTreeMap::new();
     for s in spec.services.iter().filter(|s| s.group.is_none()) {
-        out.insert(
-            s.name.clone(),
-            by.get(&(s.name.as_str(), None)).copied().unwrap_or(0),
-        );
+        let pods = by.get(&(s.name.as_str(), None)).map_or(0, |p| p.len());
+        out.insert(s.name.clone(), pods as u32);
     }
     for g in &spec.groups {
+        let below = observed.get(&g.name).map_or(u32::MAX, |o| o.desired);
         let replicas: BTreeSet<u32> = by
             .keys()
             .filter(|(s, _)| g.services.iter().any(|m| m == s))
             .filter_map(|(_, j)| *j)
+            .filter(|j| *j < below)
             .collect();
         let complete = replicas
             .into_iter()
             .filter(|j| {
                 g.services.iter().all(|m| {
                     let want = spec.service(m).map(|s| s.replicas).unwrap_or(0);
-                    by.get(&(m.as_str(), Some(*j))).copied().unwrap_or(0) >= want
+                    by.get(&(m.as_str(), Some(*j))).map_or(0, |p| p.len()) as u32 >= want
                 })
             })
             .count();
@@ -335,7 +352,7 @@ planner:
                 hash_salt: 0,
             },
             started_unix_ms: 0,
-            heartbeat_unix_ms: 0,
+            heartbeat_unix_ms: 1_000_000,
             load: LoadMetrics::default(),
             kv_events: true,
         }
@@ -346,11 +363,7 @@ planner:
         let spec = DeploymentSpec::parse(SPEC).unwrap();
         // The desired state still says 2 prefill and 2 pd, none ready.
         let mut ts = targets(&spec, None, &BTreeSet::new(), &seed());
-        let read = |desired, ready| ObservedScale {
-            desired,
-            ready,
-            resource_version: None,
-        };
+        let read = |desired, ready| ObservedScale { desired, ready };
         let observed = BTreeMap::from([
             ("prefill".to_string(), read(3, 2)),
             ("pd".to_string(), read(1, 1)),
@@ -408,10 +421,30 @@ planner:
             reg(7, "d-0-pd-1-pd-d-0-aaaaa", d, on),
             reg(8, "d-0-pd-1-pd-d-1-aaaaa", d, off),
         ];
-        let serving = pod_serving(&spec, &regs);
+        let now = 1_000_000 + SERVING_HEARTBEAT_MS;
+        let serving = pod_serving(&spec, &regs, now, &BTreeMap::new());
         assert_eq!(serving["prefill"], 1);
         assert_eq!(serving["decode"], 0);
         assert_eq!(serving["pd"], 1);
+        // A pod registered twice counts once; a stale heartbeat not at all.
+        let mut twice = regs.to_vec();
+        twice.push(reg(9, "d-0-prefill-0-aaaaa", p, on));
+        let mut stale = reg(10, "d-0-prefill-2-ccccc", p, on);
+        stale.heartbeat_unix_ms = 0;
+        twice.push(stale);
+        assert_eq!(
+            pod_serving(&spec, &twice, now, &BTreeMap::new())["prefill"],
+            1
+        );
+        // Group replicas at or past the observed count are being removed.
+        let shrunk = BTreeMap::from([(
+            "pd".to_string(),
+            ObservedScale {
+                desired: 0,
+                ready: 0,
+            },
+        )]);
+        assert_eq!(pod_serving(&spec, &regs, now, &shrunk)["pd"], 0);
     }
 
     #[test]

@@ -14,10 +14,13 @@
 //!   whose body is the JSON merge patch `{"spec":{"replicas":N}}`
 //!   (`Content-Type: application/merge-patch+json`), with
 //!   `fieldManager=`[`FIELD_MANAGER`]; nothing else in the object changes;
-//! - given the `resourceVersion` a read returned, the patch carries it
-//!   (`metadata.resourceVersion`), so the API server refuses it (409
-//!   Conflict) if anyone changed the object since: a decision made on
-//!   what was read never overwrites a change it did not see;
+//! - given the replica count a read returned, the request is instead a
+//!   JSON Patch (`application/json-patch+json`) that first tests
+//!   `/spec/replicas` against it, so the API server refuses it if anyone
+//!   changed the count since: a decision made on what was read never
+//!   overwrites a change it did not see. Only the count is tested, so
+//!   Grove's own status writes (which bump `resourceVersion` while pods
+//!   come up) never refuse it;
 //! - targets and namespaces are checked before a request exists, and each
 //!   error names the target or field;
 //! - [`get_request`] reads the same object back; [`observed_scale`] takes
@@ -165,33 +168,49 @@ fn request_err(target: &ScaleTarget) -> impl FnOnce(kube::core::request::Error) 
 }
 
 /// The request setting `target`'s `spec.replicas` to `replicas` in
-/// `namespace`. Grove may refuse 0 (scale to zero); the API server's answer
-/// says so.
+/// `namespace`: a merge patch, or, given `expect` (the count this change
+/// was decided on), a JSON Patch applied only if the count is still that.
+/// Grove may refuse 0 (scale to zero); the API server's answer says so.
 pub fn scale_request(
     namespace: &str,
     target: &ScaleTarget,
     replicas: u32,
-    resource_version: Option<&str>,
+    expect: Option<u32>,
 ) -> Result<http::Request<Vec<u8>>, ConnectorError> {
     let url = checked(namespace, target)?;
-    if replicas > MAX_REPLICAS {
-        return Err(ConnectorError::Invalid {
-            field: "replicas",
-            message: format!("{replicas} is more than {MAX_REPLICAS}"),
-        });
+    for (field, n) in [("replicas", Some(replicas)), ("expect", expect)] {
+        if let Some(n) = n.filter(|n| *n > MAX_REPLICAS) {
+            return Err(ConnectorError::Invalid {
+                field,
+                message: format!("{n} is more than {MAX_REPLICAS}"),
+            });
+        }
     }
     let pp = PatchParams {
         field_manager: Some(FIELD_MANAGER.into()),
         ..Default::default()
     };
-    let mut body = json!({"spec": {"replicas": replicas}});
-    if let Some(rv) = resource_version {
-        body["metadata"] = json!({ "resourceVersion": rv });
+    let merge = Patch::Merge(json!({"spec": {"replicas": replicas}}));
+    let mut req = Request::new(url)
+        .patch(&target.name, &pp, &merge)
+        .map_err(request_err(target))?;
+    if let Some(expect) = expect {
+        // Same URL and field manager; the body tests, then replaces.
+        let ops = json!([
+            {"op": "test", "path": "/spec/replicas", "value": expect},
+            {"op": "replace", "path": "/spec/replicas", "value": replicas},
+        ]);
+        *req.body_mut() = serde_json::to_vec(&ops).map_err(|e| ConnectorError::Request {
+            kind: target.kind.kind(),
+            name: target.name.clone(),
+            message: e.to_string(),
+        })?;
+        req.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/json-patch+json"),
+        );
     }
-    let patch = Patch::Merge(body);
-    Request::new(url)
-        .patch(&target.name, &pp, &patch)
-        .map_err(request_err(target))
+    Ok(req)
 }
 
 /// The request reading `target`'s object back (a `GET` of the same URL
@@ -219,9 +238,6 @@ pub struct ObservedScale {
     /// container is, and a group replica available when each clique has
     /// its `minAvailable` ready, so this is an upper bound on what serves.
     pub ready: u32,
-    /// `metadata.resourceVersion`: the precondition of a patch decided on
-    /// this reading.
-    pub resource_version: Option<String>,
 }
 
 /// Reads [`ObservedScale`] from `target`'s object as the API server
@@ -265,9 +281,6 @@ pub fn observed_scale(target: &ScaleTarget, obj: &Value) -> Result<ObservedScale
     Ok(ObservedScale {
         desired,
         ready: ready.min(desired),
-        resource_version: obj["metadata"]["resourceVersion"]
-            .as_str()
-            .map(String::from),
     })
 }
 
@@ -293,15 +306,15 @@ impl KubeScaler {
         Ok(Self::new(kube::Client::try_default().await?, namespace))
     }
 
-    /// Sets `target`'s replicas, if the object is still at
-    /// `resource_version` (when given); returns what the object says after.
+    /// Sets `target`'s replicas, if its count is still `expect` (when
+    /// given); returns what the object says after.
     pub async fn scale(
         &self,
         target: &ScaleTarget,
         replicas: u32,
-        resource_version: Option<&str>,
+        expect: Option<u32>,
     ) -> Result<ObservedScale, ConnectorError> {
-        let req = scale_request(&self.namespace, target, replicas, resource_version)?;
+        let req = scale_request(&self.namespace, target, replicas, expect)?;
         let obj = self.client.request::<Value>(req).await?;
         observed_scale(target, &obj)
     }
@@ -355,12 +368,33 @@ mod tests {
     #[test]
     fn a_patch_decided_on_a_reading_is_conditional_on_it() {
         let t = target(ScaleKind::PodClique, "d-0-prefill");
-        let req = scale_request("serving", &t, 2, Some("4711")).unwrap();
+        let req = scale_request("serving", &t, 2, Some(3)).unwrap();
+        assert_eq!(req.method(), http::Method::PATCH);
+        assert_eq!(
+            req.uri().path(),
+            "/apis/grove.io/v1alpha1/namespaces/serving/podcliques/d-0-prefill"
+        );
+        assert!(req
+            .uri()
+            .query()
+            .unwrap_or("")
+            .contains("fieldManager=dynamo-planner"));
+        assert_eq!(
+            req.headers()[http::header::CONTENT_TYPE],
+            "application/json-patch+json"
+        );
         let body: serde_json::Value = serde_json::from_slice(req.body()).unwrap();
         assert_eq!(
             body,
-            json!({"metadata": {"resourceVersion": "4711"}, "spec": {"replicas": 2}})
+            json!([
+                {"op": "test", "path": "/spec/replicas", "value": 3},
+                {"op": "replace", "path": "/spec/replicas", "value": 2},
+            ])
         );
+        let e = scale_request("serving", &t, 2, Some(MAX_REPLICAS + 1))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`expect`"), "{e}");
     }
 
     #[test]
@@ -401,7 +435,7 @@ mod tests {
         json!({
             "apiVersion": "grove.io/v1alpha1",
             "kind": kind,
-            "metadata": {"name": name, "generation": 4, "resourceVersion": "77"},
+            "metadata": {"name": name, "generation": 4},
             "spec": spec,
             "status": status,
         })
@@ -420,8 +454,7 @@ mod tests {
             observed_scale(&pclq, &obj).unwrap(),
             ObservedScale {
                 desired: 3,
-                ready: 2,
-                resource_version: Some("77".into())
+                ready: 2
             }
         );
         let pcsg = target(ScaleKind::PodCliqueScalingGroup, "d-0-pd");
@@ -435,8 +468,7 @@ mod tests {
             observed_scale(&pcsg, &obj).unwrap(),
             ObservedScale {
                 desired: 2,
-                ready: 1,
-                resource_version: Some("77".into())
+                ready: 1
             }
         );
         // No status yet (Grove has not reconciled): nothing ready.
