@@ -383,6 +383,28 @@ async fn bad_input_gets_the_right_status_and_error_object() {
             "invalid_request_error",
             Some("messages"),
         ),
+        // Options this server does not implement are refused, not ignored.
+        (
+            "json mode",
+            chat(json!({"response_format": {"type": "json_object"}})),
+            400,
+            "invalid_request_error",
+            Some("response_format"),
+        ),
+        (
+            "logprobs",
+            chat(json!({"logprobs": true, "top_logprobs": 3})),
+            400,
+            "invalid_request_error",
+            Some("logprobs"),
+        ),
+        (
+            "tools",
+            chat(json!({"tools": [{"type": "function", "function": {"name": "f"}}]})),
+            400,
+            "invalid_request_error",
+            Some("tools"),
+        ),
     ];
     for (name, body, status, kind, param) in cases {
         let r = http.post("/v1/chat/completions", &body).await;
@@ -391,6 +413,21 @@ async fn bad_input_gets_the_right_status_and_error_object() {
             assert_eq!(r.json["error"]["param"], p, "{name}: {}", r.json);
         }
     }
+    // The same options left at their defaults (as SDKs send them) serve.
+    let r = http
+        .post(
+            "/v1/chat/completions",
+            &chat(json!({
+                "logprobs": false,
+                "presence_penalty": 0,
+                "frequency_penalty": 0.0,
+                "response_format": {"type": "text"},
+                "tools": [],
+                "user": "someone",
+            })),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.json);
     let r = http
         .post("/v1/chat/completions", &chat(json!({"max_tokens": 8190})))
         .await;

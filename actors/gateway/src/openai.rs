@@ -3,7 +3,11 @@
 //! Parse, don't validate: handlers turn a body into a [`ChatRequest`] or
 //! [`CompletionRequest`], then into `ValidGenerate`s (one per prompt); only
 //! those reach routing. Unknown fields are ignored (as vLLM does) so clients
-//! that send extra OpenAI options keep working.
+//! that send extra OpenAI options keep working, but an OpenAI option this
+//! server does not implement and that would change what is generated
+//! (`logprobs`, `response_format`, `tools`, penalties, `logit_bias`, …: see
+//! [`UNSUPPORTED`]) is refused with a 400 naming it when set to anything
+//! but its default, never silently ignored.
 //!
 //! Every field has a range (a value outside it is a 400 naming the field):
 //!
@@ -52,6 +56,70 @@ pub const MAX_OVERLAP_WEIGHT: f64 = 1000.0;
 /// Largest `routing.temperature`.
 pub const MAX_ROUTING_TEMPERATURE: f64 = 100.0;
 
+/// OpenAI (and vLLM) options this server does not implement, each with
+/// what counts as leaving it at its default. Any other value is refused:
+/// ignoring it would hand back something other than what was asked for.
+pub const UNSUPPORTED: &[(&str, Inert)] = &[
+    ("logprobs", Inert::Empty),
+    ("top_logprobs", Inert::Empty),
+    ("logit_bias", Inert::Empty),
+    ("frequency_penalty", Inert::Empty),
+    ("presence_penalty", Inert::Empty),
+    ("repetition_penalty", Inert::One),
+    ("min_tokens", Inert::Empty),
+    ("best_of", Inert::One),
+    ("suffix", Inert::Empty),
+    ("response_format", Inert::Text),
+    ("functions", Inert::Empty),
+    ("function_call", Inert::NoneChoice),
+    ("tools", Inert::UnlessNoneChoice),
+    ("guided_json", Inert::Empty),
+    ("guided_regex", Inert::Empty),
+    ("guided_choice", Inert::Empty),
+    ("guided_grammar", Inert::Empty),
+];
+
+/// What leaving an unsupported option at its default looks like.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Inert {
+    /// Absent, `null`, `false`, `0`, `""`, `[]` or `{}`.
+    Empty,
+    /// Empty, or `1` (`best_of`, `repetition_penalty`).
+    One,
+    /// Empty, or `{"type": "text"}` (`response_format`).
+    Text,
+    /// Empty, or `"none"` (`function_call`).
+    NoneChoice,
+    /// Empty, or any value when `tool_choice` is `"none"` (the model is
+    /// told not to call tools, so leaving them out changes nothing asked
+    /// for).
+    UnlessNoneChoice,
+}
+
+fn empty(v: &Value) -> bool {
+    match v {
+        Value::Null => true,
+        Value::Bool(b) => !b,
+        Value::Number(n) => n.as_f64() == Some(0.0),
+        Value::String(s) => s.is_empty(),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+    }
+}
+
+/// Whether `v` leaves option `d` at its default (`tool_choice` from the
+/// same request).
+fn at_default(d: Inert, v: &Value, tool_choice: Option<&Value>) -> bool {
+    empty(v)
+        || match d {
+            Inert::Empty => false,
+            Inert::One => v.as_f64() == Some(1.0),
+            Inert::Text => v.get("type").and_then(Value::as_str) == Some("text"),
+            Inert::NoneChoice => v.as_str() == Some("none"),
+            Inert::UnlessNoneChoice => tool_choice.and_then(Value::as_str) == Some("none"),
+        }
+}
+
 /// Options shared by both endpoints.
 #[derive(Debug, Deserialize)]
 pub struct CommonParams {
@@ -78,6 +146,10 @@ pub struct CommonParams {
     /// Extension: most times this request may move to another worker after
     /// a failure (capped by the gateway's `max_migrations`; 0 = never).
     pub max_migrations: Option<u32>,
+    /// Every other field: [`UNSUPPORTED`] ones are checked, the rest are
+    /// ignored. Bounded by the body limit.
+    #[serde(flatten)]
+    pub other: serde_json::Map<String, Value>,
 }
 
 /// `"routing": {...}` in a request body: overrides the router's KV cost
@@ -198,6 +270,17 @@ impl CommonParams {
     /// The request-wide options, checked against their ranges and the
     /// gateway's limits.
     pub fn options(&self, cfg: &GatewayConfig) -> Result<ValidOptions, ApiError> {
+        let tool_choice = self.other.get("tool_choice");
+        for (name, d) in UNSUPPORTED {
+            if let Some(v) = self.other.get(*name) {
+                if !at_default(*d, v, tool_choice) {
+                    return Err(ApiError::invalid(
+                        Some((*name).into()),
+                        format!("`{name}` is not supported by this server; send the request without it (or at its default)."),
+                    ));
+                }
+            }
+        }
         if let Some(n) = self.n {
             if n != 1 {
                 return Err(ApiError::invalid(
@@ -554,11 +637,63 @@ mod tests {
             (r#"{"model":"m","timeout_ms":99999999999}"#, "timeout_ms"),
             (r#"{"model":"m","max_migrations":1000}"#, "max_migrations"),
             (r#"{"model":"m","n":2}"#, "n"),
+            (r#"{"model":"m","logprobs":true}"#, "logprobs"),
+            (r#"{"model":"m","logprobs":5}"#, "logprobs"),
+            (r#"{"model":"m","top_logprobs":2}"#, "top_logprobs"),
+            (
+                r#"{"model":"m","presence_penalty":0.5}"#,
+                "presence_penalty",
+            ),
+            (
+                r#"{"model":"m","frequency_penalty":-1}"#,
+                "frequency_penalty",
+            ),
+            (
+                r#"{"model":"m","repetition_penalty":1.1}"#,
+                "repetition_penalty",
+            ),
+            (r#"{"model":"m","logit_bias":{"50256":-100}}"#, "logit_bias"),
+            (r#"{"model":"m","best_of":3}"#, "best_of"),
+            (r#"{"model":"m","suffix":"end"}"#, "suffix"),
+            (r#"{"model":"m","min_tokens":4}"#, "min_tokens"),
+            (
+                r#"{"model":"m","response_format":{"type":"json_object"}}"#,
+                "response_format",
+            ),
+            (
+                r#"{"model":"m","tools":[{"type":"function","function":{"name":"f"}}]}"#,
+                "tools",
+            ),
+            (
+                r#"{"model":"m","tools":[{"type":"function"}],"tool_choice":"auto"}"#,
+                "tools",
+            ),
+            (r#"{"model":"m","functions":[{"name":"f"}]}"#, "functions"),
+            (r#"{"model":"m","function_call":"auto"}"#, "function_call"),
+            (
+                r#"{"model":"m","guided_json":{"type":"object"}}"#,
+                "guided_json",
+            ),
+            (
+                r#"{"model":"m","guided_choice":["a","b"]}"#,
+                "guided_choice",
+            ),
         ] {
             let p: CommonParams = serde_json::from_str(body).unwrap();
             let e = p.options(&cfg).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(field), "{body}");
             assert_eq!(e.status.as_u16(), 400);
+        }
+        // Unsupported options at their defaults, and unknown fields, pass.
+        for body in [
+            r#"{"model":"m","logprobs":false,"top_logprobs":0,"presence_penalty":0,"frequency_penalty":0.0}"#,
+            r#"{"model":"m","repetition_penalty":1,"best_of":1,"logit_bias":{},"suffix":"","min_tokens":0}"#,
+            r#"{"model":"m","response_format":{"type":"text"},"tools":[],"functions":[],"function_call":"none"}"#,
+            r#"{"model":"m","tools":[{"type":"function"}],"tool_choice":"none"}"#,
+            r#"{"model":"m","logprobs":null,"guided_json":null,"user":"u","metadata":{"a":"b"},"store":false}"#,
+        ] {
+            let p: CommonParams = serde_json::from_str(body).unwrap();
+            assert!(p.options(&cfg).is_ok(), "{body}");
         }
         let p: CommonParams = serde_json::from_str(
             r#"{"model":"m","max_migrations":50,"routing":{"overlap_weight":1000}}"#,
