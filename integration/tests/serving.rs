@@ -428,6 +428,26 @@ async fn bad_input_gets_the_right_status_and_error_object() {
         )
         .await;
     assert_eq!(r.status, 200, "{}", r.json);
+    // Completions: `logprobs` is a count there, and 0 still asks for some.
+    for (extra, status) in [
+        (json!({"logprobs": 0}), 400),
+        (json!({"logprobs": 2, "best_of": 1}), 400),
+        // A benchmark's recipe: every request runs to max_tokens anyway.
+        (
+            json!({"best_of": 1, "min_tokens": 4, "ignore_eos": true}),
+            200,
+        ),
+    ] {
+        let mut body = json!({"model": MODEL, "prompt": "hi", "max_tokens": 4});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = http.post("/v1/completions", &body).await;
+        assert_eq!(r.status, status, "{extra}: {}", r.json);
+        if status == 400 {
+            assert_eq!(r.json["error"]["param"], "logprobs", "{}", r.json);
+        }
+    }
     let r = http
         .post("/v1/chat/completions", &chat(json!({"max_tokens": 8190})))
         .await;

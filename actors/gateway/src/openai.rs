@@ -5,9 +5,9 @@
 //! those reach routing. Unknown fields are ignored (as vLLM does) so clients
 //! that send extra OpenAI options keep working, but an OpenAI option this
 //! server does not implement and that would change what is generated
-//! (`logprobs`, `response_format`, `tools`, penalties, `logit_bias`, …: see
-//! [`UNSUPPORTED`]) is refused with a 400 naming it when set to anything
-//! but its default, never silently ignored.
+//! (`logprobs`, `response_format`, `tools`, penalties, `logit_bias`,
+//! `chat_template_kwargs`, …: see [`UNSUPPORTED`]) is refused with a 400
+//! naming it when set to anything but its default, never silently ignored.
 //!
 //! Every field has a range (a value outside it is a 400 naming the field):
 //!
@@ -56,67 +56,92 @@ pub const MAX_OVERLAP_WEIGHT: f64 = 1000.0;
 /// Largest `routing.temperature`.
 pub const MAX_ROUTING_TEMPERATURE: f64 = 100.0;
 
-/// OpenAI (and vLLM) options this server does not implement, each with
-/// what counts as leaving it at its default. Any other value is refused:
-/// ignoring it would hand back something other than what was asked for.
-pub const UNSUPPORTED: &[(&str, Inert)] = &[
-    ("logprobs", Inert::Empty),
-    ("top_logprobs", Inert::Empty),
-    ("logit_bias", Inert::Empty),
-    ("frequency_penalty", Inert::Empty),
-    ("presence_penalty", Inert::Empty),
-    ("repetition_penalty", Inert::One),
-    ("min_tokens", Inert::Empty),
-    ("best_of", Inert::One),
-    ("suffix", Inert::Empty),
-    ("response_format", Inert::Text),
-    ("functions", Inert::Empty),
-    ("function_call", Inert::NoneChoice),
-    ("tools", Inert::UnlessNoneChoice),
-    ("guided_json", Inert::Empty),
-    ("guided_regex", Inert::Empty),
-    ("guided_choice", Inert::Empty),
-    ("guided_grammar", Inert::Empty),
+/// OpenAI (and vLLM) options this server does not implement. A value other
+/// than the option's default ([`at_default`]) is refused: ignoring it would
+/// hand back something other than what was asked for.
+pub const UNSUPPORTED: &[&str] = &[
+    // Sampling.
+    "logit_bias",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_p",
+    "typical_p",
+    "min_tokens",
+    "best_of",
+    "use_beam_search",
+    "length_penalty",
+    "stop_token_ids",
+    // What comes back.
+    "logprobs",
+    "top_logprobs",
+    "prompt_logprobs",
+    "echo",
+    "suffix",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    // Structured output and tools.
+    "response_format",
+    "tools",
+    "functions",
+    "function_call",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+    // The prompt.
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "truncate_prompt_tokens",
+    "reasoning_effort",
 ];
 
-/// What leaving an unsupported option at its default looks like.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Inert {
-    /// Absent, `null`, `false`, `0`, `""`, `[]` or `{}`.
-    Empty,
-    /// Empty, or `1` (`best_of`, `repetition_penalty`).
-    One,
-    /// Empty, or `{"type": "text"}` (`response_format`).
-    Text,
-    /// Empty, or `"none"` (`function_call`).
-    NoneChoice,
-    /// Empty, or any value when `tool_choice` is `"none"` (the model is
-    /// told not to call tools, so leaving them out changes nothing asked
-    /// for).
-    UnlessNoneChoice,
-}
-
-fn empty(v: &Value) -> bool {
-    match v {
-        Value::Null => true,
-        Value::Bool(b) => !b,
-        Value::Number(n) => n.as_f64() == Some(0.0),
-        Value::String(s) => s.is_empty(),
-        Value::Array(a) => a.is_empty(),
-        Value::Object(o) => o.is_empty(),
-    }
-}
-
-/// Whether `v` leaves option `d` at its default (`tool_choice` from the
-/// same request).
-fn at_default(d: Inert, v: &Value, tool_choice: Option<&Value>) -> bool {
-    empty(v)
-        || match d {
-            Inert::Empty => false,
-            Inert::One => v.as_f64() == Some(1.0),
-            Inert::Text => v.get("type").and_then(Value::as_str) == Some("text"),
-            Inert::NoneChoice => v.as_str() == Some("none"),
-            Inert::UnlessNoneChoice => tool_choice.and_then(Value::as_str) == Some("none"),
+/// Whether `v`, the value of the unsupported option `name` in `p`, leaves
+/// it at its default: `null` always; otherwise the value the option has
+/// when it is not sent (`false`, `0`, `1`, empty, `{"type": "text"}`, …).
+/// `min_tokens` also passes where it cannot change anything: with
+/// `ignore_eos`, no `stop` and at most `max_tokens` (the usual benchmark
+/// recipe).
+pub fn at_default(name: &str, v: &Value, p: &CommonParams) -> bool {
+    let num = |x: f64| v.as_f64() == Some(x);
+    let empty_array = || v.as_array().is_some_and(|a| a.is_empty());
+    let empty_object = || v.as_object().is_some_and(|o| o.is_empty());
+    v.is_null()
+        || match name {
+            "logprobs"
+            | "use_beam_search"
+            | "echo"
+            | "include_stop_str_in_output"
+            | "continue_final_message" => v == &Value::Bool(false),
+            "skip_special_tokens" | "add_generation_prompt" => v == &Value::Bool(true),
+            "frequency_penalty" | "presence_penalty" | "min_p" | "top_logprobs" => num(0.0),
+            "repetition_penalty" | "typical_p" | "best_of" | "length_penalty" => num(1.0),
+            "min_tokens" => {
+                let no_stop = p.stop.as_ref().is_none_or(|s| match s {
+                    Value::Null => true,
+                    Value::String(x) => x.is_empty(),
+                    Value::Array(a) => a.is_empty(),
+                    _ => false,
+                });
+                let max = p.max_completion_tokens.or(p.max_tokens);
+                num(0.0)
+                    || (p.ignore_eos
+                        && no_stop
+                        && v.as_i64()
+                            .is_some_and(|m| m >= 0 && max.is_none_or(|x| m <= x)))
+            }
+            "logit_bias" | "structured_outputs" | "chat_template_kwargs" => empty_object(),
+            "tools" | "functions" | "stop_token_ids" => empty_array(),
+            "suffix" | "chat_template" => v.as_str() == Some(""),
+            "function_call" => v.as_str() == Some("none"),
+            "response_format" => {
+                v.as_object().is_some_and(|o| o.len() == 1)
+                    && v.get("type").and_then(Value::as_str) == Some("text")
+            }
+            _ => false,
         }
 }
 
@@ -270,10 +295,9 @@ impl CommonParams {
     /// The request-wide options, checked against their ranges and the
     /// gateway's limits.
     pub fn options(&self, cfg: &GatewayConfig) -> Result<ValidOptions, ApiError> {
-        let tool_choice = self.other.get("tool_choice");
-        for (name, d) in UNSUPPORTED {
+        for name in UNSUPPORTED {
             if let Some(v) = self.other.get(*name) {
-                if !at_default(*d, v, tool_choice) {
+                if !at_default(name, v, self) {
                     return Err(ApiError::invalid(
                         Some((*name).into()),
                         format!("`{name}` is not supported by this server; send the request without it (or at its default)."),
@@ -638,12 +662,15 @@ mod tests {
             (r#"{"model":"m","max_migrations":1000}"#, "max_migrations"),
             (r#"{"model":"m","n":2}"#, "n"),
             (r#"{"model":"m","logprobs":true}"#, "logprobs"),
+            // Completions' `logprobs: 0` asks for the sampled tokens' own.
+            (r#"{"model":"m","logprobs":0}"#, "logprobs"),
             (r#"{"model":"m","logprobs":5}"#, "logprobs"),
             (r#"{"model":"m","top_logprobs":2}"#, "top_logprobs"),
             (
                 r#"{"model":"m","presence_penalty":0.5}"#,
                 "presence_penalty",
             ),
+            (r#"{"model":"m","presence_penalty":""}"#, "presence_penalty"),
             (
                 r#"{"model":"m","frequency_penalty":-1}"#,
                 "frequency_penalty",
@@ -652,10 +679,23 @@ mod tests {
                 r#"{"model":"m","repetition_penalty":1.1}"#,
                 "repetition_penalty",
             ),
+            (
+                r#"{"model":"m","repetition_penalty":0}"#,
+                "repetition_penalty",
+            ),
             (r#"{"model":"m","logit_bias":{"50256":-100}}"#, "logit_bias"),
             (r#"{"model":"m","best_of":3}"#, "best_of"),
+            (r#"{"model":"m","best_of":0}"#, "best_of"),
             (r#"{"model":"m","suffix":"end"}"#, "suffix"),
             (r#"{"model":"m","min_tokens":4}"#, "min_tokens"),
+            (
+                r#"{"model":"m","min_tokens":8,"max_tokens":4,"ignore_eos":true}"#,
+                "min_tokens",
+            ),
+            (
+                r#"{"model":"m","min_tokens":4,"ignore_eos":true,"stop":"x"}"#,
+                "min_tokens",
+            ),
             (
                 r#"{"model":"m","response_format":{"type":"json_object"}}"#,
                 "response_format",
@@ -665,7 +705,7 @@ mod tests {
                 "tools",
             ),
             (
-                r#"{"model":"m","tools":[{"type":"function"}],"tool_choice":"auto"}"#,
+                r#"{"model":"m","tools":[{"type":"function"}],"tool_choice":"none"}"#,
                 "tools",
             ),
             (r#"{"model":"m","functions":[{"name":"f"}]}"#, "functions"),
@@ -678,6 +718,21 @@ mod tests {
                 r#"{"model":"m","guided_choice":["a","b"]}"#,
                 "guided_choice",
             ),
+            (
+                r#"{"model":"m","structured_outputs":{"regex":"a+"}}"#,
+                "structured_outputs",
+            ),
+            (
+                r#"{"model":"m","chat_template_kwargs":{"enable_thinking":false}}"#,
+                "chat_template_kwargs",
+            ),
+            (r#"{"model":"m","min_p":0.1}"#, "min_p"),
+            (r#"{"model":"m","stop_token_ids":[2]}"#, "stop_token_ids"),
+            (
+                r#"{"model":"m","skip_special_tokens":false}"#,
+                "skip_special_tokens",
+            ),
+            (r#"{"model":"m","echo":true}"#, "echo"),
         ] {
             let p: CommonParams = serde_json::from_str(body).unwrap();
             let e = p.options(&cfg).unwrap_err();
@@ -689,12 +744,26 @@ mod tests {
             r#"{"model":"m","logprobs":false,"top_logprobs":0,"presence_penalty":0,"frequency_penalty":0.0}"#,
             r#"{"model":"m","repetition_penalty":1,"best_of":1,"logit_bias":{},"suffix":"","min_tokens":0}"#,
             r#"{"model":"m","response_format":{"type":"text"},"tools":[],"functions":[],"function_call":"none"}"#,
-            r#"{"model":"m","tools":[{"type":"function"}],"tool_choice":"none"}"#,
             r#"{"model":"m","logprobs":null,"guided_json":null,"user":"u","metadata":{"a":"b"},"store":false}"#,
+            r#"{"model":"m","tool_choice":"auto","skip_special_tokens":true,"add_generation_prompt":true,"typical_p":1}"#,
+            // genai-perf's recipe: every request runs to max_tokens anyway.
+            r#"{"model":"m","min_tokens":64,"max_tokens":64,"ignore_eos":true}"#,
         ] {
             let p: CommonParams = serde_json::from_str(body).unwrap();
             assert!(p.options(&cfg).is_ok(), "{body}");
         }
+        // The endpoints' own fields never reach the catch-all.
+        let c: ChatRequest = serde_json::from_str(
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"logprobs":true}"#,
+        )
+        .unwrap();
+        assert!(!c.common.other.contains_key("messages"));
+        assert!(c.common.other.contains_key("logprobs"));
+        let c: CompletionRequest =
+            serde_json::from_str(r#"{"model":"m","prompt":"hi","echo":true,"best_of":1}"#).unwrap();
+        assert!(c.echo);
+        assert!(!c.common.other.contains_key("prompt") && !c.common.other.contains_key("echo"));
+        assert!(c.common.options(&cfg).is_ok());
         let p: CommonParams = serde_json::from_str(
             r#"{"model":"m","max_migrations":50,"routing":{"overlap_weight":1000}}"#,
         )
