@@ -405,6 +405,19 @@ async fn bad_input_gets_the_right_status_and_error_object() {
             "invalid_request_error",
             Some("tools"),
         ),
+        (
+            "tool calls in the history",
+            json!({"model": MODEL, "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": null, "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ]},
+                {"role": "tool", "tool_call_id": "1", "content": "42"}
+            ]}),
+            400,
+            "invalid_request_error",
+            Some("messages.[1].tool_calls"),
+        ),
     ];
     for (name, body, status, kind, param) in cases {
         let r = http.post("/v1/chat/completions", &body).await;

@@ -200,6 +200,14 @@ pub struct InMessage {
     pub role: String,
     #[serde(default)]
     pub content: Option<Value>,
+    /// An assistant turn's tool calls: refused unless empty, since tools
+    /// are (see [`UNSUPPORTED`]) and dropping them would render another
+    /// conversation than the one sent.
+    #[serde(default)]
+    pub tool_calls: Option<Value>,
+    /// The legacy form of `tool_calls`, refused likewise.
+    #[serde(default)]
+    pub function_call: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -501,6 +509,22 @@ impl ChatRequest {
                     Some(format!("messages.[{i}].role")),
                     format!("Invalid role {:?}.", m.role),
                 ));
+            }
+            for (name, v) in [
+                ("tool_calls", &m.tool_calls),
+                ("function_call", &m.function_call),
+            ] {
+                let empty = match v {
+                    None | Some(Value::Null) => true,
+                    Some(Value::Array(a)) => a.is_empty(),
+                    Some(_) => false,
+                };
+                if !empty {
+                    return Err(ApiError::invalid(
+                        Some(format!("messages.[{i}].{name}")),
+                        format!("`{name}` in messages is not supported by this server (it does not implement tools)."),
+                    ));
+                }
             }
             let role = if m.role == "developer" {
                 "system".to_string()
