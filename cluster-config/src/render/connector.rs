@@ -347,6 +347,13 @@ mod tests {
             None,
         )
         .unwrap();
+        let body = patch_body(&req, "application/merge-patch+json");
+        assert_eq!(body, json!({"spec": {"replicas": 3}}));
+    }
+
+    /// Checks a patch of `d-0-prefill` in `serving` by the planner with
+    /// this content type; returns its body.
+    fn patch_body(req: &http::Request<Vec<u8>>, content_type: &str) -> Value {
         assert_eq!(req.method(), http::Method::PATCH);
         assert_eq!(
             req.uri().path(),
@@ -357,33 +364,15 @@ mod tests {
             .query()
             .unwrap_or("")
             .contains("fieldManager=dynamo-planner"));
-        assert_eq!(
-            req.headers()[http::header::CONTENT_TYPE],
-            "application/merge-patch+json"
-        );
-        let body: serde_json::Value = serde_json::from_slice(req.body()).unwrap();
-        assert_eq!(body, json!({"spec": {"replicas": 3}}));
+        assert_eq!(req.headers()[http::header::CONTENT_TYPE], content_type);
+        serde_json::from_slice(req.body()).unwrap()
     }
 
     #[test]
     fn a_patch_decided_on_a_reading_is_conditional_on_it() {
         let t = target(ScaleKind::PodClique, "d-0-prefill");
         let req = scale_request("serving", &t, 2, Some(3)).unwrap();
-        assert_eq!(req.method(), http::Method::PATCH);
-        assert_eq!(
-            req.uri().path(),
-            "/apis/grove.io/v1alpha1/namespaces/serving/podcliques/d-0-prefill"
-        );
-        assert!(req
-            .uri()
-            .query()
-            .unwrap_or("")
-            .contains("fieldManager=dynamo-planner"));
-        assert_eq!(
-            req.headers()[http::header::CONTENT_TYPE],
-            "application/json-patch+json"
-        );
-        let body: serde_json::Value = serde_json::from_slice(req.body()).unwrap();
+        let body = patch_body(&req, "application/json-patch+json");
         assert_eq!(
             body,
             json!([
