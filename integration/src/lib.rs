@@ -887,6 +887,8 @@ pub struct JoinSpec {
     pub slots: u32,
     /// `--roles` (e.g. `controller`), empty for none.
     pub roles: String,
+    /// Further `dynamo-node` arguments.
+    pub extra: Vec<String>,
 }
 
 impl JoinSpec {
@@ -896,7 +898,14 @@ impl JoinSpec {
             labels: labels.into(),
             slots,
             roles: roles.into(),
+            extra: Vec::new(),
         }
+    }
+
+    /// With further `dynamo-node` arguments.
+    pub fn with_args(mut self, args: &[&str]) -> Self {
+        self.extra.extend(args.iter().map(|a| a.to_string()));
+        self
     }
 }
 
@@ -938,6 +947,7 @@ impl JoinedCluster {
             if !s.roles.is_empty() {
                 args.extend(["--roles", s.roles.as_str()]);
             }
+            args.extend(s.extra.iter().map(String::as_str));
             nodes.insert(s.id.clone(), Node::join(&nats.url, &args));
             ports.insert(s.id.clone(), port);
             metrics_ports.insert(s.id.clone(), metrics_port);

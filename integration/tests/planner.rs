@@ -3,7 +3,8 @@
 //! step down drains and shrinks with no failed request; the slot budget
 //! holds and says so; an idle service goes to zero and the first request
 //! after it succeeds; a manual scale pins; a killed planner is replaced
-//! without a double decision.
+//! without a double decision; a planner for Kubernetes that cannot read the
+//! replicas back decides nothing and says why.
 //!
 //! The mocker runs slower than Dynamo's defaults (long prefills, a small
 //! KV cache) so that a few requests a second break the SLA on 2 cores.
@@ -412,4 +413,44 @@ async fn a_killed_planner_is_replaced_with_its_memory_and_no_decision_is_made_tw
     }
     let (_, failed) = load.finish().await;
     assert!(failed.is_empty(), "{:?}", &failed[..failed.len().min(5)]);
+}
+
+/// A planner told the deployment runs on Kubernetes
+/// (`--planner-k8s-namespace`) reads each target back from the API server
+/// every tick. This build has no Kubernetes client (no API server runs
+/// here), so every read fails: under load that would scale, it decides
+/// nothing, leaves the desired state alone and says why in its status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_kubernetes_a_planner_that_cannot_read_back_decides_nothing_and_says_why() {
+    let _one = SERIAL.lock().await;
+    let c = JoinedCluster::start(&[
+        JoinSpec::new("n1", "zone=z1,rack=r1,host=h1,edge=no", 0, "controller")
+            .with_args(&["--planner-k8s-namespace", "serving"]),
+        JoinSpec::new("n3", "zone=z1,rack=r1,host=h3,edge=yes", 8, ""),
+    ]);
+    let spec = format!(
+        "version: 1\nname: plan\nservices:\n{FRONTEND}  agg:\n    role: aggregated\n    resources: {{slots: 1}}\n    worker: {w}\nplanner:\n  ttft_ms: 500\n  itl_ms: 30\n  interval_ms: 1000\n  fast_interval_ms: 500\n  services: {{agg: {{min: 1, max: 4}}}}\n",
+        w = mocker(0)
+    );
+    let port = deploy(&c, &spec).await;
+    let load = Load::start(port, 8.0, 1000, 20);
+    let s = wait_planner(&c, "plan", Duration::from_secs(30), "the reason", |s| {
+        target(s, "agg")["reason"].as_str().is_some_and(|r| {
+            r.contains("not decided") && r.contains("Kubernetes namespace serving")
+        })
+    })
+    .await;
+    let reason = target(&s, "agg")["reason"].as_str().unwrap_or("");
+    assert!(reason.contains("k8s-client"), "{reason}");
+    // Under the load that scales `agg` elsewhere in this file, for a while.
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(8) {
+        let s = planner_status(&c.nats.url, "plan");
+        assert!(decisions(&s).is_empty(), "a decision without a read: {s}");
+        let d = describe_deployment(&c.nats.url, "plan");
+        assert_eq!(service(&d, "agg")["desired"], 1, "{d}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let (ok, failed) = load.finish().await;
+    assert!(ok > 0 && failed.is_empty(), "{ok} ok, {failed:?}");
 }

@@ -234,6 +234,16 @@ struct Buckets {
     workers: Option<kv::Store>,
 }
 
+/// What a tick's Kubernetes read-back came to.
+enum K8sRead {
+    /// Read (or not on Kubernetes): decide.
+    Read,
+    /// The read failed: decide nothing, and say why.
+    Failed(String),
+    /// The lease was lost on the way: write nothing.
+    Deposed,
+}
+
 pub struct Planner {
     bus: Bus,
     cfg: PlannerConfig,
@@ -498,8 +508,25 @@ impl Planner {
                 let regs: std::collections::BTreeMap<String, WorkerRegistration> =
                     read_all(&workers).await?;
                 let regs: Vec<WorkerRegistration> = regs.into_values().collect();
-                if !self.kubernetes(&spec, &mut ts, &regs, &pins).await? {
-                    return Ok(());
+                match self.kubernetes(&spec, &mut ts, &regs, &pins).await? {
+                    K8sRead::Read => {}
+                    K8sRead::Deposed => return Ok(()),
+                    K8sRead::Failed(why) => {
+                        // Decides nothing, and says why in its status.
+                        let notes: Vec<dynamo_planner::Note> = ts
+                            .iter()
+                            .map(|t| dynamo_planner::Note {
+                                target: t.name.clone(),
+                                desired: t.desired,
+                                ready: t.ready,
+                                recommended: t.desired,
+                                pinned: t.pinned,
+                                reason: format!("not decided: {why}"),
+                                numbers: Default::default(),
+                            })
+                            .collect();
+                        return self.report(&pspec.policy, &notes, now).await;
+                    }
                 }
                 pod_placements(&spec, &regs)
             }
@@ -580,19 +607,18 @@ impl Planner {
     /// On Kubernetes: reads each target's replicas back into `ts` (ready
     /// only as far as its workers serve), and makes a manual `dynamoctl
     /// scale` (a pin, written to the desired state, which nothing else
-    /// applies there) take effect on the Grove object. False when the read
-    /// failed or the lease was lost (logged): the tick then decides
-    /// nothing.
+    /// applies there) take effect on the Grove object. When the read
+    /// failed (logged) or the lease was lost, the tick decides nothing.
     async fn kubernetes(
         &mut self,
         spec: &DeploymentSpec,
         ts: &mut [dynamo_planner::Target],
         regs: &[WorkerRegistration],
         pins: &[PlannerPin],
-    ) -> Result<bool, String> {
+    ) -> Result<K8sRead, String> {
         let dep = self.deployment.clone();
         let Some(k) = self.k8s.as_mut() else {
-            return Ok(true);
+            return Ok(K8sRead::Read);
         };
         // The planner's targets, and any other service a pin scales.
         let names: Vec<String> = ts
@@ -606,7 +632,10 @@ impl Planner {
             Ok(o) => o,
             Err(e) => {
                 tracing::warn!(deployment = %dep, namespace = %k.namespace(), error = %e, "planner: cannot read the replicas back from Kubernetes; deciding nothing this tick");
-                return Ok(false);
+                return Ok(K8sRead::Failed(format!(
+                    "cannot read the replicas back from Kubernetes namespace {}: {e}",
+                    k.namespace()
+                )));
             }
         };
         with_observed(
@@ -633,10 +662,10 @@ impl Planner {
             }
             // Fenced like every write: only with the lease renewed.
             if !self.hold().await? || self.state.is_none() {
-                return Ok(false);
+                return Ok(K8sRead::Deposed);
             }
             let Some(k) = self.k8s.as_mut() else {
-                return Ok(false);
+                return Ok(K8sRead::Deposed);
             };
             match k.scale(spec, &p.target, p.replicas).await {
                 Ok(()) => {
@@ -654,7 +683,7 @@ impl Planner {
                 }
             }
         }
-        Ok(true)
+        Ok(K8sRead::Read)
     }
 
     /// Continues from the last holder's status (its memory and decisions),
