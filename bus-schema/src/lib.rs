@@ -27,6 +27,8 @@ pub mod kv_snapshot;
 pub mod messages;
 pub mod planner;
 pub mod subjects;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod weights;
 
 pub use cluster::*;

@@ -325,37 +325,7 @@ planner:
     }
 
     fn reg(id: u64, pod: &str, role: WorkerRole, state: WorkerState) -> WorkerRegistration {
-        use dynamo_bus_schema::{ArtifactRef, LoadMetrics, ModelCard, ModelName};
-        WorkerRegistration {
-            worker_id: WorkerId(id),
-            generation: 1,
-            node_id: NodeId(pod.into()),
-            pid: 1,
-            role,
-            state,
-            engine: "mocker".into(),
-            model: ModelCard {
-                name: ModelName("m".into()),
-                context_length: 100,
-                block_size: 16,
-                chat_template: String::new(),
-                bos_token: None,
-                eos_token: None,
-                eos_token_ids: vec![],
-                vocab_size: 10,
-                tokenizer: ArtifactRef {
-                    name: "t".into(),
-                    len: 0,
-                    sha256: String::new(),
-                },
-                source: String::new(),
-                hash_salt: 0,
-            },
-            started_unix_ms: 0,
-            heartbeat_unix_ms: 1_000_000,
-            load: LoadMetrics::default(),
-            kv_events: true,
-        }
+        dynamo_bus_schema::testing::registration(id, pod, "m", role, state, 1_000_000)
     }
 
     #[test]

@@ -37,36 +37,16 @@ fn route(
 }
 
 fn reg(id: u64, gen: u64, model: &str) -> WorkerRegistration {
-    WorkerRegistration {
-        worker_id: WorkerId(id),
-        generation: gen,
-        node_id: NodeId("n".into()),
-        pid: 1,
-        role: WorkerRole::Aggregated,
-        state: WorkerState::Serving,
-        engine: "mocker".into(),
-        model: ModelCard {
-            name: ModelName(model.into()),
-            context_length: 100,
-            block_size: 16,
-            chat_template: String::new(),
-            bos_token: None,
-            eos_token: None,
-            eos_token_ids: vec![],
-            vocab_size: 10,
-            tokenizer: ArtifactRef {
-                name: "t".into(),
-                len: 0,
-                sha256: String::new(),
-            },
-            source: String::new(),
-            hash_salt: 0,
-        },
-        started_unix_ms: 0,
-        heartbeat_unix_ms: unix_ms(),
-        load: LoadMetrics::default(),
-        kv_events: true,
-    }
+    let mut r = dynamo_bus_schema::testing::registration(
+        id,
+        "n",
+        model,
+        WorkerRole::Aggregated,
+        WorkerState::Serving,
+        unix_ms(),
+    );
+    r.generation = gen;
+    r
 }
 
 /// A router that prefills remotely from 64 uncached tokens.
