@@ -1,6 +1,7 @@
 //! `dynamo-gateway`: the OpenAI-compatible HTTP edge.
 //!
-//! Request path: parse the body ([`openai`]) → model preprocessor (chat
+//! Request path: parse the body ([`openai`], refusing options this server
+//! does not implement, [`unsupported`]) → model preprocessor (chat
 //! template + tokenizer, [`models`]) → admission ([`admission`]) →
 //! validate into `ValidGenerate` ([`preprocess`] for large bodies) → route
 //! and send ([`dispatch`]) → stream frames back ([`generate`], [`inbox`])
@@ -29,6 +30,7 @@ pub mod respond;
 pub mod router_metrics;
 pub mod shared;
 pub mod tls;
+pub mod unsupported;
 
 pub use actor::{GatewayActor, GatewayArgs, GatewayMsg};
 pub use config::GatewayConfig;

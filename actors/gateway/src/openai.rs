@@ -6,8 +6,9 @@
 //! that send extra OpenAI options keep working, but an OpenAI option this
 //! server does not implement and that would change what is generated
 //! (`logprobs`, `response_format`, `tools`, penalties, `logit_bias`,
-//! `chat_template_kwargs`, …: see [`UNSUPPORTED`]) is refused with a 400
-//! naming it when set to anything but its default, never silently ignored.
+//! `chat_template_kwargs`, …: see [`crate::unsupported`]) is refused with
+//! a 400 naming it when set to anything but its default, never silently
+//! ignored.
 //!
 //! Every field has a range (a value outside it is a 400 naming the field):
 //!
@@ -56,95 +57,6 @@ pub const MAX_OVERLAP_WEIGHT: f64 = 1000.0;
 /// Largest `routing.temperature`.
 pub const MAX_ROUTING_TEMPERATURE: f64 = 100.0;
 
-/// OpenAI (and vLLM) options this server does not implement. A value other
-/// than the option's default ([`at_default`]) is refused: ignoring it would
-/// hand back something other than what was asked for.
-pub const UNSUPPORTED: &[&str] = &[
-    // Sampling.
-    "logit_bias",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "min_p",
-    "typical_p",
-    "min_tokens",
-    "best_of",
-    "use_beam_search",
-    "length_penalty",
-    "stop_token_ids",
-    // What comes back.
-    "logprobs",
-    "top_logprobs",
-    "prompt_logprobs",
-    "echo",
-    "suffix",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    // Structured output and tools.
-    "response_format",
-    "tools",
-    "functions",
-    "function_call",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "structured_outputs",
-    // The prompt.
-    "chat_template",
-    "chat_template_kwargs",
-    "add_generation_prompt",
-    "continue_final_message",
-    "truncate_prompt_tokens",
-    "reasoning_effort",
-];
-
-/// Whether `v`, the value of the unsupported option `name` in `p`, leaves
-/// it at its default: `null` always; otherwise the value the option has
-/// when it is not sent (`false`, `0`, `1`, empty, `{"type": "text"}`, …).
-/// `min_tokens` also passes where it cannot change anything: with
-/// `ignore_eos`, no `stop` and at most `max_tokens` (the usual benchmark
-/// recipe).
-pub fn at_default(name: &str, v: &Value, p: &CommonParams) -> bool {
-    let num = |x: f64| v.as_f64() == Some(x);
-    let empty_array = || v.as_array().is_some_and(|a| a.is_empty());
-    let empty_object = || v.as_object().is_some_and(|o| o.is_empty());
-    v.is_null()
-        || match name {
-            "logprobs"
-            | "use_beam_search"
-            | "echo"
-            | "include_stop_str_in_output"
-            | "continue_final_message" => v == &Value::Bool(false),
-            "skip_special_tokens" | "add_generation_prompt" => v == &Value::Bool(true),
-            "frequency_penalty" | "presence_penalty" | "min_p" | "top_logprobs" => num(0.0),
-            "repetition_penalty" | "typical_p" | "best_of" | "length_penalty" => num(1.0),
-            "min_tokens" => {
-                let no_stop = p.stop.as_ref().is_none_or(|s| match s {
-                    Value::Null => true,
-                    Value::String(x) => x.is_empty(),
-                    Value::Array(a) => a.is_empty(),
-                    _ => false,
-                });
-                let max = p.max_completion_tokens.or(p.max_tokens);
-                num(0.0)
-                    || (p.ignore_eos
-                        && no_stop
-                        && v.as_i64()
-                            .is_some_and(|m| m >= 0 && max.is_none_or(|x| m <= x)))
-            }
-            "logit_bias" | "structured_outputs" | "chat_template_kwargs" => empty_object(),
-            "tools" | "functions" | "stop_token_ids" => empty_array(),
-            "suffix" | "chat_template" => v.as_str() == Some(""),
-            "function_call" => v.as_str() == Some("none"),
-            "response_format" => {
-                v.as_object().is_some_and(|o| o.len() == 1)
-                    && v.get("type").and_then(Value::as_str) == Some("text")
-            }
-            _ => false,
-        }
-}
-
 /// Options shared by both endpoints.
 #[derive(Debug, Deserialize)]
 pub struct CommonParams {
@@ -171,7 +83,7 @@ pub struct CommonParams {
     /// Extension: most times this request may move to another worker after
     /// a failure (capped by the gateway's `max_migrations`; 0 = never).
     pub max_migrations: Option<u32>,
-    /// Every other field: [`UNSUPPORTED`] ones are checked, the rest are
+    /// Every other field: [`crate::unsupported::UNSUPPORTED`] ones are checked, the rest are
     /// ignored. Bounded by the body limit.
     #[serde(flatten)]
     pub other: serde_json::Map<String, Value>,
@@ -201,7 +113,7 @@ pub struct InMessage {
     #[serde(default)]
     pub content: Option<Value>,
     /// An assistant turn's tool calls: refused unless empty, since tools
-    /// are (see [`UNSUPPORTED`]) and dropping them would render another
+    /// are (see [`crate::unsupported::UNSUPPORTED`]) and dropping them would render another
     /// conversation than the one sent.
     #[serde(default)]
     pub tool_calls: Option<Value>,
@@ -303,16 +215,7 @@ impl CommonParams {
     /// The request-wide options, checked against their ranges and the
     /// gateway's limits.
     pub fn options(&self, cfg: &GatewayConfig) -> Result<ValidOptions, ApiError> {
-        for name in UNSUPPORTED {
-            if let Some(v) = self.other.get(*name) {
-                if !at_default(name, v, self) {
-                    return Err(ApiError::invalid(
-                        Some((*name).into()),
-                        format!("`{name}` is not supported by this server; send the request without it (or at its default)."),
-                    ));
-                }
-            }
-        }
+        crate::unsupported::check(self)?;
         if let Some(n) = self.n {
             if n != 1 {
                 return Err(ApiError::invalid(
