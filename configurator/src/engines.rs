@@ -5,8 +5,9 @@
 //! documented defaults), its kernel count per layer, and the constants
 //! fitted to published figures of that engine: the fixed cost of a step,
 //! the synchronisation cost of each collective beyond NCCL's own time, how
-//! its GEMM and attention kernels compare with the calibration tables, and
-//! the serving overhead an online request pays before its first token.
+//! its GEMM and attention kernels compare with the calibration tables, the
+//! rate of its decode attention's arithmetic, and the serving overhead an
+//! online request pays before its first token.
 //!
 //! Invariants: every profile names the figures it was fitted on
 //! (`fitted_on`, point ids of `data/published.toml`), and the validation
@@ -63,6 +64,16 @@ pub struct EngineProfile {
     pub moe_scale: f64,
     /// The engine's attention time over the calibrated attention. Fitted.
     pub attention_scale: f64,
+    /// Time of the engine's decode attention dot products (four FLOPs per
+    /// query head, head dimension and token of context) over their time at
+    /// the GPU's FP32 (CUDA-core) peak: 1 at the peak, 2 at half of it.
+    /// The kernel takes the longer of that and its KV read. A GQA group
+    /// sharing one KV read multiplies the arithmetic per byte, so large
+    /// groups over short contexts become arithmetic-bound. 0: never the
+    /// bound (tensor-core kernels). Not applied to MLA, whose decode
+    /// kernels run on tensor cores. Fitted.
+    #[serde(default)]
+    pub decode_attention_fp32: f64,
     /// What an online request pays before its first step: HTTP,
     /// tokenization, scheduling, ms. Fitted on online figures.
     pub serving_ms: f64,
@@ -137,6 +148,7 @@ pub fn parse(text: &str, calib: &Calibration) -> Result<Vec<EngineProfile>, Engi
             ("gemm_scale", p.gemm_scale, 0.1, 10.0),
             ("moe_scale", p.moe_scale, 0.1, 10.0),
             ("attention_scale", p.attention_scale, 0.1, 10.0),
+            ("decode_attention_fp32", p.decode_attention_fp32, 0.0, 100.0),
             ("serving_ms", p.serving_ms, 0.0, 1e4),
             ("memory.fraction", p.memory.fraction, 0.01, 1.0),
             ("memory.runtime_gib", p.memory.runtime_gib, 0.0, 1e3),

@@ -1,8 +1,9 @@
 //! Fitting an engine profile's constants to its fitting-set figures.
 //!
 //! The fitted constants are the fixed cost of a step, the synchronisation
-//! cost of a collective, the GEMM and attention time scales, and the
-//! serving overhead of an online request. The loss is the mean squared
+//! cost of a collective, the GEMM and attention time scales, the rate of
+//! decode attention's arithmetic, and the serving overhead of an online
+//! request. The loss is the mean squared
 //! log error over the profile's `set = "fit"` points plus a prior that
 //! keeps each constant near its unfitted value (scales near 1, costs near
 //! a typical size) unless the figures pull it away; and no more constants
@@ -38,7 +39,7 @@ type Put = fn(&mut EngineProfile, f64);
 
 /// The fitted constants: name, getter, setter, range, and the prior's
 /// centre and width (a scale's width in log units, a cost's in its unit).
-const PARAMS: [(&str, Get, Put, f64, f64, f64, f64); 8] = [
+const PARAMS: [(&str, Get, Put, f64, f64, f64, f64); 9] = [
     ("skew", |p| p.skew, |p, v| p.skew = v, 0.0, 0.5, 0.0, 0.05),
     (
         "step_us",
@@ -95,6 +96,15 @@ const PARAMS: [(&str, Get, Put, f64, f64, f64, f64); 8] = [
         0.3,
     ),
     (
+        "decode_attention_fp32",
+        |p| p.decode_attention_fp32,
+        |p, v| p.decode_attention_fp32 = v,
+        0.0,
+        10.0,
+        0.0,
+        5.0,
+    ),
+    (
         "serving_ms",
         |p| p.serving_ms,
         |p, v| p.serving_ms = v,
@@ -106,12 +116,13 @@ const PARAMS: [(&str, Get, Put, f64, f64, f64, f64); 8] = [
 ];
 
 /// The constants in the order they are freed as figures allow.
-const ORDER: [&str; 8] = [
+const ORDER: [&str; 9] = [
     "serving_ms",
     "gemm_scale",
     "moe_scale",
     "step_us",
     "attention_scale",
+    "decode_attention_fp32",
     "seq_us",
     "sync_us",
     "skew",
@@ -259,8 +270,8 @@ pub fn toml_lines(f: &Fitted) -> String {
         .collect::<Vec<_>>()
         .join(", ");
     format!(
-        "skew = {:.3}\nsync_us = {:.1}\nstep_us = {:.0}\nseq_us = {:.2}\ngemm_scale = {:.3}\nmoe_scale = {:.3}\nattention_scale = {:.3}\nserving_ms = {:.1}\nfitted_on = [{ids}]",
-        p.skew, p.sync_us, p.step_us, p.seq_us, p.gemm_scale, p.moe_scale, p.attention_scale, p.serving_ms
+        "skew = {:.3}\nsync_us = {:.1}\nstep_us = {:.0}\nseq_us = {:.2}\ngemm_scale = {:.3}\nmoe_scale = {:.3}\nattention_scale = {:.3}\ndecode_attention_fp32 = {:.3}\nserving_ms = {:.1}\nfitted_on = [{ids}]",
+        p.skew, p.sync_us, p.step_us, p.seq_us, p.gemm_scale, p.moe_scale, p.attention_scale, p.decode_attention_fp32, p.serving_ms
     )
 }
 

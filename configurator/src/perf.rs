@@ -182,7 +182,18 @@ impl StepModel<'_> {
                 q_heads / kv_heads
             };
             let bytes = s.decode * share * s.decode_ctx * kv_elems * d.kv.bytes() * group;
-            attention += self.calib.decode_attention_us(self.gpu, bytes);
+            let read = self.calib.decode_attention_us(self.gpu, bytes);
+            // The dot products, where the engine's kernel runs them on
+            // CUDA cores (QKᵀ and PV: 4 FLOPs per query head, head
+            // dimension and context token).
+            let arithmetic = if m.mla.is_none() {
+                s.decode * share * s.decode_ctx * q_heads * hd * 4.0 / (self.gpu.fp32_tflops * 1e12)
+                    * 1e6
+                    * self.profile.decode_attention_fp32
+            } else {
+                0.0
+            };
+            attention += read.max(arithmetic);
         }
         if s.prefill > 0.0 {
             // Prompts may be fractional (an average step of a long run).

@@ -13,6 +13,10 @@ pub struct Gpu {
     pub bf16_tflops: f64,
     /// Dense FP8 tensor throughput, TFLOP/s.
     pub fp8_tflops: f64,
+    /// Non-tensor (CUDA-core) FP32 throughput, TFLOP/s: the rate of
+    /// kernels that do their arithmetic outside the tensor cores, as some
+    /// engines' decode attention does.
+    pub fp32_tflops: f64,
     /// HBM capacity, GiB (2^30 bytes): the memory the driver reports
     /// (`nvidia-smi --query-gpu=memory.total`), not the marketing size.
     pub hbm_gib: f64,
@@ -259,6 +263,7 @@ impl Catalog {
             let sizes = [
                 gpu.bf16_tflops,
                 gpu.fp8_tflops,
+                gpu.fp32_tflops,
                 gpu.hbm_gib,
                 gpu.hbm_tbps,
                 gpu.link_gbps,
