@@ -3,10 +3,13 @@
 //! The fitted constants are the fixed cost of a step, the synchronisation
 //! cost of a collective, the GEMM and attention time scales, the rate of
 //! decode attention's arithmetic, and the serving overhead of an online
-//! request. The loss is the mean squared
-//! log error over the profile's `set = "fit"` points plus a prior that
-//! keeps each constant near its unfitted value (scales near 1, costs near
-//! a typical size) unless the figures pull it away; and no more constants
+//! request. The objective is the mean squared log error over the
+//! profile's `set = "fit"` points plus a prior that keeps each constant
+//! near its unfitted value (scales near 1, costs near a typical size)
+//! unless the figures pull it away. The prior weighs as one figure's
+//! error of 10% per unit of its width: divided by the number of figures,
+//! so that more figures pull harder, as in a maximum a posteriori fit
+//! with a fixed noise per figure. And no more constants
 //! are freed than the figures can pin (one fewer than the figures, in a
 //! fixed order), the rest keeping their unfitted values. With a handful of
 //! figures and eight constants, an unpenalised fit would match them
@@ -128,7 +131,8 @@ const ORDER: [&str; 9] = [
     "skew",
 ];
 
-/// Weight of the prior against the mean squared log error.
+/// Weight of the prior against the summed squared log error: (10%)², the
+/// noise assumed of one published figure.
 const PRIOR: f64 = 0.01;
 
 fn prior(p: &EngineProfile) -> f64 {
@@ -174,7 +178,8 @@ fn objective(
     points: &[Point],
 ) -> Result<f64, ValidateError> {
     let l = loss(c, cal, p, points)?;
-    Ok(l * l + prior(p))
+    // Σe²/n + prior/n: the prior against the summed error, scaled by n.
+    Ok(l * l + prior(p) / points.len() as f64)
 }
 
 /// Fits `profile` to its fitting set; None when it has no fit points.
