@@ -7,9 +7,12 @@
 //! (bandwidth bound). The table's smallest time is NCCL's latency floor
 //! (about 25–30 µs with NVLink SHARP); engines run small all-reduces with
 //! their own one-shot kernels instead, so a query is the engine's latency
-//! plus the table's time above its floor. A GPU and rank count without a
-//! table falls back to a ring: the latency plus 2(n−1)/n of the bytes over
-//! the link.
+//! plus the table's time above its floor. A rank count without a table
+//! takes the same GPU's table at the nearest rank count through its bus
+//! bandwidth, which `nccl-tests` defines to be independent of the rank
+//! count: a time scaled by 2(n−1)/n over the table's 2(m−1)/m. A GPU
+//! without any table falls back to a ring: the latency plus 2(n−1)/n of
+//! the bytes over the link.
 //!
 //! Invariants: every table has at least two sizes, strictly increasing,
 //! with positive times; each names its source.
@@ -72,14 +75,18 @@ impl Nccl {
         if ranks <= 1 || bytes <= 0.0 {
             return 0.0;
         }
+        // The share of the message each rank sends in an all-reduce of
+        // `r` ranks: nccl-tests' bus-bandwidth factor.
+        let factor = |r: u32| 2.0 * (r as f64 - 1.0) / r as f64;
         let table = self
             .tables
             .iter()
-            .find(|t| t.ranks == ranks && t.gpu.eq_ignore_ascii_case(&gpu.name));
+            .filter(|t| t.gpu.eq_ignore_ascii_case(&gpu.name))
+            .min_by_key(|t| (t.ranks.abs_diff(ranks), t.ranks));
         let Some(t) = table else {
-            let n = ranks as f64;
-            return latency_us + 2.0 * (n - 1.0) / n * bytes / (gpu.link_gbps * 1e9) * 1e6;
+            return latency_us + factor(ranks) * bytes / (gpu.link_gbps * 1e9) * 1e6;
         };
+        let scale = factor(ranks) / factor(t.ranks);
         let p = &t.points;
         let (first, last) = (p[0], p[p.len() - 1]);
         let measured = if bytes <= first.0 {
@@ -92,7 +99,7 @@ impl Nccl {
             let f = (bytes.ln() - a.0.ln()) / (b.0.ln() - a.0.ln());
             (a.1.ln() + f * (b.1.ln() - a.1.ln())).exp()
         };
-        latency_us + (measured - first.1).max(0.0)
+        latency_us + (measured - first.1).max(0.0) * scale
     }
 }
 
@@ -118,8 +125,14 @@ mod tests {
             n.allreduce_us(h100, 8, 2.0 * 1073741824.0, 8.0),
             8.0 + 8000.0 - 20.0
         );
-        // No table for 4 ranks: latency plus 2·3/4 of 1 MB over 450 GB/s.
-        let ring = n.allreduce_us(h100, 4, 1e6, 8.0);
+        // No table for 4 ranks: the 8-rank table at the same bus
+        // bandwidth, its time above the floor scaled by (2·3/4)/(2·7/8).
+        let four = n.allreduce_us(h100, 4, 1048576.0, 8.0);
+        assert!((four - (8.0 + 20.0 * 6.0 / 7.0)).abs() < 1e-9, "{four}");
+        // No table for the GPU at all: a ring, latency plus 2·3/4 of 1 MB
+        // over the link.
+        let h200 = c.gpu("H200").unwrap();
+        let ring = n.allreduce_us(h200, 4, 1e6, 8.0);
         assert!((ring - (8.0 + 1.5e6 / 450e9 * 1e6)).abs() < 1e-9, "{ring}");
         assert_eq!(n.allreduce_us(h100, 1, 1e6, 8.0), 0.0);
         assert!(Nccl::parse(

@@ -528,12 +528,12 @@ mod tests {
         let online = |x: &&Checked| matches!(x.point.kind, Kind::Online | Kind::Burst);
         assert!(v.iter().any(online) && !v.iter().all(online));
         // The errors the README states (`--example validate`): median
-        // within 10% (the target, met; 8.5%); 69% of figures within 15%,
-        // held here at 65% (the target of 80% is not met; see the
-        // README's "Where it misses").
+        // within 10% (the target, met; 8.2%); 76% of figures within
+        // 15%, held here at 75% (the target of 80% is not met; see
+        // the README's "Where it misses").
         let (median, within) = summary(&v);
         assert!(median <= 0.10, "{median}\n{}", markdown(&v));
-        assert!(within >= 0.65, "{within}\n{}", markdown(&v));
+        assert!(within >= 0.75, "{within}\n{}", markdown(&v));
     }
 
     #[test]
@@ -562,9 +562,10 @@ mod tests {
         let checked = check_points(points, &c, &cal, &profiles).unwrap();
         let rows: Vec<&Checked> = checked.iter().collect();
         let (median, within) = summary(&rows);
-        // Now 5.8% and 91%; before the decode-attention arithmetic bound
-        // and the prior weighed against the summed error, 8.0% and 79%.
-        assert!(median <= 0.065 && within >= 0.88, "{median} {within}");
+        // Now 5.2% and 93%; before the decode-attention arithmetic bound,
+        // the measured bus bandwidth at TP 2 and 4, and the prior weighed
+        // against the summed error, 8.0% and 79%.
+        assert!(median <= 0.06 && within >= 0.90, "{median} {within}");
     }
 
     #[test]
