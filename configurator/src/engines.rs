@@ -58,6 +58,12 @@ pub struct EngineProfile {
     pub skew: f64,
     /// The engine's GEMM time over the calibrated GEMM time. Fitted.
     pub gemm_scale: f64,
+    /// Where a GEMM is bandwidth-bound (decode-sized batches streaming the
+    /// weights), its time scales by this ratio on top of `gemm_scale`;
+    /// between the bounds, by a blend of how close the GEMM is to each.
+    /// 1: both regimes alike. Fitted.
+    #[serde(default = "unit")]
+    pub gemm_bw_ratio: f64,
     /// The engine's grouped expert GEMMs over dense GEMMs of the same
     /// work (uneven tokens per expert, routing and permutation). Fitted.
     #[serde(default = "unit")]
@@ -146,6 +152,7 @@ pub fn parse(text: &str, calib: &Calibration) -> Result<Vec<EngineProfile>, Engi
             ("seq_us", p.seq_us, 0.0, 1e3),
             ("skew", p.skew, 0.0, 1.0),
             ("gemm_scale", p.gemm_scale, 0.1, 10.0),
+            ("gemm_bw_ratio", p.gemm_bw_ratio, 0.1, 10.0),
             ("moe_scale", p.moe_scale, 0.1, 10.0),
             ("attention_scale", p.attention_scale, 0.1, 10.0),
             ("decode_attention_fp32", p.decode_attention_fp32, 0.0, 100.0),

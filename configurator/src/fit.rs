@@ -43,7 +43,7 @@ type Put = fn(&mut EngineProfile, f64);
 
 /// The fitted constants: name, getter, setter, range, and the prior's
 /// centre and width (a scale's width in log units, a cost's in its unit).
-const PARAMS: [(&str, Get, Put, f64, f64, f64, f64); 9] = [
+const PARAMS: [(&str, Get, Put, f64, f64, f64, f64); 10] = [
     ("skew", |p| p.skew, |p, v| p.skew = v, 0.0, 0.5, 0.0, 0.05),
     (
         "step_us",
@@ -76,6 +76,15 @@ const PARAMS: [(&str, Get, Put, f64, f64, f64, f64); 9] = [
         "gemm_scale",
         |p| p.gemm_scale,
         |p, v| p.gemm_scale = v,
+        0.5,
+        2.0,
+        1.0,
+        0.2,
+    ),
+    (
+        "gemm_bw_ratio",
+        |p| p.gemm_bw_ratio,
+        |p, v| p.gemm_bw_ratio = v,
         0.5,
         2.0,
         1.0,
@@ -120,7 +129,7 @@ const PARAMS: [(&str, Get, Put, f64, f64, f64, f64); 9] = [
 ];
 
 /// The constants in the order they are freed as figures allow.
-const ORDER: [&str; 9] = [
+const ORDER: [&str; 10] = [
     "serving_ms",
     "gemm_scale",
     "moe_scale",
@@ -130,6 +139,7 @@ const ORDER: [&str; 9] = [
     "seq_us",
     "sync_us",
     "skew",
+    "gemm_bw_ratio",
 ];
 
 /// Weight of the prior against the summed squared log error: (10%)², the
@@ -312,8 +322,8 @@ pub fn toml_lines(f: &Fitted) -> String {
         .collect::<Vec<_>>()
         .join(", ");
     format!(
-        "skew = {:.3}\nsync_us = {:.1}\nstep_us = {:.0}\nseq_us = {:.2}\ngemm_scale = {:.3}\nmoe_scale = {:.3}\nattention_scale = {:.3}\ndecode_attention_fp32 = {:.3}\nserving_ms = {:.1}\nfitted_on = [{ids}]",
-        p.skew, p.sync_us, p.step_us, p.seq_us, p.gemm_scale, p.moe_scale, p.attention_scale, p.decode_attention_fp32, p.serving_ms
+        "skew = {:.3}\nsync_us = {:.1}\nstep_us = {:.0}\nseq_us = {:.2}\ngemm_scale = {:.3}\ngemm_bw_ratio = {:.3}\nmoe_scale = {:.3}\nattention_scale = {:.3}\ndecode_attention_fp32 = {:.3}\nserving_ms = {:.1}\nfitted_on = [{ids}]",
+        p.skew, p.sync_us, p.step_us, p.seq_us, p.gemm_scale, p.gemm_bw_ratio, p.moe_scale, p.attention_scale, p.decode_attention_fp32, p.serving_ms
     )
 }
 

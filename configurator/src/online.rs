@@ -133,7 +133,7 @@ fn at_rate(sm: &StepModel, w: &Workload, rate: f64) -> Option<Service> {
             decode_ctx: w.isl + w.osl / 2.0,
             prefill: chunk.max(per_step * w.isl),
             prefill_seqs: per_step.max(1.0),
-            prefill_past: 0.0,
+            prefill_past: chunked_past(chunks, chunk),
         })
         .total();
     let wait = t_us / 2.0 + rho / (2.0 * (1.0 - rho)) * t_us;
@@ -145,6 +145,14 @@ fn at_rate(sm: &StepModel, w: &Workload, rate: f64) -> Option<Service> {
         output_tokens_per_s: rate * w.osl,
         batch: decode,
     })
+}
+
+/// The mean context before each chunk of a prompt computed in `chunks`
+/// chunks of `chunk` tokens: chunk k attends to the k·chunk tokens before
+/// it, and attention is linear in that context, so `chunks` steps at this
+/// mean cost what the chunks cost.
+pub fn chunked_past(chunks: f64, chunk: f64) -> f64 {
+    (chunks - 1.0).max(0.0) / 2.0 * chunk
 }
 
 /// The highest rate the replica sustains, requests/s.
@@ -260,7 +268,7 @@ pub fn finite(sm: &StepModel, w: &Workload, n: f64, rate: f64) -> Option<Service
                 decode_ctx: ctx,
                 prefill: chunk,
                 prefill_seqs: 1.0,
-                prefill_past: 0.0,
+                prefill_past: chunked_past(chunks, chunk),
             })
             .total()
             / 1e3;
@@ -306,6 +314,13 @@ mod tests {
     use crate::memory::{Deployment, Dtype, MemoryPolicy};
     use crate::perf::EngineProfile;
     use crate::Catalog;
+
+    #[test]
+    fn chunked_past_is_the_mean_context_before_each_chunk() {
+        assert_eq!(chunked_past(1.0, 5000.0), 0.0);
+        // Chunks attend to 0, 2048 and 4096 tokens before them.
+        assert_eq!(chunked_past(3.0, 2048.0), 2048.0);
+    }
 
     fn with<R>(f: impl FnOnce(&StepModel, &Workload) -> R) -> R {
         let c = Catalog::builtin().unwrap();

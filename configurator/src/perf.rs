@@ -73,7 +73,16 @@ impl StepModel<'_> {
         if m <= 0.0 {
             return 0.0;
         }
-        self.calib.gemm_us(self.gpu, m, n, k, dtype) * self.profile.gemm_scale
+        // The bandwidth-bound regime may scale apart from the compute-bound
+        // one (engines' decode-sized kernels stream weights unlike the
+        // calibration's): by `gemm_bw_ratio`, blended by how close to each
+        // bound the GEMM is.
+        let (flops, bytes) = crate::calib::gemm_work(m, n, k, dtype);
+        let compute = crate::calib::roofline_us(self.gpu, flops, 0.0, dtype);
+        let stream = crate::calib::roofline_us(self.gpu, 0.0, bytes, dtype);
+        let bw_share = stream / (compute + stream);
+        let scale = self.profile.gemm_scale * self.profile.gemm_bw_ratio.powf(bw_share);
+        self.calib.gemm_us(self.gpu, m, n, k, dtype) * scale
     }
 
     /// One collective's synchronisation on top of its transfer time.
@@ -202,7 +211,13 @@ impl StepModel<'_> {
             } else {
                 1.0
             };
-            let flops = prefill_attention_flops(s.prefill / seqs, s.prefill_past, q_heads, hd)
+            // MLA's prefill runs each head's QKᵀ over its nope and rope
+            // dimensions and PV over its value dimension.
+            let dims = match &m.mla {
+                Some(mla) => (mla.nope_dim + mla.rope_dim + mla.v_dim) as f64 / 2.0,
+                None => hd,
+            };
+            let flops = prefill_attention_flops(s.prefill / seqs, s.prefill_past, q_heads, dims)
                 * seqs
                 * share;
             attention += self.calib.prefill_attention_us(self.gpu, flops);
@@ -545,6 +560,87 @@ mod tests {
             // One token touches 8 of 256 experts per layer; 256 tokens touch
             // nearly all, so the step reads far more weights.
             assert!(many > 3.0 * one, "{many} vs {one}");
+        });
+    }
+
+    #[test]
+    fn decode_attention_takes_the_longer_of_its_read_and_its_arithmetic() {
+        // Llama-70B at TP 8: 8 query heads share each GPU's KV head.
+        with_model("Llama-3.1-70B", "H100", 8, 1, |sm| {
+            let step = Step {
+                decode: 1024.0,
+                decode_ctx: 1000.0,
+                ..Step::default()
+            };
+            let read = sm.step(&step).attention;
+            let mut slow = sm.profile.clone();
+            slow.decode_attention_fp32 = 4.0;
+            let bound = StepModel {
+                profile: slow,
+                ..*sm
+            };
+            let t = bound.step(&step).attention;
+            // 4 FLOPs per query head, head dimension and context token, at
+            // a quarter of the 67 TFLOP/s FP32 peak, over 80 layers.
+            let flops = 1024.0 * 1000.0 * 8.0 * 128.0 * 4.0 * 80.0;
+            let want = flops / (67e12 / 4.0) * 1e6 * sm.profile.attention_scale;
+            assert!(t > read, "{t} vs {read}");
+            assert!((t - want).abs() < 1e-6 * want, "{t} vs {want}");
+        });
+        // MLA's decode kernels run on tensor cores: never bound this way.
+        with_model("DeepSeek-V3", "H200", 8, 1, |sm| {
+            let step = Step {
+                decode: 256.0,
+                decode_ctx: 2000.0,
+                ..Step::default()
+            };
+            let read = sm.step(&step).attention;
+            let mut slow = sm.profile.clone();
+            slow.decode_attention_fp32 = 10.0;
+            let bound = StepModel {
+                profile: slow,
+                ..*sm
+            };
+            assert_eq!(bound.step(&step).attention, read);
+        });
+    }
+
+    #[test]
+    fn mla_prefill_attention_counts_its_query_key_and_value_dimensions() {
+        with_model("DeepSeek-V3", "H200", 8, 1, |sm| {
+            let t = sm
+                .step(&Step {
+                    prefill: 4096.0,
+                    prefill_seqs: 1.0,
+                    ..Step::default()
+                })
+                .attention;
+            // 128 heads over 8 GPUs, QKᵀ over 128 + 64 dimensions and PV
+            // over 128: a mean of 160 per head, over 61 layers.
+            let flops = prefill_attention_flops(4096.0, 0.0, 16.0, 160.0) * 61.0;
+            let want = sm.calib.prefill_attention_us(sm.gpu, flops / 61.0) * 61.0;
+            assert!((t - want).abs() < 1e-6 * want, "{t} vs {want}");
+        });
+    }
+
+    #[test]
+    fn the_bandwidth_bound_ratio_moves_decode_sized_gemms_most() {
+        with_model("Llama-3.1-8B", "H100", 1, 1, |sm| {
+            let mut half = sm.profile.clone();
+            half.gemm_bw_ratio = 0.5;
+            let fast = StepModel {
+                profile: half,
+                ..*sm
+            };
+            let (small, big) = (
+                fast.gemm(1.0, 4096.0, 4096.0) / sm.gemm(1.0, 4096.0, 4096.0),
+                fast.gemm(8192.0, 4096.0, 4096.0) / sm.gemm(8192.0, 4096.0, 4096.0),
+            );
+            // A decode-sized GEMM streams its weights: the whole ratio. An
+            // 8,192-token one is compute-bound (its stream a fifth of its
+            // time): a fifth of the ratio's effect, in log terms.
+            assert!((small - 0.5).abs() < 0.01, "{small}");
+            assert!(big > 0.85 && big < 0.9, "{big}");
         });
     }
 }

@@ -402,7 +402,7 @@ impl Ctx<'_> {
                 decode_ctx: ctx,
                 prefill: chunk,
                 prefill_seqs: 1.0,
-                prefill_past: 0.0,
+                prefill_past: crate::online::chunked_past(chunks, chunk),
             })
             .total();
         Point {
