@@ -42,7 +42,8 @@ type Get = fn(&EngineProfile) -> f64;
 type Put = fn(&mut EngineProfile, f64);
 
 /// The fitted constants: name, getter, setter, range, and the prior's
-/// centre and width (a scale's width in log units, a cost's in its unit).
+/// centre and width (a scale's or ratio's width in log units, a cost's in
+/// its unit).
 const PARAMS: [(&str, Get, Put, f64, f64, f64, f64); 10] = [
     ("skew", |p| p.skew, |p, v| p.skew = v, 0.0, 0.5, 0.0, 0.05),
     (
@@ -151,7 +152,7 @@ fn prior(p: &EngineProfile) -> f64 {
         .iter()
         .map(|(name, get, _, _, _, centre, width)| {
             let v = get(p);
-            let z = if name.ends_with("scale") {
+            let z = if name.ends_with("scale") || name.ends_with("ratio") {
                 (v / centre).ln() / width
             } else {
                 (v - centre) / width

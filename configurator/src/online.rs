@@ -125,8 +125,7 @@ fn at_rate(sm: &StepModel, w: &Workload, rate: f64) -> Option<Service> {
     if rho >= 1.0 {
         return None;
     }
-    let chunk = w.isl.min(room);
-    let chunks = (w.isl / chunk).ceil();
+    let (chunks, chunk) = prompt_chunks(w.isl, room);
     let with_prompt = sm
         .step(&Step {
             decode,
@@ -145,6 +144,13 @@ fn at_rate(sm: &StepModel, w: &Workload, rate: f64) -> Option<Service> {
         output_tokens_per_s: rate * w.osl,
         batch: decode,
     })
+}
+
+/// How a prompt of `isl` tokens goes through steps with `room` tokens of
+/// budget left: the number of chunks, and their (equal) size.
+pub fn prompt_chunks(isl: f64, room: f64) -> (f64, f64) {
+    let chunks = (isl / room.max(1.0)).ceil().max(1.0);
+    (chunks, isl / chunks)
 }
 
 /// The mean context before each chunk of a prompt computed in `chunks`
@@ -260,8 +266,7 @@ pub fn finite(sm: &StepModel, w: &Workload, n: f64, rate: f64) -> Option<Service
         let mut s = serve(sm, &capped, Load::Concurrency(n))?;
         let ctx = w.isl + w.osl / 2.0;
         let room = (w.max_num_tokens - n / 2.0).max(1.0);
-        let chunk = w.isl.min(room);
-        let chunks = (w.isl / chunk).ceil();
+        let (chunks, chunk) = prompt_chunks(w.isl, room);
         let prefill_ms = chunks
             * sm.step(&Step {
                 decode: n / 2.0,
@@ -314,6 +319,15 @@ mod tests {
     use crate::memory::{Deployment, Dtype, MemoryPolicy};
     use crate::perf::EngineProfile;
     use crate::Catalog;
+
+    #[test]
+    fn a_prompt_is_cut_into_equal_chunks_that_fit_the_room() {
+        assert_eq!(prompt_chunks(1000.0, 8192.0), (1.0, 1000.0));
+        // 10,000 tokens through 8,167 of room: two chunks of 5,000, not
+        // two of 8,167.
+        assert_eq!(prompt_chunks(10000.0, 8167.0), (2.0, 5000.0));
+        assert_eq!(prompt_chunks(5000.0, 0.0), (5000.0, 1.0));
+    }
 
     #[test]
     fn chunked_past_is_the_mean_context_before_each_chunk() {

@@ -394,8 +394,7 @@ impl Ctx<'_> {
             .total();
         // A prompt's chunks share the step budget with the decodes.
         let room = (self.step_tokens(l) as f64 - b).max(1.0);
-        let chunk = room.min(isl);
-        let chunks = (isl / chunk).ceil();
+        let (chunks, chunk) = crate::online::prompt_chunks(isl, room);
         let with_chunk = sm
             .step(&Step {
                 decode: b,
