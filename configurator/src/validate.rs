@@ -395,7 +395,7 @@ fn metric_name(m: Metric) -> &'static str {
 /// One set's table in Markdown (the crate README carries its output).
 pub fn markdown(checked: &[&Checked]) -> String {
     let mut s = String::from(
-        "| id | engine | model | GPU | layout | ISL/OSL | kind | load | metric | published | predicted | error |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| id | source | engine | model | GPU | layout | ISL/OSL | kind | load | metric | published | predicted | error |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for c in checked {
         let p = &c.point;
@@ -421,8 +421,9 @@ pub fn markdown(checked: &[&Checked]) -> String {
             Per::Node => " per node",
         };
         s += &format!(
-            "| {} | {} | {} | {} | {} {} | {}/{} | {} | {} | {}{} | {} | {} | {:+.0}% |\n",
+            "| {} | {} | {} | {} | {} | {} {} | {}/{} | {} | {} | {}{} | {} | {} | {:+.0}% |\n",
             p.id,
+            p.source,
             p.profile,
             p.model,
             p.gpu,
