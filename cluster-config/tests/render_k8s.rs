@@ -703,6 +703,21 @@ fn grove_refuses_zero_replicas() {
 }
 
 #[test]
+fn a_slot_budget_below_the_kubernetes_floor_is_refused() {
+    // Valid for node daemons (minimum 0), but Grove keeps the group at one
+    // replica: prefill's 2 × 1 slots and decode's 1 × 2.
+    let planned = |budget: u32| {
+        format!(
+            "{DISAGG}planner:\n  slot_budget: {budget}\n  services: {{pd: {{min: 0, max: 4}}}}\n"
+        )
+    };
+    let e = render_err(&planned(3));
+    assert!(e.to_string().contains("planner.slot_budget"), "{e}");
+    assert!(e.to_string().contains("4 slots"), "{e}");
+    assert!(render_k8s(&parse(&planned(4)), &RenderOptions::default()).is_ok());
+}
+
+#[test]
 fn bad_options_are_refused() {
     let spec = parse(AGG);
     type Edit = fn(&mut RenderOptions);

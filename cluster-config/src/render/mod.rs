@@ -142,6 +142,7 @@ impl RenderOptions {
 pub fn render_k8s(spec: &DeploymentSpec, opts: &RenderOptions) -> Result<Vec<Value>, RenderError> {
     opts.validate()?;
     names::check_deployment(spec)?;
+    planner_budget(spec)?;
     let tomls = spec
         .services
         .iter()
@@ -156,6 +157,32 @@ pub fn render_k8s(spec: &DeploymentSpec, opts: &RenderOptions) -> Result<Vec<Val
     }
     out.push(grove::pod_clique_set(spec, opts, &tomls)?);
     Ok(out)
+}
+
+/// Grove keeps every PodClique and scaling group at one replica or more, so
+/// on Kubernetes a planner target's floor is 1 even where its `min` is 0:
+/// a slot budget must hold every target at that floor.
+fn planner_budget(spec: &DeploymentSpec) -> Result<(), RenderError> {
+    let Some(p) = &spec.planner else {
+        return Ok(());
+    };
+    let Some(budget) = p.slot_budget else {
+        return Ok(());
+    };
+    let floor: u64 = p
+        .targets
+        .iter()
+        .map(|(name, l)| l.min.max(1) as u64 * spec.target_slots(name).unwrap_or(0) as u64)
+        .sum();
+    if floor > budget as u64 {
+        return Err(RenderError::Spec {
+            field: "planner.slot_budget".into(),
+            message: format!(
+                "{budget} is less than the {floor} slots the planner's targets hold at one replica each, the least Grove keeps (no scale to zero on Kubernetes)"
+            ),
+        });
+    }
+    Ok(())
 }
 
 /// The objects as one multi-document YAML stream (`---` before each).
