@@ -491,11 +491,16 @@ impl Planner {
             return Ok(());
         }
         let b = self.buckets().await?;
-        let status: Option<DeploymentStatus> =
+        // On Kubernetes (where the planner reads the workers bucket) no
+        // controller writes a status: replicas come from the API server.
+        let status: Option<DeploymentStatus> = if b.workers.is_some() {
+            None
+        } else {
             match bounded("status", b.status.entry(dep.clone())).await? {
                 Some(e) if e.operation == kv::Operation::Put => decode(&e.value).ok(),
                 _ => None,
-            };
+            }
+        };
         let pins: std::collections::BTreeMap<String, PlannerPin> = read_all(&b.pins).await?;
         let pins: Vec<PlannerPin> = pins.into_values().filter(|p| p.deployment == dep).collect();
         let pinned: BTreeSet<String> = pins.iter().map(|p| p.target.clone()).collect();
