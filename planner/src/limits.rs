@@ -3,7 +3,10 @@
 //!
 //! Invariant: what leaves here is within every target's bounds and, with
 //! the other targets, within the budget; when demand asks for more, the
-//! reason says so.
+//! reason says so. The one exception is a budget below what cannot be
+//! trimmed (the targets' minimums and pins: spec validation refuses the
+//! first, but on Kubernetes every target's floor is 1, and a pin is the
+//! operator's); the reason then says it is over.
 
 use crate::policy::{Note, PlannerState, Target, Window};
 
@@ -89,9 +92,16 @@ impl PlannerState {
             }
         }
         let got = slots(want);
+        // What cannot be trimmed (minimums, pins, and on Kubernetes a floor
+        // of one replica each) may itself hold more than the budget.
+        let over = if got > budget as u64 {
+            format!("; over the budget: minimums and pins hold {got} slots")
+        } else {
+            String::new()
+        };
         for (i, t) in targets.iter().enumerate() {
             let msg = format!(
-                "slot budget {budget}: demand asks for {wanted} slots; {} gets {} ({got} slots in all)",
+                "slot budget {budget}: demand asks for {wanted} slots; {} gets {} ({got} slots in all{over})",
                 t.name, want[i].0
             );
             if notes[i].recommended != want[i].0 {

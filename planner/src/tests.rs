@@ -174,6 +174,30 @@ fn the_budget_caps_the_targets_and_says_so() {
 }
 
 #[test]
+fn a_budget_below_the_minimums_is_kept_as_close_as_it_can_and_says_it_is_over() {
+    // Valid minimums of 0, raised to 1 as on Kubernetes; 2 slots each.
+    let mut p = PlannerState::new(spec(&format!(
+        "{}slot_budget: 3\n",
+        BASE.replace("min: 1", "min: 0")
+    )));
+    let mut ts = pd(1, 1);
+    for t in ts.iter_mut() {
+        t.slots = 2;
+        t.limits.min = 1;
+    }
+    let fast = window(10, 1.0, 200.0, 1000.0, 200.0);
+    let e = p.evaluate(&ts, &fast, Some(&window(10, 10.0, 200.0, 1000.0, 200.0)));
+    assert!(e.notes.iter().all(|n| n.recommended == 1), "{:?}", e.notes);
+    assert!(
+        e.notes.iter().all(|n| n
+            .reason
+            .contains("over the budget: minimums and pins hold 4 slots")),
+        "{:?}",
+        e.notes
+    );
+}
+
+#[test]
 fn a_pinned_target_is_left_alone() {
     let mut p = PlannerState::new(spec(BASE));
     let mut ts = pd(1, 1);

@@ -124,7 +124,9 @@ pub fn with_observed(
                 .ready
                 .min(serving.get(&t.name).copied().unwrap_or(0))
                 .min(o.desired);
-            t.limits.min = t.limits.min.max(1).min(t.limits.max);
+            // Grove keeps one replica even of a target whose `max` is 0.
+            t.limits.max = t.limits.max.max(1);
+            t.limits.min = t.limits.min.max(1);
         }
     }
 }
