@@ -563,6 +563,16 @@ mod tests {
         });
     }
 
+    /// `sm` with its profile edited by `edit`.
+    fn with_profile<'a>(
+        sm: &StepModel<'a>,
+        edit: impl FnOnce(&mut EngineProfile),
+    ) -> StepModel<'a> {
+        let mut profile = sm.profile.clone();
+        edit(&mut profile);
+        StepModel { profile, ..*sm }
+    }
+
     #[test]
     fn decode_attention_takes_the_longer_of_its_read_and_its_arithmetic() {
         // Llama-70B at TP 8: 8 query heads share each GPU's KV head.
@@ -573,12 +583,7 @@ mod tests {
                 ..Step::default()
             };
             let read = sm.step(&step).attention;
-            let mut slow = sm.profile.clone();
-            slow.decode_attention_fp32 = 4.0;
-            let bound = StepModel {
-                profile: slow,
-                ..*sm
-            };
+            let bound = with_profile(sm, |p| p.decode_attention_fp32 = 4.0);
             let t = bound.step(&step).attention;
             // 4 FLOPs per query head, head dimension and context token, at
             // a quarter of the 67 TFLOP/s FP32 peak, over 80 layers.
@@ -595,12 +600,7 @@ mod tests {
                 ..Step::default()
             };
             let read = sm.step(&step).attention;
-            let mut slow = sm.profile.clone();
-            slow.decode_attention_fp32 = 10.0;
-            let bound = StepModel {
-                profile: slow,
-                ..*sm
-            };
+            let bound = with_profile(sm, |p| p.decode_attention_fp32 = 10.0);
             assert_eq!(bound.step(&step).attention, read);
         });
     }
@@ -626,12 +626,7 @@ mod tests {
     #[test]
     fn the_bandwidth_bound_ratio_moves_decode_sized_gemms_most() {
         with_model("Llama-3.1-8B", "H100", 1, 1, |sm| {
-            let mut half = sm.profile.clone();
-            half.gemm_bw_ratio = 0.5;
-            let fast = StepModel {
-                profile: half,
-                ..*sm
-            };
+            let fast = with_profile(sm, |p| p.gemm_bw_ratio = 0.5);
             let (small, big) = (
                 fast.gemm(1.0, 4096.0, 4096.0) / sm.gemm(1.0, 4096.0, 4096.0),
                 fast.gemm(8192.0, 4096.0, 4096.0) / sm.gemm(8192.0, 4096.0, 4096.0),
