@@ -77,11 +77,17 @@ impl StepModel<'_> {
         // one (engines' decode-sized kernels stream weights unlike the
         // calibration's): by `gemm_bw_ratio`, blended by how close to each
         // bound the GEMM is.
-        let (flops, bytes) = crate::calib::gemm_work(m, n, k, dtype);
-        let compute = crate::calib::roofline_us(self.gpu, flops, 0.0, dtype);
-        let stream = crate::calib::roofline_us(self.gpu, 0.0, bytes, dtype);
-        let bw_share = stream / (compute + stream);
-        let scale = self.profile.gemm_scale * self.profile.gemm_bw_ratio.powf(bw_share);
+        let ratio = self.profile.gemm_bw_ratio;
+        let scale = if ratio == 1.0 {
+            // Both regimes alike (every profile that does not fit it): the
+            // search's hot path skips the blend.
+            self.profile.gemm_scale
+        } else {
+            let (flops, bytes) = crate::calib::gemm_work(m, n, k, dtype);
+            let compute = crate::calib::roofline_us(self.gpu, flops, 0.0, dtype);
+            let stream = crate::calib::roofline_us(self.gpu, 0.0, bytes, dtype);
+            self.profile.gemm_scale * ratio.powf(stream / (compute + stream))
+        };
         self.calib.gemm_us(self.gpu, m, n, k, dtype) * scale
     }
 
