@@ -19,6 +19,9 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+/// Tries of a request whose connection closed before any answer: the
+/// second goes on a new connection.
+const SEND_TRIES: u32 = 2;
 /// Bytes of an error answer kept for the message.
 const MAX_ERROR_BODY: usize = 4096;
 /// How long the rest of a finished stream is read, so its connection can
@@ -31,6 +34,8 @@ type Body = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::
 /// What one request needs to call the server.
 pub(crate) struct Call {
     pub(crate) client: reqwest::Client,
+    /// Keeps no idle connection: the retry's client.
+    pub(crate) fresh: reqwest::Client,
     pub(crate) base: String,
     pub(crate) api: Api,
     pub(crate) model: String,
@@ -62,6 +67,34 @@ async fn error_body(r: reqwest::Response) -> String {
                 .and_then(|m| m.as_str().map(str::to_string))
         })
         .unwrap_or(text)
+}
+
+/// Whether a request failed because its connection closed before any of
+/// the answer came back: a kept-alive connection the server closed as the
+/// request went out on it (llama.cpp's server closes one after every
+/// stream without saying so). No byte of an answer came, so the server
+/// started nothing for it, and the request may go again. An engine that
+/// died is not hidden by this: the second try fails to connect.
+pub(crate) fn closed_unanswered(e: &reqwest::Error) -> bool {
+    if e.is_connect() || e.is_timeout() || e.status().is_some() {
+        return false;
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(h) = s.downcast_ref::<hyper::Error>() {
+            if h.is_incomplete_message() || h.is_canceled() {
+                return true;
+            }
+        }
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            use std::io::ErrorKind::*;
+            if matches!(io.kind(), ConnectionReset | BrokenPipe | ConnectionAborted) {
+                return true;
+            }
+        }
+        source = s.source();
+    }
+    false
 }
 
 impl Call {
@@ -109,16 +142,28 @@ impl Call {
         };
         let (path, body) = dialect::request(self.api, &self.model, req, text.as_deref());
         let url = format!("{}{path}", self.base);
-        let send = self.client.post(&url).json(&body).send();
-        let resp = match tokio::time::timeout(self.response_timeout, send).await {
-            Err(_) => {
-                return Err(EngineError::Failed(format!(
-                    "no answer from {url} within {} ms",
-                    self.response_timeout.as_millis()
-                )))
+        let mut tries = 0;
+        let resp = loop {
+            tries += 1;
+            let client = if tries == 1 {
+                &self.client
+            } else {
+                &self.fresh
+            };
+            let send = client.post(&url).json(&body).send();
+            match tokio::time::timeout(self.response_timeout, send).await {
+                Err(_) => {
+                    return Err(EngineError::Failed(format!(
+                        "no answer from {url} within {} ms",
+                        self.response_timeout.as_millis()
+                    )))
+                }
+                Ok(Err(e)) if tries < SEND_TRIES && closed_unanswered(&e) => {
+                    tracing::debug!(url = %url, error = %e, "the connection closed before any answer; trying once more on a new one");
+                }
+                Ok(Err(e)) => return Err(EngineError::Failed(format!("{url}: {e}"))),
+                Ok(Ok(r)) => break r,
             }
-            Ok(Err(e)) => return Err(EngineError::Failed(format!("{url}: {e}"))),
-            Ok(Ok(r)) => r,
         };
         let status = resp.status();
         if !status.is_success() {

@@ -131,6 +131,14 @@ impl ExternalEngine {
             .pool_idle_timeout(Duration::from_secs(60))
             .build()
             .map_err(|e| EngineError::Internal(format!("HTTP client: {e}")))?;
+        // For the one retry of a request a closing connection lost
+        // (`call.rs`): it keeps no idle connection, so it never reuses one.
+        let fresh = reqwest::Client::builder()
+            .connect_timeout(cfg.connect_timeout)
+            .tcp_nodelay(true)
+            .pool_max_idle_per_host(0)
+            .build()
+            .map_err(|e| EngineError::Internal(format!("HTTP client: {e}")))?;
         let arena =
             Arc::new(KvArena::new(1, 4096).map_err(|e| EngineError::Internal(e.to_string()))?);
         let (cmds, rx) = commands(COMMAND_QUEUE);
@@ -143,6 +151,7 @@ impl ExternalEngine {
             cfg: cfg.clone(),
             model,
             client,
+            fresh,
             base,
             fill,
             kv: kv.map(|k| (k, sink)),
@@ -175,6 +184,8 @@ struct Driver {
     cfg: Arc<ExternalConfig>,
     model: ExternalModel,
     client: reqwest::Client,
+    /// A client without idle connections (the retry's).
+    fresh: reqwest::Client,
     base: String,
     fill: Fill,
     kv: Option<(crate::zmq_source::ZmqConfig, KvEventSink)>,
@@ -254,6 +265,7 @@ impl Driver {
                             let model = self.cfg.served_model.clone().unwrap_or_else(|| self.model.name.clone());
                             let call = Call {
                                 client: self.client.clone(),
+                                fresh: self.fresh.clone(),
                                 base: self.base.clone(),
                                 api: self.cfg.api,
                                 model,

@@ -8,7 +8,9 @@
 //! Scripts by the prompt's first token: 1 finishes normally, 2 is refused
 //! (400), 3 is shed (503), 4 breaks off after two tokens, 5 streams without
 //! end, 6 streams a stop token id mid-chunk, 7 skips a token's id; a text
-//! prompt is answered in text alone.
+//! prompt is answered in text alone. A raw HTTP/1.1 server closes
+//! kept-alive connections under requests, as llama.cpp's does after a
+//! stream.
 
 use axum::body::Body;
 use axum::extract::State;
@@ -492,4 +494,121 @@ async fn a_text_prompt_goes_as_text_and_text_output_comes_back_as_our_ids() {
     };
     let err = ExternalEngine::start(cfg, model).err().expect("refused");
     assert!(err.to_string().contains("tokenizer"), "{err}");
+}
+
+/// A raw HTTP/1.1 server that does what llama.cpp's does after a stream:
+/// it keeps the connection open (and says `Keep-Alive`), then closes it,
+/// unanswered, when the next request comes on it. With `always`, it closes
+/// every request unanswered. Counts the requests it closed.
+async fn closing_server(always: bool) -> (u16, Arc<AtomicUsize>, tokio::task::JoinSet<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let closed = Arc::new(AtomicUsize::new(0));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let mut task = tokio::task::JoinSet::new();
+    let count = closed.clone();
+    task.spawn(async move {
+        let mut conns = tokio::task::JoinSet::new();
+        while let Ok((mut sock, _)) = l.accept().await {
+            let count = count.clone();
+            conns.spawn(async move {
+                let mut streamed = false;
+                let mut buf = Vec::new();
+                loop {
+                    // One request: its head, then a body of Content-Length.
+                    let head_end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        let mut b = [0u8; 4096];
+                        match sock.read(&mut b).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&b[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse().ok())
+                        .unwrap_or(0);
+                    while buf.len() < head_end + len {
+                        let mut b = [0u8; 4096];
+                        match sock.read(&mut b).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&b[..n]),
+                        }
+                    }
+                    buf.drain(..head_end + len);
+                    if head.starts_with("get /health") {
+                        let ok = "HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if sock.write_all(ok.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    if always || streamed {
+                        count.fetch_add(1, Ordering::SeqCst);
+                        return; // closed, unanswered
+                    }
+                    let mut out = String::from(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                         transfer-encoding: chunked\r\nkeep-alive: timeout=5, max=100\r\n\r\n",
+                    );
+                    let frames = (10..15)
+                        .map(|t| chunk(&[t], None))
+                        .chain([chunk(&[], Some("eos"))]);
+                    for f in frames {
+                        out.push_str(&format!("{:x}\r\n{f}\r\n", f.len()));
+                    }
+                    out.push_str("0\r\n\r\n");
+                    if sock.write_all(out.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    streamed = true;
+                }
+            });
+        }
+    });
+    (port, closed, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_lost_to_a_closing_kept_alive_connection_goes_again_on_a_new_one() {
+    let (port, closed, _server) = closing_server(false).await;
+    let e = engine(port);
+    ready(&e).await;
+    for id in 1..=4 {
+        let (toks, end) = events(&e, req(id, 1, 10, vec![])).await;
+        assert_eq!(toks, vec![10, 11, 12, 13, 14], "request {id}");
+        assert!(
+            matches!(
+                end,
+                EngineEvent::Finished {
+                    reason: FinishReason::Stop
+                }
+            ),
+            "request {id} ended {end:?}"
+        );
+    }
+    // The server did close kept-alive connections under requests, and each
+    // of those requests was answered on a new connection.
+    assert!(
+        closed.load(Ordering::SeqCst) >= 1,
+        "no connection was closed under a request"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_never_answers_is_tried_twice_and_the_request_fails() {
+    let (port, closed, _server) = closing_server(true).await;
+    let e = engine(port);
+    ready(&e).await;
+    let (toks, end) = events(&e, req(1, 1, 10, vec![])).await;
+    assert!(toks.is_empty());
+    match end {
+        EngineEvent::Failed(err) => assert_eq!(err.to_wire().kind, ErrorKind::EngineFailed),
+        other => panic!("expected a failure, got {other:?}"),
+    }
+    assert_eq!(closed.load(Ordering::SeqCst), 2, "one request, two tries");
 }
