@@ -100,7 +100,13 @@ async fn external_overhead() {
     let mut node = Node::start(&node_config("n", &nats.url, Some(port), 0, &extra));
     let http = Http::new(port);
     http.wait_ready(1, &mut node).await;
-    let client = reqwest::Client::new();
+    // A new connection for every request on both paths: llama.cpp's server
+    // closes one after every stream (our worker's client tries again on a
+    // new connection when that loses a request).
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .expect("client");
     let gateway_url = format!("http://127.0.0.1:{port}/v1/completions");
     let direct_url = server.url("/completion");
     let prompts: Vec<Vec<u32>> = (0..8)
@@ -125,6 +131,8 @@ async fn external_overhead() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(24);
+    // EXTERNAL_BENCH_VERBOSE=1 prints each round's first-token times.
+    let verbose = std::env::var("EXTERNAL_BENCH_VERBOSE").is_ok_and(|v| v == "1");
     println!("external engine overhead: llama-server (1 thread, 8 slots), {MAX_TOKENS} tokens per stream, {rounds} rounds per path and concurrency, paths interleaved{}",
         if pinned { ", server pinned to core 0, the rest to the other cores" } else { "" });
     println!(
@@ -148,6 +156,16 @@ async fn external_overhead() {
                     async move { timed(&client, url, &body, first).await }
                 });
                 let out = futures::future::join_all(runs).await;
+                if verbose && conc > 1 {
+                    let mut t: Vec<f64> = out.iter().map(|(t, _)| *t).collect();
+                    t.sort_by(|a, b| a.total_cmp(b));
+                    let t: Vec<String> = t.iter().map(|x| format!("{x:.1}")).collect();
+                    println!(
+                        "  round {round:>2} {:<8} TTFT ms: {}",
+                        if first { "direct" } else { "gateway" },
+                        t.join(" ")
+                    );
+                }
                 let s = if first { &mut direct } else { &mut gateway };
                 for (t, itl) in out {
                     s.ttft.push(t);
