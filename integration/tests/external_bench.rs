@@ -1,7 +1,10 @@
 //! What the external-engine path costs: the same llama.cpp server called
 //! directly, and through our gateway and a worker fronting it, side by
 //! side in one run, at concurrency 1 and 8. TTFT and ITL p50/p99 for each
-//! (BENCHMARKS.md, "External engines"). A benchmark, not a test:
+//! (BENCHMARKS.md, "External engines"). Concurrency 8 runs three ways:
+//! bursts of 8 streams released together, 8 clients in a closed loop, and
+//! the same loop with a pause before each request. A benchmark, not a
+//! test:
 //!
 //! ```text
 //! DYNAMO_LLAMA_SERVER=$(scripts/build_llama_server.sh) cargo test --release \
@@ -74,6 +77,81 @@ struct Samples {
     itl: Vec<f64>,
 }
 
+/// Prints both paths' percentiles and what ours adds.
+fn report(conc: &str, direct: &mut Samples, gateway: &mut Samples) {
+    let row = |name: &str, s: &mut Samples| {
+        let r = [
+            pct(&mut s.ttft, 0.5),
+            pct(&mut s.ttft, 0.99),
+            pct(&mut s.itl, 0.5),
+            pct(&mut s.itl, 0.99),
+        ];
+        println!(
+            "{conc:<7} {name:<8} {:>9.2} {:>9.2} {:>9.2} {:>9.2}",
+            r[0], r[1], r[2], r[3]
+        );
+        r
+    };
+    let d = row("direct", direct);
+    let g = row("gateway", gateway);
+    println!(
+        "{conc:<7} {:<8} {:>+9.2} {:>+9.2} {:>+9.2} {:>+9.2}",
+        "added",
+        g[0] - d[0],
+        g[1] - d[1],
+        g[2] - d[2],
+        g[3] - d[3]
+    );
+    assert!(d[0] > 0.0 && g[0] > 0.0);
+}
+
+/// Clients in the closed loop, and requests each sends per block.
+const LOOP_CLIENTS: usize = 8;
+const LOOP_REQUESTS: usize = 6;
+
+/// One block of the closed loop: eight clients, each sending its next
+/// request as soon as its last one ends. Output lengths vary from 16 to 48
+/// tokens, drawn from the block number alone, so both paths get the same
+/// sequence. Varied lengths spread the arrivals over the server's steps,
+/// as real traffic does; in the rounds above all eight land together.
+async fn closed_loop(
+    client: &reqwest::Client,
+    url: &str,
+    prompts: &[Vec<u32>],
+    body: &dyn Fn(&[u32], u32) -> Value,
+    direct: bool,
+    block: usize,
+    think: bool,
+) -> Samples {
+    let runs = (0..LOOP_CLIENTS).map(|c| async move {
+        let mut s = Samples::default();
+        for k in 0..LOOP_REQUESTS {
+            // A fixed hash of (block, client, request): the same lengths
+            // and pauses on both paths.
+            let h = ((block * 131 + c) * 31 + k) as u64;
+            let h = h.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            let n = 16 + (h >> 59) as u32; // 16..48 tokens
+            if think {
+                // 0..128 ms, longer than a step here, so a request
+                // arrives at any point of the server's step.
+                let ms = (h >> 20) & 127;
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            let p = &prompts[(c + k) % prompts.len()];
+            let (t, itl) = timed(client, url, &body(p, n), direct).await;
+            s.ttft.push(t);
+            s.itl.extend(itl);
+        }
+        s
+    });
+    let mut all = Samples::default();
+    for s in futures::future::join_all(runs).await {
+        all.ttft.extend(s.ttft);
+        all.itl.extend(s.itl);
+    }
+    all
+}
+
 // One thread: the client runs where it is pinned.
 #[tokio::test]
 #[ignore = "benchmark: make bench"]
@@ -113,15 +191,17 @@ async fn external_overhead() {
         .map(|i| chat_tokens(&format!("Tell me fact number {i} about the ocean.")))
         .collect();
     // The body our worker sends for such a request, sent directly.
-    let direct_body = |p: &[u32]| {
-        json!({"prompt": p, "n_predict": MAX_TOKENS, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+    let direct_body_n = |p: &[u32], n: u32| {
+        json!({"prompt": p, "n_predict": n, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
                "min_p": 0.0, "stream": true, "return_tokens": true, "cache_prompt": true,
                "ignore_eos": true})
     };
-    let gateway_body = |p: &[u32]| {
-        json!({"model": MODEL, "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+    let gateway_body_n = |p: &[u32], n: u32| {
+        json!({"model": MODEL, "prompt": p, "max_tokens": n, "temperature": 0.0,
                "ignore_eos": true, "stream": true})
     };
+    let direct_body = |p: &[u32]| direct_body_n(p, MAX_TOKENS);
+    let gateway_body = |p: &[u32]| gateway_body_n(p, MAX_TOKENS);
     // Warm both paths (and the server's prompt cache) with every prompt.
     for p in &prompts {
         timed(&client, &direct_url, &direct_body(p), true).await;
@@ -133,10 +213,19 @@ async fn external_overhead() {
         .unwrap_or(24);
     // EXTERNAL_BENCH_VERBOSE=1 prints each round's first-token times.
     let verbose = std::env::var("EXTERNAL_BENCH_VERBOSE").is_ok_and(|v| v == "1");
-    println!("external engine overhead: llama-server (1 thread, 8 slots), {MAX_TOKENS} tokens per stream, {rounds} rounds per path and concurrency, paths interleaved{}",
-        if pinned { ", server pinned to core 0, the rest to the other cores" } else { "" });
     println!(
-        "{:<6} {:<8} {:>9} {:>9} {:>9} {:>9}",
+        "external engine overhead: llama-server (1 thread, 8 slots), paths interleaved{}",
+        if pinned {
+            ", server pinned to core 0, the rest to the other cores"
+        } else {
+            ""
+        }
+    );
+    println!("  1, 8: {rounds} rounds of 1 or 8 streams of {MAX_TOKENS} tokens released together");
+    println!("  8 loop: 8 clients in a closed loop, {} blocks of {LOOP_REQUESTS} streams each per path, 16-48 tokens", rounds.div_ceil(4).max(2));
+    println!("  8 think: the same, each request after a pause of 0-127 ms");
+    println!(
+        "{:<7} {:<8} {:>9} {:>9} {:>9} {:>9}",
         "conc", "path", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99"
     );
     for conc in [1usize, 8] {
@@ -173,30 +262,32 @@ async fn external_overhead() {
                 }
             }
         }
-        let row = |name: &str, s: &mut Samples| {
-            let r = [
-                pct(&mut s.ttft, 0.5),
-                pct(&mut s.ttft, 0.99),
-                pct(&mut s.itl, 0.5),
-                pct(&mut s.itl, 0.99),
-            ];
-            println!(
-                "{conc:<6} {name:<8} {:>9.2} {:>9.2} {:>9.2} {:>9.2}",
-                r[0], r[1], r[2], r[3]
-            );
-            r
-        };
-        let d = row("direct", &mut direct);
-        let g = row("gateway", &mut gateway);
-        println!(
-            "{conc:<6} {:<8} {:>+9.2} {:>+9.2} {:>+9.2} {:>+9.2}",
-            "added",
-            g[0] - d[0],
-            g[1] - d[1],
-            g[2] - d[2],
-            g[3] - d[3]
+        report(&conc.to_string(), &mut direct, &mut gateway);
+    }
+    // Concurrency 8 as load tools mean it: eight clients in a closed loop,
+    // sending at once ("8 loop") or after a pause ("8 think").
+    let blocks = rounds.div_ceil(4).max(2);
+    for think in [false, true] {
+        let mut direct = Samples::default();
+        let mut gateway = Samples::default();
+        for b in 0..blocks {
+            for first in [b % 2 == 0, b % 2 != 0] {
+                let (url, body): (&str, &dyn Fn(&[u32], u32) -> Value) = if first {
+                    (&direct_url, &direct_body_n)
+                } else {
+                    (&gateway_url, &gateway_body_n)
+                };
+                let s = closed_loop(&client, url, &prompts, body, first, b, think).await;
+                let into = if first { &mut direct } else { &mut gateway };
+                into.ttft.extend(s.ttft);
+                into.itl.extend(s.itl);
+            }
+        }
+        report(
+            if think { "8 think" } else { "8 loop" },
+            &mut direct,
+            &mut gateway,
         );
-        assert!(d[0] > 0.0 && g[0] > 0.0);
     }
     tokio::time::sleep(Duration::from_millis(10)).await;
 }
