@@ -431,3 +431,159 @@ async fn a_launched_engine_is_started_supervised_and_restarted() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// The cluster layer with launched engines: a deployment spec whose
+/// service launches llama.cpp servers is placed on a node daemon. A replica
+/// counts as ready only once its server answers (it registers as
+/// `starting` until then), the deployment serves llama.cpp's own greedy
+/// answer, and scaling down stops the server of the replica removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs llama-server: make test-engines"]
+async fn a_deployment_spec_launches_its_servers_and_counts_them_ready_once_they_answer() {
+    let j = JoinedCluster::start(&[JoinSpec::new(
+        "n1",
+        "zone=z1,rack=r1,host=h1",
+        4,
+        "controller",
+    )]);
+    // Each server starts 3 s late, so the window where the worker is up
+    // and its engine is not can be seen.
+    let mut args = vec![llama_server()];
+    args.extend(server_args(0));
+    let i = args.iter().position(|a| a == "--port").expect("--port") + 1;
+    args[i] = "{port}".into();
+    args[2] = "{model_path}".into();
+    let script = format!("sleep 3; exec {}", args.join(" "));
+    let spec = format!(
+        r#"
+version: 1
+name: llamacpp
+services:
+  frontend:
+    role: frontend
+    resources: {{memory_mib: 1}}
+    gateway: {{max_migrations: 3, liveness_timeout_ms: 1500}}
+    router: {{worker_ttl_ms: 3000}}
+  engines:
+    role: aggregated
+    replicas: 2
+    resources: {{slots: 1}}
+    starts_after: [frontend]
+    worker:
+      engine: llamacpp
+      model: {MODEL}
+      heartbeat_ms: 500
+      external:
+        max_inflight: 4
+        health_interval_ms: 200
+        health_failures: 2
+        launch:
+          command: ["sh", "-c", {script:?}]
+"#
+    );
+    let file = j.dir.path().join("llamacpp.yaml");
+    std::fs::write(&file, spec).expect("write spec");
+    assert_success(&dynamoctl(
+        &j.nats.url,
+        &["apply", "-f", &file.display().to_string()],
+    ));
+
+    // Both workers register as starting while their servers sleep, and the
+    // deployment does not count them.
+    let t0 = Instant::now();
+    loop {
+        let regs = registrations(&j.nats.url).await;
+        let starting = regs
+            .iter()
+            .filter(|r| r.state == dynamo_bus_schema::WorkerState::Starting)
+            .count();
+        if starting == 2 {
+            break;
+        }
+        assert!(
+            regs.iter()
+                .all(|r| r.state != dynamo_bus_schema::WorkerState::Serving),
+            "a worker serving before its server started: {regs:?}"
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "never saw both workers starting: {regs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let d = describe_deployment(&j.nats.url, "llamacpp");
+    assert_eq!(service(&d, "engines")["ready"], 0, "{d}");
+    assert_ne!(d["ready"], true, "{d}");
+
+    // Ready once the servers answer; then it serves their greedy answer.
+    let d = wait_deployment(
+        &j.nats.url,
+        "llamacpp",
+        Duration::from_secs(60),
+        "deployment ready",
+        |d| d["ready"] == true && service(d, "engines")["ready"] == 2,
+    )
+    .await;
+    let node = placements(&d, "frontend")
+        .into_values()
+        .next()
+        .expect("a placed frontend");
+    let port = j.ports[&node];
+    wait_serving(&j.nats.url, 2).await;
+    let reference = Server::start().await;
+    let prompt = &prompts()[1];
+    let want = reference.direct(prompt, 16).await;
+    let http = Http::new(port);
+    let t0 = Instant::now();
+    let r = loop {
+        let r = http
+            .post(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0.0}),
+            )
+            .await;
+        if r.status == 200 || t0.elapsed() > Duration::from_secs(20) {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(r.status, 200, "{}", r.json);
+    assert_eq!(r.json["choices"][0]["text"], want.as_str());
+
+    // Two servers were started; scaling to one stops one of them.
+    let log = j.nodes[&node].log_text();
+    let pids: Vec<i32> = log
+        .lines()
+        .filter(|l| l.contains("engine process started"))
+        .filter_map(|l| l.split("pid=").nth(1))
+        .filter_map(|p| p.split_whitespace().next()?.parse().ok())
+        .collect();
+    assert_eq!(pids.len(), 2, "{log}");
+    assert_success(&dynamoctl(&j.nats.url, &["scale", "llamacpp/engines", "1"]));
+    let alive = |pid: i32| unsafe { libc::kill(pid, 0) } == 0;
+    let t0 = Instant::now();
+    while pids.iter().filter(|p| alive(**p)).count() != 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "after scaling to 1, {} of the servers run",
+            pids.iter().filter(|p| alive(**p)).count()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    wait_deployment(
+        &j.nats.url,
+        "llamacpp",
+        Duration::from_secs(30),
+        "one replica ready",
+        |d| d["ready"] == true && service(d, "engines")["ready"] == 1,
+    )
+    .await;
+    let r = http
+        .post(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0.0}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    assert_eq!(r.json["choices"][0]["text"], want.as_str());
+}
