@@ -105,6 +105,9 @@ fn report(conc: &str, direct: &mut Samples, gateway: &mut Samples) {
     assert!(d[0] > 0.0 && g[0] > 0.0);
 }
 
+/// Builds a request body for a prompt and an output length.
+type BodyFn = dyn Fn(&[u32], u32) -> Value;
+
 /// Clients in the closed loop, and requests each sends per block.
 const LOOP_CLIENTS: usize = 8;
 const LOOP_REQUESTS: usize = 6;
@@ -118,7 +121,7 @@ async fn closed_loop(
     client: &reqwest::Client,
     url: &str,
     prompts: &[Vec<u32>],
-    body: &dyn Fn(&[u32], u32) -> Value,
+    body: &BodyFn,
     direct: bool,
     block: usize,
     think: bool,
@@ -272,7 +275,7 @@ async fn external_overhead() {
         let mut gateway = Samples::default();
         for b in 0..blocks {
             for first in [b % 2 == 0, b % 2 != 0] {
-                let (url, body): (&str, &dyn Fn(&[u32], u32) -> Value) = if first {
+                let (url, body): (&str, &BodyFn) = if first {
                     (&direct_url, &direct_body_n)
                 } else {
                     (&gateway_url, &gateway_body_n)
