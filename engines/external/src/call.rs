@@ -6,7 +6,10 @@
 //! prompt tokens the first chunk reports; no more than `max_tokens`
 //! tokens are handed out; generation ends after a stop token id even where
 //! the server cannot be told about them; exactly one terminal event
-//! (`Finished` or `Failed`) ends every request.
+//! (`Finished` or `Failed`) ends every request; a request is sent at most
+//! twice, the second time only when its connection closed before any
+//! response headers came, on a client that keeps no idle connection, and
+//! both tries within one `response_timeout`.
 
 use crate::config::Api;
 use crate::dialect::{self, ChunkError, Decoder};
@@ -15,6 +18,8 @@ use crate::sse::SseDecoder;
 use dynamo_bus_schema::FinishReason;
 use dynamo_engine::{EngineError, EngineEvent, Slot, ValidRequest};
 use futures::StreamExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -36,6 +41,8 @@ pub(crate) struct Call {
     pub(crate) client: reqwest::Client,
     /// Keeps no idle connection: the retry's client.
     pub(crate) fresh: reqwest::Client,
+    /// Requests of this engine sent again (logged at 1, 2, 4, 8, …).
+    pub(crate) retried: Arc<AtomicU64>,
     pub(crate) base: String,
     pub(crate) api: Api,
     pub(crate) model: String,
@@ -69,12 +76,17 @@ async fn error_body(r: reqwest::Response) -> String {
         .unwrap_or(text)
 }
 
-/// Whether a request failed because its connection closed before any of
-/// the answer came back: a kept-alive connection the server closed as the
-/// request went out on it (llama.cpp's server closes one after every
-/// stream without saying so). No byte of an answer came, so the server
-/// started nothing for it, and the request may go again. An engine that
-/// died is not hidden by this: the second try fails to connect.
+/// Whether a request failed because its connection closed before any
+/// response headers came back. Mostly this is a kept-alive connection the
+/// server closed as the request went out on it (llama.cpp's server closes
+/// one after every stream without saying so). The server may have read
+/// the request, but none of its output was, and a server that started on
+/// it stops when the connection closes, so the request may go again: the
+/// worst case is work done twice, never tokens. An engine that died is not
+/// hidden: the second try fails to connect.
+///
+/// `hyper` must be the major version `reqwest` uses, or nothing matches
+/// (the tests of `engine_http.rs` would fail).
 pub(crate) fn closed_unanswered(e: &reqwest::Error) -> bool {
     if e.is_connect() || e.is_timeout() || e.status().is_some() {
         return false;
@@ -143,6 +155,7 @@ impl Call {
         let (path, body) = dialect::request(self.api, &self.model, req, text.as_deref());
         let url = format!("{}{path}", self.base);
         let mut tries = 0;
+        let deadline = tokio::time::Instant::now() + self.response_timeout;
         let resp = loop {
             tries += 1;
             let client = if tries == 1 {
@@ -151,7 +164,7 @@ impl Call {
                 &self.fresh
             };
             let send = client.post(&url).json(&body).send();
-            match tokio::time::timeout(self.response_timeout, send).await {
+            match tokio::time::timeout_at(deadline, send).await {
                 Err(_) => {
                     return Err(EngineError::Failed(format!(
                         "no answer from {url} within {} ms",
@@ -159,7 +172,12 @@ impl Call {
                     )))
                 }
                 Ok(Err(e)) if tries < SEND_TRIES && closed_unanswered(&e) => {
-                    tracing::debug!(url = %url, error = %e, "the connection closed before any answer; trying once more on a new one");
+                    let n = self.retried.fetch_add(1, Ordering::Relaxed) + 1;
+                    if n.is_power_of_two() {
+                        tracing::info!(url = %url, error = %e, requests = n, "a connection closed before any answer; its request goes once more on a new one (this many so far)");
+                    } else {
+                        tracing::debug!(url = %url, error = %e, "a connection closed before any answer; trying once more on a new one");
+                    }
                 }
                 Ok(Err(e)) => return Err(EngineError::Failed(format!("{url}: {e}"))),
                 Ok(Ok(r)) => break r,
@@ -308,5 +326,47 @@ impl Call {
                 "the engine's stream ended before the request finished".into(),
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::closed_unanswered;
+
+    #[tokio::test]
+    async fn a_refused_connection_is_not_a_closed_one() {
+        // A port nothing listens on: the engine is down, so no second try.
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        drop(l);
+        let e = reqwest::Client::new()
+            .post(format!("http://127.0.0.1:{port}/completion"))
+            .body("{}")
+            .send()
+            .await
+            .expect_err("nothing listens");
+        assert!(e.is_connect(), "{e:?}");
+        assert!(!closed_unanswered(&e));
+    }
+
+    #[tokio::test]
+    async fn a_connection_closed_after_reading_the_request_is() {
+        use tokio::io::AsyncReadExt;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = l.accept().await.unwrap();
+            let mut b = [0u8; 1024];
+            let _ = s.read(&mut b).await;
+            // Closed, unanswered.
+        });
+        let e = reqwest::Client::new()
+            .post(format!("http://127.0.0.1:{port}/completion"))
+            .body("{}")
+            .send()
+            .await
+            .expect_err("closed unanswered");
+        assert!(closed_unanswered(&e), "{e:?}");
+        server.await.unwrap();
     }
 }

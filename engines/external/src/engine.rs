@@ -19,6 +19,11 @@
 //! - a connection lost or an error answered mid-stream is
 //!   [`EngineError::Failed`] (the gateway migrates the request); a 4xx is
 //!   [`EngineError::Rejected`]; a 429 or 503 is `Overloaded`;
+//! - the one exception: a request whose connection closed before any
+//!   response headers came is sent once more, on a new connection, within
+//!   the same `response_timeout` (`call.rs`);
+//! - health checks and metrics scrapes use a pool of their own, so they
+//!   never go out on a connection a stream left behind.
 //! - no more than `max_tokens` tokens are handed out, and generation stops
 //!   after a stop token id even where the server cannot be told about them.
 
@@ -36,6 +41,7 @@ use dynamo_engine::{
 };
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -125,20 +131,11 @@ impl ExternalEngine {
             k.replay_endpoint = k.replay_endpoint.as_deref().map(|r| fill.apply(r));
         }
         let base = fill.apply(&cfg.url);
-        let client = reqwest::Client::builder()
-            .connect_timeout(cfg.connect_timeout)
-            .tcp_nodelay(true)
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build()
-            .map_err(|e| EngineError::Internal(format!("HTTP client: {e}")))?;
+        let client = http_client(&cfg, Some(POOL_IDLE))?;
         // For the one retry of a request a closing connection lost
         // (`call.rs`): it keeps no idle connection, so it never reuses one.
-        let fresh = reqwest::Client::builder()
-            .connect_timeout(cfg.connect_timeout)
-            .tcp_nodelay(true)
-            .pool_max_idle_per_host(0)
-            .build()
-            .map_err(|e| EngineError::Internal(format!("HTTP client: {e}")))?;
+        let fresh = http_client(&cfg, None)?;
+        let probes = http_client(&cfg, Some(POOL_IDLE))?;
         let arena =
             Arc::new(KvArena::new(1, 4096).map_err(|e| EngineError::Internal(e.to_string()))?);
         let (cmds, rx) = commands(COMMAND_QUEUE);
@@ -152,6 +149,8 @@ impl ExternalEngine {
             model,
             client,
             fresh,
+            probes,
+            retried: Arc::new(AtomicU64::new(0)),
             base,
             fill,
             kv: kv.map(|k| (k, sink)),
@@ -186,6 +185,10 @@ struct Driver {
     client: reqwest::Client,
     /// A client without idle connections (the retry's).
     fresh: reqwest::Client,
+    /// Health checks' and metrics scrapes' own pool.
+    probes: reqwest::Client,
+    /// Requests sent again after their connection closed unanswered.
+    retried: Arc<AtomicU64>,
     base: String,
     fill: Fill,
     kv: Option<(crate::zmq_source::ZmqConfig, KvEventSink)>,
@@ -227,7 +230,7 @@ impl Driver {
         // nothing, quietly).
         let (feed_tx, feed_up) = watch::channel(self.kv.is_none());
         aux.spawn(health(
-            self.client.clone(),
+            self.probes.clone(),
             self.base.clone(),
             self.cfg.clone(),
             self.state.clone(),
@@ -266,6 +269,7 @@ impl Driver {
                             let call = Call {
                                 client: self.client.clone(),
                                 fresh: self.fresh.clone(),
+                                retried: self.retried.clone(),
                                 base: self.base.clone(),
                                 api: self.cfg.api,
                                 model,
@@ -332,6 +336,27 @@ fn empty_snapshot() -> KvSnapshot {
         blocks: Vec::new(),
         offloaded: Vec::new(),
     }
+}
+
+/// How long an idle connection is kept: under the 5 s keep-alive that
+/// llama.cpp's server and uvicorn (vLLM's) announce, so the server is not
+/// the one to close it as a request goes out.
+const POOL_IDLE: Duration = Duration::from_secs(4);
+
+/// A client for the engine's server; `idle: None` keeps no idle connection.
+fn http_client(
+    cfg: &ExternalConfig,
+    idle: Option<Duration>,
+) -> Result<reqwest::Client, EngineError> {
+    let b = reqwest::Client::builder()
+        .connect_timeout(cfg.connect_timeout)
+        .tcp_nodelay(true);
+    let b = match idle {
+        Some(d) => b.pool_idle_timeout(d),
+        None => b.pool_max_idle_per_host(0),
+    };
+    b.build()
+        .map_err(|e| EngineError::Internal(format!("HTTP client: {e}")))
 }
 
 async fn watch_process(mut p: Launched) -> Aux {

@@ -579,6 +579,8 @@ async fn a_request_lost_to_a_closing_kept_alive_connection_goes_again_on_a_new_o
     let e = engine(port);
     ready(&e).await;
     for id in 1..=4 {
+        // Time for the finished stream's connection to go back to the pool.
+        tokio::time::sleep(Duration::from_millis(50)).await;
         let (toks, end) = events(&e, req(id, 1, 10, vec![])).await;
         assert_eq!(toks, vec![10, 11, 12, 13, 14], "request {id}");
         assert!(
