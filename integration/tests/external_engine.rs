@@ -452,8 +452,14 @@ async fn a_deployment_spec_launches_its_servers_and_counts_them_ready_once_they_
     args.extend(server_args(0));
     let i = args.iter().position(|a| a == "--port").expect("--port") + 1;
     args[i] = "{port}".into();
-    args[2] = "{model_path}".into();
-    let script = format!("sleep 3; exec {}", args.join(" "));
+    let i = args.iter().position(|a| a == "-m").expect("-m") + 1;
+    args[i] = "{model_path}".into();
+    // Each word single-quoted for the shell (paths may hold spaces).
+    let quoted: Vec<String> = args
+        .iter()
+        .map(|a| format!("'{}'", a.replace('\'', "'\\''")))
+        .collect();
+    let script = format!("sleep 3; exec {}", quoted.join(" "));
     let spec = format!(
         r#"
 version: 1
@@ -560,7 +566,10 @@ services:
         .collect();
     assert_eq!(pids.len(), 2, "{log}");
     assert_success(&dynamoctl(&j.nats.url, &["scale", "llamacpp/engines", "1"]));
-    let alive = |pid: i32| unsafe { libc::kill(pid, 0) } == 0;
+    // Running: its /proc entry is there and not a zombie.
+    let alive = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z"))
+    };
     let t0 = Instant::now();
     while pids.iter().filter(|p| alive(**p)).count() != 1 {
         assert!(
