@@ -113,9 +113,9 @@ const LOOP_CLIENTS: usize = 8;
 const LOOP_REQUESTS: usize = 6;
 
 /// One block of the closed loop: eight clients, each sending its next
-/// request as soon as its last one ends. Output lengths vary from 16 to 48
-/// tokens, drawn from the block number alone, so both paths get the same
-/// sequence. Varied lengths spread the arrivals over the server's steps,
+/// request as soon as its last one ends. Output lengths vary from 16 to 47
+/// tokens, a fixed hash of the block, client and request, so both paths
+/// get the same sequence. Varied lengths spread the arrivals over the server's steps,
 /// as real traffic does; in the rounds above all eight land together.
 async fn closed_loop(
     client: &reqwest::Client,
@@ -133,7 +133,7 @@ async fn closed_loop(
             // and pauses on both paths.
             let h = ((block * 131 + c) * 31 + k) as u64;
             let h = h.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            let n = 16 + (h >> 59) as u32; // 16..48 tokens
+            let n = 16 + (h >> 59) as u32; // 16..=47 tokens
             if think {
                 // 0..128 ms, longer than a step here, so a request
                 // arrives at any point of the server's step.
@@ -225,7 +225,7 @@ async fn external_overhead() {
         }
     );
     println!("  1, 8: {rounds} rounds of 1 or 8 streams of {MAX_TOKENS} tokens released together");
-    println!("  8 loop: 8 clients in a closed loop, {} blocks of {LOOP_REQUESTS} streams each per path, 16-48 tokens", rounds.div_ceil(4).max(2));
+    println!("  8 loop: 8 clients in a closed loop, {} blocks per path of {LOOP_CLIENTS}x{LOOP_REQUESTS} streams, 16-47 tokens", rounds.div_ceil(4).max(2));
     println!("  8 think: the same, each request after a pause of 0-127 ms");
     println!(
         "{:<7} {:<8} {:>9} {:>9} {:>9} {:>9}",
