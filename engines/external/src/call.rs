@@ -354,7 +354,8 @@ mod tests {
         use tokio::io::AsyncReadExt;
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = l.local_addr().unwrap().port();
-        let server = tokio::spawn(async move {
+        let mut server = tokio::task::JoinSet::new();
+        server.spawn(async move {
             let (mut s, _) = l.accept().await.unwrap();
             let mut b = [0u8; 1024];
             let _ = s.read(&mut b).await;
@@ -367,6 +368,6 @@ mod tests {
             .await
             .expect_err("closed unanswered");
         assert!(closed_unanswered(&e), "{e:?}");
-        server.await.unwrap();
+        server.join_next().await.expect("the server task").unwrap();
     }
 }
