@@ -17,6 +17,20 @@ use dynamo_integration::*;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
+/// The pids of the engine processes a node's log says it started.
+fn engine_pids(log: &str) -> Vec<i32> {
+    log.lines()
+        .filter(|l| l.contains("engine process started"))
+        .filter_map(|l| l.split("pid=").nth(1))
+        .filter_map(|p| p.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
+/// Whether a process runs: its /proc entry is there and not a zombie.
+fn running(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z"))
+}
+
 /// A worker group attached to a running server.
 fn attached(port: u16) -> String {
     format!(
@@ -369,26 +383,19 @@ async fn a_launched_engine_is_started_supervised_and_restarted() {
     let first = ask().await;
     assert_eq!(first.status, 200, "{}", first.json);
     // The server's output is in the node's log.
-    let pid_of = |log: &str| -> Vec<u32> {
-        log.lines()
-            .filter(|l| l.contains("engine process started"))
-            .filter_map(|l| l.split("pid=").nth(1))
-            .filter_map(|p| p.split_whitespace().next()?.parse().ok())
-            .collect()
-    };
     let log = node.log_text();
-    let pids = pid_of(&log);
+    let pids = engine_pids(&log);
     assert_eq!(pids.len(), 1, "{log}");
     assert!(
         log.contains("target=\"engine\"") || log.contains("engine:"),
         "no engine output logged"
     );
     unsafe {
-        libc::kill(pids[0] as i32, libc::SIGKILL);
+        libc::kill(pids[0], libc::SIGKILL);
     }
     // A new process, a new generation, serving the same answer.
     let t0 = Instant::now();
-    while pid_of(&node.log_text()).len() < 2 {
+    while engine_pids(&node.log_text()).len() < 2 {
         assert!(
             t0.elapsed() < Duration::from_secs(30),
             "engine never restarted:\n{}",
@@ -415,15 +422,11 @@ async fn a_launched_engine_is_started_supervised_and_restarted() {
         "the exit was not logged"
     );
     // Stopping the node stops its engine.
-    let last = *pid_of(&node.log_text()).last().unwrap();
+    let last = *engine_pids(&node.log_text()).last().unwrap();
     node.signal(libc::SIGTERM);
     node.wait(Duration::from_secs(20));
     let t0 = Instant::now();
-    while std::path::Path::new(&format!("/proc/{last}")).exists()
-        && !std::fs::read_to_string(format!("/proc/{last}/stat"))
-            .unwrap_or_default()
-            .contains(") Z")
-    {
+    while running(last) {
         assert!(
             t0.elapsed() < Duration::from_secs(10),
             "the engine outlived its node"
@@ -558,24 +561,15 @@ services:
 
     // Two servers were started; scaling to one stops one of them.
     let log = j.nodes[&node].log_text();
-    let pids: Vec<i32> = log
-        .lines()
-        .filter(|l| l.contains("engine process started"))
-        .filter_map(|l| l.split("pid=").nth(1))
-        .filter_map(|p| p.split_whitespace().next()?.parse().ok())
-        .collect();
+    let pids = engine_pids(&log);
     assert_eq!(pids.len(), 2, "{log}");
     assert_success(&dynamoctl(&j.nats.url, &["scale", "llamacpp/engines", "1"]));
-    // Running: its /proc entry is there and not a zombie.
-    let alive = |pid: i32| {
-        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| !stat.contains(") Z"))
-    };
     let t0 = Instant::now();
-    while pids.iter().filter(|p| alive(**p)).count() != 1 {
+    while pids.iter().filter(|p| running(**p)).count() != 1 {
         assert!(
             t0.elapsed() < Duration::from_secs(60),
             "after scaling to 1, {} of the servers run",
-            pids.iter().filter(|p| alive(**p)).count()
+            pids.iter().filter(|p| running(**p)).count()
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
