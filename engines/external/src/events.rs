@@ -15,6 +15,11 @@
 //!   which are folded to 64 bits with XXH3.
 //! - The batch's rank as `data_parallel_rank` (vLLM) or `attn_dp_rank`
 //!   (SGLang).
+//! - A hybrid model's KV cache group (vLLM's `group_idx`, and on stores
+//!   `kv_cache_spec_kind`), as [`CacheGroup`]; absent for one-group models.
+//!   In the array encoding, a `BlockRemoved`'s fourth field is read as a
+//!   kind only where it is a string (one vLLM release put the copy counts
+//!   there).
 //!
 //! Invariants: [`decode_batch`] never panics; it refuses a payload over
 //! [`MAX_PAYLOAD`], nesting deeper than msgpack's decoder allows, and more
@@ -40,6 +45,16 @@ pub const MAX_BLOCK_SIZE: u32 = 1 << 16;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EngineHash(pub u64);
 
+/// Which of a hybrid model's KV cache groups an event is of: vLLM's
+/// `group_idx` and `kv_cache_spec_kind` (`full_attention`,
+/// `sliding_window`, `mamba`, …). Both are absent for a model with one
+/// group, and for SGLang.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CacheGroup {
+    pub idx: Option<i64>,
+    pub kind: Option<String>,
+}
+
 /// One event of an engine.
 #[derive(Clone, Debug, PartialEq)]
 pub enum EngineEvent {
@@ -53,10 +68,12 @@ pub enum EngineEvent {
         lora_id: Option<i64>,
         lora_name: Option<String>,
         medium: Option<String>,
+        group: CacheGroup,
     },
     Removed {
         hashes: Vec<EngineHash>,
         medium: Option<String>,
+        group: CacheGroup,
     },
     Cleared,
     /// An event type this build does not know, by its tag.
@@ -194,8 +211,11 @@ const STORED: &[&str] = &[
     "lora_id",
     "medium",
     "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
 ];
-const REMOVED: &[&str] = &["block_hashes", "medium"];
+const REMOVED: &[&str] = &["block_hashes", "medium", "group_idx", "kv_cache_spec_kind"];
 
 fn event(v: &Value) -> Result<EngineEvent, DecodeError> {
     // The tag: an array's first element, or a map's `type`.
@@ -286,11 +306,23 @@ fn event(v: &Value) -> Result<EngineEvent, DecodeError> {
                 lora_id,
                 medium: text(body.get(5), "medium")?,
                 lora_name: text(body.get(6), "lora_name")?,
+                group: CacheGroup {
+                    idx: group_idx(body.get(8))?,
+                    kind: text(body.get(9), "kv_cache_spec_kind")?,
+                },
             })
         }
         "BlockRemoved" => Ok(EngineEvent::Removed {
             hashes: hash_list(body.get(0), "block_hashes")?,
             medium: text(body.get(1), "medium")?,
+            group: CacheGroup {
+                idx: group_idx(body.get(2))?,
+                // Only a string is a kind here (see the module docs).
+                kind: match body.get(3) {
+                    Some(v @ Value::String(_)) => text(Some(v), "kv_cache_spec_kind")?,
+                    _ => None,
+                },
+            },
         }),
         "AllBlocksCleared" => Ok(EngineEvent::Cleared),
         other => Ok(EngineEvent::Unknown(other.chars().take(64).collect())),
@@ -337,6 +369,7 @@ pub fn encode_batch(b: &EngineBatch, enc: Encoding) -> Vec<u8> {
                 lora_id,
                 lora_name,
                 medium,
+                group,
             } => strukt(
                 Some("BlockStored"),
                 vec![
@@ -353,11 +386,23 @@ pub fn encode_batch(b: &EngineBatch, enc: Encoding) -> Vec<u8> {
                     ("lora_id", lora_id.map_or(Value::Nil, Value::from)),
                     ("medium", opt_s(medium)),
                     ("lora_name", opt_s(lora_name)),
+                    ("extra_keys", Value::Nil),
+                    ("group_idx", group.idx.map_or(Value::Nil, Value::from)),
+                    ("kv_cache_spec_kind", opt_s(&group.kind)),
                 ],
             ),
-            EngineEvent::Removed { hashes: h, medium } => strukt(
+            EngineEvent::Removed {
+                hashes: h,
+                medium,
+                group,
+            } => strukt(
                 Some("BlockRemoved"),
-                vec![("block_hashes", hashes(h)), ("medium", opt_s(medium))],
+                vec![
+                    ("block_hashes", hashes(h)),
+                    ("medium", opt_s(medium)),
+                    ("group_idx", group.idx.map_or(Value::Nil, Value::from)),
+                    ("kv_cache_spec_kind", opt_s(&group.kind)),
+                ],
             ),
             EngineEvent::Cleared => strukt(Some("AllBlocksCleared"), vec![]),
             EngineEvent::Unknown(tag) | EngineEvent::Invalid(tag) => strukt(Some(tag), vec![]),
@@ -416,6 +461,16 @@ fn hash_list(v: Option<&Value>, field: &'static str) -> Result<Vec<EngineHash>, 
     a.iter()
         .map(|h| hash(h).ok_or_else(|| shape(field, "a hash is neither an integer nor bytes")))
         .collect()
+}
+
+fn group_idx(v: Option<&Value>) -> Result<Option<i64>, DecodeError> {
+    match v {
+        None | Some(Value::Nil) => Ok(None),
+        Some(v) => v
+            .as_i64()
+            .map(Some)
+            .ok_or_else(|| shape("group_idx", "not an integer")),
+    }
 }
 
 fn text(v: Option<&Value>, field: &'static str) -> Result<Option<String>, DecodeError> {

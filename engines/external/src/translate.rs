@@ -26,6 +26,17 @@
 //! the engine's block table in our hashes, so a [`Translator::snapshot`]
 //! answers the router's dump requests.
 //!
+//! **Hybrid models.** vLLM publishes the events of each KV cache group of
+//! a hybrid model (full attention beside sliding-window or Mamba layers):
+//! the same tokens stored once per group, and removed per group, a sliding
+//! window's soon after they leave its window. Only the prefix-cache group
+//! (`full_attention`, `mla_attention`, `sink_full_attention`) says which
+//! prefixes a worker holds, so only its events are translated; the others
+//! are skipped and counted. A store names its group's kind, and the kind is
+//! remembered per `group_idx` for the removals, which name only the index.
+//! Without any kind (vLLM before it sent one), group 0 is taken as the
+//! prefix cache, as vLLM lists full attention first.
+//!
 //! A LoRA block is salted with the adapter's name, as the gateway salts
 //! it. An engine that gives only its process-local adapter id is skipped
 //! and counted: that id names different adapters on different workers.
@@ -36,13 +47,19 @@
 //! and counted, and the router's view is incomplete, never wrong); our
 //! event ids rise by one per emitted event.
 
-use crate::events::{EngineEvent, EngineHash};
+use crate::events::{CacheGroup, EngineEvent, EngineHash};
 use dynamo_bus_schema::blocks::{chain, hash_salt, local_block_hash, SequenceHash};
 use dynamo_engine::{KvCacheEvent, KvCacheEventData, KvSnapshot, KvTier};
 use std::collections::HashMap;
 
 /// Most engine blocks tracked at once.
 pub const MAX_TRACKED: usize = 1 << 22;
+
+/// Most KV cache groups whose kind is remembered (models have a handful).
+pub const MAX_GROUPS: usize = 64;
+
+/// Kinds of KV cache group that hold a prefix cache the router indexes.
+pub const PREFIX_KINDS: [&str; 3] = ["full_attention", "mla_attention", "sink_full_attention"];
 
 /// Where our chain stands after one engine block.
 #[derive(Clone, Debug)]
@@ -75,6 +92,28 @@ pub struct Counts {
     /// Stores of a known engine block whose tokens chain differently from
     /// its first store (the first is kept).
     pub rechained: u64,
+    /// Events of a KV cache group that is not the prefix cache (a hybrid
+    /// model's sliding-window or Mamba layers).
+    pub other_group: u64,
+}
+
+impl Counts {
+    /// All events skipped, whatever the reason.
+    pub fn total(&self) -> u64 {
+        [
+            self.unknown_parent,
+            self.unknown_block,
+            self.unknown_medium,
+            self.unknown_event,
+            self.invalid_event,
+            self.over_limit,
+            self.unnamed_lora,
+            self.rechained,
+            self.other_group,
+        ]
+        .iter()
+        .fold(0u64, |a, b| a.saturating_add(*b))
+    }
 }
 
 /// One engine's events → our [`KvCacheEvent`]s.
@@ -84,6 +123,8 @@ pub struct Translator {
     blocks: HashMap<EngineHash, Chain>,
     /// Copies per (tier, our block) of the engine blocks that own it.
     refs: HashMap<(usize, SequenceHash), u32>,
+    /// Whether each KV cache group seen with a kind is a prefix cache.
+    groups: HashMap<i64, bool>,
     next_id: u64,
     pub skipped: Counts,
 }
@@ -114,6 +155,7 @@ impl Translator {
             block_size: block_size.max(1),
             blocks: HashMap::new(),
             refs: HashMap::new(),
+            groups: HashMap::new(),
             next_id: 0,
             skipped: Counts::default(),
         }
@@ -155,6 +197,24 @@ impl Translator {
         }
     }
 
+    /// Whether an event of `g` is of the prefix cache (learning the kind of
+    /// its group where it names one).
+    fn prefix_group(&mut self, g: &CacheGroup) -> bool {
+        match (&g.kind, g.idx) {
+            (Some(kind), idx) => {
+                let prefix = PREFIX_KINDS.contains(&kind.to_ascii_lowercase().as_str());
+                if let Some(i) = idx {
+                    if self.groups.len() < MAX_GROUPS || self.groups.contains_key(&i) {
+                        self.groups.insert(i, prefix);
+                    }
+                }
+                prefix
+            }
+            (None, None) => true,
+            (None, Some(i)) => self.groups.get(&i).copied().unwrap_or(i == 0),
+        }
+    }
+
     /// Our events for one engine event (none when it changes nothing of
     /// ours, or is skipped).
     pub fn translate(&mut self, e: &EngineEvent) -> Vec<KvCacheEvent> {
@@ -167,7 +227,12 @@ impl Translator {
                 lora_id,
                 lora_name,
                 medium,
+                group,
             } => {
+                if !self.prefix_group(group) {
+                    self.skipped.other_group += 1;
+                    return Vec::new();
+                }
                 let Some(t) = tier(medium.as_deref()) else {
                     self.skipped.unknown_medium += 1;
                     return Vec::new();
@@ -179,7 +244,15 @@ impl Translator {
                 let salt = hash_salt(&self.model, lora_name.as_deref());
                 self.stored(hashes, *parent, token_ids, *block_size as usize, t, salt)
             }
-            EngineEvent::Removed { hashes, medium } => {
+            EngineEvent::Removed {
+                hashes,
+                medium,
+                group,
+            } => {
+                if !self.prefix_group(group) {
+                    self.skipped.other_group += 1;
+                    return Vec::new();
+                }
                 let Some(t) = tier(medium.as_deref()) else {
                     self.skipped.unknown_medium += 1;
                     return Vec::new();
@@ -336,6 +409,7 @@ mod tests {
             lora_id: None,
             lora_name: None,
             medium: None,
+            group: CacheGroup::default(),
         }
     }
 
@@ -398,6 +472,7 @@ mod tests {
         let gone = tr.translate(&EngineEvent::Removed {
             hashes: vec![EngineHash(2)],
             medium: Some("GPU".into()),
+            group: CacheGroup::default(),
         });
         assert_eq!(
             gone[0].data,
@@ -424,7 +499,8 @@ mod tests {
         assert!(tr
             .translate(&EngineEvent::Removed {
                 hashes: vec![EngineHash(8)],
-                medium: None
+                medium: None,
+                group: CacheGroup::default(),
             })
             .is_empty());
         let mut odd = stored(&[9], None, &t, 16);
@@ -444,6 +520,7 @@ mod tests {
                 over_limit: 0,
                 unnamed_lora: 0,
                 rechained: 0,
+                other_group: 0,
             }
         );
         assert_eq!(tr.last_event_id(), 0);
@@ -464,6 +541,7 @@ mod tests {
         let rm = |m: &str| EngineEvent::Removed {
             hashes: vec![EngineHash(1)],
             medium: Some(m.into()),
+            group: CacheGroup::default(),
         };
         assert_eq!(tr.translate(&rm("GPU"))[0].tier, KvTier::Device);
         assert_eq!(tr.tracked(), 1);
@@ -488,6 +566,7 @@ mod tests {
         let rm = |h: u64| EngineEvent::Removed {
             hashes: vec![EngineHash(h)],
             medium: None,
+            group: CacheGroup::default(),
         };
         assert!(tr.translate(&rm(1)).is_empty());
         assert!(tr.translate(&rm(2)).is_empty());
@@ -512,5 +591,91 @@ mod tests {
         }
         assert!(tr.translate(&unnamed).is_empty());
         assert_eq!(tr.skipped.unnamed_lora, 1);
+    }
+
+    fn in_group(mut e: EngineEvent, idx: Option<i64>, kind: Option<&str>) -> EngineEvent {
+        let g = CacheGroup {
+            idx,
+            kind: kind.map(str::to_string),
+        };
+        match &mut e {
+            EngineEvent::Stored { group, .. } | EngineEvent::Removed { group, .. } => *group = g,
+            _ => {}
+        }
+        e
+    }
+
+    fn removed(h: u64) -> EngineEvent {
+        EngineEvent::Removed {
+            hashes: vec![EngineHash(h)],
+            medium: None,
+            group: CacheGroup::default(),
+        }
+    }
+
+    #[test]
+    fn only_the_prefix_cache_group_of_a_hybrid_model_is_indexed() {
+        let t: Vec<u32> = (0..32).collect();
+        let want = sequence_hashes(&t, 16, hash_salt("m", None));
+        // DeepSeek-V4-like: the sliding window is group 0, full attention
+        // group 1, and the stores say so. The window's stores and its early
+        // removals change nothing of ours; full attention's do.
+        let mut tr = Translator::new("m", 16);
+        let swa = in_group(
+            stored(&[1, 2], None, &t, 16),
+            Some(0),
+            Some("sliding_window"),
+        );
+        assert!(tr.translate(&swa).is_empty());
+        let full = in_group(
+            stored(&[1, 2], None, &t, 16),
+            Some(1),
+            Some("full_attention"),
+        );
+        assert_eq!(stored_blocks(&tr.translate(&full)), want);
+        // Removals name only the index: the kinds learned from the stores
+        // decide.
+        assert!(tr
+            .translate(&in_group(removed(1), Some(0), None))
+            .is_empty());
+        assert_eq!(tr.snapshot().blocks.len(), 2);
+        let gone = tr.translate(&in_group(removed(2), Some(1), None));
+        assert_eq!(
+            gone[0].data,
+            KvCacheEventData::Removed {
+                blocks: vec![want[1]]
+            }
+        );
+        // Mamba state and a kind this build does not know are skipped too.
+        let mamba = in_group(stored(&[7], None, &t[..16], 16), Some(2), Some("mamba"));
+        assert!(tr.translate(&mamba).is_empty());
+        assert!(tr
+            .translate(&in_group(removed(1), Some(2), None))
+            .is_empty());
+        assert_eq!(tr.skipped.other_group, 4);
+        assert_eq!(tr.skipped.total(), 4);
+
+        // Without kinds (vLLM before it sent them): group 0 is the prefix
+        // cache, any other group is not, and no group at all is a model
+        // with one.
+        let mut tr = Translator::new("m", 16);
+        let g1 = in_group(stored(&[1, 2], None, &t, 16), Some(1), None);
+        assert!(tr.translate(&g1).is_empty());
+        let g0 = in_group(stored(&[1, 2], None, &t, 16), Some(0), None);
+        assert_eq!(stored_blocks(&tr.translate(&g0)), want);
+        assert!(tr
+            .translate(&in_group(removed(2), Some(1), None))
+            .is_empty());
+        assert_eq!(tr.translate(&removed(2)).len(), 1);
+        assert_eq!(tr.skipped.other_group, 2);
+        // MLA is a prefix cache (DeepSeek's one group), whatever its index.
+        let mut tr = Translator::new("m", 16);
+        let mla = in_group(
+            stored(&[1, 2], None, &t, 16),
+            Some(3),
+            Some("MLA_ATTENTION"),
+        );
+        assert_eq!(stored_blocks(&tr.translate(&mla)), want);
+        assert_eq!(tr.translate(&in_group(removed(2), Some(3), None)).len(), 1);
     }
 }

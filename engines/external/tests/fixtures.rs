@@ -3,7 +3,7 @@
 //! in both encodings, and a round-trip property test.
 
 use dynamo_external_engine::events::{
-    decode_batch, encode_batch, Encoding, EngineBatch, EngineEvent, EngineHash,
+    decode_batch, encode_batch, CacheGroup, Encoding, EngineBatch, EngineEvent, EngineHash,
 };
 use proptest::prelude::*;
 
@@ -56,7 +56,9 @@ fn every_fixture_decodes_to_what_it_holds() {
             EngineEvent::Removed {
                 hashes: r,
                 medium: m,
+                group,
             } => {
+                assert_eq!(*group, CacheGroup::default(), "{name}");
                 assert_eq!(r[..], hashes[1..], "{name}");
                 assert_eq!(m.as_deref(), want["removed_medium"].as_str(), "{name}");
             }
@@ -92,6 +94,7 @@ fn bad_payloads_are_errors_that_name_the_field() {
             lora_id: None,
             lora_name: None,
             medium: None,
+            group: CacheGroup::default(),
         }],
         dp_rank: None,
     };
@@ -122,6 +125,21 @@ fn an_unknown_event_type_is_kept_by_name() {
     }
 }
 
+fn group() -> impl Strategy<Value = CacheGroup> {
+    (
+        prop::option::of(0i64..4),
+        prop::option::of(prop::sample::select(vec![
+            "full_attention",
+            "sliding_window",
+            "mamba",
+        ])),
+    )
+        .prop_map(|(idx, kind)| CacheGroup {
+            idx,
+            kind: kind.map(String::from),
+        })
+}
+
 fn event() -> impl Strategy<Value = EngineEvent> {
     let medium = prop::option::of(prop::sample::select(vec!["GPU", "CPU", "DISK"]))
         .prop_map(|m| m.map(String::from));
@@ -134,8 +152,9 @@ fn event() -> impl Strategy<Value = EngineEvent> {
             prop::option::of("[a-z]{1,8}"),
             medium.clone(),
             any::<u32>(),
+            group(),
         )
-            .prop_map(|(h, parent, bs, lora_id, lora_name, medium, seed)| {
+            .prop_map(|(h, parent, bs, lora_id, lora_name, medium, seed, group)| {
                 let n = h.len() * bs as usize;
                 EngineEvent::Stored {
                     hashes: h.into_iter().map(EngineHash).collect(),
@@ -147,14 +166,16 @@ fn event() -> impl Strategy<Value = EngineEvent> {
                     lora_id,
                     lora_name,
                     medium,
+                    group,
                 }
             }),
-        (prop::collection::vec(any::<u64>(), 0..5), medium).prop_map(|(h, medium)| {
-            EngineEvent::Removed {
+        (prop::collection::vec(any::<u64>(), 0..5), medium, group()).prop_map(
+            |(h, medium, group)| EngineEvent::Removed {
                 hashes: h.into_iter().map(EngineHash).collect(),
                 medium,
+                group,
             }
-        }),
+        ),
         Just(EngineEvent::Cleared),
     ]
 }
@@ -171,5 +192,53 @@ proptest! {
         for enc in [Encoding::Array, Encoding::Map] {
             prop_assert_eq!(&decode_batch(&encode_batch(&b, enc)).unwrap(), &b);
         }
+    }
+}
+
+#[test]
+fn a_hybrid_models_groups_decode_and_only_full_attention_is_indexed() {
+    use dynamo_external_engine::translate::Translator;
+    for name in [
+        "vllm_hybrid_array",
+        "vllm_hybrid_map",
+        "vllm_hybrid_copy_counts_array",
+    ] {
+        let b = fixture(name);
+        assert_eq!(b.events.len(), 4, "{name}");
+        let groups: Vec<CacheGroup> = b
+            .events
+            .iter()
+            .map(|e| match e {
+                EngineEvent::Stored { group, .. } | EngineEvent::Removed { group, .. } => {
+                    group.clone()
+                }
+                other => panic!("{name}: {other:?}"),
+            })
+            .collect();
+        let g = |idx, kind: Option<&str>| CacheGroup {
+            idx: Some(idx),
+            kind: kind.map(String::from),
+        };
+        assert_eq!(
+            groups,
+            [
+                g(0, Some("sliding_window")),
+                g(1, Some("full_attention")),
+                // Removals name the index only; the copy counts of one
+                // release are not taken for a kind.
+                g(0, None),
+                g(1, None),
+            ],
+            "{name}"
+        );
+        // Translated: the sliding window's store and removal change
+        // nothing; full attention's store gives our two blocks and its
+        // removal takes the second.
+        let mut tr = Translator::new("m", 16);
+        let out: Vec<_> = b.events.iter().map(|e| tr.translate(e)).collect();
+        assert!(out[0].is_empty() && out[2].is_empty(), "{name}");
+        assert_eq!((out[1].len(), out[3].len()), (1, 1), "{name}");
+        assert_eq!(tr.snapshot().blocks.len(), 1, "{name}");
+        assert_eq!(tr.skipped.other_group, 2, "{name}");
     }
 }
