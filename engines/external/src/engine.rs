@@ -454,6 +454,9 @@ async fn health(
     }
 }
 
+/// How often what a KV event feed dropped is logged (when it rose).
+const FEED_REPORT: Duration = Duration::from_secs(30);
+
 /// The KV event feed: connects (retrying while the engine starts), then
 /// forwards events and answers snapshots.
 async fn feed(
@@ -487,12 +490,41 @@ async fn feed(
     };
     tracing::info!(endpoint = %cfg.endpoint, "KV event feed connected");
     up.send_replace(true);
+    // What the feed dropped is logged at most once per period, when it rose.
+    let mut report = tokio::time::interval(FEED_REPORT);
+    report.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut reported = crate::kv_feed::FeedStats::default();
     loop {
         tokio::select! {
             e = events.recv() => match e {
                 Some(e) => sink.send(e),
                 None => break,
             },
+            _ = report.tick() => {
+                let now = feed.stats();
+                let dropped = now.dropped_since(&reported);
+                if !dropped.is_empty() {
+                    let what = dropped
+                        .iter()
+                        .map(|(k, n)| format!("{k} +{n}"))
+                        .collect::<Vec<_>>()
+                        .join(", ");
+                    // A hybrid model's other cache groups are skipped by
+                    // design; anything else means the index misses blocks.
+                    if dropped.iter().all(|(k, _)| *k == "other_group") {
+                        tracing::info!(endpoint = %cfg.endpoint, dropped = %what, "KV events of non-prefix cache groups skipped");
+                    } else {
+                        tracing::warn!(
+                            endpoint = %cfg.endpoint,
+                            dropped = %what,
+                            skipped_total = now.skipped.total(),
+                            batches = now.source.batches,
+                            "KV events skipped or lost"
+                        );
+                    }
+                }
+                reported = now;
+            }
             Some(reply) = snapshots.recv() => {
                 let _ = reply.send(feed.snapshot().unwrap_or_else(empty_snapshot));
             }

@@ -33,6 +33,34 @@ pub struct FeedStats {
     pub tracked: usize,
 }
 
+impl FeedStats {
+    /// What was dropped since `old`, by reason (counter name, how many
+    /// more): skipped events, bad frames, lost batches, socket errors.
+    pub fn dropped_since(&self, old: &FeedStats) -> Vec<(&'static str, u64)> {
+        let (k, o) = (&self.skipped, &old.skipped);
+        let (s, os) = (&self.source, &old.source);
+        [
+            ("unknown_parent", k.unknown_parent, o.unknown_parent),
+            ("unknown_block", k.unknown_block, o.unknown_block),
+            ("unknown_medium", k.unknown_medium, o.unknown_medium),
+            ("unknown_event", k.unknown_event, o.unknown_event),
+            ("invalid_event", k.invalid_event, o.invalid_event),
+            ("over_limit", k.over_limit, o.over_limit),
+            ("unnamed_lora", k.unnamed_lora, o.unnamed_lora),
+            ("rechained", k.rechained, o.rechained),
+            ("other_group", k.other_group, o.other_group),
+            ("bad_frames", s.bad_frames, os.bad_frames),
+            ("lost", s.lost, os.lost),
+            ("wrong_rank", s.wrong_rank, os.wrong_rank),
+            ("socket_errors", s.socket_errors, os.socket_errors),
+        ]
+        .into_iter()
+        .filter(|(_, now, then)| now > then)
+        .map(|(name, now, then)| (name, now - then))
+        .collect()
+    }
+}
+
 struct Shared {
     translator: Translator,
     source: SourceStats,
@@ -116,5 +144,25 @@ impl KvFeed {
                 tracked: g.translator.tracked(),
             })
             .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dropped_since_names_what_rose() {
+        let old = FeedStats::default();
+        let mut now = old.clone();
+        assert!(now.dropped_since(&old).is_empty());
+        now.skipped.other_group = 3;
+        now.source.bad_frames = 1;
+        now.source.batches = 9; // not a loss
+        assert_eq!(
+            now.dropped_since(&old),
+            [("other_group", 3), ("bad_frames", 1)]
+        );
+        assert!(now.dropped_since(&now).is_empty());
     }
 }
