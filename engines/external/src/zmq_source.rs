@@ -27,7 +27,14 @@ use crate::sequence::{Next, Sequence};
 use bytes::Bytes;
 use std::time::Duration;
 use thiserror::Error;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+/// How long one [`ZmqSource::connect`] tries before it gives up. The
+/// caller paces the retries (the worker's feed retries at its health
+/// interval), so a publisher that comes up is found within about this
+/// much; `zeromq`'s own default is 30 s of tries that back off to 5 s
+/// apart.
+pub const CONNECT_TRY: Duration = Duration::from_secs(1);
 
 /// Where an engine publishes.
 #[derive(Clone, Debug, PartialEq)]
@@ -129,7 +136,9 @@ impl ZmqSource {
     /// Connects to the rank's publisher (the SUB reconnects when it
     /// restarts); the replay endpoint is connected when first needed.
     pub async fn connect(cfg: ZmqConfig) -> Result<Self, SourceError> {
-        let mut sub = SubSocket::new();
+        let mut opts = SocketOptions::default();
+        opts.connect_timeout(CONNECT_TRY);
+        let mut sub = SubSocket::with_options(opts);
         sub.connect(&offset_port(&cfg.endpoint, cfg.dp_rank)?)
             .await?;
         sub.subscribe(&cfg.topic).await?;
@@ -354,5 +363,28 @@ mod tests {
         assert_eq!(offset_port("tcp://h:5557", 2).unwrap(), "tcp://h:5559");
         assert!(offset_port("tcp://h", 1).is_err());
         assert!(offset_port("tcp://h:65535", 1).is_err());
+    }
+
+    /// A publisher that is not up yet fails one connect after
+    /// [`CONNECT_TRY`], not zeromq's 30 s, so the caller's retry finds it
+    /// soon after it comes up (virtual time: the sockets are real).
+    #[tokio::test(start_paused = true)]
+    async fn a_publisher_not_up_fails_one_connect_after_its_try() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let cfg = ZmqConfig {
+            endpoint: format!("tcp://127.0.0.1:{port}"),
+            replay_endpoint: None,
+            topic: String::new(),
+            dp_rank: 0,
+            replay_timeout: Duration::from_secs(2),
+        };
+        let start = tokio::time::Instant::now();
+        let r = ZmqSource::connect(cfg).await;
+        assert!(r.is_err(), "nothing listens on {port}");
+        assert!(start.elapsed() <= CONNECT_TRY + Duration::from_millis(100));
     }
 }
