@@ -509,10 +509,18 @@ async fn feed(
                         .map(|(k, n)| format!("{k} +{n}"))
                         .collect::<Vec<_>>()
                         .join(", ");
-                    // A hybrid model's other cache groups are skipped by
-                    // design; anything else means the index misses blocks.
-                    if dropped.iter().all(|(k, _)| *k == "other_group") {
-                        tracing::info!(endpoint = %cfg.endpoint, dropped = %what, "KV events of non-prefix cache groups skipped");
+                    // Expected, once blocks are indexed: a hybrid model's
+                    // other cache groups, and removals of blocks stored
+                    // before the feed connected or a discontinuity.
+                    // Anything else, or nothing indexed at all (a prefix
+                    // group whose kind is not known), means the router
+                    // misses blocks.
+                    let expected = now.tracked > 0
+                        && dropped
+                            .iter()
+                            .all(|(k, _)| matches!(*k, "other_group" | "unknown_block"));
+                    if expected {
+                        tracing::info!(endpoint = %cfg.endpoint, dropped = %what, tracked = now.tracked, "KV events of other cache groups or of blocks not tracked skipped");
                     } else {
                         tracing::warn!(
                             endpoint = %cfg.endpoint,

@@ -17,9 +17,9 @@
 //!   (SGLang).
 //! - A hybrid model's KV cache group (vLLM's `group_idx`, and on stores
 //!   `kv_cache_spec_kind`), as [`CacheGroup`]; absent for one-group models.
-//!   In the array encoding, a `BlockRemoved`'s fourth field is read as a
-//!   kind only where it is a string (one vLLM release put the copy counts
-//!   there).
+//!   A removal names only the index (vLLM sends no kind on it, and what
+//!   some releases put after `group_idx` there, copy counts or a locality
+//!   string, is ignored).
 //!
 //! Invariants: [`decode_batch`] never panics; it refuses a payload over
 //! [`MAX_PAYLOAD`], nesting deeper than msgpack's decoder allows, and more
@@ -46,9 +46,9 @@ pub const MAX_BLOCK_SIZE: u32 = 1 << 16;
 pub struct EngineHash(pub u64);
 
 /// Which of a hybrid model's KV cache groups an event is of: vLLM's
-/// `group_idx` and `kv_cache_spec_kind` (`full_attention`,
+/// `group_idx` and, on stores, `kv_cache_spec_kind` (`full_attention`,
 /// `sliding_window`, `mamba`, …). Both are absent for a model with one
-/// group, and for SGLang.
+/// group, and for SGLang; a removal's `kind` is always `None`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct CacheGroup {
     pub idx: Option<i64>,
@@ -215,7 +215,7 @@ const STORED: &[&str] = &[
     "group_idx",
     "kv_cache_spec_kind",
 ];
-const REMOVED: &[&str] = &["block_hashes", "medium", "group_idx", "kv_cache_spec_kind"];
+const REMOVED: &[&str] = &["block_hashes", "medium", "group_idx"];
 
 fn event(v: &Value) -> Result<EngineEvent, DecodeError> {
     // The tag: an array's first element, or a map's `type`.
@@ -317,11 +317,7 @@ fn event(v: &Value) -> Result<EngineEvent, DecodeError> {
             medium: text(body.get(1), "medium")?,
             group: CacheGroup {
                 idx: group_idx(body.get(2))?,
-                // Only a string is a kind here (see the module docs).
-                kind: match body.get(3) {
-                    Some(v @ Value::String(_)) => text(Some(v), "kv_cache_spec_kind")?,
-                    _ => None,
-                },
+                kind: None,
             },
         }),
         "AllBlocksCleared" => Ok(EngineEvent::Cleared),
@@ -401,7 +397,6 @@ pub fn encode_batch(b: &EngineBatch, enc: Encoding) -> Vec<u8> {
                     ("block_hashes", hashes(h)),
                     ("medium", opt_s(medium)),
                     ("group_idx", group.idx.map_or(Value::Nil, Value::from)),
-                    ("kv_cache_spec_kind", opt_s(&group.kind)),
                 ],
             ),
             EngineEvent::Cleared => strukt(Some("AllBlocksCleared"), vec![]),

@@ -37,27 +37,22 @@ impl FeedStats {
     /// What was dropped since `old`, by reason (counter name, how many
     /// more): skipped events, bad frames, lost batches, socket errors.
     pub fn dropped_since(&self, old: &FeedStats) -> Vec<(&'static str, u64)> {
-        let (k, o) = (&self.skipped, &old.skipped);
         let (s, os) = (&self.source, &old.source);
-        [
-            ("unknown_parent", k.unknown_parent, o.unknown_parent),
-            ("unknown_block", k.unknown_block, o.unknown_block),
-            ("unknown_medium", k.unknown_medium, o.unknown_medium),
-            ("unknown_event", k.unknown_event, o.unknown_event),
-            ("invalid_event", k.invalid_event, o.invalid_event),
-            ("over_limit", k.over_limit, o.over_limit),
-            ("unnamed_lora", k.unnamed_lora, o.unnamed_lora),
-            ("rechained", k.rechained, o.rechained),
-            ("other_group", k.other_group, o.other_group),
+        let source = [
             ("bad_frames", s.bad_frames, os.bad_frames),
             ("lost", s.lost, os.lost),
             ("wrong_rank", s.wrong_rank, os.wrong_rank),
             ("socket_errors", s.socket_errors, os.socket_errors),
-        ]
-        .into_iter()
-        .filter(|(_, now, then)| now > then)
-        .map(|(name, now, then)| (name, now - then))
-        .collect()
+        ];
+        self.skipped
+            .named()
+            .into_iter()
+            .zip(old.skipped.named())
+            .map(|((name, now), (_, then))| (name, now, then))
+            .chain(source)
+            .filter(|(_, now, then)| now > then)
+            .map(|(name, now, then)| (name, now - then))
+            .collect()
     }
 }
 

@@ -28,14 +28,23 @@
 //!
 //! **Hybrid models.** vLLM publishes the events of each KV cache group of
 //! a hybrid model (full attention beside sliding-window or Mamba layers):
-//! the same tokens stored once per group, and removed per group, a sliding
-//! window's soon after they leave its window. Only the prefix-cache group
-//! (`full_attention`, `mla_attention`, `sink_full_attention`) says which
-//! prefixes a worker holds, so only its events are translated; the others
-//! are skipped and counted. A store names its group's kind, and the kind is
-//! remembered per `group_idx` for the removals, which name only the index.
-//! Without any kind (vLLM before it sent one), group 0 is taken as the
-//! prefix cache, as vLLM lists full attention first.
+//! the same tokens stored once per group, under the same hashes, and
+//! removed per group, a sliding window's soon after they leave its window.
+//! Only a prefix-cache group (`full_attention`, `mla_attention`,
+//! `sink_full_attention`) says which prefixes a worker holds. One group is
+//! indexed: the first prefix-cache group a store names (a model may split
+//! its full-attention layers into several groups, which hold the same
+//! prefixes; counting their copies together would keep a block while any
+//! one of them has it). The other groups' events are skipped and counted.
+//! A store names its group's kind, and the kind is remembered per
+//! `group_idx` for the removals, which name only the index.
+//!
+//! Without any kind (vLLM releases before it sent one), group 0 is taken as
+//! the prefix cache, as NVIDIA Dynamo also does. That is a guess: vLLM
+//! orders groups by their first layer, and models whose first layer is
+//! sliding-window or linear attention (Gemma 3, GPT-OSS, Qwen3-Next) put
+//! full attention elsewhere. The first kindless event of another group is
+//! logged at warn, saying so.
 //!
 //! A LoRA block is salted with the adapter's name, as the gateway salts
 //! it. An engine that gives only its process-local adapter id is skipped
@@ -60,6 +69,10 @@ pub const MAX_GROUPS: usize = 64;
 
 /// Kinds of KV cache group that hold a prefix cache the router indexes.
 pub const PREFIX_KINDS: [&str; 3] = ["full_attention", "mla_attention", "sink_full_attention"];
+
+fn is_prefix_kind(kind: &str) -> bool {
+    PREFIX_KINDS.iter().any(|k| k.eq_ignore_ascii_case(kind))
+}
 
 /// Where our chain stands after one engine block.
 #[derive(Clone, Debug)]
@@ -98,21 +111,26 @@ pub struct Counts {
 }
 
 impl Counts {
+    /// Every counter, by its field's name.
+    pub fn named(&self) -> [(&'static str, u64); 9] {
+        [
+            ("unknown_parent", self.unknown_parent),
+            ("unknown_block", self.unknown_block),
+            ("unknown_medium", self.unknown_medium),
+            ("unknown_event", self.unknown_event),
+            ("invalid_event", self.invalid_event),
+            ("over_limit", self.over_limit),
+            ("unnamed_lora", self.unnamed_lora),
+            ("rechained", self.rechained),
+            ("other_group", self.other_group),
+        ]
+    }
+
     /// All events skipped, whatever the reason.
     pub fn total(&self) -> u64 {
-        [
-            self.unknown_parent,
-            self.unknown_block,
-            self.unknown_medium,
-            self.unknown_event,
-            self.invalid_event,
-            self.over_limit,
-            self.unnamed_lora,
-            self.rechained,
-            self.other_group,
-        ]
-        .iter()
-        .fold(0u64, |a, b| a.saturating_add(*b))
+        self.named()
+            .iter()
+            .fold(0u64, |a, (_, n)| a.saturating_add(*n))
     }
 }
 
@@ -125,6 +143,10 @@ pub struct Translator {
     refs: HashMap<(usize, SequenceHash), u32>,
     /// Whether each KV cache group seen with a kind is a prefix cache.
     groups: HashMap<i64, bool>,
+    /// The group indexed: the first prefix-cache group a store named.
+    indexed: Option<i64>,
+    /// Whether the kindless guess (group 0) was warned about.
+    guessed: bool,
     next_id: u64,
     pub skipped: Counts,
 }
@@ -156,6 +178,8 @@ impl Translator {
             blocks: HashMap::new(),
             refs: HashMap::new(),
             groups: HashMap::new(),
+            indexed: None,
+            guessed: false,
             next_id: 0,
             skipped: Counts::default(),
         }
@@ -197,21 +221,35 @@ impl Translator {
         }
     }
 
-    /// Whether an event of `g` is of the prefix cache (learning the kind of
-    /// its group where it names one).
-    fn prefix_group(&mut self, g: &CacheGroup) -> bool {
+    /// Whether an event of `g` is of the group indexed (learning the kind
+    /// of its group where it names one).
+    fn indexed_group(&mut self, g: &CacheGroup) -> bool {
         match (&g.kind, g.idx) {
-            (Some(kind), idx) => {
-                let prefix = PREFIX_KINDS.contains(&kind.to_ascii_lowercase().as_str());
-                if let Some(i) = idx {
-                    if self.groups.len() < MAX_GROUPS || self.groups.contains_key(&i) {
-                        self.groups.insert(i, prefix);
-                    }
-                }
-                prefix
-            }
+            // A model with one group.
             (None, None) => true,
-            (None, Some(i)) => self.groups.get(&i).copied().unwrap_or(i == 0),
+            (Some(kind), None) => is_prefix_kind(kind),
+            (Some(kind), Some(i)) => {
+                let prefix = is_prefix_kind(kind);
+                if self.groups.len() < MAX_GROUPS || self.groups.contains_key(&i) {
+                    self.groups.insert(i, prefix);
+                }
+                prefix && *self.indexed.get_or_insert(i) == i
+            }
+            (None, Some(i)) => match self.groups.get(&i) {
+                Some(_) => self.indexed == Some(i),
+                // Kinds were sent, but not for this group: not the one.
+                None if !self.groups.is_empty() => false,
+                None => {
+                    if i != 0 && !self.guessed {
+                        self.guessed = true;
+                        tracing::warn!(
+                            group_idx = i,
+                            "KV events of several cache groups and no kv_cache_spec_kind: group 0 is taken as the prefix cache, which is wrong for models whose first layer is not full attention; use a vLLM that sends kinds"
+                        );
+                    }
+                    i == 0
+                }
+            },
         }
     }
 
@@ -229,7 +267,7 @@ impl Translator {
                 medium,
                 group,
             } => {
-                if !self.prefix_group(group) {
+                if !self.indexed_group(group) {
                     self.skipped.other_group += 1;
                     return Vec::new();
                 }
@@ -249,7 +287,7 @@ impl Translator {
                 medium,
                 group,
             } => {
-                if !self.prefix_group(group) {
+                if !self.indexed_group(group) {
                     self.skipped.other_group += 1;
                     return Vec::new();
                 }
@@ -677,5 +715,53 @@ mod tests {
         );
         assert_eq!(stored_blocks(&tr.translate(&mla)), want);
         assert_eq!(tr.translate(&in_group(removed(2), Some(3), None)).len(), 1);
+    }
+
+    #[test]
+    fn one_of_several_full_attention_groups_is_indexed_and_kinds_outlive_a_clear() {
+        let t: Vec<u32> = (0..32).collect();
+        let want = sequence_hashes(&t, 16, hash_salt("m", None));
+        let mut tr = Translator::new("m", 16);
+        // Full attention split in two groups, the same hashes in each: the
+        // first named is indexed, so the second's removal changes nothing
+        // and the first's takes the block at once.
+        let fa = |i| {
+            in_group(
+                stored(&[1, 2], None, &t, 16),
+                Some(i),
+                Some("full_attention"),
+            )
+        };
+        assert_eq!(stored_blocks(&tr.translate(&fa(0))), want);
+        assert!(tr.translate(&fa(1)).is_empty());
+        assert!(tr
+            .translate(&in_group(removed(2), Some(1), None))
+            .is_empty());
+        assert_eq!(tr.translate(&in_group(removed(2), Some(0), None)).len(), 1);
+        assert_eq!(tr.skipped.other_group, 2);
+        // A clear (or a discontinuity, which clears) keeps what was learned
+        // of the groups: the model is the same.
+        let swa = in_group(
+            stored(&[5], None, &t[..16], 16),
+            Some(2),
+            Some("sliding_window"),
+        );
+        assert!(tr.translate(&swa).is_empty());
+        tr.translate(&EngineEvent::Cleared);
+        assert!(tr
+            .translate(&in_group(removed(5), Some(2), None))
+            .is_empty());
+        assert_eq!(tr.skipped.other_group, 4);
+        assert_eq!(tr.skipped.unknown_block, 0, "skipped as another group's");
+        // At most MAX_GROUPS kinds are remembered.
+        for i in 0..(2 * MAX_GROUPS as i64) {
+            tr.translate(&in_group(removed(9), Some(i), None));
+            tr.translate(&in_group(
+                stored(&[9], None, &t[..16], 16),
+                Some(i),
+                Some("mamba"),
+            ));
+        }
+        assert_eq!(tr.groups.len(), MAX_GROUPS);
     }
 }

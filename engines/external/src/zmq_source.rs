@@ -31,9 +31,10 @@ use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSoc
 
 /// How long one [`ZmqSource::connect`] tries before it gives up. The
 /// caller paces the retries (the worker's feed retries at its health
-/// interval), so a publisher that comes up is found within about this
-/// much; `zeromq`'s own default is 30 s of tries that back off to 5 s
-/// apart.
+/// interval), so a publisher that comes up is found within that interval
+/// plus about this much (a refused try waits out the rest of it, since
+/// `zeromq` waits 1.4 s before its own first retry); `zeromq`'s default
+/// is 30 s of tries that back off to 5 s apart.
 pub const CONNECT_TRY: Duration = Duration::from_secs(1);
 
 /// Where an engine publishes.

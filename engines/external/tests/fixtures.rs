@@ -169,13 +169,17 @@ fn event() -> impl Strategy<Value = EngineEvent> {
                     group,
                 }
             }),
-        (prop::collection::vec(any::<u64>(), 0..5), medium, group()).prop_map(
-            |(h, medium, group)| EngineEvent::Removed {
+        (
+            prop::collection::vec(any::<u64>(), 0..5),
+            medium,
+            prop::option::of(0i64..4)
+        )
+            .prop_map(|(h, medium, idx)| EngineEvent::Removed {
                 hashes: h.into_iter().map(EngineHash).collect(),
                 medium,
-                group,
-            }
-        ),
+                // A removal names its group's index only.
+                group: CacheGroup { idx, kind: None },
+            }),
         Just(EngineEvent::Cleared),
     ]
 }
@@ -202,6 +206,7 @@ fn a_hybrid_models_groups_decode_and_only_full_attention_is_indexed() {
         "vllm_hybrid_array",
         "vllm_hybrid_map",
         "vllm_hybrid_copy_counts_array",
+        "vllm_hybrid_locality_array",
     ] {
         let b = fixture(name);
         assert_eq!(b.events.len(), 4, "{name}");
@@ -224,16 +229,17 @@ fn a_hybrid_models_groups_decode_and_only_full_attention_is_indexed() {
             [
                 g(0, Some("sliding_window")),
                 g(1, Some("full_attention")),
-                // Removals name the index only; the copy counts of one
-                // release are not taken for a kind.
+                // Removals name the index only; what some releases put
+                // after it (copy counts, a locality) is not a kind.
                 g(0, None),
                 g(1, None),
             ],
             "{name}"
         );
         // Translated: the sliding window's store and removal change
-        // nothing; full attention's store gives our two blocks and its
-        // removal takes the second.
+        // nothing, though its hashes are full attention's; full
+        // attention's store gives our two blocks and its removal takes the
+        // second.
         let mut tr = Translator::new("m", 16);
         let out: Vec<_> = b.events.iter().map(|e| tr.translate(e)).collect();
         assert!(out[0].is_empty() && out[2].is_empty(), "{name}");
