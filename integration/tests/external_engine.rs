@@ -590,3 +590,265 @@ services:
     assert_eq!(r.status, 200, "{}", r.json);
     assert_eq!(r.json["choices"][0]["text"], want.as_str());
 }
+
+/// A libzmq publisher (`kv_publisher.py`, pyzmq) standing in for an
+/// engine's KV event publisher, framed as vLLM frames it; the batches it
+/// sends are encoded here, in vLLM's map encoding.
+struct Publisher {
+    child: std::process::Child,
+    port: u16,
+    replay: u16,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Publisher {
+    fn start() -> Publisher {
+        use std::io::BufRead;
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kv_publisher.py");
+        let mut child = std::process::Command::new("python3")
+            .arg(script)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("python3");
+        let out = child.stdout.take().expect("stdout");
+        let (tx, lines) = std::sync::mpsc::sync_channel(64);
+        // The reader ends when the publisher exits (its stdout closes).
+        std::thread::spawn(move || {
+            for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut p = Publisher {
+            child,
+            port: 0,
+            replay: 0,
+            lines,
+        };
+        let ready = p.expect_line("ready");
+        let ports: Vec<u16> = ready
+            .split_whitespace()
+            .skip(1)
+            .map(|w| w.parse().expect("a port"))
+            .collect();
+        assert_eq!(
+            ports.len(),
+            2,
+            "{ready} (the publisher needs pyzmq: make deps)"
+        );
+        (p.port, p.replay) = (ports[0], ports[1]);
+        p
+    }
+
+    /// The next line starting with `word` (30 s at most).
+    fn expect_line(&mut self, word: &str) -> String {
+        loop {
+            let l = self
+                .lines
+                .recv_timeout(Duration::from_secs(30))
+                .unwrap_or_else(|e| panic!("publisher: no {word:?} line: {e}"));
+            if l.starts_with(word) {
+                return l;
+            }
+        }
+    }
+
+    fn send(&mut self, events: Vec<dynamo_external_engine::events::EngineEvent>) {
+        use dynamo_external_engine::events::{encode_batch, Encoding, EngineBatch};
+        use std::io::Write;
+        let b = EngineBatch {
+            ts: 0.0,
+            events,
+            dp_rank: None,
+        };
+        let line = hex::encode(encode_batch(&b, Encoding::Map));
+        let stdin = self.child.stdin.as_mut().expect("stdin");
+        writeln!(stdin, "{line}").expect("publisher stdin");
+        stdin.flush().expect("flush");
+        self.expect_line("sent");
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// How many leading blocks of `prompt` `worker` holds, by the router.
+async fn held(http: &Http, prompt: &[u32], worker: &str) -> u64 {
+    http.overlap(prompt).await[worker]["blocks"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// Polls until some worker holds `blocks` leading blocks of `prompt`, and
+/// names it (30 s at most).
+async fn holder(http: &Http, prompt: &[u32], blocks: u64) -> String {
+    let t0 = Instant::now();
+    loop {
+        let o = http.overlap(prompt).await;
+        if let Some((w, _)) = o
+            .as_object()
+            .and_then(|m| m.iter().find(|(_, v)| v["blocks"] == blocks))
+        {
+            return w.clone();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no worker holds {blocks} blocks: {o}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Polls until `worker` holds `blocks` leading blocks of `prompt` (30 s at
+/// most).
+async fn wait_held(http: &Http, prompt: &[u32], worker: &str, blocks: u64) {
+    let t0 = Instant::now();
+    loop {
+        let now = held(http, prompt, worker).await;
+        if now == blocks {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{worker} holds {now} blocks, not {blocks}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A worker fronting the llama.cpp server on `port`, its KV events from
+/// the publisher `p`.
+fn with_events(port: u16, p: &Publisher) -> String {
+    format!(
+        "[[workers]]\ncount = 1\nengine = \"llamacpp\"\nmodel = \"{MODEL}\"\nheartbeat_ms = 500\nblock_size = 16\n\n\
+         [workers.external]\nurl = \"http://127.0.0.1:{port}\"\nmax_inflight = 8\n\
+         health_interval_ms = 200\nhealth_failures = 2\n\n\
+         [workers.external.kv_events]\nendpoint = \"tcp://127.0.0.1:{}\"\n\
+         replay_endpoint = \"tcp://127.0.0.1:{}\"\n\n",
+        p.port, p.replay
+    )
+}
+
+/// Two workers, each fronting a llama.cpp server for HTTP and a libzmq
+/// publisher for its KV events (llama.cpp publishes none, and no engine
+/// here does both): the events reach the router's exact index through the
+/// node, rehashed from the engine's 32-token blocks into our 16-token
+/// ones, and steer routing; a removal, a hybrid model's sliding-window
+/// group and a clear act as they should.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs llama-server: make test-engines"]
+async fn kv_events_of_an_external_engine_feed_the_routers_index_through_the_node() {
+    use dynamo_external_engine::events::{CacheGroup, EngineEvent, EngineHash};
+    let servers = [Server::start().await, Server::start().await];
+    let mut pubs = [Publisher::start(), Publisher::start()];
+    let nats = Nats::start();
+    let port = free_port();
+    let extra: String = servers
+        .iter()
+        .zip(&pubs)
+        .map(|(s, p)| with_events(s.port, p))
+        .collect();
+    let config = node_config("n", &nats.url, Some(port), 0, &extra)
+        .replace("policy = \"least_loaded\"", "policy = \"kv_aware\"");
+    let mut node = Node::start(&config);
+    let http = Http::new(port);
+    http.wait_ready(2, &mut node).await;
+    wait_serving(&nats.url, 2).await;
+    for p in &mut pubs {
+        p.expect_line("subscribed");
+    }
+
+    // Status: both workers are routed exactly, from their events.
+    let out = dynamoctl(&nats.url, &["status", "--json"]);
+    assert_success(&out);
+    let v: Value = serde_json::from_slice(&out.stdout).expect("status JSON");
+    let workers = v["workers"].as_array().expect("workers");
+    assert_eq!(workers.len(), 2, "{v}");
+    for w in workers {
+        assert_eq!(w["routing"], "exact", "{w}");
+        assert_eq!(w["kv_events"], true, "{w}");
+    }
+
+    let prompt = |text: &str| -> Vec<u32> {
+        let t = chat_tokens(text);
+        assert!(t.len() > 64, "{} tokens", t.len());
+        t
+    };
+    let p = prompt("Describe, in a few sentences, how a lighthouse keeper spent a long winter on a small rocky island far from the coast, what they read by the lamp at night, and how the supply boat finally came back in the spring.");
+    let q = prompt("Summarise the rules of chess for a child who has never played a board game before, starting with how each of the pieces moves across the board, then how a game is won, lost or drawn, and what castling is.");
+    let stored = |hashes: [u64; 2], tokens: &[u32], group: CacheGroup| EngineEvent::Stored {
+        hashes: hashes.map(EngineHash).to_vec(),
+        parent: None,
+        token_ids: tokens[..64].to_vec(),
+        block_size: 32,
+        lora_id: None,
+        lora_name: None,
+        medium: Some("GPU".into()),
+        group,
+    };
+
+    // The second engine caches P's first 64 tokens (two of its blocks,
+    // four of ours), the first engine (a model with one cache group) Q's:
+    // the router sees each on its worker, and each prompt goes where its
+    // blocks are.
+    // The second engine serves a hybrid model: its full attention is
+    // group 0, and says so.
+    let full = CacheGroup {
+        idx: Some(0),
+        kind: Some("full_attention".into()),
+    };
+    pubs[1].send(vec![stored([101, 102], &p, full)]);
+    let w1 = holder(&http, &p, 4).await;
+    pubs[0].send(vec![stored([301, 302], &q, CacheGroup::default())]);
+    let w0 = holder(&http, &q, 4).await;
+    assert_ne!(w0, w1, "each engine's events name its own worker");
+    // The chat template's system turn is common to both: its whole blocks
+    // are on both workers.
+    let common = (1..=4).take_while(|b| p[..16 * b] == q[..16 * b]).count() as u64;
+    assert!(common < 4);
+    assert_eq!(held(&http, &p, &w0).await, common);
+    for (prompt, worker) in [(&p, &w1), (&q, &w0), (&p, &w1)] {
+        let r = http
+            .post(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0.0}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.json);
+        assert_eq!(
+            r.worker.as_deref(),
+            Some(worker.as_str()),
+            "routed by the engine's events"
+        );
+    }
+
+    // The second engine's sliding-window group stores P too (under other
+    // hashes here). Full attention then drops P's second block, naming its
+    // group by index only, and the router drops our blocks 3 and 4: the
+    // window's copy does not keep them.
+    let swa = CacheGroup {
+        idx: Some(1),
+        kind: Some("sliding_window".into()),
+    };
+    pubs[1].send(vec![stored([201, 202], &p, swa)]);
+    pubs[1].send(vec![EngineEvent::Removed {
+        hashes: vec![EngineHash(102)],
+        medium: Some("GPU".into()),
+        group: CacheGroup {
+            idx: Some(0),
+            kind: None,
+        },
+    }]);
+    wait_held(&http, &p, &w1, 2).await;
+    // The first engine clears its cache: Q is gone from the index.
+    pubs[0].send(vec![EngineEvent::Cleared]);
+    wait_held(&http, &q, &w0, 0).await;
+    assert_eq!(held(&http, &p, &w1).await, 2);
+    assert!(node.alive());
+}
