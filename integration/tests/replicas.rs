@@ -176,3 +176,64 @@ async fn replicas_share_load_and_a_late_replica_agrees() {
         }
     }
 }
+
+/// Load events on the bus, by kind, from `sub` over `wait`.
+async fn load_events(sub: &mut async_nats::Subscriber, wait: Duration) -> (usize, usize) {
+    use dynamo_bus_schema::{peek_kind, ActiveLoadEvent, RouterHeartbeat, WireMessage};
+    use futures::StreamExt;
+    let (mut loads, mut beats) = (0, 0);
+    let until = tokio::time::Instant::now() + wait;
+    while let Ok(Some(m)) = tokio::time::timeout_at(until, sub.next()).await {
+        match peek_kind(&m.payload) {
+            Ok((k, _)) if k == ActiveLoadEvent::KIND => loads += 1,
+            Ok((k, _)) if k == RouterHeartbeat::KIND => beats += 1,
+            _ => {}
+        }
+    }
+    (loads, beats)
+}
+
+/// A replica alone publishes no per-request load (nobody would read it),
+/// and starts to as soon as a peer starts, which then sees its requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_alone_shares_no_load_and_starts_once_a_peer_listens() {
+    let nats = Nats::start();
+    let wcfg = node_config("w", &nats.url, None, 2, "").replace("speedup = 0.0", "speedup = 1.0");
+    let mut workers = Node::start(&wcfg);
+    let p0 = free_port();
+    let mut n0 = Node::start(&gateway_cfg("gw0", &nats.url, p0));
+    let g0 = Http::new(p0);
+    g0.wait_ready(2, &mut n0).await;
+    let client = async_nats::connect(&nats.url).await.expect("nats");
+    let mut sub = client
+        .subscribe("dynamo.it.router.load")
+        .await
+        .expect("subscribe");
+
+    let prompt: Vec<u32> = (100..164).collect();
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8});
+    for _ in 0..10 {
+        assert_eq!(g0.post("/v1/completions", &body).await.status, 200);
+    }
+    let (loads, beats) = load_events(&mut sub, Duration::from_millis(2500)).await;
+    assert!(
+        beats >= 1,
+        "the replica heartbeats ({beats}), so the subject is right"
+    );
+    assert_eq!(loads, 0, "a replica alone published load events");
+
+    // A peer starts: it asks for a snapshot, so the first replica shares
+    // its requests from then on.
+    let p1 = free_port();
+    let mut n1 = Node::start(&gateway_cfg("gw1", &nats.url, p1));
+    Http::new(p1).wait_ready(2, &mut n1).await;
+    for _ in 0..10 {
+        assert_eq!(g0.post("/v1/completions", &body).await.status, 200);
+    }
+    let (loads, _) = load_events(&mut sub, Duration::from_millis(500)).await;
+    assert!(
+        loads >= 20,
+        "{loads} load events for 10 requests with a peer"
+    );
+    assert!(workers.alive() && n0.alive() && n1.alive());
+}

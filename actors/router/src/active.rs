@@ -10,7 +10,12 @@
 //! - an entry lives until `Finished`, its worker restarts or leaves, its
 //!   router stops heartbeating for `peer_ttl`, or it is older than `entry_ttl`;
 //! - applying the same event twice changes nothing (idempotent), so a
-//!   snapshot and the event tail may overlap.
+//!   snapshot and the event tail may overlap;
+//! - own events are published only while a peer listens ([`ActiveLoad::has_peers`]):
+//!   one heard from within `peer_ttl`, or one that was served a snapshot or
+//!   answered ours within it. A replica alone publishes none (the common
+//!   one-router deployment pays nothing for sharing), and a replica that
+//!   starts asks for a snapshot first, which covers what was not published.
 
 use dynamo_bus_schema::{ActiveLoadEvent, ActiveLoadKind, RequestId, RouterId, WorkerId};
 use std::collections::HashMap;
@@ -46,6 +51,9 @@ pub struct ActiveLoad {
     per_worker: HashMap<WorkerId, WorkerLoad>,
     entry_ttl: Duration,
     peer_ttl: Duration,
+    /// Until when a peer is taken to listen though none has heartbeated:
+    /// a snapshot was served to one, or came from one.
+    peer_hint: Option<Instant>,
 }
 
 impl ActiveLoad {
@@ -57,7 +65,24 @@ impl ActiveLoad {
             per_worker: HashMap::new(),
             entry_ttl,
             peer_ttl,
+            peer_hint: None,
         }
+    }
+
+    /// Whether a peer listens to this replica's events (only then are they
+    /// published).
+    pub fn has_peers(&self, now: Instant) -> bool {
+        self.peer_hint.is_some_and(|t| now < t)
+            || self
+                .peers
+                .values()
+                .any(|t| now.saturating_duration_since(*t) <= self.peer_ttl)
+    }
+
+    /// A peer is starting (it asked for our snapshot, or answered ours):
+    /// it listens from now on, before its first heartbeat.
+    pub fn peer_starting(&mut self, now: Instant) {
+        self.peer_hint = Some(now + self.peer_ttl);
     }
 
     /// Peers heard from recently.
@@ -259,6 +284,7 @@ impl ActiveLoad {
 
     /// Loads a peer's snapshot (entries of routers other than this one).
     pub fn load_snapshot(&mut self, entries: &[ActiveLoadEvent], now: Instant) {
+        self.peer_starting(now);
         for e in entries {
             self.remote(e, now);
         }
@@ -268,6 +294,32 @@ impl ActiveLoad {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn own_events_are_shared_only_while_a_peer_listens() {
+        let (a, b) = (RouterId(1), RouterId(2));
+        let ttl = Duration::from_secs(3);
+        let t0 = Instant::now();
+        let mut ra = ActiveLoad::new(a, Duration::from_secs(600), ttl);
+        assert!(!ra.has_peers(t0), "alone");
+        // Its own heartbeat echoed back is not a peer.
+        ra.heartbeat(a, t0);
+        assert!(!ra.has_peers(t0));
+        // A peer starting asks for a snapshot before it heartbeats.
+        ra.peer_starting(t0);
+        assert!(ra.has_peers(t0 + Duration::from_secs(2)));
+        assert!(
+            !ra.has_peers(t0 + Duration::from_secs(4)),
+            "it never heartbeated"
+        );
+        ra.heartbeat(b, t0 + Duration::from_secs(4));
+        assert!(ra.has_peers(t0 + Duration::from_secs(6)));
+        assert!(!ra.has_peers(t0 + Duration::from_secs(8)), "it went silent");
+        // A snapshot from a peer says one listens.
+        let mut rc = ActiveLoad::new(RouterId(3), Duration::from_secs(600), ttl);
+        rc.load_snapshot(&[], t0);
+        assert!(rc.has_peers(t0));
+    }
 
     #[test]
     fn replicas_converge_and_stale_entries_expire() {

@@ -421,7 +421,7 @@ impl Actor for RouterActor {
                     if reply.send(Ok(d)).is_err() {
                         // The caller gave up: undo the accounting.
                         s.release(request_id);
-                    } else {
+                    } else if s.shares_load(now) {
                         rt.tell_peers(ToPeers::Load(ev));
                     }
                 }
@@ -430,12 +430,12 @@ impl Actor for RouterActor {
                 }
             },
             RouterMsg::Release(id) => {
-                if let Some(ev) = s.release(id) {
+                if let Some(ev) = s.release(id).filter(|_| s.shares_load(now)) {
                     rt.tell_peers(ToPeers::Load(ev));
                 }
             }
             RouterMsg::PrefillDone(id) => {
-                if let Some(ev) = s.prefill_done(id) {
+                if let Some(ev) = s.prefill_done(id).filter(|_| s.shares_load(now)) {
                     rt.tell_peers(ToPeers::Load(ev));
                 }
             }
@@ -451,7 +451,7 @@ impl Actor for RouterActor {
             RouterMsg::SnapshotDone => s.snapshot_done(),
             RouterMsg::RegistryLoaded => s.registry_loaded(),
             RouterMsg::ServeSnapshot(reply) => {
-                let _ = reply.send(s.active_snapshot());
+                let _ = reply.send(s.active_snapshot(now));
             }
             RouterMsg::Heartbeat(_ticket) => {
                 let hb = RouterHeartbeat {

@@ -257,9 +257,16 @@ impl RouterState {
         self.active.load_snapshot(entries, now);
     }
 
-    /// The active load, for a peer that starts late.
-    pub fn active_snapshot(&self) -> Vec<ActiveLoadEvent> {
+    /// The active load, for a peer that starts late (which listens from
+    /// now on).
+    pub fn active_snapshot(&mut self, now: Instant) -> Vec<ActiveLoadEvent> {
+        self.active.peer_starting(now);
         self.active.snapshot()
+    }
+
+    /// Whether own load events are published: only while a peer listens.
+    pub fn shares_load(&self, now: Instant) -> bool {
+        self.active.has_peers(now)
     }
 
     /// A worker's load as all replicas together see it.
