@@ -6,7 +6,7 @@
 # request for the server processes (dynamo-node + its nats-server) from /proc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN=./target/release
+BIN=${BIN:-./target/release}
 CONFIG=${CONFIG:-cluster-config/examples/bench.toml}
 URL=${URL:-http://127.0.0.1:8000}
 REQUESTS=${REQUESTS:-2000}
