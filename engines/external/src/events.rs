@@ -21,12 +21,19 @@
 //!   some releases put after `group_idx` there, copy counts or a locality
 //!   string, is ignored).
 //!
+//! - A store without tokens (`token_ids` empty, `block_size` 0 or not):
+//!   what vLLM's offloading connector publishes when it copies blocks to
+//!   CPU or disk, naming them by hashes already stored.
+//! - Token ids that do not fill `block_hashes × block_size`: vLLM leaves a
+//!   sliding window's null blocks out of the hashes but not out of the
+//!   tokens. The translator refuses such a store where it would index it.
+//!
 //! Invariants: [`decode_batch`] never panics; it refuses a payload over
 //! [`MAX_PAYLOAD`], nesting deeper than msgpack's decoder allows, and more
-//! than [`MAX_EVENTS`] events; an event that does not decode (token ids
-//! that are not `block_hashes × block_size`, over [`MAX_TOKENS`], a field
-//! of the wrong type) becomes [`EngineEvent::Invalid`], and the batch's
-//! other events stand.
+//! than [`MAX_EVENTS`] events; an event that does not decode (over
+//! [`MAX_TOKENS`], a block size over [`MAX_BLOCK_SIZE`] or 0 with tokens, a
+//! field of the wrong type) becomes [`EngineEvent::Invalid`], and the
+//! batch's other events stand.
 
 use rmpv::Value;
 use thiserror::Error;
@@ -59,7 +66,8 @@ pub struct CacheGroup {
 #[derive(Clone, Debug, PartialEq)]
 pub enum EngineEvent {
     /// `hashes` were stored after `parent`; `token_ids` holds their tokens,
-    /// `block_size` each.
+    /// `block_size` each (none: copies of blocks stored before, on another
+    /// medium).
     Stored {
         hashes: Vec<EngineHash>,
         parent: Option<EngineHash>,
@@ -279,18 +287,13 @@ fn event(v: &Value) -> Result<EngineEvent, DecodeError> {
                 .get(3)
                 .and_then(Value::as_u64)
                 .and_then(|b| u32::try_from(b).ok())
-                .filter(|b| (1..=MAX_BLOCK_SIZE).contains(b))
-                .ok_or_else(|| shape("block_size", format!("must be 1-{MAX_BLOCK_SIZE}")))?;
-            if token_ids.len() != hashes.len() * block_size as usize {
-                return Err(shape(
-                    "token_ids",
-                    format!(
-                        "{} tokens for {} blocks of {block_size}",
-                        token_ids.len(),
-                        hashes.len()
-                    ),
-                ));
-            }
+                .filter(|b| *b <= MAX_BLOCK_SIZE && (*b > 0 || token_ids.is_empty()))
+                .ok_or_else(|| {
+                    shape(
+                        "block_size",
+                        format!("must be 1-{MAX_BLOCK_SIZE} (0 only without tokens)"),
+                    )
+                })?;
             let lora_id = match body.get(4) {
                 None | Some(Value::Nil) => None,
                 Some(v) => Some(

@@ -46,6 +46,12 @@
 //! full attention elsewhere. The first kindless event of another group is
 //! logged at warn, saying so.
 //!
+//! **Stores without tokens** (vLLM's offloading connector, copying blocks
+//! to CPU or disk) name engine blocks already stored: each gains a copy on
+//! that tier, and the blocks of ours it owns are announced there. One
+//! whose tokens do not fill its blocks (a sliding window's null blocks) is
+//! refused where it would be indexed, and counted as invalid.
+//!
 //! A LoRA block is salted with the adapter's name, as the gateway salts
 //! it. An engine that gives only its process-local adapter id is skipped
 //! and counted: that id names different adapters on different workers.
@@ -275,6 +281,19 @@ impl Translator {
                     self.skipped.unknown_medium += 1;
                     return Vec::new();
                 };
+                if token_ids.is_empty() {
+                    return self.copied(hashes, t);
+                }
+                if token_ids.len() != hashes.len() * *block_size as usize {
+                    self.skipped.invalid_event += 1;
+                    tracing::debug!(
+                        tokens = token_ids.len(),
+                        blocks = hashes.len(),
+                        block_size,
+                        "KV store whose tokens do not fill its blocks; skipped"
+                    );
+                    return Vec::new();
+                }
                 if lora_name.is_none() && lora_id.is_some_and(|i| i > 0) {
                     self.skipped.unnamed_lora += 1;
                     return Vec::new();
@@ -396,6 +415,38 @@ impl Translator {
             KvCacheEventData::Stored {
                 parent: first_parent,
                 blocks: ours,
+            },
+        )]
+    }
+
+    /// A store without tokens: engine blocks already stored (on any tier)
+    /// now have a copy on `t` too (vLLM's offloading connector names the
+    /// blocks it copied to CPU or disk this way). Blocks never seen stored
+    /// are skipped and counted: without tokens they cannot be rehashed.
+    fn copied(&mut self, hashes: &[EngineHash], t: KvTier) -> Vec<KvCacheEvent> {
+        let mut new = Vec::new();
+        for h in hashes {
+            let Some(c) = self.blocks.get_mut(h) else {
+                self.skipped.unknown_block += 1;
+                continue;
+            };
+            c.copies[slot(t)] += 1;
+            for o in &c.owns {
+                let r = self.refs.entry((slot(t), *o)).or_insert(0);
+                *r += 1;
+                if *r == 1 {
+                    new.push(*o);
+                }
+            }
+        }
+        if new.is_empty() {
+            return Vec::new();
+        }
+        vec![self.emit(
+            t,
+            KvCacheEventData::Stored {
+                parent: None,
+                blocks: new,
             },
         )]
     }
@@ -715,6 +766,48 @@ mod tests {
         );
         assert_eq!(stored_blocks(&tr.translate(&mla)), want);
         assert_eq!(tr.translate(&in_group(removed(2), Some(3), None)).len(), 1);
+    }
+
+    #[test]
+    fn stores_without_tokens_copy_known_blocks_to_their_tier() {
+        let t: Vec<u32> = (0..32).collect();
+        let want = sequence_hashes(&t, 16, hash_salt("m", None));
+        let mut tr = Translator::new("m", 16);
+        tr.translate(&stored(&[1, 2], None, &t, 16));
+        // The offloading connector copies engine block 2 to CPU, and an
+        // unknown one: block 2's block of ours is now on host too.
+        let mut offload = stored(&[2, 9], None, &[], 0);
+        if let EngineEvent::Stored { medium, .. } = &mut offload {
+            *medium = Some("CPU".into());
+        }
+        let got = tr.translate(&offload);
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].tier, KvTier::Host);
+        assert_eq!(
+            got[0].data,
+            KvCacheEventData::Stored {
+                parent: None,
+                blocks: vec![want[1]]
+            }
+        );
+        assert_eq!(tr.skipped.unknown_block, 1);
+        let snap = tr.snapshot();
+        assert_eq!(snap.offloaded, vec![(KvTier::Host, vec![want[1]])]);
+        // Evicted from the GPU, it stays on host; removed from the CPU too,
+        // the engine block is forgotten.
+        let rm = |m: &str| EngineEvent::Removed {
+            hashes: vec![EngineHash(2)],
+            medium: Some(m.into()),
+            group: CacheGroup::default(),
+        };
+        assert_eq!(tr.translate(&rm("GPU"))[0].tier, KvTier::Device);
+        assert_eq!(tr.snapshot().offloaded, vec![(KvTier::Host, vec![want[1]])]);
+        assert_eq!(tr.translate(&rm("CPU"))[0].tier, KvTier::Host);
+        assert_eq!(tr.tracked(), 1);
+        // Tokens that do not fill the blocks (a window's null blocks left
+        // out of the hashes): refused and counted.
+        assert!(tr.translate(&stored(&[7], None, &t, 16)).is_empty());
+        assert_eq!(tr.skipped.invalid_event, 1);
     }
 
     #[test]

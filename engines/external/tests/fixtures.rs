@@ -83,14 +83,14 @@ fn bad_payloads_are_errors_that_name_the_field() {
     let mut trailing = good.clone();
     trailing.push(0);
     assert!(decode_batch(&trailing).is_err());
-    // Tokens that do not fill the blocks.
+    // Tokens in blocks of 0.
     let b = EngineBatch {
         ts: 1.0,
         events: vec![EngineEvent::Stored {
             hashes: vec![EngineHash(1)],
             parent: None,
             token_ids: vec![1, 2, 3],
-            block_size: 16,
+            block_size: 0,
             lora_id: None,
             lora_name: None,
             medium: None,
@@ -104,7 +104,7 @@ fn bad_payloads_are_errors_that_name_the_field() {
     let got = decode_batch(&encode_batch(&two, Encoding::Map)).unwrap();
     match &got.events[..] {
         [EngineEvent::Invalid(why), EngineEvent::Cleared] => {
-            assert!(why.contains("token_ids"), "{why}")
+            assert!(why.contains("block_size"), "{why}")
         }
         other => panic!("{other:?}"),
     }
@@ -247,4 +247,24 @@ fn a_hybrid_models_groups_decode_and_only_full_attention_is_indexed() {
         assert_eq!(tr.snapshot().blocks.len(), 1, "{name}");
         assert_eq!(tr.skipped.other_group, 2, "{name}");
     }
+}
+
+#[test]
+fn vllms_offloading_connector_copies_known_blocks_to_host() {
+    use dynamo_engine::KvTier;
+    use dynamo_external_engine::translate::Translator;
+    let b = fixture("vllm_offload_map");
+    let mut tr = Translator::new("m", 16);
+    let out: Vec<_> = b.events.iter().map(|e| tr.translate(e)).collect();
+    assert_eq!(tr.skipped.total(), 0, "{:?}", tr.skipped);
+    // Two blocks of ours on the GPU, the second copied to CPU, then gone
+    // from the GPU: one on each tier.
+    assert_eq!(out[1].len(), 1);
+    assert_eq!(out[1][0].tier, KvTier::Host);
+    let snap = tr.snapshot();
+    assert_eq!(snap.blocks.len(), 1);
+    assert_eq!(snap.offloaded.len(), 1);
+    assert_eq!(snap.offloaded[0].0, KvTier::Host);
+    assert_eq!(snap.offloaded[0].1.len(), 1);
+    assert_ne!(snap.blocks[0], snap.offloaded[0].1[0]);
 }
