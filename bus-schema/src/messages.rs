@@ -759,20 +759,6 @@ pub struct ActiveLoadEvent {
 }
 wire!(ActiveLoadEvent = 70);
 
-/// Most events in one [`ActiveLoadBatch`].
-pub const MAX_LOAD_BATCH: usize = 256;
-
-/// Router → `Subjects::router_load`: several of one router's load events
-/// at once, in order (a busy router gathers what came within a
-/// millisecond; a lone event still goes as an [`ActiveLoadEvent`]). At most
-/// [`MAX_LOAD_BATCH`] events; a receiver refuses a longer one.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ActiveLoadBatch {
-    pub router_id: RouterId,
-    pub events: Vec<ActiveLoadEvent>,
-}
-wire!(ActiveLoadBatch = 76);
-
 /// Router → `Subjects::router_load`, every second: "my entries are live".
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RouterHeartbeat {

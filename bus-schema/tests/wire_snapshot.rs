@@ -246,21 +246,6 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             })),
         ),
         (
-            "ActiveLoadBatch",
-            enc(encode(&ActiveLoadBatch {
-                router_id: RouterId(5),
-                events: vec![ActiveLoadEvent {
-                    router_id: RouterId(5),
-                    request_id: rid,
-                    worker_id: wid,
-                    generation: 2,
-                    kind: ActiveLoadKind::Finished,
-                    prefill_tokens: 0,
-                    blocks: 57,
-                }],
-            })),
-        ),
-        (
             "RouterHeartbeat",
             enc(encode(&RouterHeartbeat {
                 router_id: RouterId(5),
@@ -784,7 +769,6 @@ fn decode_all(bytes: &[u8]) {
         KvDumpTiered,
         KvIndexSnapshot,
         ActiveLoadEvent,
-        ActiveLoadBatch,
         RouterHeartbeat,
         ActiveLoadSnapshotRequest,
         ActiveLoadSnapshot,

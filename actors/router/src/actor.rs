@@ -20,8 +20,8 @@ use crate::kv_sync::{KvStats, KvSync, SharedKv};
 use crate::policy::{build, PolicyKind};
 use crate::state::{ModelEntry, RouteDecision, RouteError, RouterState, WorkerEntry};
 use dynamo_bus_schema::{
-    ActiveLoadBatch, ActiveLoadEvent, FaultKind, LoadReport, ModelName, RequestId, RouterHeartbeat,
-    RouterId, WorkerId, WorkerRegistration, MAX_LOAD_BATCH,
+    ActiveLoadEvent, FaultKind, LoadReport, ModelName, RequestId, RouterHeartbeat, RouterId,
+    WorkerId, WorkerRegistration,
 };
 use dynamo_runtime::{Bus, Gate, Tasks, Ticket};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort, SupervisionEvent};
@@ -78,8 +78,6 @@ pub enum RouterMsg {
     /// A worker refused one of this gateway's requests as overloaded.
     WorkerOverloaded(WorkerId),
     RemoteLoad(ActiveLoadEvent, Ticket),
-    /// A peer's batch of load events, in order.
-    RemoteLoads(Vec<ActiveLoadEvent>, Ticket),
     PeerHeartbeat(RouterId, Ticket),
     LoadSnapshot(Vec<ActiveLoadEvent>),
     /// The peer snapshot step is over (loaded, or no peer answered).
@@ -220,49 +218,13 @@ impl RouterRuntime {
     }
 }
 
-/// How long load events are gathered into one message after the first.
-const LOAD_LINGER: Duration = Duration::from_millis(1);
-
-/// Publishes what the router tells its peers. Load events that come
-/// within [`LOAD_LINGER`] of each other go in one [`ActiveLoadBatch`] (at
-/// most [`MAX_LOAD_BATCH`]); a lone one goes as it is, as it always did.
+/// Publishes what the router tells its peers.
 async fn publish_to_peers(bus: Bus, mut rx: tokio::sync::mpsc::Receiver<ToPeers>) {
     let subject = bus.subjects.router_load();
-    let mut next = None;
-    loop {
-        let m = match next.take() {
-            Some(m) => m,
-            None => match rx.recv().await {
-                Some(m) => m,
-                None => return,
-            },
-        };
-        let res = match m {
-            ToPeers::Heartbeat(hb) => bus.publish(subject.clone(), &hb).await,
-            ToPeers::Load(ev) => {
-                let mut events = vec![ev];
-                let until = tokio::time::Instant::now() + LOAD_LINGER;
-                while events.len() < MAX_LOAD_BATCH {
-                    match tokio::time::timeout_at(until, rx.recv()).await {
-                        Ok(Some(ToPeers::Load(ev))) => events.push(ev),
-                        // A heartbeat goes after the events before it.
-                        Ok(Some(other)) => {
-                            next = Some(other);
-                            break;
-                        }
-                        Ok(None) | Err(_) => break,
-                    }
-                }
-                if events.len() == 1 {
-                    bus.publish(subject.clone(), &events[0]).await
-                } else {
-                    let batch = ActiveLoadBatch {
-                        router_id: events[0].router_id,
-                        events,
-                    };
-                    bus.publish(subject.clone(), &batch).await
-                }
-            }
+    while let Some(m) = rx.recv().await {
+        let res = match &m {
+            ToPeers::Load(ev) => bus.publish(subject.clone(), ev).await,
+            ToPeers::Heartbeat(hb) => bus.publish(subject.clone(), hb).await,
         };
         if let Err(e) = res {
             // Peers expire what they miss; our own view stays exact.
@@ -478,11 +440,6 @@ impl Actor for RouterActor {
                 }
             }
             RouterMsg::RemoteLoad(ev, _ticket) => s.remote_load(&ev, now),
-            RouterMsg::RemoteLoads(evs, _ticket) => {
-                for ev in &evs {
-                    s.remote_load(ev, now);
-                }
-            }
             RouterMsg::PeerHeartbeat(p, _ticket) => s.peer_heartbeat(p, now),
             RouterMsg::LoadSnapshot(entries) => {
                 tracing::info!(

@@ -14,9 +14,9 @@
 
 use crate::actor::RouterMsg;
 use dynamo_bus_schema::{
-    decode, decode_assembled, decode_payload, peek_kind, ActiveLoadBatch, ActiveLoadEvent,
-    ActiveLoadSnapshot, ActiveLoadSnapshotRequest, ErrorKind, RouterHeartbeat, RouterId, WireError,
-    WireMessage, WorkerId, WorkerRegistration, MAX_LOAD_BATCH,
+    decode, decode_assembled, decode_payload, peek_kind, ActiveLoadEvent, ActiveLoadSnapshot,
+    ActiveLoadSnapshotRequest, ErrorKind, RouterHeartbeat, RouterId, WireError, WireMessage,
+    WorkerId, WorkerRegistration,
 };
 use dynamo_runtime::{counters, Backoff, Bus, Gate, Ticket};
 use futures::StreamExt;
@@ -165,18 +165,6 @@ pub async fn peer_load(
                 match decode_payload::<ActiveLoadEvent>(p) {
                     Ok(ev) if ev.router_id == me => continue,
                     Ok(ev) => Ok(RouterMsg::RemoteLoad(ev, gate.enter().await)),
-                    Err(e) => Err(e),
-                }
-            }
-            Ok((k, p)) if k == ActiveLoadBatch::KIND => {
-                match decode_payload::<ActiveLoadBatch>(p) {
-                    Ok(b) if b.router_id == me => continue,
-                    Ok(b) if b.events.len() > MAX_LOAD_BATCH => {
-                        let why = format!("{} events, over {MAX_LOAD_BATCH}", b.events.len());
-                        counters::reject("router load", m.subject.as_str(), &why);
-                        continue;
-                    }
-                    Ok(b) => Ok(RouterMsg::RemoteLoads(b.events, gate.enter().await)),
                     Err(e) => Err(e),
                 }
             }
