@@ -11,11 +11,14 @@
 //!   router stops heartbeating for `peer_ttl`, or it is older than `entry_ttl`;
 //! - applying the same event twice changes nothing (idempotent), so a
 //!   snapshot and the event tail may overlap;
-//! - own events are published only while a peer listens ([`ActiveLoad::has_peers`]):
+//! - an own request is *shared* once a peer may hold it: its `Added` was
+//!   published, or it went out in a snapshot. Its later events are always
+//!   published, so no peer keeps a request that finished. One that is not
+//!   shared is shared as soon as a peer listens ([`ActiveLoad::has_peers`]:
 //!   one heard from within `peer_ttl`, or one that was served a snapshot or
-//!   answered ours within it. A replica alone publishes none (the common
-//!   one-router deployment pays nothing for sharing), and a replica that
-//!   starts asks for a snapshot first, which covers what was not published.
+//!   answered ours within it): the actor publishes [`ActiveLoad::share_pending`].
+//!   A replica alone publishes no per-request event (the common one-router
+//!   deployment pays nothing for sharing).
 
 use dynamo_bus_schema::{ActiveLoadEvent, ActiveLoadKind, RequestId, RouterId, WorkerId};
 use std::collections::HashMap;
@@ -42,6 +45,8 @@ struct Entry {
     added: Instant,
     /// Its prefill is done (it counts in `decoding`).
     prefilled: bool,
+    /// An own entry a peer may hold (see the module docs).
+    shared: bool,
 }
 
 pub struct ActiveLoad {
@@ -54,6 +59,8 @@ pub struct ActiveLoad {
     /// Until when a peer is taken to listen though none has heartbeated:
     /// a snapshot was served to one, or came from one.
     peer_hint: Option<Instant>,
+    /// Own entries not shared yet.
+    unshared: usize,
 }
 
 impl ActiveLoad {
@@ -66,6 +73,7 @@ impl ActiveLoad {
             entry_ttl,
             peer_ttl,
             peer_hint: None,
+            unshared: 0,
         }
     }
 
@@ -102,6 +110,9 @@ impl ActiveLoad {
         if self.entries.contains_key(&key) {
             return;
         }
+        if key.0 == self.me && !e.shared {
+            self.unshared += 1;
+        }
         let l = self.per_worker.entry(e.worker).or_default();
         // Saturating: a peer's event is input, and may claim anything.
         l.inflight = l.inflight.saturating_add(1);
@@ -112,6 +123,9 @@ impl ActiveLoad {
 
     fn remove(&mut self, key: &(RouterId, RequestId)) -> Option<Entry> {
         let e = self.entries.remove(key)?;
+        if key.0 == self.me && !e.shared {
+            self.unshared = self.unshared.saturating_sub(1);
+        }
         if let Some(l) = self.per_worker.get_mut(&e.worker) {
             l.inflight = l.inflight.saturating_sub(1);
             l.prefill_tokens = l.prefill_tokens.saturating_sub(e.prefill_tokens);
@@ -148,7 +162,8 @@ impl ActiveLoad {
         }
     }
 
-    /// This router routed a request; returns the event to publish.
+    /// This router routed a request; returns the event to publish, if a
+    /// peer listens.
     pub fn add_own(
         &mut self,
         id: RequestId,
@@ -156,7 +171,8 @@ impl ActiveLoad {
         generation: u64,
         (prefill_tokens, blocks): (u64, u64),
         now: Instant,
-    ) -> ActiveLoadEvent {
+    ) -> Option<ActiveLoadEvent> {
+        let shared = self.has_peers(now);
         let e = Entry {
             worker,
             generation,
@@ -164,21 +180,76 @@ impl ActiveLoad {
             blocks,
             added: now,
             prefilled: false,
+            shared,
         };
         let ev = self.event(id, &e, ActiveLoadKind::Added);
         self.insert((self.me, id), e);
-        ev
+        shared.then_some(ev)
     }
 
-    pub fn prefill_done_own(&mut self, id: RequestId) -> Option<ActiveLoadEvent> {
-        let me = self.me;
-        let e = self.prefill_done(&(me, id))?.clone();
-        Some(self.event(id, &e, ActiveLoadKind::PrefillDone))
+    /// An own request's first token came back; returns the events to
+    /// publish: its `PrefillDone` if it is shared, or the whole request if
+    /// a peer listens now and it was not.
+    pub fn prefill_done_own(&mut self, id: RequestId, now: Instant) -> Vec<ActiveLoadEvent> {
+        let key = (self.me, id);
+        let Some(e) = self.prefill_done(&key).cloned() else {
+            return Vec::new();
+        };
+        if e.shared {
+            return vec![self.event(id, &e, ActiveLoadKind::PrefillDone)];
+        }
+        if !self.has_peers(now) {
+            return Vec::new();
+        }
+        self.mark_shared(&key);
+        vec![
+            self.event(id, &e, ActiveLoadKind::Added),
+            self.event(id, &e, ActiveLoadKind::PrefillDone),
+        ]
     }
 
+    /// An own request finished; returns its `Finished` if a peer may hold
+    /// it (whether or not one listens now).
     pub fn finish_own(&mut self, id: RequestId) -> Option<ActiveLoadEvent> {
         let e = self.remove(&(self.me, id))?;
-        Some(self.event(id, &e, ActiveLoadKind::Finished))
+        e.shared
+            .then(|| self.event(id, &e, ActiveLoadKind::Finished))
+    }
+
+    fn mark_shared(&mut self, key: &(RouterId, RequestId)) {
+        if let Some(e) = self.entries.get_mut(key) {
+            if !e.shared {
+                e.shared = true;
+                self.unshared = self.unshared.saturating_sub(1);
+            }
+        }
+    }
+
+    /// While a peer listens: the own requests not shared yet, as `Added`
+    /// (and `PrefillDone` where it is done), now shared. Nothing to do,
+    /// and no work, in the steady state.
+    pub fn share_pending(&mut self, now: Instant) -> Vec<ActiveLoadEvent> {
+        if self.unshared == 0 || !self.has_peers(now) {
+            return Vec::new();
+        }
+        let me = self.me;
+        let keys: Vec<(RouterId, RequestId)> = self
+            .entries
+            .iter()
+            .filter(|((r, _), e)| *r == me && !e.shared)
+            .map(|(k, _)| *k)
+            .collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            self.mark_shared(&k);
+            if let Some(e) = self.entries.get(&k) {
+                out.push(self.event(k.1, e, ActiveLoadKind::Added));
+                if e.prefilled {
+                    out.push(self.event(k.1, e, ActiveLoadKind::PrefillDone));
+                }
+            }
+        }
+        out
     }
 
     /// Whether this router holds `id` as its own.
@@ -203,6 +274,7 @@ impl ActiveLoad {
                     blocks: ev.blocks,
                     added: now,
                     prefilled: false,
+                    shared: true,
                 },
             ),
             ActiveLoadKind::PrefillDone => {
@@ -262,7 +334,13 @@ impl ActiveLoad {
     }
 
     /// Everything active, as `Added` events (for a replica that starts late).
-    pub fn snapshot(&self) -> Vec<ActiveLoadEvent> {
+    /// Own entries in it are shared from now on: the peer it goes to holds
+    /// them.
+    pub fn snapshot(&mut self) -> Vec<ActiveLoadEvent> {
+        for e in self.entries.values_mut() {
+            e.shared = true;
+        }
+        self.unshared = 0;
         self.entries
             .iter()
             .flat_map(|((r, id), e)| {
@@ -322,13 +400,68 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_request_always_finishes_at_its_peers_and_others_are_shared_late() {
+        let (a, b) = (RouterId(1), RouterId(2));
+        let ttl = Duration::from_secs(3);
+        let t0 = Instant::now();
+        let mut ra = ActiveLoad::new(a, Duration::from_secs(600), ttl);
+        let mut rb = ActiveLoad::new(b, Duration::from_secs(600), ttl);
+        let w = WorkerId(9);
+        // Alone: nothing to publish, nothing pending to share.
+        assert!(ra.add_own(RequestId(1), w, 1, (100, 4), t0).is_none());
+        assert!(ra.prefill_done_own(RequestId(1), t0).is_empty());
+        assert!(ra.add_own(RequestId(2), w, 1, (50, 2), t0).is_none());
+        assert!(ra.share_pending(t0).is_empty());
+        // A peer is heard: the two requests go out, the prefilled one as
+        // added then prefilled, and only once.
+        ra.heartbeat(b, t0);
+        let out = ra.share_pending(t0);
+        assert_eq!(out.len(), 3, "{out:?}");
+        assert!(ra.share_pending(t0).is_empty());
+        for ev in &out {
+            rb.remote(ev, t0);
+        }
+        assert_eq!(rb.load_of(w).inflight, 2);
+        assert_eq!(rb.load_of(w).decoding, 1);
+        // The peer goes quiet past peer_ttl (a blip): a shared request's
+        // later events still go out, so the peer, if it kept it, drops it.
+        let later = t0 + Duration::from_secs(5);
+        assert!(!ra.has_peers(later));
+        assert_eq!(ra.prefill_done_own(RequestId(2), later).len(), 1);
+        let fin = ra
+            .finish_own(RequestId(1))
+            .expect("shared: finished at peers");
+        rb.remote(&fin, later);
+        assert_eq!(rb.load_of(w).inflight, 1);
+        // A request routed during the silence is not shared, and its end
+        // is not published; shared late if the peer comes back.
+        assert!(ra.add_own(RequestId(3), w, 1, (10, 1), later).is_none());
+        assert!(ra.finish_own(RequestId(3)).is_none());
+        assert!(ra.add_own(RequestId(4), w, 1, (10, 1), later).is_none());
+        ra.heartbeat(b, later);
+        let late = ra.share_pending(later);
+        assert_eq!(late.len(), 1);
+        assert_eq!(late[0].request_id, RequestId(4));
+        // Entries that go out in a snapshot are shared too.
+        assert!(ra
+            .add_own(RequestId(5), w, 1, (10, 1), t0 + Duration::from_secs(20))
+            .is_none());
+        let snap = ra.snapshot();
+        assert!(snap.iter().any(|e| e.request_id == RequestId(5)));
+        assert!(ra.finish_own(RequestId(5)).is_some());
+    }
+
+    #[test]
     fn replicas_converge_and_stale_entries_expire() {
         let t0 = Instant::now();
         let (a, b) = (RouterId(1), RouterId(2));
         let mut ra = ActiveLoad::new(a, Duration::from_secs(600), Duration::from_secs(3));
         let mut rb = ActiveLoad::new(b, Duration::from_secs(600), Duration::from_secs(3));
         let w = WorkerId(9);
-        let ev = ra.add_own(RequestId(1), w, 1, (500, 40), t0);
+        ra.heartbeat(b, t0);
+        let ev = ra
+            .add_own(RequestId(1), w, 1, (500, 40), t0)
+            .expect("a peer listens");
         rb.remote(&ev, t0);
         rb.remote(&ev, t0); // duplicate: no double count
         assert_eq!(
@@ -340,8 +473,9 @@ mod tests {
                 decoding: 0,
             }
         );
-        let ev = ra.prefill_done_own(RequestId(1)).unwrap();
-        rb.remote(&ev, t0);
+        let ev = ra.prefill_done_own(RequestId(1), t0);
+        assert_eq!(ev.len(), 1);
+        rb.remote(&ev[0], t0);
         assert_eq!(
             rb.load_of(w),
             WorkerLoad {
@@ -365,7 +499,7 @@ mod tests {
         assert_eq!(rb.load_of(w), WorkerLoad::default());
         assert_eq!(rc.load_of(w), WorkerLoad::default());
         // A replica that goes silent loses its entries.
-        let ev = ra.add_own(RequestId(2), w, 1, (10, 1), t0);
+        let ev = ra.add_own(RequestId(2), w, 1, (10, 1), t0).unwrap();
         rb.remote(&ev, t0);
         rb.expire(t0 + Duration::from_secs(2));
         assert_eq!(rb.load_of(w).inflight, 1);

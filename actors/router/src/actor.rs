@@ -211,6 +211,13 @@ enum ToPeers {
 }
 
 impl RouterRuntime {
+    /// Publishes own requests a peer that now listens does not hold yet.
+    fn share_pending(&mut self, now: Instant) {
+        for ev in self.state.share_pending(now) {
+            self.tell_peers(ToPeers::Load(ev));
+        }
+    }
+
     fn tell_peers(&self, m: ToPeers) {
         if self.to_peers.try_send(m).is_err() {
             tracing::debug!("peer load backlog full; dropping an update");
@@ -252,6 +259,9 @@ impl Actor for RouterActor {
         state.set_disagg(args.config.disagg);
         state.set_overload_backoff(args.config.overload_backoff);
         state.begin_catch_up(Instant::now());
+        // A peer may be starting at the same time, before either hears the
+        // other: share for a while anyway.
+        state.peer_starting(Instant::now());
         let period = (args.config.worker_ttl / 4).max(Duration::from_millis(50));
         let indexer_args = IndexerSettings {
             snapshots: args.config.kv_snapshot.clone(),
@@ -420,8 +430,10 @@ impl Actor for RouterActor {
                 Ok((d, ev)) => {
                     if reply.send(Ok(d)).is_err() {
                         // The caller gave up: undo the accounting.
-                        s.release(request_id);
-                    } else if s.shares_load(now) {
+                        if let Some(ev) = s.release(request_id) {
+                            rt.tell_peers(ToPeers::Load(ev));
+                        }
+                    } else if let Some(ev) = ev {
                         rt.tell_peers(ToPeers::Load(ev));
                     }
                 }
@@ -430,23 +442,30 @@ impl Actor for RouterActor {
                 }
             },
             RouterMsg::Release(id) => {
-                if let Some(ev) = s.release(id).filter(|_| s.shares_load(now)) {
+                if let Some(ev) = s.release(id) {
                     rt.tell_peers(ToPeers::Load(ev));
                 }
             }
             RouterMsg::PrefillDone(id) => {
-                if let Some(ev) = s.prefill_done(id).filter(|_| s.shares_load(now)) {
+                for ev in s.prefill_done(id, now) {
                     rt.tell_peers(ToPeers::Load(ev));
                 }
             }
-            RouterMsg::RemoteLoad(ev, _ticket) => s.remote_load(&ev, now),
-            RouterMsg::PeerHeartbeat(p, _ticket) => s.peer_heartbeat(p, now),
+            RouterMsg::RemoteLoad(ev, _ticket) => {
+                s.remote_load(&ev, now);
+                rt.share_pending(now);
+            }
+            RouterMsg::PeerHeartbeat(p, _ticket) => {
+                s.peer_heartbeat(p, now);
+                rt.share_pending(now);
+            }
             RouterMsg::LoadSnapshot(entries) => {
                 tracing::info!(
                     entries = entries.len(),
                     "loaded the active-load snapshot of a peer"
                 );
                 s.load_snapshot(&entries, now);
+                rt.share_pending(now);
             }
             RouterMsg::SnapshotDone => s.snapshot_done(),
             RouterMsg::RegistryLoaded => s.registry_loaded(),

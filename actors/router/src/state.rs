@@ -264,9 +264,16 @@ impl RouterState {
         self.active.snapshot()
     }
 
-    /// Whether own load events are published: only while a peer listens.
-    pub fn shares_load(&self, now: Instant) -> bool {
-        self.active.has_peers(now)
+    /// While a peer listens: own requests it does not hold yet, to
+    /// publish (see [`ActiveLoad::share_pending`]).
+    pub fn share_pending(&mut self, now: Instant) -> Vec<ActiveLoadEvent> {
+        self.active.share_pending(now)
+    }
+
+    /// A peer may be starting beside this replica (at start-up): share
+    /// what is routed for `peer_ttl` even before one is heard.
+    pub fn peer_starting(&mut self, now: Instant) {
+        self.active.peer_starting(now);
     }
 
     /// A worker's load as all replicas together see it.
@@ -274,9 +281,10 @@ impl RouterState {
         self.active.load_of(w)
     }
 
-    /// The first token of an own request came back; returns the event to publish.
-    pub fn prefill_done(&mut self, id: RequestId) -> Option<ActiveLoadEvent> {
-        self.active.prefill_done_own(id)
+    /// The first token of an own request came back; returns the events to
+    /// publish.
+    pub fn prefill_done(&mut self, id: RequestId, now: Instant) -> Vec<ActiveLoadEvent> {
+        self.active.prefill_done_own(id, now)
     }
 
     pub fn kv_stats(&self) -> KvStats {
@@ -393,7 +401,8 @@ impl RouterState {
     }
 
     /// Picks a worker for request `id`, skipping `exclude`; returns the
-    /// decision and the load event to publish to the other replicas.
+    /// decision and the load event to publish to the other replicas (none
+    /// while no peer listens).
     pub fn route(
         &mut self,
         id: RequestId,
@@ -401,7 +410,7 @@ impl RouterState {
         token_ids: &[u32],
         exclude: &[WorkerId],
         now: Instant,
-    ) -> Result<(RouteDecision, ActiveLoadEvent), RouteError> {
+    ) -> Result<(RouteDecision, Option<ActiveLoadEvent>), RouteError> {
         self.route_with(id, model, token_ids, exclude, None, now)
     }
 
@@ -414,7 +423,7 @@ impl RouterState {
         exclude: &[WorkerId],
         weights: Option<KvCostWeights>,
         now: Instant,
-    ) -> Result<(RouteDecision, ActiveLoadEvent), RouteError> {
+    ) -> Result<(RouteDecision, Option<ActiveLoadEvent>), RouteError> {
         if !self.caught_up(now) {
             return Err(RouteError::CatchingUp);
         }
@@ -645,7 +654,8 @@ impl RouterState {
         out
     }
 
-    /// An own request finished (in any way); returns the event to publish.
+    /// An own request finished (in any way); returns the event to publish
+    /// (only if a peer may hold it).
     pub fn release(&mut self, id: RequestId) -> Option<ActiveLoadEvent> {
         self.active.finish_own(id)
     }
