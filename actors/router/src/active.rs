@@ -13,12 +13,24 @@
 //!   snapshot and the event tail may overlap;
 //! - an own request is *shared* once a peer may hold it: its `Added` was
 //!   published, or it went out in a snapshot. Its later events are always
-//!   published, so no peer keeps a request that finished. One that is not
-//!   shared is shared as soon as a peer listens ([`ActiveLoad::has_peers`]:
-//!   one heard from within `peer_ttl`, or one that was served a snapshot or
-//!   answered ours within it): the actor publishes [`ActiveLoad::share_pending`].
-//!   A replica alone publishes no per-request event (the common one-router
-//!   deployment pays nothing for sharing).
+//!   published, so a peer that got it sees it finish (one exception, older
+//!   than sharing: a starting replica may apply a `Finished` before the
+//!   snapshot that holds its `Added`, and keeps that entry until
+//!   `entry_ttl`). One that is not shared is shared as soon as a peer
+//!   listens ([`ActiveLoad::has_peers`]: one heard from within `peer_ttl`,
+//!   one that was served a snapshot or answered ours within it, or any for
+//!   `peer_ttl` after start): the actor publishes [`ActiveLoad::share_pending`];
+//! - a peer heard for the first time, or again after `peer_ttl` of silence,
+//!   is sent every own request again (as `Added`, and `PrefillDone` where
+//!   done; peers that hold them ignore the duplicates), so one that lost
+//!   them in a gap gets them back;
+//! - [`ActiveLoad::share_pending`] gives at most its budget of events a call
+//!   (the rest wait for the next call), so it cannot flood the bounded
+//!   channel to the bus and crowd out `Finished` events.
+//!
+//! So a replica alone publishes no per-request event once its first
+//! `peer_ttl` has passed and the requests it shared have finished (the
+//! common one-router deployment pays nothing for sharing).
 
 use dynamo_bus_schema::{ActiveLoadEvent, ActiveLoadKind, RequestId, RouterId, WorkerId};
 use std::collections::HashMap;
@@ -61,6 +73,8 @@ pub struct ActiveLoad {
     peer_hint: Option<Instant>,
     /// Own entries not shared yet.
     unshared: usize,
+    /// Own requests to send again, for a peer new or back from silence.
+    resend: Vec<RequestId>,
 }
 
 impl ActiveLoad {
@@ -74,11 +88,12 @@ impl ActiveLoad {
             peer_ttl,
             peer_hint: None,
             unshared: 0,
+            resend: Vec::new(),
         }
     }
 
-    /// Whether a peer listens to this replica's events (only then are they
-    /// published).
+    /// Whether a peer listens to this replica's events (only then is a new
+    /// request published).
     pub fn has_peers(&self, now: Instant) -> bool {
         self.peer_hint.is_some_and(|t| now < t)
             || self
@@ -87,8 +102,9 @@ impl ActiveLoad {
                 .any(|t| now.saturating_duration_since(*t) <= self.peer_ttl)
     }
 
-    /// A peer is starting (it asked for our snapshot, or answered ours):
-    /// it listens from now on, before its first heartbeat.
+    /// A peer is starting (it asked for our snapshot, or answered ours, or
+    /// this replica is starting): one listens from now on, before its
+    /// first heartbeat.
     pub fn peer_starting(&mut self, now: Instant) {
         self.peer_hint = Some(now + self.peer_ttl);
     }
@@ -172,6 +188,12 @@ impl ActiveLoad {
         (prefill_tokens, blocks): (u64, u64),
         now: Instant,
     ) -> Option<ActiveLoadEvent> {
+        if self.entries.contains_key(&(self.me, id)) {
+            // Routed again without a release (callers release first): the
+            // entry stands as it is.
+            tracing::debug!(request = ?id, "routed twice; the first entry stands");
+            return None;
+        }
         let shared = self.has_peers(now);
         let e = Entry {
             worker,
@@ -225,31 +247,58 @@ impl ActiveLoad {
         }
     }
 
-    /// While a peer listens: the own requests not shared yet, as `Added`
-    /// (and `PrefillDone` where it is done), now shared. Nothing to do,
-    /// and no work, in the steady state.
-    pub fn share_pending(&mut self, now: Instant) -> Vec<ActiveLoadEvent> {
-        if self.unshared == 0 || !self.has_peers(now) {
+    /// While a peer listens: own requests to send again for a peer new or
+    /// back, and those not shared yet (now shared), as `Added` (and
+    /// `PrefillDone` where done): at most `budget` events, the rest at the
+    /// next call. Nothing to do, and no work, in the steady state.
+    pub fn share_pending(&mut self, now: Instant, budget: usize) -> Vec<ActiveLoadEvent> {
+        if (self.unshared == 0 && self.resend.is_empty()) || !self.has_peers(now) {
             return Vec::new();
         }
-        let me = self.me;
-        let keys: Vec<(RouterId, RequestId)> = self
-            .entries
-            .iter()
-            .filter(|((r, _), e)| *r == me && !e.shared)
-            .map(|(k, _)| *k)
-            .collect();
-        let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            self.mark_shared(&k);
-            if let Some(e) = self.entries.get(&k) {
-                out.push(self.event(k.1, e, ActiveLoadKind::Added));
-                if e.prefilled {
-                    out.push(self.event(k.1, e, ActiveLoadKind::PrefillDone));
+        let mut out = Vec::new();
+        let emit = |me: &ActiveLoad, id: RequestId, e: &Entry, out: &mut Vec<ActiveLoadEvent>| {
+            out.push(me.event(id, e, ActiveLoadKind::Added));
+            if e.prefilled {
+                out.push(me.event(id, e, ActiveLoadKind::PrefillDone));
+            }
+        };
+        while out.len() + 2 <= budget {
+            let Some(id) = self.resend.pop() else { break };
+            // Finished since: its `Finished` went out already.
+            if let Some(e) = self.entries.get(&(self.me, id)) {
+                emit(self, id, e, &mut out);
+            }
+        }
+        if self.unshared > 0 && out.len() + 2 <= budget {
+            let me = self.me;
+            let room = (budget - out.len()) / 2;
+            let keys: Vec<(RouterId, RequestId)> = self
+                .entries
+                .iter()
+                .filter(|((r, _), e)| *r == me && !e.shared)
+                .map(|(k, _)| *k)
+                .take(room)
+                .collect();
+            for k in keys {
+                self.mark_shared(&k);
+                if let Some(e) = self.entries.get(&k) {
+                    emit(self, k.1, e, &mut out);
                 }
             }
         }
         out
+    }
+
+    /// Recounts what the counters say (tests).
+    #[cfg(test)]
+    fn check(&self) {
+        let me = self.me;
+        let unshared = self
+            .entries
+            .iter()
+            .filter(|((r, _), e)| *r == me && !e.shared)
+            .count();
+        assert_eq!(unshared, self.unshared, "unshared count drifted");
     }
 
     /// Whether this router holds `id` as its own.
@@ -262,7 +311,7 @@ impl ActiveLoad {
         if ev.router_id == self.me {
             return;
         }
-        self.peers.insert(ev.router_id, now);
+        self.heard(ev.router_id, now);
         let key = (ev.router_id, ev.request_id);
         match ev.kind {
             ActiveLoadKind::Added => self.insert(
@@ -289,7 +338,25 @@ impl ActiveLoad {
 
     pub fn heartbeat(&mut self, peer: RouterId, now: Instant) {
         if peer != self.me {
-            self.peers.insert(peer, now);
+            self.heard(peer, now);
+        }
+    }
+
+    /// A peer was heard: one new, or back after `peer_ttl` of silence, may
+    /// hold none of the own requests, so they are all sent again.
+    fn heard(&mut self, peer: RouterId, now: Instant) {
+        let back = self
+            .peers
+            .insert(peer, now)
+            .is_none_or(|t| now.saturating_duration_since(t) > self.peer_ttl);
+        if back {
+            let me = self.me;
+            self.resend = self
+                .entries
+                .iter()
+                .filter(|((r, _), e)| *r == me && e.shared)
+                .map(|((_, id), _)| *id)
+                .collect();
         }
     }
 
@@ -411,13 +478,13 @@ mod tests {
         assert!(ra.add_own(RequestId(1), w, 1, (100, 4), t0).is_none());
         assert!(ra.prefill_done_own(RequestId(1), t0).is_empty());
         assert!(ra.add_own(RequestId(2), w, 1, (50, 2), t0).is_none());
-        assert!(ra.share_pending(t0).is_empty());
+        assert!(ra.share_pending(t0, 1000).is_empty());
         // A peer is heard: the two requests go out, the prefilled one as
         // added then prefilled, and only once.
         ra.heartbeat(b, t0);
-        let out = ra.share_pending(t0);
+        let out = ra.share_pending(t0, 1000);
         assert_eq!(out.len(), 3, "{out:?}");
-        assert!(ra.share_pending(t0).is_empty());
+        assert!(ra.share_pending(t0, 1000).is_empty());
         for ev in &out {
             rb.remote(ev, t0);
         }
@@ -438,10 +505,19 @@ mod tests {
         assert!(ra.add_own(RequestId(3), w, 1, (10, 1), later).is_none());
         assert!(ra.finish_own(RequestId(3)).is_none());
         assert!(ra.add_own(RequestId(4), w, 1, (10, 1), later).is_none());
+        // The peer is back after the silence: it may have dropped what it
+        // held, so request 2 (shared, prefilled) goes again, and request 4
+        // for the first time.
         ra.heartbeat(b, later);
-        let late = ra.share_pending(later);
-        assert_eq!(late.len(), 1);
-        assert_eq!(late[0].request_id, RequestId(4));
+        let late = ra.share_pending(later, 1000);
+        let ids: Vec<(RequestId, ActiveLoadKind)> =
+            late.iter().map(|e| (e.request_id, e.kind)).collect();
+        assert_eq!(ids.len(), 3, "{ids:?}");
+        assert!(ids.contains(&(RequestId(2), ActiveLoadKind::Added)));
+        assert!(ids.contains(&(RequestId(2), ActiveLoadKind::PrefillDone)));
+        assert!(ids.contains(&(RequestId(4), ActiveLoadKind::Added)));
+        assert!(ra.share_pending(later, 1000).is_empty());
+        ra.check();
         // Entries that go out in a snapshot are shared too.
         assert!(ra
             .add_own(RequestId(5), w, 1, (10, 1), t0 + Duration::from_secs(20))
@@ -449,6 +525,41 @@ mod tests {
         let snap = ra.snapshot();
         assert!(snap.iter().any(|e| e.request_id == RequestId(5)));
         assert!(ra.finish_own(RequestId(5)).is_some());
+        ra.check();
+    }
+
+    #[test]
+    fn sharing_a_backlog_keeps_to_its_budget_and_the_count_stays_exact() {
+        let (a, b) = (RouterId(1), RouterId(2));
+        let t0 = Instant::now();
+        let mut ra = ActiveLoad::new(a, Duration::from_secs(600), Duration::from_secs(3));
+        let w = WorkerId(9);
+        for i in 0..10 {
+            assert!(ra.add_own(RequestId(i), w, 1, (10, 1), t0).is_none());
+        }
+        // Routed twice without a release: the first entry stands.
+        assert!(ra.add_own(RequestId(0), w, 1, (99, 9), t0).is_none());
+        ra.check();
+        ra.heartbeat(b, t0);
+        // At most five events a call: two requests (room is kept for an
+        // added and its prefill-done together).
+        let mut sent = 0;
+        for _ in 0..5 {
+            let out = ra.share_pending(t0, 5);
+            assert!(out.len() <= 5);
+            sent += out.len();
+            ra.check();
+        }
+        assert_eq!(sent, 10);
+        assert!(ra.share_pending(t0, 5).is_empty());
+        // Removal paths keep the count exact.
+        ra.add_own(RequestId(20), w, 1, (10, 1), t0 + Duration::from_secs(10));
+        ra.add_own(RequestId(21), w, 2, (10, 1), t0 + Duration::from_secs(10));
+        ra.worker_changed(w, 2);
+        ra.check();
+        ra.expire(t0 + Duration::from_secs(700));
+        ra.check();
+        assert_eq!(ra.load_of(w), WorkerLoad::default());
     }
 
     #[test]

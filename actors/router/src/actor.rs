@@ -213,7 +213,10 @@ enum ToPeers {
 impl RouterRuntime {
     /// Publishes own requests a peer that now listens does not hold yet.
     fn share_pending(&mut self, now: Instant) {
-        for ev in self.state.share_pending(now) {
+        // Half the room left to the bus, so a flood of these never crowds
+        // out the events of requests that finish meanwhile.
+        let budget = self.to_peers.capacity() / 2;
+        for ev in self.state.share_pending(now, budget) {
             self.tell_peers(ToPeers::Load(ev));
         }
     }
@@ -429,10 +432,9 @@ impl Actor for RouterActor {
             } => match s.route_with(request_id, &model, &token_ids, &exclude, weights, now) {
                 Ok((d, ev)) => {
                     if reply.send(Ok(d)).is_err() {
-                        // The caller gave up: undo the accounting.
-                        if let Some(ev) = s.release(request_id) {
-                            rt.tell_peers(ToPeers::Load(ev));
-                        }
+                        // The caller gave up: undo the accounting (its
+                        // `Added` never went out).
+                        let _ = s.release(request_id);
                     } else if let Some(ev) = ev {
                         rt.tell_peers(ToPeers::Load(ev));
                     }

@@ -264,10 +264,10 @@ impl RouterState {
         self.active.snapshot()
     }
 
-    /// While a peer listens: own requests it does not hold yet, to
-    /// publish (see [`ActiveLoad::share_pending`]).
-    pub fn share_pending(&mut self, now: Instant) -> Vec<ActiveLoadEvent> {
-        self.active.share_pending(now)
+    /// While a peer listens: own requests it may not hold, to publish, at
+    /// most `budget` events (see [`ActiveLoad::share_pending`]).
+    pub fn share_pending(&mut self, now: Instant, budget: usize) -> Vec<ActiveLoadEvent> {
+        self.active.share_pending(now, budget)
     }
 
     /// A peer may be starting beside this replica (at start-up): share
