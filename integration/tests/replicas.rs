@@ -204,9 +204,6 @@ async fn a_replica_alone_shares_no_load_and_starts_once_a_peer_listens() {
     let mut n0 = Node::start(&gateway_cfg("gw0", &nats.url, p0));
     let g0 = Http::new(p0);
     g0.wait_ready(2, &mut n0).await;
-    // A replica shares for its first 3 s anyway (a peer may be starting
-    // beside it, unheard yet).
-    tokio::time::sleep(Duration::from_millis(3500)).await;
     let client = async_nats::connect(&nats.url).await.expect("nats");
     let mut sub = client
         .subscribe("dynamo.it.router.load")

@@ -18,8 +18,10 @@
 //!   snapshot that holds its `Added`, and keeps that entry until
 //!   `entry_ttl`). One that is not shared is shared as soon as a peer
 //!   listens ([`ActiveLoad::has_peers`]: one heard from within `peer_ttl`,
-//!   one that was served a snapshot or answered ours within it, or any for
-//!   `peer_ttl` after start): the actor publishes [`ActiveLoad::share_pending`];
+//!   or one that was served a snapshot or answered ours within it): the
+//!   actor publishes [`ActiveLoad::share_pending`]. Two replicas that start
+//!   together, unheard by each other, share what they routed at their
+//!   first heartbeats;
 //! - a peer heard for the first time, or again after `peer_ttl` of silence,
 //!   is sent every own request again (as `Added`, and `PrefillDone` where
 //!   done; peers that hold them ignore the duplicates), so one that lost
@@ -28,9 +30,9 @@
 //!   (the rest wait for the next call), so it cannot flood the bounded
 //!   channel to the bus and crowd out `Finished` events.
 //!
-//! So a replica alone publishes no per-request event once its first
-//! `peer_ttl` has passed and the requests it shared have finished (the
-//! common one-router deployment pays nothing for sharing).
+//! So a replica alone publishes no per-request event once the requests it
+//! shared have finished (the common one-router deployment pays nothing for
+//! sharing).
 
 use dynamo_bus_schema::{ActiveLoadEvent, ActiveLoadKind, RequestId, RouterId, WorkerId};
 use std::collections::HashMap;
@@ -102,9 +104,8 @@ impl ActiveLoad {
                 .any(|t| now.saturating_duration_since(*t) <= self.peer_ttl)
     }
 
-    /// A peer is starting (it asked for our snapshot, or answered ours, or
-    /// this replica is starting): one listens from now on, before its
-    /// first heartbeat.
+    /// A peer is starting (it asked for our snapshot, or answered ours):
+    /// it listens from now on, before its first heartbeat.
     pub fn peer_starting(&mut self, now: Instant) {
         self.peer_hint = Some(now + self.peer_ttl);
     }

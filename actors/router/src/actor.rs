@@ -262,9 +262,6 @@ impl Actor for RouterActor {
         state.set_disagg(args.config.disagg);
         state.set_overload_backoff(args.config.overload_backoff);
         state.begin_catch_up(Instant::now());
-        // A peer may be starting at the same time, before either hears the
-        // other: share for a while anyway.
-        state.peer_starting(Instant::now());
         let period = (args.config.worker_ttl / 4).max(Duration::from_millis(50));
         let indexer_args = IndexerSettings {
             snapshots: args.config.kv_snapshot.clone(),

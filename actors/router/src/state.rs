@@ -270,12 +270,6 @@ impl RouterState {
         self.active.share_pending(now, budget)
     }
 
-    /// A peer may be starting beside this replica (at start-up): share
-    /// what is routed for `peer_ttl` even before one is heard.
-    pub fn peer_starting(&mut self, now: Instant) {
-        self.active.peer_starting(now);
-    }
-
     /// A worker's load as all replicas together see it.
     pub fn worker_load(&self, w: WorkerId) -> WorkerLoad {
         self.active.load_of(w)
