@@ -591,7 +591,7 @@ services:
     assert_eq!(r.json["choices"][0]["text"], want.as_str());
 }
 
-/// A libzmq publisher (`kv_publisher.py`, pyzmq) standing in for an
+/// A libzmq publisher (`zmq_publisher.py --stdin`, pyzmq) standing in for an
 /// engine's KV event publisher, framed as vLLM frames it; the batches it
 /// sends are encoded here, in vLLM's map encoding.
 struct Publisher {
@@ -604,9 +604,14 @@ struct Publisher {
 impl Publisher {
     fn start() -> Publisher {
         use std::io::BufRead;
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kv_publisher.py");
+        // The ZMQ source tests' publisher, in its stdin mode.
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../engines/external/tests/zmq_publisher.py"
+        );
         let mut child = std::process::Command::new("python3")
             .arg(script)
+            .arg("--stdin")
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .spawn()

@@ -259,6 +259,20 @@ impl Translator {
         }
     }
 
+    /// The tier of an event of the group indexed, with a medium we know;
+    /// none (counted) otherwise.
+    fn indexed_tier(&mut self, group: &CacheGroup, medium: Option<&str>) -> Option<KvTier> {
+        if !self.indexed_group(group) {
+            self.skipped.other_group += 1;
+            return None;
+        }
+        let t = tier(medium);
+        if t.is_none() {
+            self.skipped.unknown_medium += 1;
+        }
+        t
+    }
+
     /// Our events for one engine event (none when it changes nothing of
     /// ours, or is skipped).
     pub fn translate(&mut self, e: &EngineEvent) -> Vec<KvCacheEvent> {
@@ -273,12 +287,7 @@ impl Translator {
                 medium,
                 group,
             } => {
-                if !self.indexed_group(group) {
-                    self.skipped.other_group += 1;
-                    return Vec::new();
-                }
-                let Some(t) = tier(medium.as_deref()) else {
-                    self.skipped.unknown_medium += 1;
+                let Some(t) = self.indexed_tier(group, medium.as_deref()) else {
                     return Vec::new();
                 };
                 if token_ids.is_empty() {
@@ -306,12 +315,7 @@ impl Translator {
                 medium,
                 group,
             } => {
-                if !self.indexed_group(group) {
-                    self.skipped.other_group += 1;
-                    return Vec::new();
-                }
-                let Some(t) = tier(medium.as_deref()) else {
-                    self.skipped.unknown_medium += 1;
+                let Some(t) = self.indexed_tier(group, medium.as_deref()) else {
                     return Vec::new();
                 };
                 self.removed(hashes, t)
@@ -407,16 +411,20 @@ impl Translator {
             }
             ours.extend_from_slice(&owns);
         }
-        if ours.is_empty() {
+        self.emit_stored(t, first_parent, ours)
+    }
+
+    /// `blocks` stored on `t` after `parent`, as one event (none if empty).
+    fn emit_stored(
+        &mut self,
+        t: KvTier,
+        parent: Option<SequenceHash>,
+        blocks: Vec<SequenceHash>,
+    ) -> Vec<KvCacheEvent> {
+        if blocks.is_empty() {
             return Vec::new();
         }
-        vec![self.emit(
-            t,
-            KvCacheEventData::Stored {
-                parent: first_parent,
-                blocks: ours,
-            },
-        )]
+        vec![self.emit(t, KvCacheEventData::Stored { parent, blocks })]
     }
 
     /// A store without tokens: engine blocks already stored (on any tier)
@@ -439,16 +447,7 @@ impl Translator {
                 }
             }
         }
-        if new.is_empty() {
-            return Vec::new();
-        }
-        vec![self.emit(
-            t,
-            KvCacheEventData::Stored {
-                parent: None,
-                blocks: new,
-            },
-        )]
+        self.emit_stored(t, None, new)
     }
 
     fn removed(&mut self, hashes: &[EngineHash], t: KvTier) -> Vec<KvCacheEvent> {
