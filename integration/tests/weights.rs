@@ -85,6 +85,9 @@ async fn a_node_without_the_model_loads_it_from_a_peer_and_answers_the_same() {
     let mut a = Node::start(&node_config("a", &nats.url, Some(port), 0, &cpu_worker()));
     let http = Http::new(port);
     http.wait_ready(1, &mut a).await;
+    // A node serves before it advertises its weights (it registers them in
+    // the background): b, started earlier, would find no source.
+    wait_served(&nats.url, "a").await;
     let dir = tempfile::tempdir().unwrap();
     let mut b = start_bare(
         &node_config("b", &nats.url, None, 0, &cpu_worker()),
