@@ -81,19 +81,21 @@ async fn load_finished(node: &mut Node) -> (String, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_without_the_model_loads_it_from_a_peer_and_answers_the_same() {
     let nats = Nats::start();
-    let port = free_port();
-    let mut a = Node::start(&node_config("a", &nats.url, Some(port), 0, &cpu_worker()));
-    let http = Http::new(port);
-    http.wait_ready(1, &mut a).await;
-    // A node serves before it advertises its weights (it registers them in
-    // the background): b, started earlier, would find no source.
-    wait_served(&nats.url, "a").await;
+    // b starts first, as in a fleet started at once: no node offers the
+    // model yet, so it waits for a source (`DYNAMO_WEIGHTS_WAIT_S`).
     let dir = tempfile::tempdir().unwrap();
     let mut b = start_bare(
         &node_config("b", &nats.url, None, 0, &cpu_worker()),
         dir.path(),
         &[],
     );
+    wait_log(&mut b, Duration::from_secs(60), "b waiting for a source", |l| {
+        l.contains("weights: no source yet (no node advertises smollm2-135m-instruct); waiting for one")
+    })
+    .await;
+    let port = free_port();
+    let mut a = Node::start(&node_config("a", &nats.url, Some(port), 0, &cpu_worker()));
+    let http = Http::new(port);
     http.wait_ready(2, &mut a).await;
     let log = b.log_text();
     assert!(log.contains("weights: loaded and verified"), "{log}");
@@ -207,11 +209,17 @@ async fn a_peer_killed_mid_load_is_replaced_by_the_cache() {
 async fn with_no_source_at_all_the_node_fails_naming_each_source_tried() {
     let nats = Nats::start();
     let dir = tempfile::tempdir().unwrap();
-    let mut c = start_bare(&node_config("c", &nats.url, None, 1, ""), dir.path(), &[]);
+    let mut c = start_bare(
+        &node_config("c", &nats.url, None, 1, ""),
+        dir.path(),
+        &[("DYNAMO_WEIGHTS_WAIT_S", "2")],
+    );
     let code = c.wait(Duration::from_secs(60)).expect("the node exits");
     assert_ne!(code, 0);
     let log = c.log_text();
     for want in [
+        "weights: no source yet (no node advertises smollm2-135m-instruct); waiting for one",
+        "after waiting 2 s for one; $DYNAMO_WEIGHTS_WAIT_S sets how long",
         "no source for model smollm2-135m-instruct",
         "file: no model file given",
         "$DYNAMO_MODEL_GGUF is unset",
@@ -302,7 +310,7 @@ async fn a_corrupted_chunk_is_fetched_again_and_other_content_is_refused() {
     let mut d = start_bare(
         &node_config("d", &nats.url, None, 0, &pinned_mocker(&other)),
         dir.path(),
-        &[],
+        &[("DYNAMO_WEIGHTS_WAIT_S", "0")],
     );
     assert_ne!(d.wait(Duration::from_secs(60)).expect("d exits"), 0);
     let log = d.log_text();

@@ -544,8 +544,11 @@ impl AgentState {
         let model = match self.models.get(&model_key) {
             Some(m) => m.clone(),
             None => {
+                // No wait for a source here: the agent would stop answering
+                // meanwhile. A start without one fails, shows in status, and
+                // is retried with backoff.
                 let m = Arc::new(
-                    crate::daemon::load_group_model(&group, &self.weights)
+                    crate::daemon::load_group_model(&group, &self.weights, Duration::ZERO)
                         .await
                         .map_err(|e| format!("{e:#}"))?,
                 );

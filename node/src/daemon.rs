@@ -119,7 +119,9 @@ async fn serve(
     );
     let mut models = Vec::new();
     for group in &cfg.workers {
-        models.push(Arc::new(load_group_model(group, &weights).await?));
+        models.push(Arc::new(
+            load_group_model(group, &weights, weights.source_wait()).await?,
+        ));
     }
 
     crate::metrics::started(&cfg.node_id.0, cfg.namespace.as_str());
@@ -336,11 +338,13 @@ pub fn hostname() -> String {
 /// Loads what a worker group's engines share: the model card and
 /// tokenizer, and for the CPU engine the weights.
 ///
-/// Without the file here, it comes from the cluster ([`crate::weights`]);
-/// a file here is served to peers.
+/// Without the file here, it comes from the cluster ([`crate::weights`]),
+/// waiting up to `source_wait` for a source to offer it; a file here is
+/// served to peers.
 pub async fn load_group_model(
     group: &crate::config::WorkerGroup,
     weights: &Arc<crate::weights::NodeWeights>,
+    source_wait: std::time::Duration,
 ) -> anyhow::Result<GroupModel> {
     let local = match &group.model_path {
         Some(p) if p.is_file() => Ok(p.clone()),
@@ -348,7 +352,7 @@ pub async fn load_group_model(
         None => locate_default_gguf().map_err(|e| e.to_string()),
     };
     let path = weights
-        .model_file(&group.model, local, group.model_sha256)
+        .model_file(&group.model, local, group.model_sha256, source_wait)
         .await?;
     let (name, bs) = (group.model.clone(), group.engine.block_size());
     let p = path.clone();

@@ -30,6 +30,14 @@ pub const HEARTBEAT: Duration = Duration::from_secs(3);
 pub const STALE: Duration = Duration::from_secs(15);
 /// The layout every GGUF file is served as.
 pub const GGUF: &str = "gguf";
+/// How long a node without the model waits for a source by default.
+pub const DEFAULT_SOURCE_WAIT: Duration = Duration::from_secs(120);
+/// The longest wait for a source `DYNAMO_WEIGHTS_WAIT_S` may ask for.
+pub const MAX_SOURCE_WAIT: Duration = Duration::from_secs(3600);
+/// How often a waiting node reads the weights bucket again.
+const SOURCE_POLL: Duration = Duration::from_secs(1);
+/// How often a waiting node says what it waits for.
+const SOURCE_WAIT_LOG: Duration = Duration::from_secs(10);
 
 /// Where a node looks for weights, in order (`DYNAMO_WEIGHTS_ORDER`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,6 +68,11 @@ pub struct WeightsConfig {
     pub peer_timeout: Duration,
     /// A load's rate limit (`DYNAMO_WEIGHTS_MAX_MBPS`, MB/s; none by default).
     pub max_bytes_per_sec: Option<u64>,
+    /// Longest wait for a source when none the order names offers the
+    /// model yet (`DYNAMO_WEIGHTS_WAIT_S`, default 120 s; 0 fails at once):
+    /// in a fleet started at once, the nodes holding the file are still
+    /// hashing and registering it.
+    pub source_wait: Duration,
 }
 
 impl WeightsConfig {
@@ -111,6 +124,17 @@ impl WeightsConfig {
                     _ => anyhow::bail!(
                         "${}: {v:?} is not a positive number of MB/s",
                         crate::env::WEIGHTS_MAX_MBPS
+                    ),
+                },
+            },
+            source_wait: match std::env::var(crate::env::WEIGHTS_WAIT_S) {
+                Err(_) => DEFAULT_SOURCE_WAIT,
+                Ok(v) => match v.trim().parse::<u64>() {
+                    Ok(n) if n <= MAX_SOURCE_WAIT.as_secs() => Duration::from_secs(n),
+                    _ => anyhow::bail!(
+                        "${}: {v:?} is not a number of seconds from 0 to {}",
+                        crate::env::WEIGHTS_WAIT_S,
+                        MAX_SOURCE_WAIT.as_secs()
                     ),
                 },
             },
@@ -333,13 +357,15 @@ impl NodeWeights {
     }
 
     /// The file of `model`: `local` if it is there (served to peers from
-    /// then on), else loaded from the cluster into the cache directory.
-    /// With `pin`, a file of any other content is refused.
+    /// then on), else loaded from the cluster into the cache directory,
+    /// waiting up to `wait` for a source to offer it. With `pin`, a file of
+    /// any other content is refused.
     pub async fn model_file(
         self: &Arc<Self>,
         model: &str,
         local: Result<PathBuf, String>,
         pin: Option<ContentHash>,
+        wait: Duration,
     ) -> anyhow::Result<PathBuf> {
         match local {
             Ok(p) => {
@@ -357,7 +383,7 @@ impl NodeWeights {
                 self.serve_local(&p, model);
                 Ok(p)
             }
-            Err(why) => self.fetch(model, why, pin).await,
+            Err(why) => self.fetch(model, why, pin, wait).await,
         }
     }
 
@@ -540,6 +566,66 @@ impl NodeWeights {
         }
     }
 
+    /// How long a node's start waits for a source ([`WeightsConfig::source_wait`]).
+    pub fn source_wait(&self) -> Duration {
+        self.cfg.source_wait
+    }
+
+    /// The catalog once a source this node would read offers `model`, or
+    /// once `wait` has passed (the load then fails naming each source); the
+    /// wait that ran out, if one did.
+    async fn wait_for_source(
+        &self,
+        model: &str,
+        pin: Option<ContentHash>,
+        wait: Duration,
+    ) -> anyhow::Result<(Catalog, Option<Duration>)> {
+        let start = tokio::time::Instant::now();
+        let deadline = start + wait;
+        let mut next_log = start;
+        loop {
+            let cat = catalog(&self.bus).await?;
+            let why = match readable(&cat, model, pin, &self.node, &self.cfg) {
+                Ok(()) => return Ok((cat, None)),
+                Err(why) => why,
+            };
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                if !wait.is_zero() {
+                    tracing::warn!(
+                        model,
+                        "weights: no source after {} s ({why})",
+                        wait.as_secs()
+                    );
+                }
+                return Ok((cat, Some(wait)));
+            }
+            if now >= next_log {
+                next_log = now + SOURCE_WAIT_LOG;
+                tracing::info!(
+                    model,
+                    waited_s = (now - start).as_secs(),
+                    left_s = (deadline - now).as_secs(),
+                    "weights: no source yet ({why}); waiting for one"
+                );
+            }
+            tokio::time::sleep(SOURCE_POLL.min(deadline - now)).await;
+        }
+    }
+
+    /// What a failure message adds about a wait for a source that ran
+    /// out.
+    fn waited(&self, waited: Option<Duration>) -> String {
+        match waited {
+            Some(w) if !w.is_zero() => format!(
+                " (after waiting {} s for one; ${} sets how long)",
+                w.as_secs(),
+                crate::env::WEIGHTS_WAIT_S
+            ),
+            _ => String::new(),
+        }
+    }
+
     /// Loads `model` from the cluster; `local_why` says why there is no
     /// local file.
     async fn fetch(
@@ -547,6 +633,7 @@ impl NodeWeights {
         model: &str,
         local_why: String,
         pin: Option<ContentHash>,
+        wait: Duration,
     ) -> anyhow::Result<PathBuf> {
         // A verified copy from an earlier start comes first.
         if let Some(sha) = &pin {
@@ -556,7 +643,7 @@ impl NodeWeights {
                 return Ok(p);
             }
         }
-        let cat = catalog(&self.bus).await?;
+        let (cat, waited) = self.wait_for_source(model, pin, wait).await?;
         // The content most nodes serve, else any cached one.
         let mut candidates: Vec<&WeightManifest> = cat
             .manifests
@@ -579,7 +666,8 @@ impl NodeWeights {
                 format!(" with the pinned sha256 {}", p.hex())
             });
             anyhow::bail!(
-                "no source for model {model}{pinned}: file: {local_why}; peer: none advertises it; cache: does not hold it"
+                "no source for model {model}{pinned}: file: {local_why}; peer: none advertises it; cache: does not hold it{}",
+                self.waited(waited)
             );
         };
         if pin.is_none() {
@@ -705,5 +793,183 @@ impl NodeWeights {
             }
         }
         Ok(path)
+    }
+}
+
+/// Whether a load of `model` could start now: some content of it (the
+/// pinned one, if any) is offered by a source in this node's order, a
+/// ready peer on its provider or the cache. Otherwise, what is missing.
+fn readable(
+    cat: &Catalog,
+    model: &str,
+    pin: Option<ContentHash>,
+    me: &NodeId,
+    cfg: &WeightsConfig,
+) -> Result<(), String> {
+    let mut missing = Vec::new();
+    let candidates = cat
+        .manifests
+        .values()
+        .filter(|m| m.model == model && m.layout == GGUF)
+        .filter(|m| pin.is_none_or(|p| p == m.sha256));
+    for m in candidates {
+        if cfg.order.contains(&Step::Cache) && cat.cached.contains(&m.sha256) {
+            return Ok(());
+        }
+        for s in cat.sources.get(&m.sha256).into_iter().flatten() {
+            if s.node == *me {
+                continue;
+            }
+            match s.state {
+                WeightSourceState::Ready if s.provider == cfg.provider => {
+                    if cfg.order.contains(&Step::Peer) {
+                        return Ok(());
+                    }
+                    missing.push(format!(
+                        "{} serves it but peers are not in the order",
+                        s.node.0
+                    ));
+                }
+                WeightSourceState::Ready => missing.push(format!(
+                    "{} serves it over {}, not {}",
+                    s.node.0, s.provider, cfg.provider
+                )),
+                WeightSourceState::Loading => missing.push(format!(
+                    "{} is loading it ({}%)",
+                    s.node.0,
+                    s.loaded_bytes * 100 / s.size.max(1)
+                )),
+                WeightSourceState::Unknown => {}
+            }
+        }
+    }
+    if missing.is_empty() {
+        let pinned = pin.map_or(String::new(), |p| format!(" with sha256 {}", p.short()));
+        return Err(format!("no node advertises {model}{pinned}"));
+    }
+    Err(missing.join("; "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(order: Vec<Step>) -> WeightsConfig {
+        WeightsConfig {
+            order,
+            provider: "tcp;ofi_rxm".into(),
+            cache_dir: PathBuf::from("/nonexistent"),
+            manifest_dir: PathBuf::from("/nonexistent"),
+            serve: true,
+            peer_timeout: Duration::from_secs(1),
+            max_bytes_per_sec: None,
+            source_wait: DEFAULT_SOURCE_WAIT,
+        }
+    }
+
+    fn manifest(model: &str, byte: u8) -> WeightManifest {
+        WeightManifest {
+            model: model.into(),
+            sha256: ContentHash([byte; 32]),
+            layout: GGUF.into(),
+            size: 100,
+            chunk_size: 100,
+            chunks: vec![ContentHash([byte; 32])],
+        }
+    }
+
+    fn source(
+        m: &WeightManifest,
+        node: &str,
+        state: WeightSourceState,
+        provider: &str,
+    ) -> WeightSource {
+        WeightSource {
+            node: NodeId(node.into()),
+            model: m.model.clone(),
+            sha256: m.sha256,
+            layout: GGUF.into(),
+            size: m.size,
+            state,
+            loaded_bytes: 40,
+            provider: provider.into(),
+            address: vec![1],
+            region_key: 1,
+            region_base: 0,
+            updated_unix_ms: 0,
+        }
+    }
+
+    fn catalog_of(m: &WeightManifest, sources: Vec<WeightSource>, cached: bool) -> Catalog {
+        let mut c = Catalog::default();
+        c.manifests.insert(m.sha256, m.clone());
+        if cached {
+            c.cached.insert(m.sha256);
+        }
+        if !sources.is_empty() {
+            c.sources.insert(m.sha256, sources);
+        }
+        c
+    }
+
+    #[test]
+    fn a_load_waits_until_a_source_in_the_order_offers_the_model() {
+        let me = NodeId("b".into());
+        let all = cfg(vec![Step::Peer, Step::Cache, Step::File]);
+        let m = manifest("smol", 1);
+        let rxm = "tcp;ofi_rxm";
+
+        // Nothing advertised yet.
+        let why = readable(&Catalog::default(), "smol", None, &me, &all).unwrap_err();
+        assert_eq!(why, "no node advertises smol");
+
+        // A peer still loading it, and this node's own record, are not sources.
+        let c = catalog_of(
+            &m,
+            vec![
+                source(&m, "a", WeightSourceState::Loading, rxm),
+                source(&m, "b", WeightSourceState::Ready, rxm),
+            ],
+            false,
+        );
+        assert_eq!(
+            readable(&c, "smol", None, &me, &all).unwrap_err(),
+            "a is loading it (40%)"
+        );
+
+        // A ready peer on another provider is named, and not read.
+        let c = catalog_of(
+            &m,
+            vec![source(&m, "a", WeightSourceState::Ready, "shm")],
+            false,
+        );
+        assert_eq!(
+            readable(&c, "smol", None, &me, &all).unwrap_err(),
+            "a serves it over shm, not tcp;ofi_rxm"
+        );
+
+        // A ready peer on this provider is a source, unless peers are left out.
+        let c = catalog_of(
+            &m,
+            vec![source(&m, "a", WeightSourceState::Ready, rxm)],
+            false,
+        );
+        assert_eq!(readable(&c, "smol", None, &me, &all), Ok(()));
+        let cache_only = cfg(vec![Step::Cache]);
+        assert!(readable(&c, "smol", None, &me, &cache_only).is_err());
+
+        // The cache is a source when the order names it.
+        let c = catalog_of(&m, vec![], true);
+        assert_eq!(readable(&c, "smol", None, &me, &cache_only), Ok(()));
+        assert!(readable(&c, "smol", None, &me, &cfg(vec![Step::Peer, Step::File])).is_err());
+
+        // Another model, or other content than the pinned, is no source.
+        assert!(readable(&c, "other", None, &me, &all).is_err());
+        let why = readable(&c, "smol", Some(ContentHash([2; 32])), &me, &all).unwrap_err();
+        assert!(
+            why.starts_with("no node advertises smol with sha256 "),
+            "{why}"
+        );
+        assert_eq!(readable(&c, "smol", Some(m.sha256), &me, &all), Ok(()));
     }
 }
