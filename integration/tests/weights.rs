@@ -205,6 +205,60 @@ async fn a_peer_killed_mid_load_is_replaced_by_the_cache() {
     assert!(b.alive());
 }
 
+/// libfabric's `shm` provider installs SIGTERM and SIGINT handlers when
+/// first used; a node that read its weights over it still drains on
+/// SIGTERM (exit 0) rather than dying at once. A node stopped while it
+/// waits for a source stops at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_stops_cleanly_after_a_shm_load_and_while_waiting_for_a_source() {
+    let nats = Nats::start();
+    let shm = [("DYNAMO_WEIGHTS_PROVIDER", "shm")];
+    let port = free_port();
+    let mut a = Node::start_with_env(&node_config("a", &nats.url, Some(port), 1, ""), &shm, &[]);
+    let http = Http::new(port);
+    http.wait_ready(1, &mut a).await;
+    wait_served(&nats.url, "a").await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = start_bare(
+        &node_config("b", &nats.url, None, 0, &cpu_worker()),
+        dir.path(),
+        &shm,
+    );
+    http.wait_ready(2, &mut a).await;
+    let (_, line) = load_finished(&mut b).await;
+    assert!(line.contains("peer a"), "{line}");
+    // The node handles signals once its worker registered.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    b.signal(libc::SIGTERM);
+    assert_eq!(b.wait(Duration::from_secs(60)), Some(0), "{}", b.log_text());
+    assert!(b.log_text().contains("node stopped"), "{}", b.log_text());
+
+    // Waiting for a model no one offers: SIGTERM ends the wait.
+    let dir = tempfile::tempdir().unwrap();
+    let other = format!(
+        "[[workers]]\ncount = 1\nengine = \"mocker\"\nmodel = \"not-offered\"\nheartbeat_ms = 500\n\n\
+         [workers.mocker]\nspeedup = 0.0\n\n"
+    );
+    let mut c = start_bare(
+        &node_config("c", &nats.url, None, 0, &other),
+        dir.path(),
+        &[],
+    );
+    wait_log(
+        &mut c,
+        Duration::from_secs(60),
+        "c waiting for a source",
+        |l| l.contains("weights: no source yet (no node advertises not-offered); waiting for one"),
+    )
+    .await;
+    c.signal(libc::SIGTERM);
+    assert_eq!(c.wait(Duration::from_secs(10)), Some(0), "{}", c.log_text());
+    assert!(c
+        .log_text()
+        .contains("stopped by a signal while loading models"));
+    assert!(a.alive());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_no_source_at_all_the_node_fails_naming_each_source_tried() {
     let nats = Nats::start();

@@ -99,6 +99,13 @@ async fn serve(
     base: BusAccess,
     creds: Option<Credentials>,
 ) -> anyhow::Result<()> {
+    // Before anything loads libfabric: its `shm` provider installs
+    // SIGTERM and SIGINT handlers that unlink its files and re-raise with
+    // the action they replaced. Installed after ours, they hand the signal
+    // on to ours; installed first, ours would chain to theirs, and the
+    // node would die at once instead of draining.
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
     let subjects = Subjects::new(cfg.namespace.clone());
     let buses = crate::access::NodeBuses::connect(
         url,
@@ -117,12 +124,22 @@ async fn serve(
         cfg.node_id.clone(),
         crate::weights::WeightsConfig::from_env()?,
     );
-    let mut models = Vec::new();
-    for group in &cfg.workers {
-        models.push(Arc::new(
-            load_group_model(group, &weights, weights.source_wait()).await?,
-        ));
-    }
+    // Loading may wait for a source and move gigabytes: a signal meanwhile
+    // stops the node there.
+    let load = async {
+        let mut models = Vec::new();
+        for group in &cfg.workers {
+            models.push(Arc::new(
+                load_group_model(group, &weights, weights.source_wait()).await?,
+            ));
+        }
+        Ok::<_, anyhow::Error>(models)
+    };
+    let models = tokio::select! {
+        r = load => r?,
+        _ = term.recv() => return stopped_starting(&weights).await,
+        _ = int.recv() => return stopped_starting(&weights).await,
+    };
 
     crate::metrics::started(&cfg.node_id.0, cfg.namespace.as_str());
     // Bound before any actor starts: a taken port is a start-up error.
@@ -206,8 +223,6 @@ async fn serve(
     if !joined {
         heartbeat.spawn(registrar.clone().run(reg.clone(), sup.clone()));
     }
-    let mut term = signal(SignalKind::terminate())?;
-    let mut int = signal(SignalKind::interrupt())?;
     let mut sup_handle = sup_handle;
     let died = loop {
         tokio::select! {
@@ -260,6 +275,14 @@ async fn serve(
     }
     buses.flush_all().await;
     tracing::info!("node stopped");
+    Ok(())
+}
+
+/// A node stopped by a signal while it loaded its models: its weight
+/// records go (bounded), and nothing else had started.
+async fn stopped_starting(weights: &crate::weights::NodeWeights) -> anyhow::Result<()> {
+    tracing::info!("stopped by a signal while loading models");
+    let _ = tokio::time::timeout(Duration::from_secs(2), weights.withdraw()).await;
     Ok(())
 }
 

@@ -208,7 +208,11 @@ fn main() {
             std::process::exit(1);
         }
     };
-    if let Err(e) = rt.block_on(daemon::run(cfg)) {
+    let res = rt.block_on(daemon::run(cfg));
+    // A weight load still running on a blocking thread (the node was
+    // stopped while loading) does not hold the exit.
+    rt.shutdown_timeout(std::time::Duration::from_secs(1));
+    if let Err(e) = res {
         eprintln!("dynamo-node: {e:#}");
         std::process::exit(1);
     }
