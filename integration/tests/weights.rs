@@ -235,12 +235,11 @@ async fn a_node_stops_cleanly_after_a_shm_load_and_while_waiting_for_a_source() 
 
     // Waiting for a model no one offers: SIGTERM ends the wait.
     let dir = tempfile::tempdir().unwrap();
-    let other = format!(
+    let other =
         "[[workers]]\ncount = 1\nengine = \"mocker\"\nmodel = \"not-offered\"\nheartbeat_ms = 500\n\n\
-         [workers.mocker]\nspeedup = 0.0\n\n"
-    );
+         [workers.mocker]\nspeedup = 0.0\n\n";
     let mut c = start_bare(
-        &node_config("c", &nats.url, None, 0, &other),
+        &node_config("c", &nats.url, None, 0, other),
         dir.path(),
         &[],
     );
