@@ -72,7 +72,7 @@ fuzz: deps
 	DYNAMO_FUZZ_CASES=$${DYNAMO_FUZZ_CASES:-200000} $(CARGO) test -p dynamo-bus-schema --test wire_snapshot
 	DYNAMO_FUZZ_CASES=$${DYNAMO_FUZZ_CASES:-50000} $(CARGO) test -p dynamo-integration --test fuzz -- --nocapture
 
-## bench: the benchmarks in BENCHMARKS.md (serving path, overload, security overhead, KV index, KV routing replay, router catch-up, CPU engine, failover, transfer, placement, cluster timings, planner, external engine overhead)
+## bench: the benchmarks in BENCHMARKS.md (serving path, overload, security overhead, KV index, KV routing replay, router catch-up, CPU engine, failover, transfer, placement, cluster timings, planner, external engine overhead, weight loading and time to ready)
 bench: build
 	./scripts/bench.sh
 	./scripts/overload_bench.sh
@@ -88,6 +88,8 @@ bench: build
 	$(CARGO) test --release -q -p dynamo-integration --test cluster -- --ignored --nocapture cluster_timings
 	$(CARGO) test --release -q -p dynamo-integration --test planner_bench -- --ignored --nocapture planner_bench
 	EXTERNAL_BENCH_PIN=1 DYNAMO_LLAMA_SERVER=$$(./scripts/build_llama_server.sh) $(CARGO) test --release -q -p dynamo-integration --test external_bench -- --ignored --nocapture external_overhead
+	$(CARGO) run --release -q -p dynamo-weights --example weights_bench
+	$(CARGO) test --release -q -p dynamo-integration --test weights_bench -- --ignored --nocapture weights_time_to_ready
 
 clean:
 	$(CARGO) clean

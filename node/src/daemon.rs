@@ -374,13 +374,47 @@ pub async fn load_group_model(
         Some(p) => Err(format!("{} is not a file", p.display())),
         None => locate_default_gguf().map_err(|e| e.to_string()),
     };
-    let path = weights
+    let file = weights
         .model_file(&group.model, local, group.model_sha256, source_wait)
         .await?;
     let (name, bs) = (group.model.clone(), group.engine.block_size());
-    let p = path.clone();
-    let mut m =
-        tokio::task::spawn_blocking(move || LoadedModel::from_gguf(&p, &name, bs)).await??;
+    let cpu = matches!(group.engine, EngineSpec::Cpu { .. });
+    let started = std::time::Instant::now();
+    // The card (and the CPU engine's weights) from the file, or from the
+    // bytes of a load from the cluster, which is kept on disk meanwhile.
+    let (mut m, cpu_weights) = match file {
+        crate::weights::ModelFile::Local(p) => {
+            tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+                let m = LoadedModel::from_gguf(&p, &name, bs)?;
+                let w = if cpu { Some(Weights::load(&p)?) } else { None };
+                Ok((m, w))
+            })
+            .await??
+        }
+        crate::weights::ModelFile::Fetched(f) => {
+            let (m, w, f) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+                let m = LoadedModel::from_gguf_bytes(f.bytes(), &f.path, &name, bs)?;
+                let w = if cpu {
+                    Some(Weights::from_gguf_bytes(
+                        f.bytes(),
+                        &f.path.display().to_string(),
+                    )?)
+                } else {
+                    None
+                };
+                Ok((m, w, f))
+            })
+            .await??;
+            let written = weights.keep(f);
+            // An engine server reads the file itself.
+            if matches!(group.engine, EngineSpec::External { .. }) {
+                written.wait().await.map_err(|e| {
+                    anyhow::anyhow!("model file {} not written: {e}", m.path.display())
+                })?;
+            }
+            (m, w)
+        }
+    };
     if let Some(ctx) = group.context_length {
         m.card.context_length = ctx;
     }
@@ -394,8 +428,7 @@ pub async fn load_group_model(
         // The engine server loads its own weights.
         EngineSpec::External { .. } => None,
         EngineSpec::Cpu { .. } => {
-            let started = std::time::Instant::now();
-            let w = tokio::task::spawn_blocking(move || Weights::load(&path)).await??;
+            let w = cpu_weights.ok_or_else(|| anyhow::anyhow!("cpu engine weights not loaded"))?;
             tracing::info!(
                 bytes = w.bytes(),
                 ms = started.elapsed().as_millis() as u64,

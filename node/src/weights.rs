@@ -152,8 +152,11 @@ pub struct NodeWeights {
     /// Files being or already served, so a second group on the same file
     /// does not hash and register it again.
     serving: Mutex<std::collections::BTreeSet<PathBuf>>,
-    /// Heartbeats of the source records.
+    /// Heartbeats of the source records, and files being kept.
     tasks: Mutex<JoinSet<()>>,
+    /// Files loaded from the cluster being written, by content hash: a
+    /// second group of the same model waits for the file, not loads it again.
+    writing: Mutex<BTreeMap<ContentHash, Written>>,
 }
 
 async fn bucket(bus: &Bus) -> anyhow::Result<async_nats::jetstream::kv::Store> {
@@ -353,6 +356,7 @@ impl NodeWeights {
             served: Mutex::new(BTreeMap::new()),
             serving: Mutex::new(Default::default()),
             tasks: Mutex::new(JoinSet::new()),
+            writing: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -366,7 +370,7 @@ impl NodeWeights {
         local: Result<PathBuf, String>,
         pin: Option<ContentHash>,
         wait: Duration,
-    ) -> anyhow::Result<PathBuf> {
+    ) -> anyhow::Result<ModelFile> {
         match local {
             Ok(p) => {
                 if let Some(want) = pin {
@@ -381,7 +385,7 @@ impl NodeWeights {
                     }
                 }
                 self.serve_local(&p, model);
-                Ok(p)
+                Ok(ModelFile::Local(p))
             }
             Err(why) => self.fetch(model, why, pin, wait).await,
         }
@@ -422,6 +426,14 @@ impl NodeWeights {
     /// The copy of `sha` an earlier load left in the cache directory, if
     /// it is there and still has that content.
     async fn local_copy(&self, model: &str, sha: &ContentHash) -> Option<PathBuf> {
+        let writing = self.writing.lock().expect("writing lock").get(sha).cloned();
+        if let Some(w) = writing {
+            tracing::info!(
+                model,
+                "weights: waiting for the file an earlier load is writing"
+            );
+            let _ = w.wait().await;
+        }
         let path = self.cfg.cache_dir.join(format!("{}.gguf", sha.hex()));
         if !path.is_file() {
             return None;
@@ -634,13 +646,13 @@ impl NodeWeights {
         local_why: String,
         pin: Option<ContentHash>,
         wait: Duration,
-    ) -> anyhow::Result<PathBuf> {
+    ) -> anyhow::Result<ModelFile> {
         // A verified copy from an earlier start comes first.
         if let Some(sha) = &pin {
             if let Some(p) = self.local_copy(model, sha).await {
                 tracing::info!(model, file = %p.display(), "weights: using the verified local copy");
                 self.serve_local(&p, model);
-                return Ok(p);
+                return Ok(ModelFile::Local(p));
             }
         }
         let (cat, waited) = self.wait_for_source(model, pin, wait).await?;
@@ -674,7 +686,7 @@ impl NodeWeights {
             if let Some(p) = self.local_copy(model, &m.sha256).await {
                 tracing::info!(model, file = %p.display(), "weights: using the verified local copy");
                 self.serve_local(&p, model);
-                return Ok(p);
+                return Ok(ModelFile::Local(p));
             }
         }
         let path = self.cfg.cache_dir.join(format!("{}.gguf", m.sha256.hex()));
@@ -726,9 +738,7 @@ impl NodeWeights {
             peer_timeout: self.cfg.peer_timeout,
             max_bytes_per_sec: self.cfg.max_bytes_per_sec,
         };
-        let (m2, dir) = (m.clone(), self.cfg.cache_dir.clone());
-        let manifests = self.cfg.manifest_dir.clone();
-        let target = path.clone();
+        let m2 = m.clone();
         // Progress on the bus while it loads (`dynamoctl models ls`,
         // `status`): a `loading` record, rewritten every second.
         let (done_tx, done_rx) = tokio::sync::watch::channel(0u64);
@@ -744,16 +754,7 @@ impl NodeWeights {
                     tracing::info!(done = p.done, total = p.total, source = %p.source, "weights: {pct}% loaded");
                 }
             };
-            let loaded = load(&m2, sources, &opts, None, &mut log)?;
-            std::fs::create_dir_all(&dir)?;
-            let tmp = target.with_extension("gguf.part");
-            std::fs::write(&tmp, loaded.bytes())?;
-            std::fs::rename(&tmp, &target)?;
-            // Every byte was just verified: not hashed again at the next start.
-            if let Err(e) = dynamo_weights::manifest::remember(&manifests, &target, &m2) {
-                tracing::debug!(error = %e, "weights: manifest of the loaded file not kept");
-            }
-            Ok::<_, anyhow::Error>(loaded)
+            Ok::<_, anyhow::Error>(load(&m2, sources, &opts, None, &mut log)?)
         })
         .await;
         // The load is over (its sender dropped): the reporter ends.
@@ -780,20 +781,134 @@ impl NodeWeights {
             refetched = loaded.refetched,
             "weights: loaded and verified"
         );
-        if self.cfg.serve {
-            match loaded.into_registered() {
+        Ok(ModelFile::Fetched(Box::new(Fetched {
+            path,
+            model: model.to_string(),
+            manifest: m,
+            loaded,
+        })))
+    }
+
+    /// Keeps a fetched model, in the background (off the worker's start):
+    /// writes it to its path, its manifest remembered (every byte was just
+    /// verified, so it is not hashed again at the next start), then serves
+    /// it to peers from the memory it landed in. Answers when the file is
+    /// written, for what reads the file itself (an engine server).
+    pub fn keep(self: &Arc<Self>, f: Box<Fetched>) -> Written {
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        let sha = f.manifest.sha256;
+        self.writing
+            .lock()
+            .expect("writing lock")
+            .insert(sha, Written(rx.clone()));
+        let me = self.clone();
+        self.tasks.lock().expect("tasks lock").spawn(async move {
+            let (path, model) = (f.path.clone(), f.model.clone());
+            let manifests = me.cfg.manifest_dir.clone();
+            let written = tokio::task::spawn_blocking(move || {
+                let res = write_verified(&f.path, &manifests, &f.manifest, f.loaded.bytes());
+                (f, res)
+            })
+            .await;
+            let f = match written {
+                Ok((f, Ok(()))) => {
+                    tracing::info!(model, file = %path.display(), "weights: the loaded file is kept");
+                    tx.send_replace(Some(Ok(())));
+                    Some(f)
+                }
+                Ok((f, Err(e))) => {
+                    tracing::warn!(model, file = %path.display(), error = %e, "weights: the loaded file is not kept; the next start loads it again");
+                    tx.send_replace(Some(Err(e.to_string())));
+                    Some(f)
+                }
+                Err(e) => {
+                    tx.send_replace(Some(Err(e.to_string())));
+                    None
+                }
+            };
+            me.writing.lock().expect("writing lock").remove(&sha);
+            let Some(f) = f.filter(|_| me.cfg.serve) else {
+                return;
+            };
+            let served = match f.loaded.into_registered() {
                 Ok((agent, region, manifest)) => {
-                    let server = tokio::task::spawn_blocking(move || {
+                    match tokio::task::spawn_blocking(move || {
                         WeightServer::new(agent, region, manifest)
                     })
-                    .await??;
-                    self.advertise(server).await?;
+                    .await
+                    {
+                        Ok(Ok(server)) => me.advertise(server).await,
+                        Ok(Err(e)) => Err(e.into()),
+                        Err(e) => Err(e.into()),
+                    }
                 }
-                Err(_) => self.serve_file(&path, model).await?,
+                Err(_) => me.serve_file(&path, &model).await,
+            };
+            if let Err(e) = served {
+                tracing::warn!(model, error = %e, "weights: not served to peers");
             }
-        }
-        Ok(path)
+        });
+        Written(rx)
     }
+}
+
+/// A model file as [`NodeWeights::model_file`] found it.
+pub enum ModelFile {
+    /// A file on this node: given, or kept by an earlier load.
+    Local(PathBuf),
+    /// Loaded from the cluster and verified, in memory: hand it to
+    /// [`NodeWeights::keep`] once read.
+    Fetched(Box<Fetched>),
+}
+
+/// A model loaded from the cluster, verified, in memory.
+pub struct Fetched {
+    /// Where [`NodeWeights::keep`] writes it.
+    pub path: PathBuf,
+    model: String,
+    manifest: WeightManifest,
+    loaded: dynamo_weights::Loaded,
+}
+
+impl Fetched {
+    /// The file's bytes, every one verified against its content hash.
+    pub fn bytes(&self) -> &[u8] {
+        self.loaded.bytes()
+    }
+}
+
+/// Whether a kept file is written: `Ok` once it is, the error if it could
+/// not be.
+#[derive(Clone)]
+pub struct Written(tokio::sync::watch::Receiver<Option<Result<(), String>>>);
+
+impl Written {
+    pub async fn wait(mut self) -> Result<(), String> {
+        match self.0.wait_for(Option::is_some).await {
+            Ok(r) => r.clone().unwrap_or(Ok(())),
+            Err(_) => Err("the node stopped before the file was written".into()),
+        }
+    }
+}
+
+/// Writes verified bytes to `path` (a temporary name, then renamed, so the
+/// file is whole or absent) and remembers its manifest.
+fn write_verified(
+    path: &Path,
+    manifests: &Path,
+    manifest: &WeightManifest,
+    bytes: &[u8],
+) -> std::io::Result<()> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = path.with_extension("gguf.part");
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)?;
+    if let Err(e) = dynamo_weights::manifest::remember(manifests, path, manifest) {
+        tracing::debug!(error = %e, "weights: manifest of the loaded file not kept");
+    }
+    Ok(())
 }
 
 /// Whether a load of `model` could start now: some content of it (the

@@ -120,6 +120,28 @@ impl Weights {
         Self::from_parts(&meta, data)
     }
 
+    /// The same from a GGUF file's bytes in memory (a file loaded from the
+    /// cluster), copied: the engine owns its weights. `name` names it in
+    /// errors.
+    pub fn from_gguf_bytes(bytes: &[u8], name: &str) -> Result<Self, LoadError> {
+        let meta = GgufMetadata::read(&mut &bytes[..], name)?;
+        let data = usize::try_from(meta.data_offset)
+            .ok()
+            .and_then(|o| bytes.get(o..))
+            .ok_or_else(|| LoadError::Io {
+                path: name.to_string(),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "tensor data starts at {} but the file has {} bytes",
+                        meta.data_offset,
+                        bytes.len()
+                    ),
+                ),
+            })?;
+        Self::from_parts(&meta, data.to_vec())
+    }
+
     fn from_parts(meta: &GgufMetadata, data: Vec<u8>) -> Result<Self, LoadError> {
         let arch = meta
             .get("general.architecture")

@@ -64,3 +64,26 @@ fn paged_forward_matches_the_contiguous_reference() {
         assert_eq!(argmax(&want), argmax(got), "position {p}");
     }
 }
+
+#[test]
+fn weights_from_the_files_bytes_give_the_same_logits() {
+    use dynamo_cpu_engine::{Model, Weights};
+    let path = dynamo_model::locate_default_gguf().expect("model installed (make deps)");
+    let bytes = std::fs::read(&path).unwrap();
+    let w = Weights::from_gguf_bytes(&bytes, "in memory").unwrap();
+    let f = fixture();
+    assert_eq!(w.cfg, f.model.w.cfg);
+    assert_eq!(w.bytes(), f.model.w.bytes());
+    let m = Model::new(w);
+    let (mut a, mut b) = (ReferenceRun::new(&m), ReferenceRun::new(&f.model));
+    for &t in &chat(None, "Hi")[..4] {
+        assert_eq!(a.push(t), b.push(t));
+    }
+    // Torn copies are errors, not panics.
+    for cut in [0, 100, 4096, bytes.len() / 2] {
+        assert!(
+            Weights::from_gguf_bytes(&bytes[..cut], "torn").is_err(),
+            "{cut}"
+        );
+    }
+}
