@@ -18,7 +18,8 @@
 //! Time to ready runs from the node's spawn to the gateway counting its
 //! worker; "load" is the load the node logged (`weights: loaded and
 //! verified`). The new node serves no one (`DYNAMO_WEIGHTS_SERVE=0`), so
-//! each round reads from the same sources.
+//! each round reads from the same sources; it is stopped once ready, and
+//! what it wrote is synced to disk before the next round.
 //!
 //! `cargo build --release --bins && cargo test --release -p
 //! dynamo-integration --test weights_bench -- --ignored --nocapture`
@@ -311,6 +312,9 @@ async fn weights_time_to_ready() {
                     "the new node's stop"
                 );
                 wait_workers(&http, port, 4, &mut src_tcp, Duration::from_secs(30)).await;
+                // What the round wrote reaches the disk before the next one.
+                // SAFETY: no preconditions.
+                unsafe { libc::sync() };
             }
             let r = median(&mut ready);
             let gb = size as f64 / 1e9;
