@@ -191,6 +191,20 @@ async fn a_peer_killed_mid_load_is_replaced_by_the_cache() {
         |l| l.contains("% loaded") && l.contains("peer a"),
     )
     .await;
+    // An operator follows the load (`models watch`) while it goes.
+    let mut watch = std::process::Command::new(bin("dynamoctl"))
+        .args(["models", "watch", "--node", "b", "--until-idle", "--json"])
+        .args([
+            "--every-ms",
+            "200",
+            "--nats",
+            &nats.url,
+            "--namespace",
+            "it",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run dynamoctl models watch");
     a.signal(libc::SIGKILL);
     let (log, line) = load_finished(&mut b).await;
     assert!(line.contains("peer a") && line.contains("cache"), "{line}");
@@ -212,6 +226,34 @@ async fn a_peer_killed_mid_load_is_replaced_by_the_cache() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // The watch saw the load move on and end with b serving, then stopped.
+    let t0 = std::time::Instant::now();
+    let code = loop {
+        if let Some(st) = watch.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "models watch never stopped"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(code.success(), "{code:?}");
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut watch.stdout.take().unwrap(), &mut out).unwrap();
+    let lines: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let loaded: Vec<u64> = lines
+        .iter()
+        .filter(|l| l["state"] == "loading")
+        .map(|l| l["loaded_bytes"].as_u64().unwrap())
+        .collect();
+    assert!(loaded.len() >= 2, "{out}");
+    assert!(loaded.windows(2).all(|w| w[0] <= w[1]), "{out}");
+    let last = lines.last().unwrap();
+    assert!(last["node"] == "b" && last["state"] == "ready", "{out}");
     assert!(b.alive());
 }
 
@@ -248,6 +290,11 @@ async fn a_node_stops_cleanly_after_a_shm_load_and_while_waiting_for_a_source() 
         log.contains("weights: using the verified local copy"),
         "{log}"
     );
+    // ... and serves it once, from the memory the load landed in.
+    wait_served(&nats.url, "b").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let log = b.log_text();
+    assert_eq!(log.matches("weights: serving to peers").count(), 1, "{log}");
     // The node handles signals once its worker registered.
     tokio::time::sleep(Duration::from_millis(500)).await;
     b.signal(libc::SIGTERM);

@@ -533,12 +533,15 @@ impl AgentState {
             serde_json::from_str(&r.settings).map_err(|e| format!("settings: {e}"))?;
         let group = worker_from_spec(&format!("services.{}", r.service), &v, &r.role)
             .map_err(|e| e.to_string())?;
+        // By what the load makes: an external engine's server reads the
+        // file itself, so its group waits for the file to be written.
         let model_key = format!(
-            "{:?}|{}|{}|{}|{:?}",
+            "{:?}|{}|{}|{}|{}|{:?}",
             group.model_path,
             group.model,
             group.engine.block_size(),
             matches!(group.engine, crate::config::EngineSpec::Cpu { .. }),
+            matches!(group.engine, crate::config::EngineSpec::External { .. }),
             group.context_length
         );
         let model = match self.models.get(&model_key) {

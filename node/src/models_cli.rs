@@ -1,5 +1,5 @@
-//! `dynamoctl models`: the weights the cluster knows (`ls`), and putting a
-//! file in its cache (`push`).
+//! `dynamoctl models`: the weights the cluster knows (`ls`), putting a
+//! file in its cache (`push`), and following loads as they go (`watch`).
 
 use crate::weights::{catalog, push as push_file};
 use dynamo_bus_schema::weights::WeightSourceState;
@@ -138,4 +138,229 @@ pub async fn push(url: &str, ns: Namespace, file: &Path, model: &str) -> anyhow:
         "seconds": secs,
         "mb_per_s": m.size as f64 / 1e6 / secs.max(1e-9),
     }))
+}
+
+/// One weight source record as `models watch` follows it.
+#[derive(Clone, Debug, PartialEq)]
+struct Seen {
+    model: String,
+    state: &'static str,
+    loaded: u64,
+    size: u64,
+}
+
+/// The records `watch` follows (every node's, or `node`'s), by content
+/// hash and node.
+fn records(v: &Value, node: Option<&str>) -> std::collections::BTreeMap<(String, String), Seen> {
+    let mut out = std::collections::BTreeMap::new();
+    for m in v["models"].as_array().into_iter().flatten() {
+        for s in m["sources"].as_array().into_iter().flatten() {
+            let n = s["node"].as_str().unwrap_or("?");
+            if node.is_some_and(|want| want != n) {
+                continue;
+            }
+            let state = match s["state"].as_str() {
+                Some("ready") => "ready",
+                Some("loading") => "loading",
+                _ => "unknown",
+            };
+            out.insert(
+                (
+                    m["sha256"].as_str().unwrap_or("?").to_string(),
+                    n.to_string(),
+                ),
+                Seen {
+                    model: m["model"].as_str().unwrap_or("?").to_string(),
+                    state,
+                    loaded: s["loaded_bytes"].as_u64().unwrap_or(0),
+                    size: m["size"].as_u64().unwrap_or(0),
+                },
+            );
+        }
+    }
+    out
+}
+
+/// What changed between two reads of the records: each record that is
+/// new or changed, then each one gone (`None`).
+type Change = ((String, String), Option<Seen>);
+
+fn changes(
+    before: &std::collections::BTreeMap<(String, String), Seen>,
+    now: &std::collections::BTreeMap<(String, String), Seen>,
+) -> Vec<Change> {
+    let mut out: Vec<Change> = now
+        .iter()
+        .filter(|(k, s)| before.get(*k) != Some(*s))
+        .map(|(k, s)| (k.clone(), Some(s.clone())))
+        .collect();
+    out.extend(
+        before
+            .keys()
+            .filter(|k| !now.contains_key(*k))
+            .map(|k| (k.clone(), None)),
+    );
+    out
+}
+
+/// How `models watch` runs.
+pub struct WatchArgs {
+    /// Only this node's records.
+    pub node: Option<String>,
+    /// Stop once no load is in progress.
+    pub until_idle: bool,
+    /// One JSON object per change on stdout, rather than progress bars.
+    pub json: bool,
+    /// How often the weights bucket is read.
+    pub every: std::time::Duration,
+}
+
+/// `dynamoctl models watch`: follows the loads in the cluster, a progress
+/// bar for each on a terminal (a line per start and end otherwise), until
+/// interrupted or, with `until_idle`, until none is in progress.
+pub async fn watch(url: &str, ns: Namespace, args: WatchArgs) -> anyhow::Result<()> {
+    let bus = crate::access::cli_connect(url, ns).await?;
+    let bars = indicatif::MultiProgress::new();
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let style = indicatif::ProgressStyle::with_template(
+        "{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+    )
+    .expect("a valid template")
+    .progress_chars("=> ");
+    let mut open: std::collections::BTreeMap<(String, String), indicatif::ProgressBar> =
+        Default::default();
+    let mut before = Default::default();
+    let mut first = true;
+    loop {
+        let now = records(&catalog_json(&bus).await?, args.node.as_deref());
+        for ((sha, node), seen) in changes(&before, &now) {
+            let key = (sha.clone(), node.clone());
+            if args.json {
+                let v = match &seen {
+                    Some(s) => json!({
+                        "node": node, "model": s.model, "sha256": sha,
+                        "state": s.state, "loaded_bytes": s.loaded, "size": s.size,
+                    }),
+                    None => json!({"node": node, "sha256": sha, "state": "gone"}),
+                };
+                println!("{v}");
+                continue;
+            }
+            let label = |model: &str| format!("{node}: {model} ({})", &sha[..sha.len().min(12)]);
+            match seen {
+                Some(s) if s.state == "loading" => {
+                    let bar = open.entry(key).or_insert_with(|| {
+                        if !tty {
+                            eprintln!("{} loading", label(&s.model));
+                        }
+                        let b = bars.add(indicatif::ProgressBar::new(s.size));
+                        b.set_style(style.clone());
+                        b.set_message(label(&s.model));
+                        b
+                    });
+                    bar.set_position(s.loaded);
+                }
+                Some(s) => {
+                    let done = format!("{} {}", label(&s.model), s.state);
+                    // On a terminal the finished bar says it.
+                    match open.remove(&key) {
+                        Some(b) => b.finish_with_message(done.clone()),
+                        None if first => continue,
+                        None => {}
+                    }
+                    if !tty {
+                        eprintln!("{done}");
+                    }
+                }
+                None => {
+                    if let Some(b) = open.remove(&key) {
+                        let gone = format!("{node}: ({sha:.12}) no longer loading");
+                        if !tty {
+                            eprintln!("{gone}");
+                        }
+                        b.abandon_with_message(gone);
+                    }
+                }
+            }
+        }
+        let loading = now.values().any(|s| s.state == "loading");
+        if args.until_idle && !loading {
+            if first && !args.json {
+                eprintln!("no load in progress");
+            }
+            return Ok(());
+        }
+        before = now;
+        first = false;
+        tokio::time::sleep(args.every).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn catalog(sources: Value) -> Value {
+        json!({"models": [{"model": "m", "sha256": "ab", "size": 100, "sources": sources}]})
+    }
+
+    #[test]
+    fn watch_reports_each_record_that_starts_moves_ends_or_goes() {
+        let a = records(
+            &catalog(json!([
+                {"node": "a", "state": "ready", "loaded_bytes": 0},
+                {"node": "b", "state": "loading", "loaded_bytes": 10},
+            ])),
+            None,
+        );
+        assert_eq!(a.len(), 2);
+        // Nothing changed: nothing reported.
+        assert!(changes(&a, &a).is_empty());
+        // b moves on, c starts.
+        let b = records(
+            &catalog(json!([
+                {"node": "a", "state": "ready", "loaded_bytes": 0},
+                {"node": "b", "state": "loading", "loaded_bytes": 60},
+                {"node": "c", "state": "loading", "loaded_bytes": 0},
+            ])),
+            None,
+        );
+        let c: Vec<_> = changes(&a, &b)
+            .into_iter()
+            .map(|(k, s)| (k.1, s.map(|s| s.loaded)))
+            .collect();
+        assert_eq!(
+            c,
+            vec![("b".to_string(), Some(60)), ("c".to_string(), Some(0))]
+        );
+        // b is ready, c is gone, a is filtered out.
+        let d = records(
+            &catalog(json!([
+                {"node": "a", "state": "ready", "loaded_bytes": 0},
+                {"node": "b", "state": "ready", "loaded_bytes": 0},
+                {"node": "x", "state": "???", "loaded_bytes": 0},
+            ])),
+            Some("b"),
+        );
+        let b_only = records(&catalog(json!([])), None);
+        let c: Vec<_> = changes(&b, &d)
+            .into_iter()
+            .map(|(k, s)| (k.1, s.map(|s| s.state)))
+            .collect();
+        assert_eq!(
+            c,
+            vec![
+                ("b".to_string(), Some("ready")),
+                ("a".to_string(), None),
+                ("c".to_string(), None),
+            ]
+        );
+        assert!(b_only.is_empty());
+        // An unknown state is kept as unknown, not dropped.
+        let x = records(
+            &catalog(json!([{"node": "x", "state": "???", "loaded_bytes": 0}])),
+            None,
+        );
+        assert_eq!(x.values().next().map(|s| s.state), Some("unknown"));
+    }
 }

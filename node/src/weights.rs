@@ -38,6 +38,8 @@ pub const MAX_SOURCE_WAIT: Duration = Duration::from_secs(3600);
 const SOURCE_POLL: Duration = Duration::from_secs(1);
 /// How often a waiting node says what it waits for.
 const SOURCE_WAIT_LOG: Duration = Duration::from_secs(10);
+/// Longest read of the weights bucket while waiting for a source.
+const CATALOG_READ: Duration = Duration::from_secs(10);
 
 /// Where a node looks for weights, in order (`DYNAMO_WEIGHTS_ORDER`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -408,11 +410,12 @@ impl NodeWeights {
     /// Serves a local file to peers, in the background (hashing and
     /// registering it is off the worker's start), once per path.
     fn serve_local(self: &Arc<Self>, p: &Path, model: &str) {
-        let first = self
-            .serving
-            .lock()
-            .expect("serving lock")
-            .insert(p.canonicalize().unwrap_or_else(|_| p.to_path_buf()));
+        let first = {
+            let mut serving = self.serving.lock().expect("serving lock");
+            // A file [`Self::keep`] wrote is served from memory already.
+            !serving.contains(p)
+                & serving.insert(p.canonicalize().unwrap_or_else(|_| p.to_path_buf()))
+        };
         if self.cfg.serve && first {
             let (me, file, model) = (self.clone(), p.to_path_buf(), model.to_string());
             self.tasks.lock().expect("tasks lock").spawn(async move {
@@ -432,7 +435,9 @@ impl NodeWeights {
                 model,
                 "weights: waiting for the file an earlier load is writing"
             );
-            let _ = w.wait().await;
+            if let Err(e) = w.wait().await {
+                tracing::warn!(model, error = %e, "weights: the earlier load's file was not written; loading again");
+            }
         }
         let path = self.cfg.cache_dir.join(format!("{}.gguf", sha.hex()));
         if !path.is_file() {
@@ -589,19 +594,36 @@ impl NodeWeights {
     async fn wait_for_source(
         &self,
         model: &str,
+        local_why: &str,
         pin: Option<ContentHash>,
         wait: Duration,
     ) -> anyhow::Result<(Catalog, Option<Duration>)> {
         let start = tokio::time::Instant::now();
         let deadline = start + wait;
         let mut next_log = start;
+        let mut last = None;
         loop {
-            let cat = catalog(&self.bus).await?;
-            let why = match readable(&cat, model, pin, &self.node, &self.cfg) {
-                Ok(()) => return Ok((cat, None)),
-                Err(why) => why,
-            };
+            // One read, bounded; while the wait lasts, a bus error is one
+            // more reason to wait (a fleet starting at once loads the bus).
+            let read = tokio::time::timeout(CATALOG_READ, catalog(&self.bus))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(anyhow::anyhow!(
+                        "reading the weights bucket took over {} s",
+                        CATALOG_READ.as_secs()
+                    ))
+                });
             let now = tokio::time::Instant::now();
+            let why = match read {
+                Ok(cat) => match readable(&cat, model, pin, &self.node, &self.cfg) {
+                    Ok(()) => return Ok((cat, None)),
+                    Err(why) => {
+                        last = Some(cat);
+                        why
+                    }
+                },
+                Err(e) => e.to_string(),
+            };
             if now >= deadline {
                 if !wait.is_zero() {
                     tracing::warn!(
@@ -610,12 +632,16 @@ impl NodeWeights {
                         wait.as_secs()
                     );
                 }
-                return Ok((cat, Some(wait)));
+                return match last {
+                    Some(cat) => Ok((cat, Some(wait))),
+                    None => Err(anyhow::anyhow!("weights bucket: {why}")),
+                };
             }
             if now >= next_log {
                 next_log = now + SOURCE_WAIT_LOG;
                 tracing::info!(
                     model,
+                    local = local_why,
                     waited_s = (now - start).as_secs(),
                     left_s = (deadline - now).as_secs(),
                     "weights: no source yet ({why}); waiting for one"
@@ -655,7 +681,7 @@ impl NodeWeights {
                 return Ok(ModelFile::Local(p));
             }
         }
-        let (cat, waited) = self.wait_for_source(model, pin, wait).await?;
+        let (cat, waited) = self.wait_for_source(model, &local_why, pin, wait).await?;
         // The content most nodes serve, else any cached one.
         let mut candidates: Vec<&WeightManifest> = cat
             .manifests
@@ -663,15 +689,24 @@ impl NodeWeights {
             .filter(|m| m.model == model && m.layout == GGUF)
             .filter(|m| pin.is_none_or(|p| p == m.sha256))
             .collect();
+        // Ranked by what this node can read: ready peers on its provider,
+        // and the cache, where its order names them (as the wait counts).
+        let peers = self.cfg.order.contains(&Step::Peer);
+        let cache = self.cfg.order.contains(&Step::Cache);
         let ready = |m: &WeightManifest| {
             cat.sources.get(&m.sha256).map_or(0, |v| {
                 v.iter()
-                    .filter(|s| s.state == WeightSourceState::Ready && s.node != self.node)
+                    .filter(|s| {
+                        peers
+                            && s.state == WeightSourceState::Ready
+                            && s.node != self.node
+                            && s.provider == self.cfg.provider
+                    })
                     .count()
             })
         };
         candidates.sort_by_key(|m| {
-            std::cmp::Reverse((ready(m), cat.cached.contains(&m.sha256) as usize))
+            std::cmp::Reverse((ready(m), (cache && cat.cached.contains(&m.sha256)) as usize))
         });
         let Some(m) = candidates.first().map(|m| (*m).clone()) else {
             let pinned = pin.map_or(String::new(), |p| {
@@ -754,26 +789,36 @@ impl NodeWeights {
                     tracing::info!(done = p.done, total = p.total, source = %p.source, "weights: {pct}% loaded");
                 }
             };
-            Ok::<_, anyhow::Error>(load(&m2, sources, &opts, None, &mut log)?)
+            let loaded = load(&m2, sources, &opts, None, &mut log);
+            (done_tx, loaded)
         })
         .await;
-        // The load is over (its sender dropped): the reporter ends.
-        if let Some(Err(e)) = reporter.join_next().await {
-            tracing::warn!(error = %e, "weights: the progress reporter failed");
-        }
-        let loaded = match loaded.map_err(anyhow::Error::from).and_then(|r| r) {
-            Ok(l) => l,
-            Err(e) => {
-                // No `loading` record outlives a failed load.
-                if let Ok(kv) = bucket(&self.bus).await {
-                    let key = WeightSource::key_of(&m.sha256, &self.node);
-                    if let Err(e) = kv.purge(&key).await {
-                        tracing::warn!(key, error = %e, "weights: loading record not removed");
-                    }
-                }
-                return Err(e);
+        let failed: anyhow::Error = match loaded {
+            Ok((progress, Ok(loaded))) => {
+                return self.fetched(model, path, m, loaded, progress, reporter);
             }
+            // The load's sender goes first: the reporter ends on it.
+            Ok((progress, Err(e))) => {
+                drop(progress);
+                e.into()
+            }
+            Err(e) => e.into(),
         };
+        // No `loading` record outlives a failed load.
+        self.end_loading(&m.sha256, &mut reporter).await;
+        Err(failed)
+    }
+
+    /// A load that succeeded, as [`ModelFile::Fetched`].
+    fn fetched(
+        &self,
+        model: &str,
+        path: PathBuf,
+        m: WeightManifest,
+        loaded: dynamo_weights::Loaded,
+        progress: tokio::sync::watch::Sender<u64>,
+        reporter: JoinSet<()>,
+    ) -> anyhow::Result<ModelFile> {
         tracing::info!(
             model,
             ms = loaded.elapsed.as_millis() as u64,
@@ -781,12 +826,33 @@ impl NodeWeights {
             refetched = loaded.refetched,
             "weights: loaded and verified"
         );
+        // The `loading` record stays fresh (at 100%) until the node serves
+        // the file or drops it.
         Ok(ModelFile::Fetched(Box::new(Fetched {
             path,
             model: model.to_string(),
             manifest: m,
             loaded,
+            progress,
+            reporter,
         })))
+    }
+
+    /// Stops reporting a load and removes its `loading` record.
+    async fn end_loading(&self, sha: &ContentHash, reporter: &mut JoinSet<()>) {
+        // Its sender dropped, the reporter ends; awaited, so no late
+        // write of the record follows its removal.
+        while let Some(r) = reporter.join_next().await {
+            if let Err(e) = r {
+                tracing::warn!(error = %e, "weights: the progress reporter failed");
+            }
+        }
+        if let Ok(kv) = bucket(&self.bus).await {
+            let key = WeightSource::key_of(sha, &self.node);
+            if let Err(e) = kv.purge(&key).await {
+                tracing::warn!(key, error = %e, "weights: loading record not removed");
+            }
+        }
     }
 
     /// Keeps a fetched model, in the background (off the worker's start):
@@ -797,6 +863,12 @@ impl NodeWeights {
     pub fn keep(self: &Arc<Self>, f: Box<Fetched>) -> Written {
         let (tx, rx) = tokio::sync::watch::channel(None);
         let sha = f.manifest.sha256;
+        // Served from memory below: a group that finds the written file
+        // does not serve it again.
+        self.serving
+            .lock()
+            .expect("serving lock")
+            .insert(f.path.clone());
         self.writing
             .lock()
             .expect("writing lock")
@@ -822,15 +894,29 @@ impl NodeWeights {
                     Some(f)
                 }
                 Err(e) => {
+                    tracing::warn!(model, file = %path.display(), error = %e, "weights: writing the loaded file failed");
                     tx.send_replace(Some(Err(e.to_string())));
                     None
                 }
             };
             me.writing.lock().expect("writing lock").remove(&sha);
-            let Some(f) = f.filter(|_| me.cfg.serve) else {
+            let Some(f) = f else {
                 return;
             };
-            let served = match f.loaded.into_registered() {
+            let Fetched {
+                loaded,
+                progress,
+                mut reporter,
+                ..
+            } = *f;
+            drop(progress);
+            if !me.cfg.serve {
+                me.end_loading(&sha, &mut reporter).await;
+                return;
+            }
+            // The reporter stops before the record turns `ready`.
+            while reporter.join_next().await.is_some() {}
+            let served = match loaded.into_registered() {
                 Ok((agent, region, manifest)) => {
                     match tokio::task::spawn_blocking(move || {
                         WeightServer::new(agent, region, manifest)
@@ -868,6 +954,9 @@ pub struct Fetched {
     model: String,
     manifest: WeightManifest,
     loaded: dynamo_weights::Loaded,
+    /// The load's progress, reported while this lives.
+    progress: tokio::sync::watch::Sender<u64>,
+    reporter: JoinSet<()>,
 }
 
 impl Fetched {
@@ -952,7 +1041,7 @@ fn readable(
                 WeightSourceState::Loading => missing.push(format!(
                     "{} is loading it ({}%)",
                     s.node.0,
-                    s.loaded_bytes * 100 / s.size.max(1)
+                    (u128::from(s.loaded_bytes) * 100 / u128::from(s.size.max(1))).min(100)
                 )),
                 WeightSourceState::Unknown => {}
             }

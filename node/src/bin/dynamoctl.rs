@@ -76,6 +76,24 @@ enum ModelsCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Follow weight loads as they go: a progress bar per loading node on
+    /// a terminal, a line per start and end otherwise, or with `--json` one
+    /// object per change. Runs until interrupted, or with `--until-idle`
+    /// until no load is in progress.
+    Watch {
+        /// Only this node's loads.
+        #[arg(long)]
+        node: Option<String>,
+        #[arg(long)]
+        until_idle: bool,
+        /// How often to read the weights bucket, in milliseconds.
+        #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(100..=60_000))]
+        every_ms: u64,
+        #[command(flatten)]
+        bus: Bus,
+        #[arg(long)]
+        json: bool,
+    },
     /// Put a model file in the in-cluster cache (a JetStream object store),
     /// for nodes without it.
     Push {
@@ -552,6 +570,26 @@ fn main() {
                     print!("{}", models_cli::render(&v));
                 }
                 Ok(())
+            }
+            Cmd::Models {
+                cmd:
+                    ModelsCmd::Watch {
+                        node,
+                        until_idle,
+                        every_ms,
+                        bus,
+                        json,
+                    },
+            } => {
+                let (url, ns) = bus.resolve()?;
+                // No time limit: it follows loads until they end.
+                let args = models_cli::WatchArgs {
+                    node,
+                    until_idle,
+                    json,
+                    every: std::time::Duration::from_millis(every_ms),
+                };
+                models_cli::watch(&url, ns, args).await
             }
             Cmd::Models {
                 cmd:
