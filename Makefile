@@ -50,6 +50,7 @@ lint:
 	$(CARGO) clippy --all-targets -- -D warnings
 	# The GPU path must keep compiling where no GPU is (its tests run on one).
 	$(CARGO) clippy -p dynamo-transfer --features cuda --all-targets -- -D warnings
+	$(CARGO) clippy -p dynamo-weights --features cuda --all-targets -- -D warnings
 
 ## test: lint, unit tests and multi-process integration tests
 test: deps lint

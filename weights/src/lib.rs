@@ -11,9 +11,12 @@
 //!   file verified before a byte is handed out; a source that fails is
 //!   dropped and the rest carry on.
 //! - [`serve`]: weights held in registered memory that peers may read.
+//! - `device` (feature `cuda`): a verified load copied to GPU memory.
 //!
 //! NATS-free: the node advertises sources and finds them on the bus.
 
+#[cfg(feature = "cuda")]
+pub mod device;
 pub mod loader;
 pub mod manifest;
 pub mod serve;
@@ -24,3 +27,6 @@ pub use loader::{load, LoadError, LoadOptions, LoadProgress, Loaded, Source, Tri
 pub use manifest::{ContentHash, Manifest, ManifestError};
 pub use serve::{PeerDescriptor, ServeError, WeightServer};
 pub use source::{ByteSource, FileSource, PeerSource, SourceError};
+
+#[cfg(feature = "cuda")]
+pub use device::DeviceWeights;

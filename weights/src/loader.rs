@@ -111,6 +111,9 @@ pub enum LoadError {
     Mismatch { got: String, want: String },
     #[error("fabric endpoint for peer reads: {0}")]
     Fabric(#[from] FabricError),
+    /// The copy on the GPU does not hash to the content hash.
+    #[error("the device copy's SHA-256 is {got}, not {want}")]
+    DeviceMismatch { got: String, want: String },
     #[error("the manifest: {0}")]
     Manifest(crate::manifest::ManifestError),
 }
