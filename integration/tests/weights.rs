@@ -326,6 +326,40 @@ async fn a_node_stops_cleanly_after_a_shm_load_and_while_waiting_for_a_source() 
     assert!(a.alive());
 }
 
+/// A load that fails while wait time is left waits for a source again:
+/// here the only peer was killed, and its record, not stale yet, still
+/// says it serves; a new peer then comes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_whose_peer_is_gone_waits_for_another_source() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut a = Node::start(&node_config("a", &nats.url, Some(port), 1, ""));
+    Http::new(port).wait_ready(1, &mut a).await;
+    wait_served(&nats.url, "a").await;
+    a.signal(libc::SIGKILL);
+    // Killed by the signal: no exit code.
+    assert_eq!(a.wait(Duration::from_secs(10)), None);
+    assert!(!a.alive());
+    let dir = tempfile::tempdir().unwrap();
+    let mut b = start_bare(
+        &node_config("b", &nats.url, None, 1, ""),
+        dir.path(),
+        &[
+            ("DYNAMO_WEIGHTS_ORDER", "peer"),
+            ("DYNAMO_WEIGHTS_WAIT_S", "90"),
+            ("DYNAMO_WEIGHTS_PEER_TIMEOUT_S", "3"),
+        ],
+    );
+    wait_log(&mut b, Duration::from_secs(60), "b's load failing", |l| {
+        l.contains("weights: the load failed; waiting for a source again")
+    })
+    .await;
+    let mut c = Node::start(&node_config("c", &nats.url, None, 1, ""));
+    let (_, line) = load_finished(&mut b).await;
+    assert!(line.contains("(\"peer c\", 98362432)"), "{line}");
+    assert!(b.alive() && c.alive());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_no_source_at_all_the_node_fails_naming_each_source_tried() {
     let nats = Nats::start();

@@ -26,6 +26,9 @@ pub const WEIGHTS_DIR: &str = "DYNAMO_WEIGHTS_DIR";
 pub const MANIFEST_CACHE: &str = "DYNAMO_MANIFEST_CACHE";
 /// A weight load's rate limit in MB/s (default: none).
 pub const WEIGHTS_MAX_MBPS: &str = "DYNAMO_WEIGHTS_MAX_MBPS";
+/// Seconds a window of reads from a peer may take before that peer is
+/// given up on (default 30).
+pub const WEIGHTS_PEER_TIMEOUT_S: &str = "DYNAMO_WEIGHTS_PEER_TIMEOUT_S";
 /// Seconds a node without the model waits for a peer or the cache to
 /// offer it (default 120; 0 fails at once).
 pub const WEIGHTS_WAIT_S: &str = "DYNAMO_WEIGHTS_WAIT_S";

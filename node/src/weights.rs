@@ -26,6 +26,10 @@ use tokio::task::JoinSet;
 
 /// How often a serving node rewrites its source record.
 pub const HEARTBEAT: Duration = Duration::from_secs(3);
+/// A source record not rewritten for this long is no longer read from:
+/// its node missed two heartbeats (it may have died; its record is reaped
+/// at [`STALE`]).
+pub const SILENT: Duration = Duration::from_millis(2 * 3_000 + 1_000);
 /// A source record not rewritten for this long is gone.
 pub const STALE: Duration = Duration::from_secs(15);
 /// The layout every GGUF file is served as.
@@ -66,7 +70,8 @@ pub struct WeightsConfig {
     pub manifest_dir: PathBuf,
     /// Whether this node serves the weights it holds to peers.
     pub serve: bool,
-    /// Longest wait for one window of peer reads.
+    /// Longest wait for one window of peer reads before that peer is
+    /// given up on (`DYNAMO_WEIGHTS_PEER_TIMEOUT_S`, default 30 s).
     pub peer_timeout: Duration,
     /// A load's rate limit (`DYNAMO_WEIGHTS_MAX_MBPS`, MB/s; none by default).
     pub max_bytes_per_sec: Option<u64>,
@@ -118,7 +123,16 @@ impl WeightsConfig {
                 })
                 .unwrap_or_else(|| crate::env::state_dir().join("manifests")),
             serve,
-            peer_timeout: Duration::from_secs(30),
+            peer_timeout: match std::env::var(crate::env::WEIGHTS_PEER_TIMEOUT_S) {
+                Err(_) => Duration::from_secs(30),
+                Ok(v) => match v.trim().parse::<u64>() {
+                    Ok(n @ 1..=600) => Duration::from_secs(n),
+                    _ => anyhow::bail!(
+                        "${}: {v:?} is not a number of seconds from 1 to 600",
+                        crate::env::WEIGHTS_PEER_TIMEOUT_S
+                    ),
+                },
+            },
             max_bytes_per_sec: match std::env::var(crate::env::WEIGHTS_MAX_MBPS) {
                 Err(_) => None,
                 Ok(v) => match v.parse::<u64>() {
@@ -159,6 +173,8 @@ pub struct NodeWeights {
     /// Files loaded from the cluster being written, by content hash: a
     /// second group of the same model waits for the file, not loads it again.
     writing: Mutex<BTreeMap<ContentHash, Written>>,
+    /// Loads whose `loading` record is up (withdrawn with the served ones).
+    loading: Mutex<std::collections::BTreeSet<ContentHash>>,
 }
 
 async fn bucket(bus: &Bus) -> anyhow::Result<async_nats::jetstream::kv::Store> {
@@ -173,6 +189,17 @@ pub struct Catalog {
     pub manifests: BTreeMap<ContentHash, WeightManifest>,
     pub cached: std::collections::BTreeSet<ContentHash>,
     pub sources: BTreeMap<ContentHash, Vec<WeightSource>>,
+}
+
+impl Catalog {
+    /// Leaves out sources whose node has gone [`SILENT`] at `now_ms`, so a
+    /// load does not wait on a peer that died but is not reaped yet.
+    fn without_silent(mut self, now_ms: u64) -> Self {
+        for v in self.sources.values_mut() {
+            v.retain(|s| now_ms.saturating_sub(s.updated_unix_ms) <= SILENT.as_millis() as u64);
+        }
+        self
+    }
 }
 
 /// Reads the weights bucket, reaping stale sources.
@@ -359,6 +386,7 @@ impl NodeWeights {
             serving: Mutex::new(Default::default()),
             tasks: Mutex::new(JoinSet::new()),
             writing: Mutex::new(BTreeMap::new()),
+            loading: Mutex::new(Default::default()),
         })
     }
 
@@ -527,13 +555,15 @@ impl NodeWeights {
     /// peers stop reading from here (before the node exits).
     pub async fn withdraw(&self) {
         self.tasks.lock().expect("tasks lock").abort_all();
-        let served: Vec<ContentHash> = self
+        // Served files, and loads not finished or not yet served.
+        let mut served: std::collections::BTreeSet<ContentHash> = self
             .served
             .lock()
             .expect("served lock")
             .keys()
             .copied()
             .collect();
+        served.extend(self.loading.lock().expect("loading lock").iter().copied());
         let Ok(kv) = bucket(&self.bus).await else {
             return;
         };
@@ -613,6 +643,7 @@ impl NodeWeights {
                         CATALOG_READ.as_secs()
                     ))
                 });
+            let read = read.map(|c| c.without_silent(unix_ms()));
             let now = tokio::time::Instant::now();
             let why = match read {
                 Ok(cat) => match readable(&cat, model, pin, &self.node, &self.cfg) {
@@ -681,7 +712,30 @@ impl NodeWeights {
                 return Ok(ModelFile::Local(p));
             }
         }
-        let (cat, waited) = self.wait_for_source(model, &local_why, pin, wait).await?;
+        // A load that fails while wait time is left (its sources died, or
+        // a dead peer's record has not gone stale yet) waits again.
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            match self.fetch_once(model, &local_why, pin, left).await {
+                Err(e) if retryable(&e) && tokio::time::Instant::now() + SOURCE_POLL < deadline => {
+                    tracing::warn!(model, error = %format!("{e:#}"), "weights: the load failed; waiting for a source again");
+                    tokio::time::sleep(SOURCE_POLL).await;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// One wait for a source, then one load from what offers it.
+    async fn fetch_once(
+        self: &Arc<Self>,
+        model: &str,
+        local_why: &str,
+        pin: Option<ContentHash>,
+        wait: Duration,
+    ) -> anyhow::Result<ModelFile> {
+        let (cat, waited) = self.wait_for_source(model, local_why, pin, wait).await?;
         // The content most nodes serve, else any cached one.
         let mut candidates: Vec<&WeightManifest> = cat
             .manifests
@@ -777,6 +831,7 @@ impl NodeWeights {
         // Progress on the bus while it loads (`dynamoctl models ls`,
         // `status`): a `loading` record, rewritten every second.
         let (done_tx, done_rx) = tokio::sync::watch::channel(0u64);
+        self.loading.lock().expect("loading lock").insert(m.sha256);
         let mut reporter = JoinSet::new();
         reporter.spawn(self.clone().report_loading(m.clone(), done_rx));
         let loaded = tokio::task::spawn_blocking(move || {
@@ -853,6 +908,7 @@ impl NodeWeights {
                 tracing::warn!(key, error = %e, "weights: loading record not removed");
             }
         }
+        self.loading.lock().expect("loading lock").remove(sha);
     }
 
     /// Keeps a fetched model, in the background (off the worker's start):
@@ -930,8 +986,15 @@ impl NodeWeights {
                 }
                 Err(_) => me.serve_file(&path, &model).await,
             };
-            if let Err(e) = served {
-                tracing::warn!(model, error = %e, "weights: not served to peers");
+            match served {
+                // The record says `ready` now.
+                Ok(()) => {
+                    me.loading.lock().expect("loading lock").remove(&sha);
+                }
+                Err(e) => {
+                    tracing::warn!(model, error = %e, "weights: not served to peers");
+                    me.end_loading(&sha, &mut JoinSet::new()).await;
+                }
             }
         });
         Written(rx)
@@ -1052,6 +1115,15 @@ fn readable(
         return Err(format!("no node advertises {model}{pinned}"));
     }
     Err(missing.join("; "))
+}
+
+/// Whether a failed load may succeed if tried again: its sources failed
+/// (a peer died, a read broke), not the content.
+fn retryable(e: &anyhow::Error) -> bool {
+    matches!(
+        e.downcast_ref::<dynamo_weights::LoadError>(),
+        Some(dynamo_weights::LoadError::NoSource { .. })
+    )
 }
 
 #[cfg(test)]
