@@ -7,6 +7,8 @@
 # device-memory transfer benchmark, the weights-to-device benchmark, the
 # host transfer benchmark, and the configurator's per-operation
 # calibration (PyTorch), writing logs and the calibration JSON to OUT.
+# Steps (`tests`, `bench`, `calib`) can be run one call at a time, to fit
+# a per-command time limit; each step's timeouts add up to at most 270 s.
 set -u
 cmd=${1:-}
 case "$cmd" in
@@ -32,26 +34,54 @@ bundle)
     du -sh .devbin
     ;;
 run)
-    out=${2:?usage: gpu_checks.sh run OUT}
+    # `run OUT [STEP...]`: steps `tests`, `bench`, `calib` (default all,
+    # in that order). Exits non-zero if any step failed or timed out.
+    out=${2:?usage: gpu_checks.sh run OUT [tests|bench|calib]...}
+    shift 2
+    steps=${*:-tests bench calib}
+    set -o pipefail
+    failed=0
+    step() { # NAME TIMEOUT LOG CMD...
+        local name=$1 limit=$2 log=$3
+        shift 3
+        echo "== $name"
+        if ! timeout "$limit" "$@" 2>&1 | tee "$out/$log"; then
+            echo "!! $name failed" | tee -a "$out/failed.txt"
+            failed=$((failed + 1))
+        fi
+    }
     export LD_LIBRARY_PATH="$PWD/.devbin/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/gpu.txt"
     echo "cores: $(nproc)" | tee -a "$out/gpu.txt"
-    echo "== device transfer tests"
-    timeout 60 .devbin/device_tests --test-threads=1 2>&1 | tee "$out/device_tests.log"
-    echo "== weights device tests"
-    timeout 120 .devbin/weights_device_tests --test-threads=1 2>&1 | tee "$out/weights_device_tests.log"
-    echo "== configurator calibration"
-    timeout 240 python3 configurator/calibrate/gpu_ops.py "$out/calib.json" 2>&1 | tee "$out/calib.log"
-    echo "== device transfer benchmark"
-    timeout 60 .devbin/device_transfer 2>&1 | tee "$out/device_transfer.log"
-    echo "== weights to device benchmark (98 MB and 2 GiB)"
-    timeout 180 .devbin/device_weights 2>&1 | tee "$out/device_weights.log"
-    echo "== host transfer benchmark (64 MiB, socket vs tcp vs shm)"
-    timeout 120 .devbin/transfer_bench 2>&1 | tee "$out/transfer_bench.log"
+    for s in $steps; do
+        case "$s" in
+        tests)
+            step "device transfer tests" 60 device_tests.log .devbin/device_tests --test-threads=1
+            step "weights device tests" 90 weights_device_tests.log \
+                .devbin/weights_device_tests --test-threads=1
+            ;;
+        bench)
+            step "device transfer benchmark" 60 device_transfer.log .devbin/device_transfer
+            step "weights to device benchmark (98 MB and 2 GiB)" 120 device_weights.log \
+                .devbin/device_weights
+            step "host transfer benchmark (64 MiB, socket vs tcp vs shm)" 120 transfer_bench.log \
+                .devbin/transfer_bench
+            ;;
+        calib)
+            step "configurator calibration" 240 calib.log \
+                python3 configurator/calibrate/gpu_ops.py "$out/calib.json"
+            ;;
+        *)
+            echo "unknown step $s (tests, bench, calib)" >&2
+            exit 2
+            ;;
+        esac
+    done
+    exit $((failed > 0))
     ;;
 *)
-    echo "usage: $0 bundle | run OUT" >&2
+    echo "usage: $0 bundle | run OUT [tests|bench|calib]..." >&2
     exit 2
     ;;
 esac

@@ -203,6 +203,11 @@ fn changes(
     out
 }
 
+/// Longest read of the weights bucket by `models watch`.
+const WATCH_READ: std::time::Duration = std::time::Duration::from_secs(10);
+/// Failed reads in a row that end `models watch`.
+const WATCH_FAILURES: u32 = 5;
+
 /// How `models watch` runs.
 pub struct WatchArgs {
     /// Only this node's records.
@@ -231,8 +236,34 @@ pub async fn watch(url: &str, ns: Namespace, args: WatchArgs) -> anyhow::Result<
         Default::default();
     let mut before = Default::default();
     let mut first = true;
+    let mut failures = 0u32;
     loop {
-        let now = records(&catalog_json(&bus).await?, args.node.as_deref());
+        // A read that fails or stalls is tried again; several in a row end
+        // the watch with the last error.
+        let read = tokio::time::timeout(WATCH_READ, catalog_json(&bus))
+            .await
+            .unwrap_or_else(|_| {
+                Err(anyhow::anyhow!(
+                    "reading the weights bucket took over {} s",
+                    WATCH_READ.as_secs()
+                ))
+            });
+        let v = match read {
+            Ok(v) => {
+                failures = 0;
+                v
+            }
+            Err(e) => {
+                failures += 1;
+                if failures >= WATCH_FAILURES {
+                    return Err(e);
+                }
+                eprintln!("models watch: {e:#}; trying again");
+                tokio::time::sleep(args.every).await;
+                continue;
+            }
+        };
+        let now = records(&v, args.node.as_deref());
         for ((sha, node), seen) in changes(&before, &now) {
             let key = (sha.clone(), node.clone());
             if args.json {
@@ -243,7 +274,14 @@ pub async fn watch(url: &str, ns: Namespace, args: WatchArgs) -> anyhow::Result<
                     }),
                     None => json!({"node": node, "sha256": sha, "state": "gone"}),
                 };
-                println!("{v}");
+                use std::io::Write;
+                let mut out = std::io::stdout().lock();
+                match writeln!(out, "{v}").and_then(|_| out.flush()) {
+                    Ok(()) => {}
+                    // The reader went away (`| head`): done.
+                    Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(()),
+                    Err(e) => return Err(e.into()),
+                }
                 continue;
             }
             let label = |model: &str| format!("{node}: {model} ({})", &sha[..sha.len().min(12)]);

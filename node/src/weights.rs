@@ -657,11 +657,7 @@ impl NodeWeights {
             };
             if now >= deadline {
                 if !wait.is_zero() {
-                    tracing::warn!(
-                        model,
-                        "weights: no source after {} s ({why})",
-                        wait.as_secs()
-                    );
+                    tracing::warn!(model, "weights: no source before the wait ran out ({why})");
                 }
                 return match last {
                     Some(cat) => Ok((cat, Some(wait))),
@@ -717,7 +713,7 @@ impl NodeWeights {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            match self.fetch_once(model, &local_why, pin, left).await {
+            match self.fetch_once(model, &local_why, pin, left, wait).await {
                 Err(e) if retryable(&e) && tokio::time::Instant::now() + SOURCE_POLL < deadline => {
                     tracing::warn!(model, error = %format!("{e:#}"), "weights: the load failed; waiting for a source again");
                     tokio::time::sleep(SOURCE_POLL).await;
@@ -728,14 +724,17 @@ impl NodeWeights {
     }
 
     /// One wait for a source, then one load from what offers it.
+    /// `wait` is what is left of the `total` wait.
     async fn fetch_once(
         self: &Arc<Self>,
         model: &str,
         local_why: &str,
         pin: Option<ContentHash>,
         wait: Duration,
+        total: Duration,
     ) -> anyhow::Result<ModelFile> {
         let (cat, waited) = self.wait_for_source(model, local_why, pin, wait).await?;
+        let waited = waited.map(|_| total);
         // The content most nodes serve, else any cached one.
         let mut candidates: Vec<&WeightManifest> = cat
             .manifests

@@ -42,7 +42,8 @@ pub struct DeviceWeights {
     manifest: Manifest,
     stream: Arc<CudaStream>,
     device: CudaSlice<u8>,
-    /// How long the copy to the device took.
+    /// How long the copy to the device took (not the allocation or the
+    /// page-locking).
     pub elapsed: Duration,
     /// Whether the host memory was page-locked for the copy.
     pub pinned: bool,
@@ -83,13 +84,15 @@ impl Drop for Pinned<'_> {
 
 impl DeviceWeights {
     /// Copies a verified load's bytes to `ctx`'s GPU; `progress` gets the
-    /// bytes copied so far and the total after each chunk.
+    /// bytes queued for copying so far and the total after each chunk
+    /// (all are copied when this returns). A [`Loaded`] is not `Sync`, so
+    /// one load is never landed from two threads at once (its memory is
+    /// locked once at a time).
     pub fn land(
         loaded: &Loaded,
         ctx: &Arc<CudaContext>,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self, FabricError> {
-        let t0 = Instant::now();
         let bytes = loaded.bytes();
         let manifest = loaded.manifest.clone();
         ctx.bind_to_thread().map_err(cuda("cuCtxSetCurrent"))?;
@@ -97,13 +100,17 @@ impl DeviceWeights {
         let mut device = stream
             .alloc_zeros::<u8>(bytes.len().max(1))
             .map_err(cuda("cuMemAlloc"))?;
-        let pin = match Pinned::new(bytes, &stream) {
-            Ok(p) => Some(p),
-            Err(e) => {
-                tracing::info!(error = %e, "weights: host memory not page-locked; copying pageable");
-                None
-            }
+        let pin = match bytes.is_empty() {
+            true => None,
+            false => match Pinned::new(bytes, &stream) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    tracing::info!(error = %e, "weights: host memory not page-locked; copying pageable");
+                    None
+                }
+            },
         };
+        let t0 = Instant::now();
         let chunk = manifest.chunk_size.max(1) as usize;
         let total = bytes.len() as u64;
         let mut off = 0usize;
@@ -116,15 +123,17 @@ impl DeviceWeights {
             off = end;
             progress(off as u64, total);
         }
-        let pinned = pin.is_some();
-        // Copies finish, and the memory is unlocked, here.
-        drop(pin);
+        // Copies finish (an error of theirs is returned), then the memory
+        // is unlocked (the guard's Drop, on every path).
         stream.synchronize().map_err(cuda("cuStreamSynchronize"))?;
+        let elapsed = t0.elapsed();
+        let pinned = pin.is_some();
+        drop(pin);
         Ok(DeviceWeights {
             manifest,
             stream,
             device,
-            elapsed: t0.elapsed(),
+            elapsed,
             pinned,
         })
     }

@@ -44,8 +44,15 @@ fn a_peer_load_lands_on_the_device_byte_for_byte() {
     let d =
         DeviceWeights::land(&loaded, &ctx, &mut |done, total| seen.push((done, total))).unwrap();
     assert_eq!(d.len(), b.len());
+    // Registered memory is page-aligned: it is locked for the copy.
+    assert!(d.pinned, "the copy ran pageable");
     assert!(d.to_host().unwrap() == b, "the device copy differs");
     d.verify().unwrap();
+    // Unlocked again: landing it a second time locks it anew.
+    let d2 = DeviceWeights::land(&loaded, &ctx, &mut |_, _| {}).unwrap();
+    assert!(d2.pinned, "the memory stayed locked after the first copy");
+    d2.verify().unwrap();
+    drop(d2);
     // Progress per chunk, ending at the whole file.
     assert_eq!(seen.len(), m.chunks.len());
     assert_eq!(seen.last(), Some(&(b.len() as u64, b.len() as u64)));
