@@ -255,6 +255,10 @@ async fn serve(
         std::process::exit(130);
     });
     tracing::info!("shutting down: draining in-flight requests");
+    // A file loaded just before is kept for the next start (bounded).
+    weights
+        .finish_writes(cfg.shutdown_grace.min(Duration::from_secs(30)))
+        .await;
     // Peers stop reading weights from here first.
     if bus.is_connected() {
         let _ = tokio::time::timeout(Duration::from_secs(2), weights.withdraw()).await;
@@ -282,7 +286,13 @@ async fn serve(
 /// records go (bounded), and nothing else had started.
 async fn stopped_starting(weights: &crate::weights::NodeWeights) -> anyhow::Result<()> {
     tracing::info!("stopped by a signal while loading models");
-    let _ = tokio::time::timeout(Duration::from_secs(2), weights.withdraw()).await;
+    weights.finish_writes(Duration::from_secs(10)).await;
+    if tokio::time::timeout(Duration::from_secs(2), weights.withdraw())
+        .await
+        .is_err()
+    {
+        tracing::warn!("weights: records not withdrawn within 2 s; they go stale in 15 s");
+    }
     Ok(())
 }
 

@@ -502,18 +502,36 @@ impl NodeWeights {
     /// Publishes the manifest and keeps the source record fresh.
     async fn advertise(self: &Arc<Self>, server: WeightServer) -> anyhow::Result<()> {
         let m = server.manifest().clone();
-        if self
-            .served
-            .lock()
-            .expect("served lock")
-            .contains_key(&m.sha256)
-        {
-            // Already served (and heartbeated) from other memory.
-            return Ok(());
-        }
         let d = server.descriptor();
+        {
+            // Checked and taken under one lock: two paths serving the same
+            // file never both publish it.
+            let mut served = self.served.lock().expect("served lock");
+            if served.contains_key(&m.sha256) {
+                // Already served (and heartbeated) from other memory.
+                return Ok(());
+            }
+            served.insert(m.sha256, server);
+        }
+        match self.publish(&m, &d).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                // Not advertised: not served either.
+                self.served.lock().expect("served lock").remove(&m.sha256);
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes the manifest and this node's `ready` record of a served file,
+    /// and keeps the record fresh.
+    async fn publish(
+        &self,
+        m: &WeightManifest,
+        d: &dynamo_weights::PeerDescriptor,
+    ) -> anyhow::Result<()> {
         let kv = bucket(&self.bus).await?;
-        put(&kv, &WeightManifest::key(&m.sha256), &m).await?;
+        put(&kv, &WeightManifest::key(&m.sha256), m).await?;
         let address = hex::decode(&d.address)?;
         let rec = WeightSource {
             node: self.node.clone(),
@@ -530,10 +548,6 @@ impl NodeWeights {
             updated_unix_ms: unix_ms(),
         };
         put(&kv, &rec.key(), &rec).await?;
-        self.served
-            .lock()
-            .expect("served lock")
-            .insert(m.sha256, server);
         tracing::info!(model = %m.model, sha256 = %m.sha256.short(), provider = %d.provider, "weights: serving to peers");
         let mut tasks = self.tasks.lock().expect("tasks lock");
         tasks.spawn(async move {
@@ -549,6 +563,32 @@ impl NodeWeights {
             }
         });
         Ok(())
+    }
+
+    /// Waits, up to `limit`, for loaded files still being written, so a
+    /// node stopped soon after a load keeps its file for the next start.
+    pub async fn finish_writes(&self, limit: Duration) {
+        let writing: Vec<Written> = self
+            .writing
+            .lock()
+            .expect("writing lock")
+            .values()
+            .cloned()
+            .collect();
+        if writing.is_empty() {
+            return;
+        }
+        tracing::info!(
+            files = writing.len(),
+            "weights: finishing the write of loaded files"
+        );
+        let all = futures::future::join_all(writing.into_iter().map(Written::wait));
+        if tokio::time::timeout(limit, all).await.is_err() {
+            tracing::warn!(
+                limit_s = limit.as_secs(),
+                "weights: a loaded file was not written in time; the next start loads it again"
+            );
+        }
     }
 
     /// Stops serving: the heartbeats end and the source records go, so
