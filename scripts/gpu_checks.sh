@@ -8,7 +8,7 @@
 # host transfer benchmark, and the configurator's per-operation
 # calibration (PyTorch), writing logs and the calibration JSON to OUT.
 # Steps (`tests`, `bench`, `calib`) can be run one call at a time, to fit
-# a per-command time limit; each step's timeouts add up to at most 270 s.
+# a per-command time limit; each step's timeouts add up to at most 300 s.
 set -u
 cmd=${1:-}
 case "$cmd" in
@@ -58,7 +58,7 @@ run)
         case "$s" in
         tests)
             step "device transfer tests" 60 device_tests.log .devbin/device_tests --test-threads=1
-            step "weights device tests" 90 weights_device_tests.log \
+            step "weights device tests" 120 weights_device_tests.log \
                 .devbin/weights_device_tests --test-threads=1
             ;;
         bench)

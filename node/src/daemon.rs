@@ -255,10 +255,6 @@ async fn serve(
         std::process::exit(130);
     });
     tracing::info!("shutting down: draining in-flight requests");
-    // A file loaded just before is kept for the next start (bounded).
-    weights
-        .finish_writes(cfg.shutdown_grace.min(Duration::from_secs(30)))
-        .await;
     // Peers stop reading weights from here first.
     if bus.is_connected() {
         let _ = tokio::time::timeout(Duration::from_secs(2), weights.withdraw()).await;
@@ -271,6 +267,11 @@ async fn serve(
     }
     let grace = cfg.shutdown_grace + Duration::from_secs(5);
     let _ = sup.call(SupervisorMsg::Shutdown, Some(grace)).await;
+    // A file loaded just before, written meanwhile, is kept for the next
+    // start (bounded; not served any more).
+    weights
+        .finish_writes(cfg.shutdown_grace.min(Duration::from_secs(30)))
+        .await;
     sup.stop(None);
     let _ = tokio::time::timeout(Duration::from_secs(5), sup_handle).await;
     // Bounded, and skipped without a bus: nothing would answer.
@@ -286,13 +287,13 @@ async fn serve(
 /// records go (bounded), and nothing else had started.
 async fn stopped_starting(weights: &crate::weights::NodeWeights) -> anyhow::Result<()> {
     tracing::info!("stopped by a signal while loading models");
-    weights.finish_writes(Duration::from_secs(10)).await;
     if tokio::time::timeout(Duration::from_secs(2), weights.withdraw())
         .await
         .is_err()
     {
         tracing::warn!("weights: records not withdrawn within 2 s; they go stale in 15 s");
     }
+    weights.finish_writes(Duration::from_secs(10)).await;
     Ok(())
 }
 

@@ -14,14 +14,14 @@ impl NodeWeights {
 
     /// The catalog once a source this node would read offers `model`, or
     /// once `wait` has passed (the load then fails naming each source); the
-    /// wait that ran out, if one did.
+    /// reason the wait ran out, if it did.
     async fn wait_for_source(
         &self,
         model: &str,
         local_why: &str,
         pin: Option<ContentHash>,
         wait: Duration,
-    ) -> anyhow::Result<(Catalog, Option<Duration>)> {
+    ) -> anyhow::Result<(Catalog, Option<String>)> {
         let start = tokio::time::Instant::now();
         let deadline = start + wait;
         let mut next_log = start;
@@ -29,6 +29,9 @@ impl NodeWeights {
         loop {
             // One read, bounded; while the wait lasts, a bus error is one
             // more reason to wait (a fleet starting at once loads the bus).
+            // Silence is judged from before the read, so a slow read does
+            // not make live peers look silent.
+            let before_read = unix_ms();
             let read = tokio::time::timeout(CATALOG_READ, catalog(&self.bus))
                 .await
                 .unwrap_or_else(|_| {
@@ -37,7 +40,7 @@ impl NodeWeights {
                         CATALOG_READ.as_secs()
                     ))
                 });
-            let read = read.map(|c| c.without_silent(unix_ms()));
+            let read = read.map(|c| c.without_silent(before_read));
             let now = tokio::time::Instant::now();
             let why = match read {
                 Ok(cat) => match readable(&cat, model, pin, &self.node, &self.cfg) {
@@ -54,7 +57,7 @@ impl NodeWeights {
                     tracing::warn!(model, "weights: no source before the wait ran out ({why})");
                 }
                 return match last {
-                    Some(cat) => Ok((cat, Some(wait))),
+                    Some(cat) => Ok((cat, Some(why))),
                     None => Err(anyhow::anyhow!("weights bucket: {why}")),
                 };
             }
@@ -128,7 +131,10 @@ impl NodeWeights {
         total: Duration,
     ) -> anyhow::Result<ModelFile> {
         let (cat, waited) = self.wait_for_source(model, local_why, pin, wait).await?;
-        let waited = waited.map(|_| total);
+        let (waited, ran_out) = match waited {
+            Some(why) => (Some(total), Some(why)),
+            None => (None, None),
+        };
         // The content most nodes serve, else any cached one.
         let mut candidates: Vec<&WeightManifest> = cat
             .manifests
@@ -212,6 +218,12 @@ impl NodeWeights {
                 },
                 Step::File => sources.push(Source::Bytes(Box::new(FileSource::new(&path)))),
             }
+        }
+        if sources.is_empty() {
+            // Nothing to try (the wait ran out on peers this node cannot
+            // read): say why, not that no source was configured.
+            let why = ran_out.unwrap_or_else(|| "no source in the order offers it".into());
+            anyhow::bail!("no source for model {model}: {why}{}", self.waited(waited));
         }
         tracing::info!(model, sha256 = %m.sha256.short(), sources = sources.len(), "weights: loading from the cluster");
         let opts = LoadOptions {
@@ -323,7 +335,7 @@ impl NodeWeights {
             .expect("writing lock")
             .insert(sha, Written(rx.clone()));
         let me = self.clone();
-        self.tasks.lock().expect("tasks lock").spawn(async move {
+        self.keeping.lock().expect("keeping lock").spawn(async move {
             let (path, model) = (f.path.clone(), f.model.clone());
             let manifests = me.cfg.manifest_dir.clone();
             let written = tokio::task::spawn_blocking(move || {
@@ -350,6 +362,8 @@ impl NodeWeights {
             };
             me.writing.lock().expect("writing lock").remove(&sha);
             let Some(f) = f else {
+                // The load's reporter went with it: its record goes too.
+                me.end_loading(&sha, &mut JoinSet::new()).await;
                 return;
             };
             let Fetched {
@@ -385,7 +399,11 @@ impl NodeWeights {
                     me.loading.lock().expect("loading lock").remove(&sha);
                 }
                 Err(e) => {
-                    tracing::warn!(model, error = %e, "weights: not served to peers");
+                    if me.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+                        tracing::info!(model, "weights: the node stops; the kept file is not served");
+                    } else {
+                        tracing::warn!(model, error = %e, "weights: not served to peers");
+                    }
                     me.end_loading(&sha, &mut JoinSet::new()).await;
                 }
             }

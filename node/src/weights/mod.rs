@@ -179,8 +179,13 @@ pub struct NodeWeights {
     /// Files being or already served, so a second group on the same file
     /// does not hash and register it again.
     serving: Mutex<std::collections::BTreeSet<PathBuf>>,
-    /// Heartbeats of the source records, and files being kept.
+    /// Heartbeats of the source records, and serving in the background.
     tasks: Mutex<JoinSet<()>>,
+    /// Files being kept (written, then served): not stopped by
+    /// [`Self::withdraw`], so a stopping node finishes writing them.
+    keeping: Mutex<JoinSet<()>>,
+    /// Set by [`Self::withdraw`]: nothing is advertised from then on.
+    stopping: std::sync::atomic::AtomicBool,
     /// Files loaded from the cluster being written, by content hash: a
     /// second group of the same model waits for the file, not loads it again.
     writing: Mutex<BTreeMap<ContentHash, Written>>,
@@ -267,6 +272,8 @@ impl NodeWeights {
             served: Mutex::new(BTreeMap::new()),
             serving: Mutex::new(Default::default()),
             tasks: Mutex::new(JoinSet::new()),
+            keeping: Mutex::new(JoinSet::new()),
+            stopping: Default::default(),
             writing: Mutex::new(BTreeMap::new()),
             loading: Mutex::new(Default::default()),
         })
@@ -430,8 +437,17 @@ impl NodeWeights {
             updated_unix_ms: unix_ms(),
         };
         put(&kv, &rec.key(), &rec).await?;
-        tracing::info!(model = %m.model, sha256 = %m.sha256.short(), provider = %d.provider, "weights: serving to peers");
         let mut tasks = self.tasks.lock().expect("tasks lock");
+        // Checked under the lock `withdraw` stops heartbeats under: a
+        // record published as the node stops is taken back, not kept fresh.
+        if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+            drop(tasks);
+            if let Err(e) = kv.purge(&rec.key()).await {
+                tracing::warn!(error = %e, "weights: source record not withdrawn");
+            }
+            anyhow::bail!("the node is stopping");
+        }
+        tracing::info!(model = %m.model, sha256 = %m.sha256.short(), provider = %d.provider, "weights: serving to peers");
         tasks.spawn(async move {
             let mut beat = tokio::time::interval(HEARTBEAT);
             beat.tick().await;
@@ -476,7 +492,12 @@ impl NodeWeights {
     /// Stops serving: the heartbeats end and the source records go, so
     /// peers stop reading from here (before the node exits).
     pub async fn withdraw(&self) {
-        self.tasks.lock().expect("tasks lock").abort_all();
+        {
+            let mut tasks = self.tasks.lock().expect("tasks lock");
+            self.stopping
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            tasks.abort_all();
+        }
         // Served files, and loads not finished or not yet served.
         let mut served: std::collections::BTreeSet<ContentHash> = self
             .served
