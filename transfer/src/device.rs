@@ -28,7 +28,9 @@ use crate::{Agent, FabricError, Region, RemoteRegion};
 use cudarc::driver::{sys as cu, CudaContext, CudaSlice, CudaStream};
 use std::sync::Arc;
 
-fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> FabricError {
+/// Maps a CUDA driver error of `call` onto [`FabricError::Cuda`] (for
+/// `map_err`).
+pub fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> FabricError {
     move |e| FabricError::Cuda {
         call,
         message: e.to_string(),

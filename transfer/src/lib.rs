@@ -33,7 +33,7 @@ mod progress;
 mod region;
 
 #[cfg(feature = "cuda")]
-pub use device::{open_gpu, DeviceRegion};
+pub use device::{cuda as cuda_error, open_gpu, DeviceRegion};
 
 pub use progress::{Expecting, Progress, IDLE_POLL};
 use region::Buffer;

@@ -30,12 +30,7 @@ use sha2::{Digest, Sha256};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-fn cuda(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> FabricError {
-    move |e| FabricError::Cuda {
-        call,
-        message: e.to_string(),
-    }
-}
+use dynamo_transfer::cuda_error as cuda;
 
 /// A model file's verified bytes in GPU memory.
 pub struct DeviceWeights {
