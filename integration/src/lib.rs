@@ -816,6 +816,13 @@ pub async fn busiest_worker(http: &Http) -> (String, u64) {
 }
 
 /// Runs `dynamoctl ARGS… --nats URL --namespace it` and returns its output.
+/// `dynamoctl models ls --json`, parsed.
+pub fn models_ls(nats_url: &str) -> Value {
+    let out = dynamoctl(nats_url, &["models", "ls", "--json"]);
+    assert_success(&out);
+    serde_json::from_slice(&out.stdout).expect("models ls JSON")
+}
+
 pub fn dynamoctl(nats_url: &str, args: &[&str]) -> std::process::Output {
     Command::new(bin("dynamoctl"))
         .args(args)

@@ -33,12 +33,6 @@ fn cpu_worker() -> String {
     )
 }
 
-fn models_ls(nats: &str) -> Value {
-    let out = dynamoctl(nats, &["models", "ls", "--json"]);
-    assert_success(&out);
-    serde_json::from_slice(&out.stdout).expect("models ls JSON")
-}
-
 /// Waits until `node` advertises the model as ready to peers.
 async fn wait_served(nats: &str, node: &str) {
     let t0 = std::time::Instant::now();

@@ -90,12 +90,6 @@ fn worker(model: &str, path: Option<&Path>, engine: &str, pin: Option<&str>) -> 
     s
 }
 
-fn models_ls(nats: &str) -> Value {
-    let out = dynamoctl(nats, &["models", "ls", "--json"]);
-    assert_success(&out);
-    serde_json::from_slice(&out.stdout).expect("models ls JSON")
-}
-
 /// Waits until both source nodes serve `model`, and the cache holds it;
 /// answers its content hash.
 async fn wait_sources(nats: &str, model: &str) -> String {

@@ -149,12 +149,7 @@ impl NodeWeights {
         let ready = |m: &WeightManifest| {
             cat.sources.get(&m.sha256).map_or(0, |v| {
                 v.iter()
-                    .filter(|s| {
-                        peers
-                            && s.state == WeightSourceState::Ready
-                            && s.node != self.node
-                            && s.provider == self.cfg.provider
-                    })
+                    .filter(|s| peers && readable_peer(s, &self.node, &self.cfg))
                     .count()
             })
         };
@@ -183,10 +178,7 @@ impl NodeWeights {
             match step {
                 Step::Peer => {
                     for s in cat.sources.get(&m.sha256).into_iter().flatten() {
-                        if s.state != WeightSourceState::Ready
-                            || s.node == self.node
-                            || s.provider != self.cfg.provider
-                        {
+                        if !readable_peer(s, &self.node, &self.cfg) {
                             continue;
                         }
                         sources.push(Source::Peer(dynamo_weights::source::PeerSource {
@@ -474,6 +466,12 @@ fn write_verified(
     Ok(())
 }
 
+/// Whether this node can read from `s`: another node's `ready` record, on
+/// this node's provider (the wait, the ranking and the load agree on it).
+fn readable_peer(s: &WeightSource, me: &NodeId, cfg: &WeightsConfig) -> bool {
+    s.state == WeightSourceState::Ready && s.node != *me && s.provider == cfg.provider
+}
+
 /// Whether a load of `model` could start now: some content of it (the
 /// pinned one, if any) is offered by a source in this node's order, a
 /// ready peer on its provider or the cache. Otherwise, what is missing.
@@ -499,7 +497,7 @@ fn readable(
                 continue;
             }
             match s.state {
-                WeightSourceState::Ready if s.provider == cfg.provider => {
+                _ if readable_peer(s, me, cfg) => {
                     if cfg.order.contains(&Step::Peer) {
                         return Ok(());
                     }
