@@ -407,7 +407,7 @@ pub async fn load_group_model(
                 let m = LoadedModel::from_gguf_bytes(f.bytes(), &f.path, &name, bs)?;
                 let w = if cpu {
                     Some(Weights::from_gguf_bytes(
-                        f.bytes(),
+                        f.bytes().clone(),
                         &f.path.display().to_string(),
                     )?)
                 } else {

@@ -37,7 +37,7 @@ pub use device::{cuda as cuda_error, open_gpu, DeviceRegion};
 
 pub use progress::{Expecting, Progress, IDLE_POLL};
 use region::Buffer;
-pub use region::{Region, Window};
+pub use region::{Buffer as HostBuffer, Region, Window};
 
 #[derive(Debug, Error, PartialEq)]
 pub enum FabricError {

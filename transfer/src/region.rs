@@ -7,14 +7,15 @@
 
 use crate::{sys, FabricError, Inner, RemoteRegion};
 
-/// Zeroed memory for a region: a private anonymous mapping of its own.
+/// Zeroed host memory (a region's, or a load's that no peer writes into):
+/// a private anonymous mapping of its own.
 /// Buffers of 2 MiB or more are 2 MiB aligned and advised to use
 /// transparent huge pages *before* any page is touched (a page faulted in
 /// first stays a 4 KiB page): the kernel then pins and copies them (shm's
 /// cross-memory attach, socket reads) with 512 times fewer page-table
 /// entries, which measured 3.6 → 5.0 GB/s for a raw 64 MiB cross-memory
 /// copy on the 2-vCPU VM of BENCHMARKS.md.
-pub(crate) struct Buffer {
+pub struct Buffer {
     ptr: std::ptr::NonNull<u8>,
     len: usize,
     /// The whole mapping (`ptr` is aligned inside it).
@@ -22,10 +23,17 @@ pub(crate) struct Buffer {
     map_len: usize,
 }
 
+// SAFETY: the buffer owns its mapping; shared access only reads it, and
+// writes need `&mut`.
+unsafe impl Send for Buffer {}
+unsafe impl Sync for Buffer {}
+
 const HUGE: usize = 2 << 20;
 
 impl Buffer {
-    pub(crate) fn zeroed(len: usize) -> Result<Self, FabricError> {
+    /// `len` zeroed bytes (at least one is mapped).
+    pub fn zeroed(len: usize) -> Result<Self, FabricError> {
+        let len = len.max(1);
         let align = if len >= HUGE { HUGE } else { 1 };
         let map_len = len
             .checked_add(align - 1)
@@ -73,8 +81,11 @@ impl Buffer {
             map_len,
         })
     }
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
     pub(crate) fn as_ptr(&self) -> *const u8 {
         self.ptr.as_ptr()
@@ -145,6 +156,10 @@ pub struct Region {
 
 // SAFETY: the region's memory is owned; the MR handle is only closed in Drop.
 unsafe impl Send for Region {}
+// SAFETY: through `&Region` its bytes are only read, and its descriptors
+// only copied out (posting with one from several endpoints at once is
+// allowed); closing the registration and writing the bytes need `&mut`.
+unsafe impl Sync for Region {}
 
 impl Region {
     pub fn bytes(&self) -> &[u8] {

@@ -23,7 +23,7 @@ pub mod serve;
 pub mod source;
 
 pub use dynamo_bus_schema::weights::{WeightSource, WeightSourceState};
-pub use loader::{load, LoadError, LoadOptions, LoadProgress, Loaded, Source, Tried};
+pub use loader::{load, LoadError, LoadOptions, LoadProgress, Loaded, SharedLoad, Source, Tried};
 pub use manifest::{ContentHash, Manifest, ManifestError};
 pub use serve::{PeerDescriptor, ServeError, WeightServer};
 pub use source::{ByteSource, FileSource, PeerSource, SourceError};

@@ -18,10 +18,12 @@
 
 use crate::manifest::{chunk_ok, ContentHash, Manifest};
 use crate::source::{ByteSource, PeerSource, SourceError};
-use dynamo_transfer::{Agent, FabricError, Peer, Region, RemoteRegion, WriteOp};
+use bytes::Bytes;
+use dynamo_transfer::{Agent, FabricError, HostBuffer, Peer, Region, RemoteRegion, WriteOp};
 use sha2::{Digest, Sha256};
 use std::collections::{HashSet, VecDeque};
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thiserror::Error;
 
@@ -116,13 +118,18 @@ pub enum LoadError {
     DeviceMismatch { got: String, want: String },
     #[error("the manifest: {0}")]
     Manifest(crate::manifest::ManifestError),
+    #[error("cannot allocate {bytes} bytes to load into: {why}")]
+    Memory { bytes: u64, why: String },
 }
 
 /// Where the bytes land.
 enum Dest {
     /// Registered memory (peers can read into it, and it can be served).
     Region(Box<(Agent, Region)>),
-    Heap(Vec<u8>),
+    /// Memory of its own (no peer writes into it), on huge pages where
+    /// large, as a region's is: touching fresh 4 KiB pages costs more
+    /// than the load itself on some machines.
+    Heap(HostBuffer),
 }
 
 impl Dest {
@@ -220,6 +227,66 @@ impl Loaded {
             dest => Err(Box::new(Loaded { dest, ..self })),
         }
     }
+
+    /// The verified bytes, to be shared without a copy: an engine may keep
+    /// them as its weights while they are written to a file and served to
+    /// peers.
+    pub fn into_shared(self) -> SharedLoad {
+        let size = self.manifest.size as usize;
+        let (bytes, registered) = match self.dest {
+            Dest::Region(ar) => {
+                let (agent, region) = *ar;
+                let region = Arc::new(region);
+                let bytes = Bytes::from_owner(Held::Region(region.clone()));
+                (bytes, Some((agent, region)))
+            }
+            Dest::Heap(b) => (Bytes::from_owner(Held::Heap(b)), None),
+        };
+        SharedLoad {
+            manifest: self.manifest,
+            bytes: bytes.slice(..size),
+            registered,
+        }
+    }
+}
+
+/// A verified load's bytes, read-only, shared by whoever holds a clone of
+/// [`SharedLoad::bytes`]; the memory is freed (and unregistered) when the
+/// last holder, the load or a [`crate::WeightServer`] built from it, goes.
+pub struct SharedLoad {
+    pub manifest: Manifest,
+    bytes: Bytes,
+    registered: Option<(Agent, Arc<Region>)>,
+}
+
+impl SharedLoad {
+    /// Exactly the file's bytes, every one verified.
+    pub fn bytes(&self) -> &Bytes {
+        &self.bytes
+    }
+
+    /// The endpoint and registered memory the bytes are in, to serve them
+    /// ([`crate::WeightServer::new`]); `None` for a load without peers,
+    /// which landed in memory no peer can read.
+    pub fn into_registered(self) -> Option<(Agent, Arc<Region>, Manifest)> {
+        let (agent, region) = self.registered?;
+        Some((agent, region, self.manifest))
+    }
+}
+
+/// What a [`SharedLoad`]'s bytes live in.
+enum Held {
+    Region(Arc<Region>),
+    Heap(HostBuffer),
+}
+
+impl AsRef<[u8]> for Held {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            Held::Region(r) => r.bytes(),
+            Held::Heap(b) => b,
+        }
+    }
 }
 
 /// Loads `manifest`'s file from `sources`, in their order of preference.
@@ -272,7 +339,10 @@ pub fn load(
                 let r = a.register(size)?;
                 Dest::Region(Box::new((a, r)))
             } else {
-                Dest::Heap(vec![0u8; size])
+                Dest::Heap(HostBuffer::zeroed(size).map_err(|e| LoadError::Memory {
+                    bytes: size as u64,
+                    why: e.to_string(),
+                })?)
             }
         }
     };

@@ -11,6 +11,7 @@ use dynamo_transfer::{Agent, FabricError, Progress, Region, RemoteRegion};
 use serde::{Deserialize, Serialize};
 use std::io::Read;
 use std::path::Path;
+use std::sync::Arc;
 
 /// What a peer needs to read served weights: the wire form of a
 /// [`PeerSource`].
@@ -42,7 +43,8 @@ impl PeerDescriptor {
 /// service) stops before the region is closed and freed.
 pub struct WeightServer {
     progress: Progress,
-    region: Region,
+    /// Shared where an engine keeps the same bytes as its weights.
+    region: Arc<Region>,
     manifest: Manifest,
     provider: String,
     address: Vec<u8>,
@@ -122,8 +124,13 @@ impl WeightServer {
     }
 
     /// Serves `region` (holding `manifest`'s verified bytes), registered on
-    /// `agent`.
-    pub fn new(agent: Agent, region: Region, manifest: Manifest) -> Result<Self, ServeError> {
+    /// `agent`; a shared region is only read, here as by its other holders.
+    pub fn new(
+        agent: Agent,
+        region: impl Into<Arc<Region>>,
+        manifest: Manifest,
+    ) -> Result<Self, ServeError> {
+        let region = region.into();
         let provider = agent.provider().to_string();
         let address = agent.address()?;
         let progress = Progress::spawn(agent).map_err(|e| ServeError::Thread {
@@ -157,7 +164,8 @@ impl WeightServer {
         }
     }
 
-    /// Stops serving (the region is closed after the endpoint stops).
+    /// Stops serving (the region is closed after the endpoint stops, or
+    /// once its other holders are gone where it is shared).
     pub fn stop(self) -> Result<(), FabricError> {
         let WeightServer {
             progress, region, ..

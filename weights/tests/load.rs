@@ -61,9 +61,15 @@ fn from_peers(provider: &str) {
         Some((b.len() as u64, b.len() as u64))
     );
     assert_eq!(got.refetched, 0);
-    // The loaded memory is registered and can be served on in turn.
-    let (agent, region, m2) = got.into_registered().ok().expect("registered");
+    // The loaded memory is registered and can be served on in turn, while
+    // an engine keeps the same bytes: one copy, shared.
+    let shared = got.into_shared();
+    let kept = shared.bytes().clone();
+    assert!(kept == b[..]);
+    let (agent, region, m2) = shared.into_registered().expect("registered");
+    assert_eq!(region.bytes().as_ptr(), kept.as_ptr());
     let next = WeightServer::new(agent, region, m2).unwrap();
+    assert_eq!(next.bytes().as_ptr(), kept.as_ptr());
     let again = load(
         &m,
         vec![peer(&next, "next")],
@@ -73,6 +79,30 @@ fn from_peers(provider: &str) {
     )
     .unwrap();
     assert!(again.bytes() == &b[..]);
+    // The bytes outlive the server that shared them.
+    next.stop().unwrap();
+    assert!(kept == b[..]);
+}
+
+#[test]
+fn a_load_from_a_file_alone_is_shared_but_not_registered() {
+    let b = content(5 << 20, 7);
+    let f = file(&b);
+    let m = dynamo_weights::manifest::of_file(f.path(), "m", "gguf").unwrap();
+    let got = load(
+        &m,
+        vec![Source::Bytes(Box::new(FileSource::new(f.path())))],
+        &opts("tcp;ofi_rxm"),
+        None,
+        &mut |_| {},
+    )
+    .unwrap();
+    let shared = got.into_shared();
+    let kept = shared.bytes().clone();
+    assert_eq!(kept.len(), b.len());
+    assert!(kept == b[..]);
+    assert!(shared.into_registered().is_none());
+    assert!(kept == b[..]);
 }
 
 #[test]

@@ -8,6 +8,7 @@
 //! indexes out of bounds).
 
 use crate::quant::{QType, QK};
+use bytes::Bytes;
 use dynamo_model::gguf::{GgufError, GgufMetadata, TensorInfo, Value};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::Path;
@@ -85,7 +86,9 @@ pub struct LayerWeights {
 
 pub struct Weights {
     pub cfg: ModelConfig,
-    data: Vec<u8>,
+    /// The tensor data section, possibly shared (read-only) with the
+    /// memory a load landed in (see [`Weights::from_gguf_bytes`]).
+    data: Bytes,
     pub embed: QMatrix,
     pub layers: Vec<LayerWeights>,
     pub out_norm: Vec<f32>,
@@ -117,17 +120,19 @@ impl Weights {
         f.seek(SeekFrom::Start(meta.data_offset)).map_err(io)?;
         let mut data = Vec::with_capacity(len.saturating_sub(meta.data_offset) as usize);
         f.read_to_end(&mut data).map_err(io)?;
-        Self::from_parts(&meta, data)
+        Self::from_parts(&meta, data.into())
     }
 
     /// The same from a GGUF file's bytes in memory (a file loaded from the
-    /// cluster), copied: the engine owns its weights. `name` names it in
-    /// errors.
-    pub fn from_gguf_bytes(bytes: &[u8], name: &str) -> Result<Self, LoadError> {
+    /// cluster), shared rather than copied: the engine keeps a reference to
+    /// the tensor data, which nothing writes while it is shared. `name`
+    /// names it in errors.
+    pub fn from_gguf_bytes(bytes: Bytes, name: &str) -> Result<Self, LoadError> {
         let meta = GgufMetadata::read(&mut &bytes[..], name)?;
         let data = usize::try_from(meta.data_offset)
             .ok()
-            .and_then(|o| bytes.get(o..))
+            .filter(|&o| o <= bytes.len())
+            .map(|o| bytes.slice(o..))
             .ok_or_else(|| LoadError::Io {
                 path: name.to_string(),
                 source: std::io::Error::new(
@@ -139,10 +144,10 @@ impl Weights {
                     ),
                 ),
             })?;
-        Self::from_parts(&meta, data.to_vec())
+        Self::from_parts(&meta, data)
     }
 
-    fn from_parts(meta: &GgufMetadata, data: Vec<u8>) -> Result<Self, LoadError> {
+    fn from_parts(meta: &GgufMetadata, data: Bytes) -> Result<Self, LoadError> {
         let arch = meta
             .get("general.architecture")
             .and_then(Value::as_str)

@@ -69,11 +69,17 @@ fn paged_forward_matches_the_contiguous_reference() {
 fn weights_from_the_files_bytes_give_the_same_logits() {
     use dynamo_cpu_engine::{Model, Weights};
     let path = dynamo_model::locate_default_gguf().expect("model installed (make deps)");
-    let bytes = std::fs::read(&path).unwrap();
-    let w = Weights::from_gguf_bytes(&bytes, "in memory").unwrap();
+    let bytes = bytes::Bytes::from(std::fs::read(&path).unwrap());
+    let w = Weights::from_gguf_bytes(bytes.clone(), "in memory").unwrap();
     let f = fixture();
     assert_eq!(w.cfg, f.model.w.cfg);
     assert_eq!(w.bytes(), f.model.w.bytes());
+    // The weights are the given bytes, not a copy of them.
+    let held = bytes.as_ptr_range();
+    for m in [&w.embed, &w.output, &w.layers[0].wq] {
+        let row = w.row(m, m.rows - 1).as_ptr_range();
+        assert!(held.start <= row.start && row.end <= held.end);
+    }
     let m = Model::new(w);
     let (mut a, mut b) = (ReferenceRun::new(&m), ReferenceRun::new(&f.model));
     for &t in &chat(None, "Hi")[..4] {
@@ -82,7 +88,7 @@ fn weights_from_the_files_bytes_give_the_same_logits() {
     // Torn copies are errors, not panics.
     for cut in [0, 100, 4096, bytes.len() / 2] {
         assert!(
-            Weights::from_gguf_bytes(&bytes[..cut], "torn").is_err(),
+            Weights::from_gguf_bytes(bytes.slice(..cut), "torn").is_err(),
             "{cut}"
         );
     }

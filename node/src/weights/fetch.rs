@@ -284,7 +284,7 @@ impl NodeWeights {
             path,
             model: model.to_string(),
             manifest: m,
-            loaded,
+            loaded: loaded.into_shared(),
             progress,
             reporter,
         })))
@@ -372,7 +372,7 @@ impl NodeWeights {
             // The reporter stops before the record turns `ready`.
             while reporter.join_next().await.is_some() {}
             let served = match loaded.into_registered() {
-                Ok((agent, region, manifest)) => {
+                Some((agent, region, manifest)) => {
                     match tokio::task::spawn_blocking(move || {
                         WeightServer::new(agent, region, manifest)
                     })
@@ -383,7 +383,7 @@ impl NodeWeights {
                         Err(e) => Err(e.into()),
                     }
                 }
-                Err(_) => me.serve_file(&path, &model).await,
+                None => me.serve_file(&path, &model).await,
             };
             match served {
                 // The record says `ready` now.
@@ -419,15 +419,17 @@ pub struct Fetched {
     pub path: PathBuf,
     model: String,
     manifest: WeightManifest,
-    loaded: dynamo_weights::Loaded,
+    /// Shared with the CPU engine's weights, the write and the server.
+    loaded: dynamo_weights::SharedLoad,
     /// The load's progress, reported while this lives.
     progress: tokio::sync::watch::Sender<u64>,
     reporter: JoinSet<()>,
 }
 
 impl Fetched {
-    /// The file's bytes, every one verified against its content hash.
-    pub fn bytes(&self) -> &[u8] {
+    /// The file's bytes, every one verified against its content hash;
+    /// a clone shares them.
+    pub fn bytes(&self) -> &bytes::Bytes {
         self.loaded.bytes()
     }
 }
