@@ -369,6 +369,22 @@ pub fn hostname() -> String {
         .unwrap_or_else(|_| "unknown".into())
 }
 
+/// A file's bytes in memory of their own, on huge pages where large (see
+/// [`dynamo_transfer::HostBuffer`]): on some machines faulting in fresh
+/// 4 KiB pages costs more than reading the file.
+fn read_to_host(path: &std::path::Path) -> anyhow::Result<bytes::Bytes> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path)
+        .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", path.display()))?;
+    let len = f.metadata()?.len();
+    let len = usize::try_from(len)
+        .map_err(|_| anyhow::anyhow!("{} is too large ({len} bytes)", path.display()))?;
+    let mut buf = dynamo_transfer::HostBuffer::zeroed(len)?;
+    f.read_exact(&mut buf[..len])
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+    Ok(bytes::Bytes::from_owner(buf).slice(..len))
+}
+
 /// Loads what a worker group's engines share: the model card and
 /// tokenizer, and for the CPU engine the weights.
 ///
@@ -397,7 +413,14 @@ pub async fn load_group_model(
         crate::weights::ModelFile::Local(p) => {
             tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
                 let m = LoadedModel::from_gguf(&p, &name, bs)?;
-                let w = if cpu { Some(Weights::load(&p)?) } else { None };
+                let w = if cpu {
+                    Some(Weights::from_gguf_bytes(
+                        read_to_host(&p)?,
+                        &p.display().to_string(),
+                    )?)
+                } else {
+                    None
+                };
                 Ok((m, w))
             })
             .await??

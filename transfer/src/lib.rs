@@ -636,7 +636,7 @@ impl Agent {
                 self.abandon(tags);
                 return Err(FabricError::Timeout(timeout));
             }
-            std::hint::spin_loop();
+            std::thread::yield_now();
         }
     }
 
