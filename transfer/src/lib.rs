@@ -37,7 +37,7 @@ pub use device::{cuda as cuda_error, open_gpu, DeviceRegion};
 
 pub use progress::{Expecting, Progress, IDLE_POLL};
 use region::Buffer;
-pub use region::{Buffer as HostBuffer, Region, Window};
+pub use region::{Buffer as HostBuffer, FrozenRegion, Region, Window};
 
 #[derive(Debug, Error, PartialEq)]
 pub enum FabricError {
@@ -336,6 +336,38 @@ impl Agent {
         })
     }
 
+    /// Freezes `region` (registered by this agent): it is registered again
+    /// for remote reads only, under a new key, and the old registration
+    /// (which let peers write) is closed, so from then on nothing writes
+    /// its bytes. Fails, handing nothing back, if the region is another
+    /// agent's or an operation given up on may still write it.
+    pub fn freeze(&mut self, mut region: Region) -> Result<FrozenRegion, FabricError> {
+        if !std::sync::Arc::ptr_eq(&region._owner, &self.inner) {
+            return Err(FabricError::Completion(
+                "a region is frozen by the agent that registered it".into(),
+            ));
+        }
+        if self.abandoned.values().any(|k| *k == region.remote.key) {
+            self.bury(region);
+            return Err(FabricError::Completion(
+                "a region with operations still pending cannot be frozen".into(),
+            ));
+        }
+        let access = (sys::FI_READ | sys::FI_REMOTE_READ) as u64;
+        let len = region.buf.len();
+        // SAFETY: the buffer lives in the region, which closes the MR
+        // before freeing it.
+        let (mr, remote) = unsafe { self.register_access(region.buf.as_mut_ptr(), len, access)? };
+        // SAFETY: the old registration was opened once, and nothing is
+        // pending on it (checked above).
+        unsafe { sys::dfi_close(&mut (*region.mr).fid) };
+        region.mr = mr;
+        // SAFETY: `mr` was just registered.
+        region.desc = unsafe { sys::dfi_mr_desc(mr) };
+        region.remote = remote;
+        Ok(FrozenRegion(region))
+    }
+
     /// Registers `region[offset..offset + len]` once more, under a key of
     /// its own: a peer can write there through the returned window's
     /// descriptor only while the window lives. Closing a window fences off
@@ -395,10 +427,24 @@ impl Agent {
         ptr: *mut u8,
         len: usize,
     ) -> Result<(*mut sys::fid_mr, RemoteRegion), FabricError> {
-        let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
-        let mut mr = ptr::null_mut();
         let access =
             (sys::FI_READ | sys::FI_WRITE | sys::FI_REMOTE_READ | sys::FI_REMOTE_WRITE) as u64;
+        // SAFETY: per this function's contract.
+        unsafe { self.register_access(ptr, len, access) }
+    }
+
+    /// [`Self::register_raw`] with the given access flags.
+    ///
+    /// # Safety
+    /// As [`Self::register_raw`].
+    unsafe fn register_access(
+        &mut self,
+        ptr: *mut u8,
+        len: usize,
+        access: u64,
+    ) -> Result<(*mut sys::fid_mr, RemoteRegion), FabricError> {
+        let key = NEXT_KEY.fetch_add(1, Ordering::Relaxed);
+        let mut mr = ptr::null_mut();
         // SAFETY: per this function's contract; the MR is closed on failure.
         unsafe {
             check(

@@ -23,8 +23,10 @@ pub struct Buffer {
     map_len: usize,
 }
 
-// SAFETY: the buffer owns its mapping; shared access only reads it, and
-// writes need `&mut`.
+// SAFETY: the buffer owns its mapping. Outside this crate, shared access
+// only reads it and writes need `&mut`; inside, reads posted into a
+// region's buffer go through `&Region`, which is not `Sync`, so they never
+// race a reader on another thread.
 unsafe impl Send for Buffer {}
 unsafe impl Sync for Buffer {}
 
@@ -33,9 +35,9 @@ const HUGE: usize = 2 << 20;
 impl Buffer {
     /// `len` zeroed bytes (at least one is mapped).
     pub fn zeroed(len: usize) -> Result<Self, FabricError> {
-        let len = len.max(1);
         let align = if len >= HUGE { HUGE } else { 1 };
         let map_len = len
+            .max(1)
             .checked_add(align - 1)
             .filter(|&l| l <= isize::MAX as usize)
             .ok_or(FabricError::OutOfRange {
@@ -161,11 +163,8 @@ pub struct Region {
 }
 
 // SAFETY: the region's memory is owned; the MR handle is only closed in Drop.
+// Not `Sync`: reads are posted into it through `&Region` ([`crate::WriteOp`]).
 unsafe impl Send for Region {}
-// SAFETY: through `&Region` its bytes are only read, and its descriptors
-// only copied out (posting with one from several endpoints at once is
-// allowed); closing the registration and writing the bytes need `&mut`.
-unsafe impl Sync for Region {}
 
 impl Region {
     pub fn bytes(&self) -> &[u8] {
@@ -177,6 +176,26 @@ impl Region {
     /// The descriptor peers write with.
     pub fn remote(&self) -> RemoteRegion {
         self.remote
+    }
+}
+
+/// A region nothing writes any more: registered for remote reads only
+/// (see [`crate::Agent::freeze`]), its bytes shared read-only between
+/// threads, as weights an engine computes with while peers read them.
+pub struct FrozenRegion(pub(crate) Region);
+
+// SAFETY: no operation can be posted into a frozen region (it is never a
+// `WriteOp`'s local region) and peers may only read it, so shared access
+// only reads its bytes.
+unsafe impl Sync for FrozenRegion {}
+
+impl FrozenRegion {
+    pub fn bytes(&self) -> &[u8] {
+        self.0.bytes()
+    }
+    /// The descriptor peers read with.
+    pub fn remote(&self) -> RemoteRegion {
+        self.0.remote
     }
 }
 

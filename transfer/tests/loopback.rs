@@ -176,6 +176,57 @@ fn shm_closed_windows_refuse_late_writes() {
     closed_windows_refuse_late_writes("shm");
 }
 
+/// A frozen region is read by peers and refuses their writes, through its
+/// new key and the key it had before.
+fn frozen_regions_refuse_writes(provider: &str) {
+    let mut target = Agent::new(provider).expect("provider available");
+    let mut region = target.register(8192).unwrap();
+    region.bytes_mut().fill(7);
+    let before = region.remote();
+    let frozen = target.freeze(region).unwrap();
+    let remote = frozen.remote();
+    assert_ne!(remote.key, before.key);
+    let (progress, _spin, mut init, peer) = connect(provider, target);
+    let mut src = init.register(8192).unwrap();
+    src.bytes_mut().fill(9);
+    let op = |remote| WriteOp {
+        local: &src,
+        offset: 0,
+        len: 4096,
+        peer,
+        remote,
+        remote_offset: 0,
+        notify: None,
+    };
+    let mut into = init.register(8192).unwrap();
+    let read = WriteOp {
+        local: &into,
+        offset: 0,
+        len: 8192,
+        peer,
+        remote: &remote,
+        remote_offset: 0,
+        notify: None,
+    };
+    init.read(read, Duration::from_secs(10)).unwrap();
+    assert!(into.bytes_mut().iter().all(|b| *b == 7), "read whole");
+    // (A refused write may end the connection: the read goes first.)
+    assert!(init.write(op(&remote), Duration::from_secs(2)).is_err());
+    assert!(init.write(op(&before), Duration::from_secs(2)).is_err());
+    drop(progress);
+    assert!(frozen.bytes().iter().all(|b| *b == 7), "nothing written");
+}
+
+#[test]
+fn tcp_rxm_frozen_regions_refuse_writes() {
+    frozen_regions_refuse_writes("tcp;ofi_rxm");
+}
+
+#[test]
+fn shm_frozen_regions_refuse_writes() {
+    frozen_regions_refuse_writes("shm");
+}
+
 /// A window over memory the agent does not own (an engine's KV pool)
 /// takes writes, with their notice, only while it lives.
 fn foreign_memory_windows(provider: &str) {

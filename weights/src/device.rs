@@ -2,8 +2,8 @@
 //! on a device, staged as the transfer crate's device regions are.
 //!
 //! A load verifies every chunk, and the whole file, in host memory: the
-//! registered region peers read into, or the heap for a load without
-//! peers. [`DeviceWeights::land`] then copies those bytes to the GPU chunk
+//! registered region peers read into, or memory of its own for a load
+//! without peers. [`DeviceWeights::land`] then copies those bytes to the GPU chunk
 //! by chunk, as the manifest cuts them, with the host memory page-locked
 //! for the copy (`cuMemHostRegister`) so that it is DMA at PCIe speed
 //! rather than the driver's pageable bounce path. Where the driver refuses

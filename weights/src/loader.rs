@@ -13,13 +13,19 @@
 //!   another size) is dropped for the rest of the load;
 //! - before anything is handed out, the whole file's SHA-256 equals the
 //!   manifest's content hash;
+//! - chunks are checked on a thread of their own, one window behind the
+//!   reads: a source found to give a wrong chunk may still be read in the
+//!   next window, planned before the check came back; those chunks are
+//!   checked like any other;
 //! - with no source left for a chunk, the load fails naming every source
 //!   tried and why.
 
 use crate::manifest::{chunk_ok, ContentHash, Manifest};
 use crate::source::{ByteSource, PeerSource, SourceError};
 use bytes::Bytes;
-use dynamo_transfer::{Agent, FabricError, HostBuffer, Peer, Region, RemoteRegion, WriteOp};
+use dynamo_transfer::{
+    Agent, FabricError, FrozenRegion, HostBuffer, Peer, Region, RemoteRegion, WriteOp,
+};
 use sha2::{Digest, Sha256};
 use std::collections::{HashSet, VecDeque};
 use std::fmt;
@@ -120,6 +126,8 @@ pub enum LoadError {
     Manifest(crate::manifest::ManifestError),
     #[error("cannot allocate {bytes} bytes to load into: {why}")]
     Memory { bytes: u64, why: String },
+    #[error("a loading thread: {0}")]
+    Thread(String),
 }
 
 /// Where the bytes land.
@@ -148,13 +156,15 @@ impl Dest {
 }
 
 /// The start of a load's destination, shared by the thread that fetches
-/// and checks chunks and the thread that hashes the verified prefix; each
-/// makes slices of disjoint ranges only (see [`load`]).
+/// chunks, the thread that checks them and the thread that hashes the
+/// verified prefix; at any time each makes slices of ranges the others do
+/// not write (see `fetch_all`: a chunk is pending, in the window being
+/// read, or being checked, never two of these at once).
 #[derive(Clone, Copy)]
 struct Base(*mut u8);
 
-// SAFETY: a plain address; the ranges each thread touches are disjoint
-// (see `load`'s invariants) and the memory outlives both threads.
+// SAFETY: a plain address; no range is written while another thread reads
+// it (see above) and the memory outlives every thread.
 unsafe impl Send for Base {}
 
 impl Base {
@@ -216,8 +226,8 @@ impl Loaded {
     }
 
     /// The endpoint and registered memory the bytes are in, to serve them
-    /// ([`crate::WeightServer::new`]); `None` for a load without peers
-    /// that landed in ordinary memory.
+    /// ([`crate::WeightServer::new`]); the load back for one without peers,
+    /// which landed in memory of its own ([`HostBuffer`]).
     pub fn into_registered(self) -> Result<(Agent, Region, Manifest), Box<Loaded>> {
         match self.dest {
             Dest::Region(ar) => {
@@ -230,23 +240,24 @@ impl Loaded {
 
     /// The verified bytes, to be shared without a copy: an engine may keep
     /// them as its weights while they are written to a file and served to
-    /// peers.
-    pub fn into_shared(self) -> SharedLoad {
+    /// peers. Registered memory is frozen first (peers may read it, never
+    /// write it), so nothing changes the bytes once they are shared.
+    pub fn into_shared(self) -> Result<SharedLoad, LoadError> {
         let size = self.manifest.size as usize;
         let (bytes, registered) = match self.dest {
             Dest::Region(ar) => {
-                let (agent, region) = *ar;
-                let region = Arc::new(region);
+                let (mut agent, region) = *ar;
+                let region = Arc::new(agent.freeze(region)?);
                 let bytes = Bytes::from_owner(Held::Region(region.clone()));
                 (bytes, Some((agent, region)))
             }
             Dest::Heap(b) => (Bytes::from_owner(Held::Heap(b)), None),
         };
-        SharedLoad {
+        Ok(SharedLoad {
             manifest: self.manifest,
             bytes: bytes.slice(..size),
             registered,
-        }
+        })
     }
 }
 
@@ -256,7 +267,7 @@ impl Loaded {
 pub struct SharedLoad {
     pub manifest: Manifest,
     bytes: Bytes,
-    registered: Option<(Agent, Arc<Region>)>,
+    registered: Option<(Agent, Arc<FrozenRegion>)>,
 }
 
 impl SharedLoad {
@@ -266,9 +277,9 @@ impl SharedLoad {
     }
 
     /// The endpoint and registered memory the bytes are in, to serve them
-    /// ([`crate::WeightServer::new`]); `None` for a load without peers,
+    /// ([`crate::WeightServer::shared`]); `None` for a load without peers,
     /// which landed in memory no peer can read.
-    pub fn into_registered(self) -> Option<(Agent, Arc<Region>, Manifest)> {
+    pub fn into_registered(self) -> Option<(Agent, Arc<FrozenRegion>, Manifest)> {
         let (agent, region) = self.registered?;
         Some((agent, region, self.manifest))
     }
@@ -276,7 +287,7 @@ impl SharedLoad {
 
 /// What a [`SharedLoad`]'s bytes live in.
 enum Held {
-    Region(Arc<Region>),
+    Region(Arc<FrozenRegion>),
     Heap(HostBuffer),
 }
 
@@ -372,13 +383,15 @@ pub fn load(
     }
     let base = Base(dest.bytes_mut().as_mut_ptr());
     let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, usize)>(n.max(1));
-    let mut whole = InOrder {
-        tx: Some(tx),
-        verified: vec![false; n],
-        next: 0,
-    };
-    let (given, refetched, streamed) = std::thread::scope(|sc| {
-        let hasher = sc.spawn(move || {
+    let scoped = std::thread::scope(|sc| {
+        // The hasher's sender lives in the scope's body, so the hasher ends
+        // however the body does, a panic included.
+        let mut whole = InOrder {
+            tx: Some(tx),
+            verified: vec![false; n],
+            next: 0,
+        };
+        let hasher = thread("weights-hash").spawn_scoped(sc, move || {
             let mut h = Sha256::new();
             let mut upto = 0usize;
             for (off, len) in rx {
@@ -390,6 +403,7 @@ pub fn load(
             }
             (upto, ContentHash(h.finalize().into()))
         });
+        let hasher = hasher.map_err(|e| LoadError::Thread(format!("the file's hasher: {e}")))?;
         let r = fetch_all(
             manifest,
             &mut sources,
@@ -412,25 +426,21 @@ pub fn load(
             };
             (g, rf, streamed)
         })
-    })?;
+    });
+    let (given, refetched, streamed) = match scoped {
+        Ok(r) => r,
+        Err(e) => {
+            give_up(dest);
+            return Err(e);
+        }
+    };
     // Reads given up on may still land: wait for them, and if some never
     // complete, move the verified bytes to fresh memory and leave the old
     // region to the agent until they do, so nothing writes under them.
     if let Dest::Region(ar) = &mut dest {
-        let deadline = Instant::now() + opts.peer_timeout;
-        while ar.0.abandoned_ops() > 0 && Instant::now() < deadline {
-            ar.0.progress()?;
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        if ar.0.abandoned_ops() > 0 {
-            tracing::warn!(
-                pending = ar.0.abandoned_ops(),
-                "weights: reads given up on never completed; copying to fresh memory"
-            );
-            let mut fresh = ar.0.register(size)?;
-            fresh.bytes_mut()[..size].copy_from_slice(&ar.1.bytes()[..size]);
-            let old = std::mem::replace(&mut ar.1, fresh);
-            ar.0.bury(old);
+        if let Err(e) = drain(ar, size, opts.peer_timeout) {
+            give_up(dest);
+            return Err(e.into());
         }
     }
     // The hash streamed during the load, else (reads were given up on, or
@@ -452,6 +462,51 @@ pub fn load(
         refetched,
         elapsed: t0.elapsed(),
     })
+}
+
+/// Waits up to `timeout` for reads given up on to land; if some never do,
+/// moves the bytes to fresh memory and buries the old region with the
+/// agent, so nothing writes under them.
+fn drain(ar: &mut (Agent, Region), size: usize, timeout: Duration) -> Result<(), FabricError> {
+    let deadline = Instant::now() + timeout;
+    while ar.0.abandoned_ops() > 0 && Instant::now() < deadline {
+        ar.0.progress()?;
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    if ar.0.abandoned_ops() > 0 {
+        tracing::warn!(
+            pending = ar.0.abandoned_ops(),
+            "weights: reads given up on never completed; copying to fresh memory"
+        );
+        let mut fresh = ar.0.register(size)?;
+        fresh.bytes_mut()[..size].copy_from_slice(&ar.1.bytes()[..size]);
+        let old = std::mem::replace(&mut ar.1, fresh);
+        ar.0.bury(old);
+    }
+    Ok(())
+}
+
+/// Drops a failed load's memory, except registered memory that reads
+/// given up on may still write: that stays with its endpoint, which never
+/// frees it ([`Agent::bury`]).
+fn give_up(dest: Dest) {
+    if let Dest::Region(ar) = dest {
+        let (mut agent, region) = *ar;
+        agent.bury(region);
+    }
+}
+
+fn thread(name: &str) -> std::thread::Builder {
+    std::thread::Builder::new().name(name.into())
+}
+
+/// Checks chunk `c` (given by source `s`) against its hash.
+fn check(manifest: &Manifest, base: Base, (c, s): (usize, usize)) -> (usize, usize, bool) {
+    let (off, len) = manifest.chunk(c);
+    // SAFETY: nothing writes chunk `c` while it is checked (see
+    // `fetch_all`).
+    let bytes = unsafe { base.slice(off as usize, len) };
+    (c, s, chunk_ok(manifest, c, bytes))
 }
 
 /// Fetches and checks every chunk (the body of [`load`]); answers the
@@ -480,27 +535,30 @@ fn fetch_all(
     // fetching, so the next window's reads overlap the last one's hashing.
     // A window's chunks are neither pending nor written while checked:
     // one that fails goes back to `pending` only once its check is back.
+    // Once a read was given up on, it may land during any later progress
+    // call, even in a chunk fetched again since: from then on chunks are
+    // checked here, between progress calls, and the file is hashed again
+    // at the end (see `load`).
     let (job_tx, job_rx) = std::sync::mpsc::sync_channel::<Vec<(usize, usize)>>(1);
     let (res_tx, res_rx) = std::sync::mpsc::sync_channel::<Vec<(usize, usize, bool)>>(1);
     std::thread::scope(|sc| {
         // Owned by the scope's body, so the checker ends when the body does.
         let (job_tx, res_rx) = (job_tx, res_rx);
-        sc.spawn(move || {
-            for batch in job_rx {
-                let checked = batch
-                    .into_iter()
-                    .map(|(c, s)| {
-                        let (off, len) = manifest.chunk(c);
-                        // SAFETY: nothing writes chunk `c` while it is checked.
-                        let bytes = unsafe { base.slice(off as usize, len) };
-                        (c, s, chunk_ok(manifest, c, bytes))
-                    })
-                    .collect();
-                if res_tx.send(checked).is_err() {
-                    break;
+        thread("weights-check")
+            .spawn_scoped(sc, move || {
+                for batch in job_rx {
+                    let checked = batch
+                        .into_iter()
+                        .map(|j| check(manifest, base, j))
+                        .collect();
+                    if res_tx.send(checked).is_err() {
+                        break;
+                    }
                 }
-            }
-        });
+            })
+            .map_err(|e| LoadError::Thread(format!("the chunk checker: {e}")))?;
+        let stopped = || LoadError::Thread("the chunk checker stopped".into());
+        let mut gave_up = false;
         let mut checking = false;
         while !pending.is_empty() || checking {
             if let Some(rate) = opts.max_bytes_per_sec.filter(|r| *r > 0) {
@@ -565,6 +623,7 @@ fn fetch_all(
                         // already handed to the hasher: the file is hashed
                         // again at the end instead.
                         whole.tx = None;
+                        gave_up = true;
                         // One at a time, to find who failed.
                         for (&(c, s), spec) in reads.iter().zip(&specs) {
                             if dead[s] {
@@ -613,19 +672,17 @@ fn fetch_all(
                 }
             }
             // The last window's checks, then this one's handed over.
-            let checked = if checking {
+            let mut checked = if checking {
                 checking = false;
-                res_rx
-                    .recv()
-                    .expect("the chunk checker ends only with the load")
+                res_rx.recv().map_err(|_| stopped())?
             } else {
                 Vec::new()
             };
-            if !fetched.is_empty() {
-                fetched.sort_unstable();
-                job_tx
-                    .send(fetched)
-                    .expect("the chunk checker ends only with the load");
+            fetched.sort_unstable();
+            if gave_up {
+                checked.extend(fetched.into_iter().map(|j| check(manifest, base, j)));
+            } else if !fetched.is_empty() {
+                job_tx.send(fetched).map_err(|_| stopped())?;
                 checking = true;
             }
             for (c, s, ok) in checked {

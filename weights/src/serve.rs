@@ -7,7 +7,7 @@
 
 use crate::manifest::{hash, Manifest};
 use crate::source::PeerSource;
-use dynamo_transfer::{Agent, FabricError, Progress, Region, RemoteRegion};
+use dynamo_transfer::{Agent, FabricError, FrozenRegion, Progress, Region, RemoteRegion};
 use serde::{Deserialize, Serialize};
 use std::io::Read;
 use std::path::Path;
@@ -40,11 +40,14 @@ impl PeerDescriptor {
 /// Serves one file's bytes to peers.
 ///
 /// Fields drop in order: the progress thread (and with it the endpoint's
-/// service) stops before the region is closed and freed.
+/// service) stops before the server lets go of the region. The region is
+/// frozen (peers may read it, never write it); it is closed and freed once
+/// its last holder, the server or an engine sharing the bytes, is gone.
 pub struct WeightServer {
     progress: Progress,
-    /// Shared where an engine keeps the same bytes as its weights.
-    region: Arc<Region>,
+    /// Frozen: peers may read it, never write it. Shared where an engine
+    /// keeps the same bytes as its weights.
+    region: Arc<FrozenRegion>,
     manifest: Manifest,
     provider: String,
     address: Vec<u8>,
@@ -124,13 +127,19 @@ impl WeightServer {
     }
 
     /// Serves `region` (holding `manifest`'s verified bytes), registered on
-    /// `agent`; a shared region is only read, here as by its other holders.
-    pub fn new(
+    /// `agent`; it is frozen first, so peers may read it and never write it.
+    pub fn new(mut agent: Agent, region: Region, manifest: Manifest) -> Result<Self, ServeError> {
+        let region = Arc::new(agent.freeze(region)?);
+        Self::shared(agent, region, manifest)
+    }
+
+    /// Serves a frozen region registered on `agent` (one that others, an
+    /// engine, may read too; see [`crate::SharedLoad`]).
+    pub fn shared(
         agent: Agent,
-        region: impl Into<Arc<Region>>,
+        region: Arc<FrozenRegion>,
         manifest: Manifest,
     ) -> Result<Self, ServeError> {
-        let region = region.into();
         let provider = agent.provider().to_string();
         let address = agent.address()?;
         let progress = Progress::spawn(agent).map_err(|e| ServeError::Thread {

@@ -63,12 +63,14 @@ fn from_peers(provider: &str) {
     assert_eq!(got.refetched, 0);
     // The loaded memory is registered and can be served on in turn, while
     // an engine keeps the same bytes: one copy, shared.
-    let shared = got.into_shared();
+    let at = got.bytes().as_ptr();
+    let shared = got.into_shared().unwrap();
     let kept = shared.bytes().clone();
     assert!(kept == b[..]);
+    assert_eq!(kept.as_ptr(), at);
     let (agent, region, m2) = shared.into_registered().expect("registered");
     assert_eq!(region.bytes().as_ptr(), kept.as_ptr());
-    let next = WeightServer::new(agent, region, m2).unwrap();
+    let next = WeightServer::shared(agent, region, m2).unwrap();
     assert_eq!(next.bytes().as_ptr(), kept.as_ptr());
     let again = load(
         &m,
@@ -97,8 +99,10 @@ fn a_load_from_a_file_alone_is_shared_but_not_registered() {
         &mut |_| {},
     )
     .unwrap();
-    let shared = got.into_shared();
+    let at = got.bytes().as_ptr();
+    let shared = got.into_shared().unwrap();
     let kept = shared.bytes().clone();
+    assert_eq!(kept.as_ptr(), at, "shared, not copied");
     assert_eq!(kept.len(), b.len());
     assert!(kept == b[..]);
     assert!(shared.into_registered().is_none());

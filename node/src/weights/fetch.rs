@@ -284,7 +284,7 @@ impl NodeWeights {
             path,
             model: model.to_string(),
             manifest: m,
-            loaded: loaded.into_shared(),
+            loaded: loaded.into_shared()?,
             progress,
             reporter,
         })))
@@ -374,7 +374,7 @@ impl NodeWeights {
             let served = match loaded.into_registered() {
                 Some((agent, region, manifest)) => {
                     match tokio::task::spawn_blocking(move || {
-                        WeightServer::new(agent, region, manifest)
+                        WeightServer::shared(agent, region, manifest)
                     })
                     .await
                     {
