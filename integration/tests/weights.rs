@@ -102,6 +102,12 @@ async fn a_node_without_the_model_loads_it_from_a_peer_and_answers_the_same() {
     let log = b.log_text();
     assert!(log.contains("weights: loaded and verified"), "{log}");
     assert!(log.contains("peer a"), "{log}");
+    // a read its file once: its engine computes with the memory b read.
+    let log = a.log_text();
+    assert!(
+        log.contains("weights: the engine and peers share one copy of the file"),
+        "{log}"
+    );
     // The file it wrote (in the background, while its worker started
     // from memory) is the same file.
     kept(&mut b).await;

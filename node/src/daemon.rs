@@ -401,11 +401,11 @@ pub async fn load_group_model(
         Some(p) => Err(format!("{} is not a file", p.display())),
         None => locate_default_gguf().map_err(|e| e.to_string()),
     };
+    let cpu = matches!(group.engine, EngineSpec::Cpu { .. });
     let file = weights
-        .model_file(&group.model, local, group.model_sha256, source_wait)
+        .model_file(&group.model, local, group.model_sha256, source_wait, cpu)
         .await?;
     let (name, bs) = (group.model.clone(), group.engine.block_size());
-    let cpu = matches!(group.engine, EngineSpec::Cpu { .. });
     let started = std::time::Instant::now();
     // The card (and the CPU engine's weights) from the file, or from the
     // bytes of a load from the cluster, which is kept on disk meanwhile.
@@ -417,6 +417,21 @@ pub async fn load_group_model(
                     Some(Weights::from_gguf_bytes(
                         read_to_host(&p)?,
                         &p.display().to_string(),
+                    )?)
+                } else {
+                    None
+                };
+                Ok((m, w))
+            })
+            .await??
+        }
+        crate::weights::ModelFile::Shared { path, bytes } => {
+            tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+                let m = LoadedModel::from_gguf(&path, &name, bs)?;
+                let w = if cpu {
+                    Some(Weights::from_gguf_bytes(
+                        bytes,
+                        &path.display().to_string(),
                     )?)
                 } else {
                     None

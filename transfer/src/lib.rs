@@ -339,8 +339,13 @@ impl Agent {
     /// Freezes `region` (registered by this agent): it is registered again
     /// for remote reads only, under a new key, and the old registration
     /// (which let peers write) is closed, so from then on nothing writes
-    /// its bytes. Fails, handing nothing back, if the region is another
-    /// agent's or an operation given up on may still write it.
+    /// its bytes (a [`Window`] over it must not outlive the freeze).
+    /// Whether a peer's write through the new key is refused is the
+    /// provider's check of the access flags: `tcp;ofi_rxm` and `shm`
+    /// refuse it (`transfer/tests/loopback.rs`); other providers are
+    /// not tested here. Fails if the region is another agent's (it is then
+    /// dropped: only its owner knows what is pending on it), or if an
+    /// operation given up on may still write it (it is then buried).
     pub fn freeze(&mut self, mut region: Region) -> Result<FrozenRegion, FabricError> {
         if !std::sync::Arc::ptr_eq(&region._owner, &self.inner) {
             return Err(FabricError::Completion(
@@ -353,14 +358,23 @@ impl Agent {
                 "a region with operations still pending cannot be frozen".into(),
             ));
         }
-        let access = (sys::FI_READ | sys::FI_REMOTE_READ) as u64;
+        // Peers may read it; nothing local reads into it any more.
+        let access = sys::FI_REMOTE_READ as u64;
         let len = region.buf.len();
         // SAFETY: the buffer lives in the region, which closes the MR
         // before freeing it.
         let (mr, remote) = unsafe { self.register_access(region.buf.as_mut_ptr(), len, access)? };
         // SAFETY: the old registration was opened once, and nothing is
-        // pending on it (checked above).
-        unsafe { sys::dfi_close(&mut (*region.mr).fid) };
+        // pending on it (checked above); on failure the new one is closed
+        // and the region keeps the old.
+        let closed = unsafe { sys::dfi_close(&mut (*region.mr).fid) };
+        if closed != 0 {
+            // SAFETY: registered just above, and used by nothing.
+            unsafe { sys::dfi_close(&mut (*mr).fid) };
+            return Err(FabricError::Completion(format!(
+                "closing the writable registration failed: error {closed}"
+            )));
+        }
         region.mr = mr;
         // SAFETY: `mr` was just registered.
         region.desc = unsafe { sys::dfi_mr_desc(mr) };
@@ -375,7 +389,8 @@ impl Agent {
     /// the bytes are reused for next.
     ///
     /// # Safety
-    /// `region` must outlive the window.
+    /// `region` must outlive the window, and is not frozen
+    /// ([`Self::freeze`]) while the window lives.
     pub unsafe fn window(
         &mut self,
         region: &mut Region,

@@ -167,6 +167,8 @@ pub struct Region {
 unsafe impl Send for Region {}
 
 impl Region {
+    /// The bytes. A read posted into this region (a `WriteOp` naming it
+    /// as its local region) writes them: do not hold them across one.
     pub fn bytes(&self) -> &[u8] {
         &self.buf
     }

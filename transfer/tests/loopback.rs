@@ -186,18 +186,8 @@ fn frozen_regions_refuse_writes(provider: &str) {
     let frozen = target.freeze(region).unwrap();
     let remote = frozen.remote();
     assert_ne!(remote.key, before.key);
+    let addr = target.address().unwrap();
     let (progress, _spin, mut init, peer) = connect(provider, target);
-    let mut src = init.register(8192).unwrap();
-    src.bytes_mut().fill(9);
-    let op = |remote| WriteOp {
-        local: &src,
-        offset: 0,
-        len: 4096,
-        peer,
-        remote,
-        remote_offset: 0,
-        notify: None,
-    };
     let mut into = init.register(8192).unwrap();
     let read = WriteOp {
         local: &into,
@@ -210,9 +200,26 @@ fn frozen_regions_refuse_writes(provider: &str) {
     };
     init.read(read, Duration::from_secs(10)).unwrap();
     assert!(into.bytes_mut().iter().all(|b| *b == 7), "read whole");
-    // (A refused write may end the connection: the read goes first.)
-    assert!(init.write(op(&remote), Duration::from_secs(2)).is_err());
-    assert!(init.write(op(&before), Duration::from_secs(2)).is_err());
+    // Writes through either key are refused, each on a connection of its
+    // own (a refused write may end its connection).
+    for key in [&before, &remote] {
+        let mut w = Agent::new(provider).unwrap();
+        let peer = w.insert_peer(&addr).unwrap();
+        let mut src = w.register(8192).unwrap();
+        src.bytes_mut().fill(9);
+        let op = WriteOp {
+            local: &src,
+            offset: 0,
+            len: 4096,
+            peer,
+            remote: key,
+            remote_offset: 0,
+            notify: None,
+        };
+        assert!(w.write(op, Duration::from_secs(2)).is_err());
+        // A write given up on may still touch `src`: it stays with `w`.
+        w.bury(src);
+    }
     drop(progress);
     assert!(frozen.bytes().iter().all(|b| *b == 7), "nothing written");
 }

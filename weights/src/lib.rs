@@ -25,7 +25,7 @@ pub mod source;
 pub use dynamo_bus_schema::weights::{WeightSource, WeightSourceState};
 pub use loader::{load, LoadError, LoadOptions, LoadProgress, Loaded, SharedLoad, Source, Tried};
 pub use manifest::{ContentHash, Manifest, ManifestError};
-pub use serve::{PeerDescriptor, ServeError, WeightServer};
+pub use serve::{PeerDescriptor, ServeError, SharedFile, WeightServer};
 pub use source::{ByteSource, FileSource, PeerSource, SourceError};
 
 #[cfg(feature = "cuda")]

@@ -257,6 +257,9 @@ impl Loaded {
             manifest: self.manifest,
             bytes: bytes.slice(..size),
             registered,
+            by_source: self.by_source,
+            refetched: self.refetched,
+            elapsed: self.elapsed,
         })
     }
 }
@@ -268,6 +271,10 @@ pub struct SharedLoad {
     pub manifest: Manifest,
     bytes: Bytes,
     registered: Option<(Agent, Arc<FrozenRegion>)>,
+    /// As in [`Loaded`].
+    pub by_source: Vec<(String, u64)>,
+    pub refetched: usize,
+    pub elapsed: Duration,
 }
 
 impl SharedLoad {
@@ -285,8 +292,8 @@ impl SharedLoad {
     }
 }
 
-/// What a [`SharedLoad`]'s bytes live in.
-enum Held {
+/// What shared weight bytes live in.
+pub(crate) enum Held {
     Region(Arc<FrozenRegion>),
     Heap(HostBuffer),
 }
@@ -383,55 +390,64 @@ pub fn load(
     }
     let base = Base(dest.bytes_mut().as_mut_ptr());
     let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, usize)>(n.max(1));
-    let scoped = std::thread::scope(|sc| {
-        // The hasher's sender lives in the scope's body, so the hasher ends
-        // however the body does, a panic included.
-        let mut whole = InOrder {
-            tx: Some(tx),
-            verified: vec![false; n],
-            next: 0,
-        };
-        let hasher = thread("weights-hash").spawn_scoped(sc, move || {
-            let mut h = Sha256::new();
-            let mut upto = 0usize;
-            for (off, len) in rx {
-                // SAFETY: a verified chunk, which nothing writes again
-                // while the hasher runs (a load whose reads were given up
-                // on stops feeding it).
-                h.update(unsafe { base.slice(off, len) });
-                upto = off + len;
-            }
-            (upto, ContentHash(h.finalize().into()))
-        });
-        let hasher = hasher.map_err(|e| LoadError::Thread(format!("the file's hasher: {e}")))?;
-        let r = fetch_all(
-            manifest,
-            &mut sources,
-            opts,
-            &mut dest,
-            &peers,
-            &mut dead,
-            &mut why,
-            base,
-            &mut whole,
-            progress,
-            t0,
-        );
-        whole.tx = None;
-        let hashed = hasher.join();
-        r.map(|(g, rf)| {
-            let streamed = match hashed {
-                Ok((upto, h)) if upto == size && whole.next == n => Some(h),
-                _ => None,
+    // A panic (in a progress callback, or a thread) gives the memory up as
+    // an error does, then goes on unwinding.
+    let scoped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        std::thread::scope(|sc| {
+            // The hasher's sender lives in the scope's body, so the hasher ends
+            // however the body does, a panic included.
+            let mut whole = InOrder {
+                tx: Some(tx),
+                verified: vec![false; n],
+                next: 0,
             };
-            (g, rf, streamed)
+            let hasher = thread("weights-hash").spawn_scoped(sc, move || {
+                let mut h = Sha256::new();
+                let mut upto = 0usize;
+                for (off, len) in rx {
+                    // SAFETY: a verified chunk, which nothing writes again
+                    // while the hasher runs (a load whose reads were given up
+                    // on stops feeding it).
+                    h.update(unsafe { base.slice(off, len) });
+                    upto = off + len;
+                }
+                (upto, ContentHash(h.finalize().into()))
+            });
+            let hasher =
+                hasher.map_err(|e| LoadError::Thread(format!("the file's hasher: {e}")))?;
+            let r = fetch_all(
+                manifest,
+                &mut sources,
+                opts,
+                &mut dest,
+                &peers,
+                &mut dead,
+                &mut why,
+                base,
+                &mut whole,
+                progress,
+                t0,
+            );
+            whole.tx = None;
+            let hashed = hasher.join();
+            r.map(|(g, rf)| {
+                let streamed = match hashed {
+                    Ok((upto, h)) if upto == size && whole.next == n => Some(h),
+                    _ => None,
+                };
+                (g, rf, streamed)
+            })
         })
-    });
+    }));
     let (given, refetched, streamed) = match scoped {
-        Ok(r) => r,
-        Err(e) => {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
             give_up(dest);
             return Err(e);
+        }
+        Err(panic) => {
+            give_up(dest);
+            std::panic::resume_unwind(panic);
         }
     };
     // Reads given up on may still land: wait for them, and if some never
@@ -544,7 +560,7 @@ fn fetch_all(
     std::thread::scope(|sc| {
         // Owned by the scope's body, so the checker ends when the body does.
         let (job_tx, res_rx) = (job_tx, res_rx);
-        thread("weights-check")
+        let checker = thread("weights-check")
             .spawn_scoped(sc, move || {
                 for batch in job_rx {
                     let checked = batch
@@ -707,6 +723,11 @@ fn fetch_all(
                 }
             }
         }
+        // A checker that panicked is an error, not a second panic.
+        drop(job_tx);
+        checker
+            .join()
+            .map_err(|_| LoadError::Thread("the chunk checker panicked".into()))?;
         Ok((given, refetched))
     })
 }

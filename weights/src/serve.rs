@@ -5,6 +5,7 @@
 //! and its endpoint progressed, for as long as the server lives, so an
 //! advertised descriptor is readable until the server is dropped.
 
+use crate::loader::Held;
 use crate::manifest::{hash, Manifest};
 use crate::source::PeerSource;
 use dynamo_transfer::{Agent, FabricError, FrozenRegion, Progress, Region, RemoteRegion};
@@ -34,6 +35,69 @@ impl PeerDescriptor {
             address: hex::decode(&self.address).ok()?,
             region: self.region,
         })
+    }
+}
+
+/// A file read into memory registered for peers, frozen, and not served
+/// yet: its bytes can be shared at once (an engine computes with them)
+/// while the file's manifest is found, and [`SharedFile::serve`] then
+/// serves that same memory, so a node holds one copy of the file.
+pub struct SharedFile {
+    agent: Agent,
+    region: Arc<FrozenRegion>,
+    bytes: bytes::Bytes,
+}
+
+impl SharedFile {
+    /// Reads `path` whole. Fails if the file changes size or modification
+    /// time while it is read (a manifest of it would then describe other
+    /// bytes).
+    pub fn read(path: &Path, provider: &str) -> Result<Self, ServeError> {
+        let io = |e: std::io::Error| ServeError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        };
+        let mut f = std::fs::File::open(path).map_err(io)?;
+        let before = f.metadata().map_err(io)?;
+        let len = usize::try_from(before.len()).map_err(|_| ServeError::Io {
+            path: path.display().to_string(),
+            message: format!("{} bytes do not fit in memory", before.len()),
+        })?;
+        let mut agent = Agent::new(provider)?;
+        let mut region = agent.register(len)?;
+        f.read_exact(&mut region.bytes_mut()[..len]).map_err(io)?;
+        let after = std::fs::metadata(path).map_err(io)?;
+        if after.len() != before.len() || after.modified().ok() != before.modified().ok() {
+            return Err(ServeError::Io {
+                path: path.display().to_string(),
+                message: "the file changed while it was read".into(),
+            });
+        }
+        let region = Arc::new(agent.freeze(region)?);
+        let bytes = bytes::Bytes::from_owner(Held::Region(region.clone())).slice(..len);
+        Ok(SharedFile {
+            agent,
+            region,
+            bytes,
+        })
+    }
+
+    /// The file's bytes; a clone shares them.
+    pub fn bytes(&self) -> &bytes::Bytes {
+        &self.bytes
+    }
+
+    /// Serves the memory as `manifest`'s file (its size is checked; its
+    /// hash is trusted, as [`WeightServer::from_known_file`] trusts it).
+    pub fn serve(self, manifest: Manifest) -> Result<WeightServer, ServeError> {
+        if manifest.size != self.bytes.len() as u64 {
+            return Err(ServeError::Mismatch {
+                path: "the file read".into(),
+                got: format!("{} bytes", self.bytes.len()),
+                want: format!("{} bytes", manifest.size),
+            });
+        }
+        WeightServer::shared(self.agent, self.region, manifest)
     }
 }
 

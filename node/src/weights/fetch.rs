@@ -96,13 +96,13 @@ impl NodeWeights {
         local_why: String,
         pin: Option<ContentHash>,
         wait: Duration,
+        engine_reads: bool,
     ) -> anyhow::Result<ModelFile> {
         // A verified copy from an earlier start comes first.
         if let Some(sha) = &pin {
             if let Some(p) = self.local_copy(model, sha).await {
                 tracing::info!(model, file = %p.display(), "weights: using the verified local copy");
-                self.serve_local(&p, model);
-                return Ok(ModelFile::Local(p));
+                return self.local(p, model, engine_reads).await;
             }
         }
         // A load that fails while wait time is left (its sources died, or
@@ -110,7 +110,10 @@ impl NodeWeights {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            match self.fetch_once(model, &local_why, pin, left, wait).await {
+            match self
+                .fetch_once(model, &local_why, pin, left, wait, engine_reads)
+                .await
+            {
                 Err(e) if retryable(&e) && tokio::time::Instant::now() + SOURCE_POLL < deadline => {
                     tracing::warn!(model, error = %format!("{e:#}"), "weights: the load failed; waiting for a source again");
                     tokio::time::sleep(SOURCE_POLL).await;
@@ -129,6 +132,7 @@ impl NodeWeights {
         pin: Option<ContentHash>,
         wait: Duration,
         total: Duration,
+        engine_reads: bool,
     ) -> anyhow::Result<ModelFile> {
         let (cat, waited) = self.wait_for_source(model, local_why, pin, wait).await?;
         let (waited, ran_out) = match waited {
@@ -168,8 +172,7 @@ impl NodeWeights {
         if pin.is_none() {
             if let Some(p) = self.local_copy(model, &m.sha256).await {
                 tracing::info!(model, file = %p.display(), "weights: using the verified local copy");
-                self.serve_local(&p, model);
-                return Ok(ModelFile::Local(p));
+                return self.local(p, model, engine_reads).await;
             }
         }
         let path = self.cfg.cache_dir.join(format!("{}.gguf", m.sha256.hex()));
@@ -241,7 +244,8 @@ impl NodeWeights {
                     tracing::info!(done = p.done, total = p.total, source = %p.source, "weights: {pct}% loaded");
                 }
             };
-            let loaded = load(&m2, sources, &opts, None, &mut log);
+            // Shared (its memory frozen) here: a failure is a failed load.
+            let loaded = load(&m2, sources, &opts, None, &mut log).and_then(|l| l.into_shared());
             (done_tx, loaded)
         })
         .await;
@@ -267,7 +271,7 @@ impl NodeWeights {
         model: &str,
         path: PathBuf,
         m: WeightManifest,
-        loaded: dynamo_weights::Loaded,
+        loaded: dynamo_weights::SharedLoad,
         progress: tokio::sync::watch::Sender<u64>,
         reporter: JoinSet<()>,
     ) -> anyhow::Result<ModelFile> {
@@ -284,7 +288,7 @@ impl NodeWeights {
             path,
             model: model.to_string(),
             manifest: m,
-            loaded: loaded.into_shared()?,
+            loaded,
             progress,
             reporter,
         })))
@@ -411,6 +415,9 @@ pub enum ModelFile {
     /// Loaded from the cluster and verified, in memory: hand it to
     /// [`NodeWeights::keep`] once read.
     Fetched(Box<Fetched>),
+    /// A file on this node, read into the memory it is served to peers
+    /// from; the engine shares these bytes rather than reading its own.
+    Shared { path: PathBuf, bytes: bytes::Bytes },
 }
 
 /// A model loaded from the cluster, verified, in memory.

@@ -282,13 +282,16 @@ impl NodeWeights {
     /// The file of `model`: `local` if it is there (served to peers from
     /// then on), else loaded from the cluster into the cache directory,
     /// waiting up to `wait` for a source to offer it. With `pin`, a file of
-    /// any other content is refused.
+    /// any other content is refused. Where the engine computes with the
+    /// file's bytes (`engine_reads`), a local file is read once, into the
+    /// memory peers are served from ([`ModelFile::Shared`]).
     pub async fn model_file(
         self: &Arc<Self>,
         model: &str,
         local: Result<PathBuf, String>,
         pin: Option<ContentHash>,
         wait: Duration,
+        engine_reads: bool,
     ) -> anyhow::Result<ModelFile> {
         match local {
             Ok(p) => {
@@ -303,10 +306,9 @@ impl NodeWeights {
                         );
                     }
                 }
-                self.serve_local(&p, model);
-                Ok(ModelFile::Local(p))
+                self.local(p, model, engine_reads).await
             }
-            Err(why) => self.fetch(model, why, pin, wait).await,
+            Err(why) => self.fetch(model, why, pin, wait, engine_reads).await,
         }
     }
 
@@ -324,23 +326,76 @@ impl NodeWeights {
         .await??)
     }
 
+    /// A local file, served to peers from now on (see [`Self::model_file`]).
+    pub(super) async fn local(
+        self: &Arc<Self>,
+        p: PathBuf,
+        model: &str,
+        engine_reads: bool,
+    ) -> anyhow::Result<ModelFile> {
+        if !engine_reads || !self.cfg.serve {
+            self.serve_local(&p, model);
+            return Ok(ModelFile::Local(p));
+        }
+        if !self.claim(&p) {
+            // Served already, from other memory: the engine reads its own.
+            return Ok(ModelFile::Local(p));
+        }
+        let (path, provider) = (p.clone(), self.cfg.provider.clone());
+        let read =
+            tokio::task::spawn_blocking(move || dynamo_weights::SharedFile::read(&path, &provider))
+                .await;
+        let file = match read {
+            Ok(Ok(file)) => file,
+            Ok(Err(e)) => {
+                // The engine reads the file itself; it is served apart.
+                tracing::warn!(file = %p.display(), error = %e, "weights: cannot read the file into served memory; the engine reads its own copy");
+                self.spawn_serve_file(&p, model);
+                return Ok(ModelFile::Local(p));
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let bytes = file.bytes().clone();
+        tracing::info!(model, file = %p.display(), "weights: the engine and peers share one copy of the file");
+        // Hashing (or the cached manifest) and advertising are off the
+        // worker's start.
+        let (me, path, model) = (self.clone(), p.clone(), model.to_string());
+        self.tasks.lock().expect("tasks lock").spawn(async move {
+            let served = async {
+                let m = me.manifest_of(&path, &model).await?;
+                let server = tokio::task::spawn_blocking(move || file.serve(m)).await??;
+                me.advertise(server).await
+            };
+            if let Err(e) = served.await {
+                tracing::warn!(error = %e, file = %path.display(), "weights: not served to peers");
+            }
+        });
+        Ok(ModelFile::Shared { path: p, bytes })
+    }
+
+    /// Takes serving `p` for this caller: false if it is served already
+    /// (by an earlier group, or from the memory [`Self::keep`] kept).
+    fn claim(&self, p: &Path) -> bool {
+        let mut serving = self.serving.lock().expect("serving lock");
+        !serving.contains(p) & serving.insert(p.canonicalize().unwrap_or_else(|_| p.to_path_buf()))
+    }
+
     /// Serves a local file to peers, in the background (hashing and
     /// registering it is off the worker's start), once per path.
     fn serve_local(self: &Arc<Self>, p: &Path, model: &str) {
-        let first = {
-            let mut serving = self.serving.lock().expect("serving lock");
-            // A file [`Self::keep`] wrote is served from memory already.
-            !serving.contains(p)
-                & serving.insert(p.canonicalize().unwrap_or_else(|_| p.to_path_buf()))
-        };
-        if self.cfg.serve && first {
-            let (me, file, model) = (self.clone(), p.to_path_buf(), model.to_string());
-            self.tasks.lock().expect("tasks lock").spawn(async move {
-                if let Err(e) = me.serve_file(&file, &model).await {
-                    tracing::warn!(error = %e, file = %file.display(), "weights: not served to peers");
-                }
-            });
+        if self.claim(p) && self.cfg.serve {
+            self.spawn_serve_file(p, model);
         }
+    }
+
+    /// Serves `p` from memory of its own, in the background.
+    fn spawn_serve_file(self: &Arc<Self>, p: &Path, model: &str) {
+        let (me, file, model) = (self.clone(), p.to_path_buf(), model.to_string());
+        self.tasks.lock().expect("tasks lock").spawn(async move {
+            if let Err(e) = me.serve_file(&file, &model).await {
+                tracing::warn!(error = %e, file = %file.display(), "weights: not served to peers");
+            }
+        });
     }
 
     /// The copy of `sha` an earlier load left in the cache directory, if
