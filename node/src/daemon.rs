@@ -407,8 +407,9 @@ pub async fn load_group_model(
         .await?;
     let (name, bs) = (group.model.clone(), group.engine.block_size());
     let started = std::time::Instant::now();
-    // The card (and the CPU engine's weights) from the file, or from the
-    // bytes of a load from the cluster, which is kept on disk meanwhile.
+    // The card (and the CPU engine's weights) from the file, from the bytes
+    // of a local file read once into served memory, or from the bytes of
+    // a load from the cluster, which is kept on disk meanwhile.
     let (mut m, cpu_weights) = match file {
         crate::weights::ModelFile::Local(p) => {
             tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
@@ -427,7 +428,7 @@ pub async fn load_group_model(
         }
         crate::weights::ModelFile::Shared { path, bytes } => {
             tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-                let m = LoadedModel::from_gguf(&path, &name, bs)?;
+                let m = LoadedModel::from_gguf_bytes(&bytes, &path, &name, bs)?;
                 let w = if cpu {
                     Some(Weights::from_gguf_bytes(
                         bytes,

@@ -344,8 +344,11 @@ impl Agent {
     /// provider's check of the access flags: `tcp;ofi_rxm` and `shm`
     /// refuse it (`transfer/tests/loopback.rs`); other providers are
     /// not tested here. Fails if the region is another agent's (it is then
-    /// dropped: only its owner knows what is pending on it), or if an
-    /// operation given up on may still write it (it is then buried).
+    /// dropped: only its owner knows what is pending on it), if an
+    /// operation given up on may still write it (it is then buried), if
+    /// the new registration fails (the region is dropped), or if the old
+    /// one cannot be closed (its memory is then leaked, never freed under
+    /// a registration that may still be live).
     pub fn freeze(&mut self, mut region: Region) -> Result<FrozenRegion, FabricError> {
         if !std::sync::Arc::ptr_eq(&region._owner, &self.inner) {
             return Err(FabricError::Completion(
@@ -365,12 +368,14 @@ impl Agent {
         // before freeing it.
         let (mr, remote) = unsafe { self.register_access(region.buf.as_mut_ptr(), len, access)? };
         // SAFETY: the old registration was opened once, and nothing is
-        // pending on it (checked above); on failure the new one is closed
-        // and the region keeps the old.
+        // pending on it (checked above).
         let closed = unsafe { sys::dfi_close(&mut (*region.mr).fid) };
         if closed != 0 {
             // SAFETY: registered just above, and used by nothing.
             unsafe { sys::dfi_close(&mut (*mr).fid) };
+            // The writable registration may still be live: its memory is
+            // never freed.
+            std::mem::forget(region);
             return Err(FabricError::Completion(format!(
                 "closing the writable registration failed: error {closed}"
             )));

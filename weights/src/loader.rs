@@ -576,159 +576,165 @@ fn fetch_all(
         let stopped = || LoadError::Thread("the chunk checker stopped".into());
         let mut gave_up = false;
         let mut checking = false;
-        while !pending.is_empty() || checking {
-            if let Some(rate) = opts.max_bytes_per_sec.filter(|r| *r > 0) {
-                let due = Duration::from_secs_f64(done_bytes as f64 / rate as f64);
-                if let Some(wait) = due.checked_sub(t0.elapsed()) {
-                    std::thread::sleep(wait);
+        let run = (|| -> Result<(), LoadError> {
+            while !pending.is_empty() || checking {
+                if let Some(rate) = opts.max_bytes_per_sec.filter(|r| *r > 0) {
+                    let due = Duration::from_secs_f64(done_bytes as f64 / rate as f64);
+                    if let Some(wait) = due.checked_sub(t0.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
                 }
-            }
-            let window: Vec<usize> = (0..opts.window.max(1))
-                .map_while(|_| pending.pop_front())
-                .collect();
-            // Assign each chunk a source.
-            let mut plan: Vec<(usize, usize)> = Vec::with_capacity(window.len());
-            for &c in &window {
-                let ok = |i: usize| !dead[i] && !failed[c].contains(&i);
-                let Some(first) = (0..sources.len()).find(|&i| ok(i)) else {
-                    return Err(no_source(manifest, sources, why));
-                };
-                let s = if matches!(sources[first], Source::Peer(_)) {
-                    let live: Vec<usize> = (0..sources.len())
-                        .filter(|&i| ok(i) && matches!(sources[i], Source::Peer(_)))
-                        .collect();
-                    live[c % live.len()]
-                } else {
-                    first
-                };
-                plan.push((c, s));
-            }
-            // Peer reads, all in flight at once.
-            let reads: Vec<(usize, usize)> = plan
-                .iter()
-                .copied()
-                .filter(|&(_, s)| peers[s].is_some())
-                .collect();
-            let mut fetched: Vec<(usize, usize)> = Vec::new();
-            if !reads.is_empty() {
-                let Dest::Region(ar) = dest else {
-                    unreachable!("peers are inserted only with registered memory");
-                };
-                let (agent, region) = &mut **ar;
-                let op = |&(c, s): &(usize, usize)| {
-                    let Source::Peer(p) = &sources[s] else {
-                        unreachable!("only peers have handles")
+                let window: Vec<usize> = (0..opts.window.max(1))
+                    .map_while(|_| pending.pop_front())
+                    .collect();
+                // Assign each chunk a source.
+                let mut plan: Vec<(usize, usize)> = Vec::with_capacity(window.len());
+                for &c in &window {
+                    let ok = |i: usize| !dead[i] && !failed[c].contains(&i);
+                    let Some(first) = (0..sources.len()).find(|&i| ok(i)) else {
+                        return Err(no_source(manifest, sources, why));
                     };
-                    let (off, len) = manifest.chunk(c);
-                    (off, len, peers[s].expect("a peer's handle"), p.region)
-                };
-                let specs: Vec<_> = reads.iter().map(op).collect();
-                let region: &Region = region;
-                let ops: Vec<WriteOp<'_>> = specs.iter().map(|sp| read_op(region, sp)).collect();
-                // The window's budget grows with its bytes (at 50 MB/s).
-                let bytes: usize = specs.iter().map(|sp| sp.1).sum();
-                let budget = opts
-                    .peer_timeout
-                    .max(Duration::from_secs_f64(bytes as f64 / 50e6));
-                let all = agent.read_all(&ops, budget);
-                drop(ops);
-                match all {
-                    Ok(()) => fetched.extend(reads.iter().copied()),
-                    Err(_) => {
-                        // Reads given up on may land later, over bytes
-                        // already handed to the hasher: the file is hashed
-                        // again at the end instead.
-                        whole.tx = None;
-                        gave_up = true;
-                        // One at a time, to find who failed.
-                        for (&(c, s), spec) in reads.iter().zip(&specs) {
-                            if dead[s] {
-                                pending.push_front(c);
-                                continue;
-                            }
-                            let budget = opts
-                                .peer_timeout
-                                .max(Duration::from_secs_f64(spec.1 as f64 / 50e6));
-                            match agent.read(read_op(region, spec), budget) {
-                                Ok(()) => fetched.push((c, s)),
-                                Err(e) => {
-                                    tracing::warn!(source = %sources[s].name(), chunk = c, error = %e, "weights: a peer read failed; trying another source");
-                                    dead[s] = true;
-                                    why[s].push(format!("read of chunk {c} failed: {e}"));
+                    let s = if matches!(sources[first], Source::Peer(_)) {
+                        let live: Vec<usize> = (0..sources.len())
+                            .filter(|&i| ok(i) && matches!(sources[i], Source::Peer(_)))
+                            .collect();
+                        live[c % live.len()]
+                    } else {
+                        first
+                    };
+                    plan.push((c, s));
+                }
+                // Peer reads, all in flight at once.
+                let reads: Vec<(usize, usize)> = plan
+                    .iter()
+                    .copied()
+                    .filter(|&(_, s)| peers[s].is_some())
+                    .collect();
+                let mut fetched: Vec<(usize, usize)> = Vec::new();
+                if !reads.is_empty() {
+                    let Dest::Region(ar) = dest else {
+                        unreachable!("peers are inserted only with registered memory");
+                    };
+                    let (agent, region) = &mut **ar;
+                    let op = |&(c, s): &(usize, usize)| {
+                        let Source::Peer(p) = &sources[s] else {
+                            unreachable!("only peers have handles")
+                        };
+                        let (off, len) = manifest.chunk(c);
+                        (off, len, peers[s].expect("a peer's handle"), p.region)
+                    };
+                    let specs: Vec<_> = reads.iter().map(op).collect();
+                    let region: &Region = region;
+                    let ops: Vec<WriteOp<'_>> =
+                        specs.iter().map(|sp| read_op(region, sp)).collect();
+                    // The window's budget grows with its bytes (at 50 MB/s).
+                    let bytes: usize = specs.iter().map(|sp| sp.1).sum();
+                    let budget = opts
+                        .peer_timeout
+                        .max(Duration::from_secs_f64(bytes as f64 / 50e6));
+                    let all = agent.read_all(&ops, budget);
+                    drop(ops);
+                    match all {
+                        Ok(()) => fetched.extend(reads.iter().copied()),
+                        Err(_) => {
+                            // Reads given up on may land later, over bytes
+                            // already handed to the hasher: the file is hashed
+                            // again at the end instead.
+                            whole.tx = None;
+                            gave_up = true;
+                            // One at a time, to find who failed.
+                            for (&(c, s), spec) in reads.iter().zip(&specs) {
+                                if dead[s] {
                                     pending.push_front(c);
-                                    refetched += 1;
+                                    continue;
+                                }
+                                let budget = opts
+                                    .peer_timeout
+                                    .max(Duration::from_secs_f64(spec.1 as f64 / 50e6));
+                                match agent.read(read_op(region, spec), budget) {
+                                    Ok(()) => fetched.push((c, s)),
+                                    Err(e) => {
+                                        tracing::warn!(source = %sources[s].name(), chunk = c, error = %e, "weights: a peer read failed; trying another source");
+                                        dead[s] = true;
+                                        why[s].push(format!("read of chunk {c} failed: {e}"));
+                                        pending.push_front(c);
+                                        refetched += 1;
+                                    }
                                 }
                             }
                         }
                     }
                 }
-            }
-            // Byte sources, in turn.
-            for &(c, s) in plan.iter().filter(|&&(_, s)| peers[s].is_none()) {
-                let (off, len) = manifest.chunk(c);
-                let Source::Bytes(b) = &mut sources[s] else {
-                    unreachable!("a peer without a handle is dead");
-                };
-                // SAFETY: chunk `c` is not verified, so the hasher never reads it.
-                let out = unsafe { base.slice_mut(off as usize, len) };
-                match b.read_at(off, out) {
-                    Ok(()) => fetched.push((c, s)),
-                    Err(e) => {
-                        tracing::warn!(source = %b.name(), chunk = c, error = %e, "weights: a read failed; trying another source");
-                        match e {
-                            SourceError::Io(_) => {
-                                failed[c].insert(s);
+                // Byte sources, in turn.
+                for &(c, s) in plan.iter().filter(|&&(_, s)| peers[s].is_none()) {
+                    let (off, len) = manifest.chunk(c);
+                    let Source::Bytes(b) = &mut sources[s] else {
+                        unreachable!("a peer without a handle is dead");
+                    };
+                    // SAFETY: chunk `c` is not verified, so the hasher never reads it.
+                    let out = unsafe { base.slice_mut(off as usize, len) };
+                    match b.read_at(off, out) {
+                        Ok(()) => fetched.push((c, s)),
+                        Err(e) => {
+                            tracing::warn!(source = %b.name(), chunk = c, error = %e, "weights: a read failed; trying another source");
+                            match e {
+                                SourceError::Io(_) => {
+                                    failed[c].insert(s);
+                                }
+                                _ => dead[s] = true,
                             }
-                            _ => dead[s] = true,
+                            why[s].push(format!("chunk {c}: {e}"));
+                            pending.push_front(c);
+                            refetched += 1;
                         }
-                        why[s].push(format!("chunk {c}: {e}"));
+                    }
+                }
+                // The last window's checks, then this one's handed over.
+                let mut checked = if checking {
+                    checking = false;
+                    res_rx.recv().map_err(|_| stopped())?
+                } else {
+                    Vec::new()
+                };
+                fetched.sort_unstable();
+                if gave_up {
+                    checked.extend(fetched.into_iter().map(|j| check(manifest, base, j)));
+                } else if !fetched.is_empty() {
+                    job_tx.send(fetched).map_err(|_| stopped())?;
+                    checking = true;
+                }
+                for (c, s, ok) in checked {
+                    let len = manifest.chunk(c).1;
+                    if ok {
+                        whole.verified(manifest, c);
+                        given[s] += len as u64;
+                        done_bytes += len as u64;
+                        progress(&LoadProgress {
+                            done: done_bytes,
+                            total: manifest.size,
+                            source: sources[s].name(),
+                        });
+                    } else {
+                        // A source that gave wrong bytes is not trusted again.
+                        tracing::warn!(source = %sources[s].name(), chunk = c, "weights: a chunk does not match its hash; fetching it again elsewhere");
+                        failed[c].insert(s);
+                        dead[s] = true;
+                        why[s].push(format!("chunk {c} does not match its SHA-256"));
                         pending.push_front(c);
                         refetched += 1;
                     }
                 }
             }
-            // The last window's checks, then this one's handed over.
-            let mut checked = if checking {
-                checking = false;
-                res_rx.recv().map_err(|_| stopped())?
-            } else {
-                Vec::new()
-            };
-            fetched.sort_unstable();
-            if gave_up {
-                checked.extend(fetched.into_iter().map(|j| check(manifest, base, j)));
-            } else if !fetched.is_empty() {
-                job_tx.send(fetched).map_err(|_| stopped())?;
-                checking = true;
-            }
-            for (c, s, ok) in checked {
-                let len = manifest.chunk(c).1;
-                if ok {
-                    whole.verified(manifest, c);
-                    given[s] += len as u64;
-                    done_bytes += len as u64;
-                    progress(&LoadProgress {
-                        done: done_bytes,
-                        total: manifest.size,
-                        source: sources[s].name(),
-                    });
-                } else {
-                    // A source that gave wrong bytes is not trusted again.
-                    tracing::warn!(source = %sources[s].name(), chunk = c, "weights: a chunk does not match its hash; fetching it again elsewhere");
-                    failed[c].insert(s);
-                    dead[s] = true;
-                    why[s].push(format!("chunk {c} does not match its SHA-256"));
-                    pending.push_front(c);
-                    refetched += 1;
-                }
-            }
-        }
-        // A checker that panicked is an error, not a second panic.
+            Ok(())
+        })();
+        // The checker ends with its queue, and one that panicked is an
+        // error (however the loop ended), not a second panic.
         drop(job_tx);
-        checker
-            .join()
-            .map_err(|_| LoadError::Thread("the chunk checker panicked".into()))?;
-        Ok((given, refetched))
+        drop(res_rx);
+        if checker.join().is_err() {
+            return Err(LoadError::Thread("the chunk checker panicked".into()));
+        }
+        run.map(|()| (given, refetched))
     })
 }
 

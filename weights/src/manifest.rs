@@ -125,6 +125,38 @@ pub fn of_file_cached(
     Ok(m)
 }
 
+/// The manifest of `bytes`, read from `path` while it had metadata `meta`:
+/// from the manifest cache when it holds one for that path, size and
+/// modification time, else computed from the bytes (not the file, which
+/// may have changed since) and kept.
+pub fn of_bytes_cached(
+    dir: &Path,
+    path: &Path,
+    meta: &std::fs::Metadata,
+    bytes: &[u8],
+    model: &str,
+    layout: &str,
+) -> Result<Manifest, FileError> {
+    let (file, len) = cache_entry_for(dir, path, meta, model, layout)?;
+    if let Ok(cached) = std::fs::read(&file) {
+        if let Ok(m) = serde_json::from_slice::<Manifest>(&cached) {
+            if m.size == len
+                && len == bytes.len() as u64
+                && m.model == model
+                && m.layout == layout
+                && m.validate().is_ok()
+            {
+                return Ok(m);
+            }
+        }
+    }
+    let m = of_bytes(bytes, model, layout);
+    if len == bytes.len() as u64 {
+        keep(&file, &m);
+    }
+    Ok(m)
+}
+
 /// Records `m` as the manifest of `path` in the manifest cache `dir`,
 /// for a file whose every byte was just verified against `m` (a load's
 /// output), so it is not hashed again at the next start.
@@ -148,11 +180,25 @@ fn cache_entry(
     model: &str,
     layout: &str,
 ) -> Result<(std::path::PathBuf, u64), FileError> {
+    let meta = std::fs::metadata(path).map_err(|source| FileError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    cache_entry_for(dir, path, &meta, model, layout)
+}
+
+/// [`cache_entry`] for the file as it was when it had metadata `meta`.
+fn cache_entry_for(
+    dir: &Path,
+    path: &Path,
+    meta: &std::fs::Metadata,
+    model: &str,
+    layout: &str,
+) -> Result<(std::path::PathBuf, u64), FileError> {
     let io = |source| FileError::Io {
         path: path.display().to_string(),
         source,
     };
-    let meta = std::fs::metadata(path).map_err(io)?;
     let mtime = meta
         .modified()
         .map_err(io)?
@@ -202,6 +248,33 @@ mod tests {
 
     fn bytes(n: usize) -> Vec<u8> {
         (0..n).map(|i| (i * 31 % 251) as u8).collect()
+    }
+
+    #[test]
+    fn bytes_read_from_a_file_get_the_manifest_of_what_was_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        let (a, b) = (
+            bytes(5 << 20),
+            bytes(5 << 20).iter().map(|x| !x).collect::<Vec<_>>(),
+        );
+        std::fs::write(&path, &a).unwrap();
+        let meta = std::fs::metadata(&path).unwrap();
+        let cache = dir.path().join("cache");
+        // Computed from the bytes given, then found in the cache.
+        let m = of_bytes_cached(&cache, &path, &meta, &a, "m", "gguf").unwrap();
+        assert_eq!(m, of_bytes(&a, "m", "gguf"));
+        assert_eq!(of_file_cached(&cache, &path, "m", "gguf").unwrap(), m);
+        // The file rewritten since: bytes read under the new metadata get
+        // their own manifest, never the old file's.
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        (&f).write_all(&b).unwrap();
+        f.set_modified(std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(7))
+            .unwrap();
+        let meta2 = std::fs::metadata(&path).unwrap();
+        let m2 = of_bytes_cached(&cache, &path, &meta2, &b, "m", "gguf").unwrap();
+        assert_eq!(m2, of_bytes(&b, "m", "gguf"));
+        assert_ne!(m2.sha256, m.sha256);
     }
 
     #[test]

@@ -46,12 +46,14 @@ pub struct SharedFile {
     agent: Agent,
     region: Arc<FrozenRegion>,
     bytes: bytes::Bytes,
+    meta: std::fs::Metadata,
 }
 
 impl SharedFile {
-    /// Reads `path` whole. Fails if the file changes size or modification
-    /// time while it is read (a manifest of it would then describe other
-    /// bytes).
+    /// Reads `path` whole. Fails if the file changes while it is read, or
+    /// if the path names another file afterwards (its size, modification
+    /// or change time, device or inode differ), since a manifest of it
+    /// would then describe other bytes.
     pub fn read(path: &Path, provider: &str) -> Result<Self, ServeError> {
         let io = |e: std::io::Error| ServeError::Io {
             path: path.display().to_string(),
@@ -67,7 +69,19 @@ impl SharedFile {
         let mut region = agent.register(len)?;
         f.read_exact(&mut region.bytes_mut()[..len]).map_err(io)?;
         let after = std::fs::metadata(path).map_err(io)?;
-        if after.len() != before.len() || after.modified().ok() != before.modified().ok() {
+        let id = |m: &std::fs::Metadata| {
+            use std::os::unix::fs::MetadataExt;
+            (
+                m.dev(),
+                m.ino(),
+                m.len(),
+                m.mtime(),
+                m.mtime_nsec(),
+                m.ctime(),
+                m.ctime_nsec(),
+            )
+        };
+        if id(&after) != id(&before) {
             return Err(ServeError::Io {
                 path: path.display().to_string(),
                 message: "the file changed while it was read".into(),
@@ -79,12 +93,19 @@ impl SharedFile {
             agent,
             region,
             bytes,
+            meta: before,
         })
     }
 
     /// The file's bytes; a clone shares them.
     pub fn bytes(&self) -> &bytes::Bytes {
         &self.bytes
+    }
+
+    /// The file's metadata when it was read (for
+    /// [`crate::manifest::of_bytes_cached`]).
+    pub fn metadata(&self) -> &std::fs::Metadata {
+        &self.meta
     }
 
     /// Serves the memory as `manifest`'s file (its size is checked; its

@@ -102,7 +102,7 @@ impl NodeWeights {
         if let Some(sha) = &pin {
             if let Some(p) = self.local_copy(model, sha).await {
                 tracing::info!(model, file = %p.display(), "weights: using the verified local copy");
-                return self.local(p, model, engine_reads).await;
+                return self.local(p, model, engine_reads, pin).await;
             }
         }
         // A load that fails while wait time is left (its sources died, or
@@ -172,7 +172,7 @@ impl NodeWeights {
         if pin.is_none() {
             if let Some(p) = self.local_copy(model, &m.sha256).await {
                 tracing::info!(model, file = %p.display(), "weights: using the verified local copy");
-                return self.local(p, model, engine_reads).await;
+                return self.local(p, model, engine_reads, Some(m.sha256)).await;
             }
         }
         let path = self.cfg.cache_dir.join(format!("{}.gguf", m.sha256.hex()));

@@ -306,7 +306,7 @@ impl NodeWeights {
                         );
                     }
                 }
-                self.local(p, model, engine_reads).await
+                self.local(p, model, engine_reads, pin).await
             }
             Err(why) => self.fetch(model, why, pin, wait, engine_reads).await,
         }
@@ -327,11 +327,14 @@ impl NodeWeights {
     }
 
     /// A local file, served to peers from now on (see [`Self::model_file`]).
+    /// With `pin`, bytes read into served memory are checked against it
+    /// (the file may have changed since the caller checked it).
     pub(super) async fn local(
         self: &Arc<Self>,
         p: PathBuf,
         model: &str,
         engine_reads: bool,
+        pin: Option<ContentHash>,
     ) -> anyhow::Result<ModelFile> {
         if !engine_reads || !self.cfg.serve {
             self.serve_local(&p, model);
@@ -345,24 +348,58 @@ impl NodeWeights {
         let read =
             tokio::task::spawn_blocking(move || dynamo_weights::SharedFile::read(&path, &provider))
                 .await;
-        let file = match read {
+        let mut file = match read {
             Ok(Ok(file)) => file,
-            Ok(Err(e)) => {
+            failed => {
                 // The engine reads the file itself; it is served apart.
+                let e = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    Err(e) => e.to_string(),
+                    Ok(Ok(_)) => unreachable!("matched above"),
+                };
                 tracing::warn!(file = %p.display(), error = %e, "weights: cannot read the file into served memory; the engine reads its own copy");
                 self.spawn_serve_file(&p, model);
                 return Ok(ModelFile::Local(p));
             }
-            Err(e) => return Err(e.into()),
         };
+        // The manifest of the bytes read (cached by the metadata they were
+        // read under, else hashed from memory), not of the file now.
+        let (dir, path, name) = (self.cfg.manifest_dir.clone(), p.clone(), model.to_string());
+        let manifest = move |file: dynamo_weights::SharedFile| {
+            tokio::task::spawn_blocking(move || {
+                let m = dynamo_weights::manifest::of_bytes_cached(
+                    &dir,
+                    &path,
+                    file.metadata(),
+                    file.bytes(),
+                    &name,
+                    GGUF,
+                );
+                (file, m)
+            })
+        };
+        if let Some(want) = pin {
+            let (f, m) = manifest.clone()(file).await?;
+            let got = m?.sha256;
+            if got != want {
+                anyhow::bail!(
+                    "model file {} refused: the bytes read have sha256 {}, not the pinned {} (model_sha256); it changed while it was checked",
+                    p.display(),
+                    got.hex(),
+                    want.hex()
+                );
+            }
+            file = f;
+        }
         let bytes = file.bytes().clone();
         tracing::info!(model, file = %p.display(), "weights: the engine and peers share one copy of the file");
         // Hashing (or the cached manifest) and advertising are off the
         // worker's start.
-        let (me, path, model) = (self.clone(), p.clone(), model.to_string());
+        let (me, path) = (self.clone(), p.clone());
         self.tasks.lock().expect("tasks lock").spawn(async move {
             let served = async {
-                let m = me.manifest_of(&path, &model).await?;
+                let (file, m) = manifest(file).await?;
+                let m = m?;
                 let server = tokio::task::spawn_blocking(move || file.serve(m)).await??;
                 me.advertise(server).await
             };
