@@ -179,14 +179,8 @@ impl WeightServer {
         provider: &str,
         check: bool,
     ) -> Result<Self, ServeError> {
-        let io = |e: std::io::Error| ServeError::Io {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        };
-        let mut agent = Agent::new(provider)?;
-        let mut region = agent.register(manifest.size as usize)?;
-        let mut f = std::fs::File::open(path).map_err(io)?;
-        let len = f.metadata().map_err(io)?.len();
+        let file = SharedFile::read(path, provider)?;
+        let len = file.bytes().len() as u64;
         if len != manifest.size {
             return Err(ServeError::Mismatch {
                 path: path.display().to_string(),
@@ -194,10 +188,8 @@ impl WeightServer {
                 want: format!("{} bytes", manifest.size),
             });
         }
-        f.read_exact(&mut region.bytes_mut()[..len as usize])
-            .map_err(io)?;
         let got = if check {
-            hash(&region.bytes()[..len as usize])
+            hash(file.bytes())
         } else {
             manifest.sha256
         };
@@ -208,7 +200,7 @@ impl WeightServer {
                 want: manifest.sha256.hex(),
             });
         }
-        Self::new(agent, region, manifest)
+        file.serve(manifest)
     }
 
     /// Serves `region` (holding `manifest`'s verified bytes), registered on

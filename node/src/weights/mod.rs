@@ -348,15 +348,11 @@ impl NodeWeights {
         let read =
             tokio::task::spawn_blocking(move || dynamo_weights::SharedFile::read(&path, &provider))
                 .await;
+        let read = read.map_err(anyhow::Error::from).and_then(|r| Ok(r?));
         let mut file = match read {
-            Ok(Ok(file)) => file,
-            failed => {
+            Ok(file) => file,
+            Err(e) => {
                 // The engine reads the file itself; it is served apart.
-                let e = match failed {
-                    Ok(Err(e)) => e.to_string(),
-                    Err(e) => e.to_string(),
-                    Ok(Ok(_)) => unreachable!("matched above"),
-                };
                 tracing::warn!(file = %p.display(), error = %e, "weights: cannot read the file into served memory; the engine reads its own copy");
                 self.spawn_serve_file(&p, model);
                 return Ok(ModelFile::Local(p));
