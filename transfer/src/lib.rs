@@ -658,6 +658,15 @@ impl Agent {
         self.abandoned.len()
     }
 
+    /// Operations given up on that may still write `region` (others, on
+    /// regions of earlier loads, do not touch it).
+    pub fn abandoned_on(&self, region: &Region) -> usize {
+        self.abandoned
+            .values()
+            .filter(|k| **k == region.remote.key)
+            .count()
+    }
+
     /// Gives up on `tags`: their completions, when they come, only free
     /// what they held.
     fn abandon(&mut self, tags: &[(u64, u64)]) {

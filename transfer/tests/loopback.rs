@@ -314,6 +314,9 @@ fn a_stalled_write_keeps_its_region_until_it_lands(provider: &str) {
         init.write(op(&src, LEN, peer, &remote), Duration::from_millis(300)),
         Err(FabricError::Timeout(_))
     ));
+    // The write given up on counts against its own region only.
+    assert_eq!(init.abandoned_on(&src), 1);
+    assert_eq!(init.abandoned_on(&warm), 0);
     init.bury(src);
     assert_eq!(init.buried_bytes(), LEN);
     assert_eq!(init.abandoned_ops(), 1);

@@ -5,18 +5,28 @@
 //! that is a peer, the window's chunks are spread over every live peer
 //! that has not failed them, and all their reads are in flight at once.
 //!
+//! Verification costs one SHA-256 pass over the file when nothing is
+//! wrong. The file's hash is its identity, so it alone decides; each
+//! chunk's own hash in the manifest serves to find a fault, not to prove
+//! the file. A pass that checked every chunk as well would hash every
+//! byte twice, and on a machine with few cores hashing is what a load
+//! waits for.
+//!
 //! Invariants:
-//! - a chunk counts as loaded only once its bytes match its hash in the
-//!   manifest; a chunk that does not is fetched again from another source
-//!   (the source that gave it is not asked for it again);
+//! - nothing is handed out before the whole file's SHA-256 equals the
+//!   manifest's content hash;
+//! - the first pass takes chunks as they land, and a second thread hashes
+//!   the landed prefix as it grows;
+//! - where the file's hash differs, every chunk is checked against its own
+//!   hash (on every core); a chunk that does not match is fetched again
+//!   from another source and checked as it lands, and the source that gave
+//!   it is dropped; then the file is hashed again. Chunks that all match
+//!   under a different file hash mean the manifest is wrong
+//!   ([`LoadError::Mismatch`]);
 //! - a source that is gone (a dead peer, a missing file, a file of
 //!   another size) is dropped for the rest of the load;
-//! - before anything is handed out, the whole file's SHA-256 equals the
-//!   manifest's content hash;
-//! - chunks are checked on a thread of their own, one window behind the
-//!   reads: a source found to give a wrong chunk may still be read in the
-//!   next window, planned before the check came back; those chunks are
-//!   checked like any other;
+//! - reads given up on are waited for (or the bytes moved away from them)
+//!   before the bytes are judged;
 //! - with no source left for a chunk, the load fails naming every source
 //!   tried and why.
 
@@ -73,12 +83,13 @@ impl Default for LoadOptions {
     }
 }
 
-/// Progress of a load, after each verified chunk.
+/// Progress of a load, after each chunk lands (the file is verified once
+/// every chunk has).
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoadProgress {
     pub done: u64,
     pub total: u64,
-    /// The source of the chunk just verified.
+    /// The source of the chunk that just landed.
     pub source: String,
 }
 
@@ -156,10 +167,10 @@ impl Dest {
 }
 
 /// The start of a load's destination, shared by the thread that fetches
-/// chunks, the thread that checks them and the thread that hashes the
-/// verified prefix; at any time each makes slices of ranges the others do
-/// not write (see `fetch_all`: a chunk is pending, in the window being
-/// read, or being checked, never two of these at once).
+/// chunks, the thread that hashes the landed prefix and the threads that
+/// check chunks after a failed file hash; at any time each makes slices of
+/// ranges the others do not write (see [`Fetch`]: a chunk is waiting, being
+/// read, or landed, and only a waiting one is written).
 #[derive(Clone, Copy)]
 struct Base(*mut u8);
 
@@ -182,21 +193,30 @@ impl Base {
     }
 }
 
-/// The whole file's SHA-256, computed on a second thread over the
-/// verified prefix as it grows, so hashing the file overlaps fetching and
-/// checking the chunks after it.
+/// The whole file's SHA-256, computed on a second thread over the landed
+/// prefix as it grows, so hashing the file overlaps fetching the chunks
+/// after it.
 struct InOrder {
     tx: Option<std::sync::mpsc::SyncSender<(usize, usize)>>,
-    verified: Vec<bool>,
+    landed: Vec<bool>,
     next: usize,
 }
 
 impl InOrder {
-    /// Marks chunk `c` verified and hands the hasher every chunk now
+    /// One that feeds no hasher (the file is hashed in one pass at the end).
+    fn idle(n: usize) -> Self {
+        InOrder {
+            tx: None,
+            landed: vec![false; n],
+            next: 0,
+        }
+    }
+
+    /// Marks chunk `c` landed and hands the hasher every chunk now
     /// contiguous with what it has.
-    fn verified(&mut self, m: &Manifest, c: usize) {
-        self.verified[c] = true;
-        while self.next < self.verified.len() && self.verified[self.next] {
+    fn landed(&mut self, m: &Manifest, c: usize) {
+        self.landed[c] = true;
+        while self.next < self.landed.len() && self.landed[self.next] {
             let (off, len) = m.chunk(self.next);
             if let Some(tx) = &self.tx {
                 // A hasher that ended early only costs the final pass.
@@ -388,59 +408,25 @@ pub fn load(
             }
         }
     }
-    let base = Base(dest.bytes_mut().as_mut_ptr());
-    let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, usize)>(n.max(1));
+    let mut f = Fetch {
+        manifest,
+        opts,
+        peers: &peers,
+        dead,
+        why,
+        failed: vec![HashSet::new(); n],
+        from: vec![None; n],
+        given: vec![0; sources.len()],
+        done_bytes: 0,
+        refetched: 0,
+    };
     // A panic (in a progress callback, or a thread) gives the memory up as
     // an error does, then goes on unwinding.
-    let scoped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        std::thread::scope(|sc| {
-            // The hasher's sender lives in the scope's body, so the hasher ends
-            // however the body does, a panic included.
-            let mut whole = InOrder {
-                tx: Some(tx),
-                verified: vec![false; n],
-                next: 0,
-            };
-            let hasher = thread("weights-hash").spawn_scoped(sc, move || {
-                let mut h = Sha256::new();
-                let mut upto = 0usize;
-                for (off, len) in rx {
-                    // SAFETY: a verified chunk, which nothing writes again
-                    // while the hasher runs (a load whose reads were given up
-                    // on stops feeding it).
-                    h.update(unsafe { base.slice(off, len) });
-                    upto = off + len;
-                }
-                (upto, ContentHash(h.finalize().into()))
-            });
-            let hasher =
-                hasher.map_err(|e| LoadError::Thread(format!("the file's hasher: {e}")))?;
-            let r = fetch_all(
-                manifest,
-                &mut sources,
-                opts,
-                &mut dest,
-                &peers,
-                &mut dead,
-                &mut why,
-                base,
-                &mut whole,
-                progress,
-                t0,
-            );
-            whole.tx = None;
-            let hashed = hasher.join();
-            r.map(|(g, rf)| {
-                let streamed = match hashed {
-                    Ok((upto, h)) if upto == size && whole.next == n => Some(h),
-                    _ => None,
-                };
-                (g, rf, streamed)
-            })
-        })
+    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        f.run(&mut sources, &mut dest, progress, t0)
     }));
-    let (given, refetched, streamed) = match scoped {
-        Ok(Ok(r)) => r,
+    match run {
+        Ok(Ok(())) => {}
         Ok(Err(e)) => {
             give_up(dest);
             return Err(e);
@@ -449,33 +435,12 @@ pub fn load(
             give_up(dest);
             std::panic::resume_unwind(panic);
         }
-    };
-    // Reads given up on may still land: wait for them, and if some never
-    // complete, move the verified bytes to fresh memory and leave the old
-    // region to the agent until they do, so nothing writes under them.
-    if let Dest::Region(ar) = &mut dest {
-        if let Err(e) = drain(ar, size, opts.peer_timeout) {
-            give_up(dest);
-            return Err(e.into());
-        }
-    }
-    // The hash streamed during the load, else (reads were given up on, or
-    // the hasher did not finish) one pass now, over the final bytes.
-    let got = match streamed {
-        Some(h) => h,
-        None => ContentHash(Sha256::digest(&dest.bytes()[..size]).into()),
-    };
-    if got != manifest.sha256 {
-        return Err(LoadError::Mismatch {
-            got: got.hex(),
-            want: manifest.sha256.hex(),
-        });
     }
     Ok(Loaded {
         manifest: manifest.clone(),
         dest,
-        by_source: sources.iter().map(Source::name).zip(given).collect(),
-        refetched,
+        by_source: sources.iter().map(Source::name).zip(f.given).collect(),
+        refetched: f.refetched,
         elapsed: t0.elapsed(),
     })
 }
@@ -485,13 +450,15 @@ pub fn load(
 /// agent, so nothing writes under them.
 fn drain(ar: &mut (Agent, Region), size: usize, timeout: Duration) -> Result<(), FabricError> {
     let deadline = Instant::now() + timeout;
-    while ar.0.abandoned_ops() > 0 && Instant::now() < deadline {
+    // Only reads into this region count: a reused agent may still wait on
+    // reads an earlier load gave up on, into memory it buried.
+    while ar.0.abandoned_on(&ar.1) > 0 && Instant::now() < deadline {
         ar.0.progress()?;
         std::thread::sleep(Duration::from_millis(1));
     }
-    if ar.0.abandoned_ops() > 0 {
+    if ar.0.abandoned_on(&ar.1) > 0 {
         tracing::warn!(
-            pending = ar.0.abandoned_ops(),
+            pending = ar.0.abandoned_on(&ar.1),
             "weights: reads given up on never completed; copying to fresh memory"
         );
         let mut fresh = ar.0.register(size)?;
@@ -516,226 +483,408 @@ fn thread(name: &str) -> std::thread::Builder {
     std::thread::Builder::new().name(name.into())
 }
 
-/// Checks chunk `c` (given by source `s`) against its hash.
-fn check(manifest: &Manifest, base: Base, (c, s): (usize, usize)) -> (usize, usize, bool) {
-    let (off, len) = manifest.chunk(c);
-    // SAFETY: nothing writes chunk `c` while it is checked (see
-    // `fetch_all`).
-    let bytes = unsafe { base.slice(off as usize, len) };
-    (c, s, chunk_ok(manifest, c, bytes))
+/// Whether chunks are checked against their own hashes as they land.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Checks {
+    /// No: the whole file's hash decides, and only a file that fails it
+    /// has its chunks checked (the first pass over every chunk).
+    Deferred,
+    /// Yes, each as it lands (passes that fetch chunks found wrong).
+    Each,
 }
 
-/// Fetches and checks every chunk (the body of [`load`]); answers the
-/// bytes each source gave and the chunks fetched again.
-#[allow(clippy::too_many_arguments)]
-fn fetch_all(
-    manifest: &Manifest,
-    sources: &mut [Source],
-    opts: &LoadOptions,
-    dest: &mut Dest,
-    peers: &[Option<Peer>],
-    dead: &mut [bool],
-    why: &mut [Vec<String>],
-    base: Base,
-    whole: &mut InOrder,
-    progress: &mut dyn FnMut(&LoadProgress),
-    t0: Instant,
-) -> Result<(Vec<u64>, usize), LoadError> {
-    let n = manifest.chunks.len();
-    let mut failed: Vec<HashSet<usize>> = vec![HashSet::new(); n];
-    let mut given = vec![0u64; sources.len()];
-    let mut pending: VecDeque<usize> = (0..n).collect();
-    let mut done_bytes = 0u64;
-    let mut refetched = 0usize;
-    // Chunks are checked on a thread of their own, one window behind the
-    // fetching, so the next window's reads overlap the last one's hashing.
-    // A window's chunks are neither pending nor written while checked:
-    // one that fails goes back to `pending` only once its check is back.
-    // Once a read was given up on, it may land during any later progress
-    // call, even in a chunk fetched again since: from then on chunks are
-    // checked here, between progress calls, and the file is hashed again
-    // at the end (see `load`).
-    let (job_tx, job_rx) = std::sync::mpsc::sync_channel::<Vec<(usize, usize)>>(1);
-    let (res_tx, res_rx) = std::sync::mpsc::sync_channel::<Vec<(usize, usize, bool)>>(1);
-    std::thread::scope(|sc| {
-        // Owned by the scope's body, so the checker ends when the body does.
-        let (job_tx, res_rx) = (job_tx, res_rx);
-        let checker = thread("weights-check")
-            .spawn_scoped(sc, move || {
-                for batch in job_rx {
-                    let checked = batch
-                        .into_iter()
-                        .map(|j| check(manifest, base, j))
-                        .collect();
-                    if res_tx.send(checked).is_err() {
-                        break;
+/// Whether chunk `c` of the destination matches its hash.
+fn check(manifest: &Manifest, base: Base, c: usize) -> bool {
+    let (off, len) = manifest.chunk(c);
+    // SAFETY: nothing writes chunk `c` while it is checked (see `Fetch`).
+    let bytes = unsafe { base.slice(off as usize, len) };
+    chunk_ok(manifest, c, bytes)
+}
+
+/// The chunks `t`, `t + k`, `t + 2k`, … that do not match their hashes.
+fn wrong_in(manifest: &Manifest, base: Base, t: usize, k: usize) -> Vec<usize> {
+    (t..manifest.chunks.len())
+        .step_by(k)
+        .filter(|&c| !check(manifest, base, c))
+        .collect()
+}
+
+/// One load's bookkeeping: which sources are left, which failed which
+/// chunk, where each chunk came from, and what each gave.
+///
+/// The destination is written through two paths, peer reads into the
+/// registered region and [`Base`] slices for byte sources; at any time a
+/// chunk is either waiting, being read, or landed, and only a waiting
+/// chunk is written (a read given up on excepted: see [`load`]).
+struct Fetch<'a> {
+    manifest: &'a Manifest,
+    opts: &'a LoadOptions,
+    /// Each peer source's handle in the endpoint's address vector.
+    peers: &'a [Option<Peer>],
+    /// Sources dropped for the rest of the load.
+    dead: Vec<bool>,
+    /// Why each source gave nothing usable, for the error message.
+    why: Vec<Vec<String>>,
+    /// The sources each chunk is not asked for again.
+    failed: Vec<HashSet<usize>>,
+    /// The source each landed chunk came from.
+    from: Vec<Option<usize>>,
+    /// Bytes each source gave.
+    given: Vec<u64>,
+    done_bytes: u64,
+    refetched: usize,
+}
+
+impl Fetch<'_> {
+    /// Fetches every chunk, then, until the file hashes to its content
+    /// hash, finds the chunks that are wrong and fetches them again.
+    fn run(
+        &mut self,
+        sources: &mut [Source],
+        dest: &mut Dest,
+        progress: &mut dyn FnMut(&LoadProgress),
+        t0: Instant,
+    ) -> Result<(), LoadError> {
+        let size = self.manifest.size as usize;
+        let n = self.manifest.chunks.len();
+        let mut streamed = self.first_pass(sources, dest, progress, t0)?;
+        let mut repairs = 0;
+        loop {
+            // Reads given up on may still land: they are waited for before
+            // the bytes are judged (and if some never land, the bytes move
+            // to fresh memory).
+            if let Dest::Region(ar) = dest {
+                drain(ar, size, self.opts.peer_timeout)?;
+            }
+            let got = match streamed.take() {
+                Some(h) => h,
+                None => ContentHash(Sha256::digest(&dest.bytes()[..size]).into()),
+            };
+            if got == self.manifest.sha256 {
+                return Ok(());
+            }
+            tracing::warn!(
+                got = %got.short(),
+                want = %self.manifest.sha256.short(),
+                "weights: the file's SHA-256 is not its content hash; checking each chunk"
+            );
+            let base = Base(dest.bytes_mut().as_mut_ptr());
+            let wrong = self.sweep(sources, base);
+            if wrong.is_empty() {
+                return Err(LoadError::Mismatch {
+                    got: got.hex(),
+                    want: self.manifest.sha256.hex(),
+                });
+            }
+            // Each repair drops the sources that gave a wrong chunk, so
+            // this ends; the bound is for chunks that go wrong after they
+            // were checked (a late read given up on).
+            repairs += 1;
+            if repairs > sources.len() + 1 {
+                return Err(no_source(self.manifest, sources, &self.why));
+            }
+            let mut none = InOrder::idle(n);
+            self.pass(
+                sources,
+                dest,
+                base,
+                wrong.into(),
+                &mut none,
+                progress,
+                t0,
+                Checks::Each,
+            )?;
+        }
+    }
+
+    /// Fetches every chunk, unchecked, while a second thread hashes the
+    /// landed prefix as it grows; answers the whole file's hash where the
+    /// hasher saw every byte in their final state.
+    fn first_pass(
+        &mut self,
+        sources: &mut [Source],
+        dest: &mut Dest,
+        progress: &mut dyn FnMut(&LoadProgress),
+        t0: Instant,
+    ) -> Result<Option<ContentHash>, LoadError> {
+        let n = self.manifest.chunks.len();
+        let size = self.manifest.size as usize;
+        let base = Base(dest.bytes_mut().as_mut_ptr());
+        // Bounded by the chunk count: each chunk is sent at most once.
+        let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, usize)>(n.max(1));
+        std::thread::scope(|sc| {
+            // The hasher's sender lives in the scope's body, so the hasher
+            // ends however the body does, a panic included.
+            let mut whole = InOrder {
+                tx: Some(tx),
+                landed: vec![false; n],
+                next: 0,
+            };
+            let hasher = thread("weights-hash")
+                .spawn_scoped(sc, move || {
+                    let mut h = Sha256::new();
+                    let mut upto = 0usize;
+                    for (off, len) in rx {
+                        // SAFETY: a landed chunk, which nothing writes again
+                        // while the hasher runs (a load whose reads were
+                        // given up on stops feeding it).
+                        h.update(unsafe { base.slice(off, len) });
+                        upto = off + len;
                     }
-                }
+                    (upto, ContentHash(h.finalize().into()))
+                })
+                .map_err(|e| LoadError::Thread(format!("the file's hasher: {e}")))?;
+            let all = (0..n).collect();
+            let r = self.pass(
+                sources,
+                dest,
+                base,
+                all,
+                &mut whole,
+                progress,
+                t0,
+                Checks::Deferred,
+            );
+            whole.tx = None;
+            let hashed = hasher.join();
+            r?;
+            Ok(match hashed {
+                Ok((upto, h)) if upto == size && whole.next == n => Some(h),
+                _ => None,
             })
-            .map_err(|e| LoadError::Thread(format!("the chunk checker: {e}")))?;
-        let stopped = || LoadError::Thread("the chunk checker stopped".into());
-        let mut gave_up = false;
-        let mut checking = false;
-        let run = (|| -> Result<(), LoadError> {
-            while !pending.is_empty() || checking {
-                if let Some(rate) = opts.max_bytes_per_sec.filter(|r| *r > 0) {
-                    let due = Duration::from_secs_f64(done_bytes as f64 / rate as f64);
-                    if let Some(wait) = due.checked_sub(t0.elapsed()) {
-                        std::thread::sleep(wait);
-                    }
+        })
+    }
+
+    /// Fetches `pending` in windows until every chunk has landed.
+    #[allow(clippy::too_many_arguments)]
+    fn pass(
+        &mut self,
+        sources: &mut [Source],
+        dest: &mut Dest,
+        base: Base,
+        mut pending: VecDeque<usize>,
+        whole: &mut InOrder,
+        progress: &mut dyn FnMut(&LoadProgress),
+        t0: Instant,
+        checks: Checks,
+    ) -> Result<(), LoadError> {
+        while !pending.is_empty() {
+            self.pace(t0);
+            let window: Vec<usize> = (0..self.opts.window.max(1))
+                .map_while(|_| pending.pop_front())
+                .collect();
+            let plan = self.plan(sources, &window)?;
+            let mut landed = self.read_peers(sources, dest, &plan, &mut pending, whole);
+            landed.extend(self.read_bytes(sources, base, &plan, &mut pending));
+            landed.sort_unstable();
+            for (c, s) in landed {
+                if checks == Checks::Each && !check(self.manifest, base, c) {
+                    self.blame(sources, c, s);
+                    pending.push_front(c);
+                    continue;
                 }
-                let window: Vec<usize> = (0..opts.window.max(1))
-                    .map_while(|_| pending.pop_front())
-                    .collect();
-                // Assign each chunk a source.
-                let mut plan: Vec<(usize, usize)> = Vec::with_capacity(window.len());
-                for &c in &window {
-                    let ok = |i: usize| !dead[i] && !failed[c].contains(&i);
-                    let Some(first) = (0..sources.len()).find(|&i| ok(i)) else {
-                        return Err(no_source(manifest, sources, why));
-                    };
-                    let s = if matches!(sources[first], Source::Peer(_)) {
-                        let live: Vec<usize> = (0..sources.len())
-                            .filter(|&i| ok(i) && matches!(sources[i], Source::Peer(_)))
-                            .collect();
-                        live[c % live.len()]
-                    } else {
-                        first
-                    };
-                    plan.push((c, s));
-                }
-                // Peer reads, all in flight at once.
-                let reads: Vec<(usize, usize)> = plan
-                    .iter()
-                    .copied()
-                    .filter(|&(_, s)| peers[s].is_some())
-                    .collect();
-                let mut fetched: Vec<(usize, usize)> = Vec::new();
-                if !reads.is_empty() {
-                    let Dest::Region(ar) = dest else {
-                        unreachable!("peers are inserted only with registered memory");
-                    };
-                    let (agent, region) = &mut **ar;
-                    let op = |&(c, s): &(usize, usize)| {
-                        let Source::Peer(p) = &sources[s] else {
-                            unreachable!("only peers have handles")
-                        };
-                        let (off, len) = manifest.chunk(c);
-                        (off, len, peers[s].expect("a peer's handle"), p.region)
-                    };
-                    let specs: Vec<_> = reads.iter().map(op).collect();
-                    let region: &Region = region;
-                    let ops: Vec<WriteOp<'_>> =
-                        specs.iter().map(|sp| read_op(region, sp)).collect();
-                    // The window's budget grows with its bytes (at 50 MB/s).
-                    let bytes: usize = specs.iter().map(|sp| sp.1).sum();
-                    let budget = opts
-                        .peer_timeout
-                        .max(Duration::from_secs_f64(bytes as f64 / 50e6));
-                    let all = agent.read_all(&ops, budget);
-                    drop(ops);
-                    match all {
-                        Ok(()) => fetched.extend(reads.iter().copied()),
-                        Err(_) => {
-                            // Reads given up on may land later, over bytes
-                            // already handed to the hasher: the file is hashed
-                            // again at the end instead.
-                            whole.tx = None;
-                            gave_up = true;
-                            // One at a time, to find who failed.
-                            for (&(c, s), spec) in reads.iter().zip(&specs) {
-                                if dead[s] {
-                                    pending.push_front(c);
-                                    continue;
-                                }
-                                let budget = opts
-                                    .peer_timeout
-                                    .max(Duration::from_secs_f64(spec.1 as f64 / 50e6));
-                                match agent.read(read_op(region, spec), budget) {
-                                    Ok(()) => fetched.push((c, s)),
-                                    Err(e) => {
-                                        tracing::warn!(source = %sources[s].name(), chunk = c, error = %e, "weights: a peer read failed; trying another source");
-                                        dead[s] = true;
-                                        why[s].push(format!("read of chunk {c} failed: {e}"));
-                                        pending.push_front(c);
-                                        refetched += 1;
-                                    }
-                                }
-                            }
-                        }
-                    }
-                }
-                // Byte sources, in turn.
-                for &(c, s) in plan.iter().filter(|&&(_, s)| peers[s].is_none()) {
-                    let (off, len) = manifest.chunk(c);
-                    let Source::Bytes(b) = &mut sources[s] else {
-                        unreachable!("a peer without a handle is dead");
-                    };
-                    // SAFETY: chunk `c` is not verified, so the hasher never reads it.
-                    let out = unsafe { base.slice_mut(off as usize, len) };
-                    match b.read_at(off, out) {
-                        Ok(()) => fetched.push((c, s)),
-                        Err(e) => {
-                            tracing::warn!(source = %b.name(), chunk = c, error = %e, "weights: a read failed; trying another source");
-                            match e {
-                                SourceError::Io(_) => {
-                                    failed[c].insert(s);
-                                }
-                                _ => dead[s] = true,
-                            }
-                            why[s].push(format!("chunk {c}: {e}"));
-                            pending.push_front(c);
-                            refetched += 1;
-                        }
-                    }
-                }
-                // The last window's checks, then this one's handed over.
-                let mut checked = if checking {
-                    checking = false;
-                    res_rx.recv().map_err(|_| stopped())?
-                } else {
-                    Vec::new()
+                let len = self.manifest.chunk(c).1 as u64;
+                self.from[c] = Some(s);
+                whole.landed(self.manifest, c);
+                self.given[s] += len;
+                self.done_bytes += len;
+                progress(&LoadProgress {
+                    done: self.done_bytes,
+                    total: self.manifest.size,
+                    source: sources[s].name(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Sleeps while the load is ahead of its byte rate.
+    fn pace(&self, t0: Instant) {
+        if let Some(rate) = self.opts.max_bytes_per_sec.filter(|r| *r > 0) {
+            let due = Duration::from_secs_f64(self.done_bytes as f64 / rate as f64);
+            if let Some(wait) = due.checked_sub(t0.elapsed()) {
+                std::thread::sleep(wait);
+            }
+        }
+    }
+
+    /// A source for each chunk of `window`: the first live one that has
+    /// not failed it, or, where that is a peer, the window's chunks spread
+    /// over every such peer.
+    fn plan(&self, sources: &[Source], window: &[usize]) -> Result<Vec<(usize, usize)>, LoadError> {
+        let is_peer = |i: usize| matches!(sources[i], Source::Peer(_));
+        window
+            .iter()
+            .map(|&c| {
+                let ok = |i: usize| !self.dead[i] && !self.failed[c].contains(&i);
+                let Some(first) = (0..sources.len()).find(|&i| ok(i)) else {
+                    return Err(no_source(self.manifest, sources, &self.why));
                 };
-                fetched.sort_unstable();
-                if gave_up {
-                    checked.extend(fetched.into_iter().map(|j| check(manifest, base, j)));
-                } else if !fetched.is_empty() {
-                    job_tx.send(fetched).map_err(|_| stopped())?;
-                    checking = true;
+                if !is_peer(first) {
+                    return Ok((c, first));
                 }
-                for (c, s, ok) in checked {
-                    let len = manifest.chunk(c).1;
-                    if ok {
-                        whole.verified(manifest, c);
-                        given[s] += len as u64;
-                        done_bytes += len as u64;
-                        progress(&LoadProgress {
-                            done: done_bytes,
-                            total: manifest.size,
-                            source: sources[s].name(),
-                        });
-                    } else {
-                        // A source that gave wrong bytes is not trusted again.
-                        tracing::warn!(source = %sources[s].name(), chunk = c, "weights: a chunk does not match its hash; fetching it again elsewhere");
-                        failed[c].insert(s);
-                        dead[s] = true;
-                        why[s].push(format!("chunk {c} does not match its SHA-256"));
-                        pending.push_front(c);
-                        refetched += 1;
-                    }
+                let live: Vec<usize> = (0..sources.len())
+                    .filter(|&i| ok(i) && is_peer(i))
+                    .collect();
+                Ok((c, live[c % live.len()]))
+            })
+            .collect()
+    }
+
+    /// Reads the plan's peer chunks, all in flight at once, and on a
+    /// failure again one at a time, to find who failed. Answers what
+    /// landed; what did not goes back to `pending`.
+    fn read_peers(
+        &mut self,
+        sources: &[Source],
+        dest: &mut Dest,
+        plan: &[(usize, usize)],
+        pending: &mut VecDeque<usize>,
+        whole: &mut InOrder,
+    ) -> Vec<(usize, usize)> {
+        let reads: Vec<(usize, usize)> = plan
+            .iter()
+            .copied()
+            .filter(|&(_, s)| self.peers[s].is_some())
+            .collect();
+        if reads.is_empty() {
+            return reads;
+        }
+        let Dest::Region(ar) = dest else {
+            unreachable!("peers are inserted only with registered memory");
+        };
+        let (agent, region) = &mut **ar;
+        let specs: Vec<_> = reads
+            .iter()
+            .map(|&(c, s)| {
+                let Source::Peer(p) = &sources[s] else {
+                    unreachable!("only peers have handles")
+                };
+                let (off, len) = self.manifest.chunk(c);
+                (off, len, self.peers[s].expect("a peer's handle"), p.region)
+            })
+            .collect();
+        let region: &Region = region;
+        // A read's budget grows with its bytes (at 50 MB/s).
+        let timeout = self.opts.peer_timeout;
+        let budget = |bytes: usize| timeout.max(Duration::from_secs_f64(bytes as f64 / 50e6));
+        let ops: Vec<WriteOp<'_>> = specs.iter().map(|sp| read_op(region, sp)).collect();
+        let all = agent.read_all(&ops, budget(specs.iter().map(|sp| sp.1).sum()));
+        drop(ops);
+        if all.is_ok() {
+            return reads;
+        }
+        // Reads given up on may land later, over bytes already handed to
+        // the hasher: the file is hashed again at the end instead.
+        whole.tx = None;
+        let mut landed = Vec::new();
+        for (&(c, s), spec) in reads.iter().zip(&specs) {
+            if self.dead[s] {
+                pending.push_front(c);
+                continue;
+            }
+            match agent.read(read_op(region, spec), budget(spec.1)) {
+                Ok(()) => landed.push((c, s)),
+                Err(e) => {
+                    tracing::warn!(source = %sources[s].name(), chunk = c, error = %e, "weights: a peer read failed; trying another source");
+                    self.dead[s] = true;
+                    self.why[s].push(format!("read of chunk {c} failed: {e}"));
+                    pending.push_front(c);
+                    self.refetched += 1;
                 }
             }
-            Ok(())
-        })();
-        // The checker ends with its queue, and one that panicked is an
-        // error (however the loop ended), not a second panic.
-        drop(job_tx);
-        drop(res_rx);
-        if checker.join().is_err() {
-            return Err(LoadError::Thread("the chunk checker panicked".into()));
         }
-        run.map(|()| (given, refetched))
-    })
+        landed
+    }
+
+    /// Reads the plan's chunks from byte sources, in turn. Answers what
+    /// landed; what did not goes back to `pending`.
+    fn read_bytes(
+        &mut self,
+        sources: &mut [Source],
+        base: Base,
+        plan: &[(usize, usize)],
+        pending: &mut VecDeque<usize>,
+    ) -> Vec<(usize, usize)> {
+        let mut landed = Vec::new();
+        for &(c, s) in plan.iter().filter(|&&(_, s)| self.peers[s].is_none()) {
+            let (off, len) = self.manifest.chunk(c);
+            let Source::Bytes(b) = &mut sources[s] else {
+                unreachable!("a peer without a handle is dead");
+            };
+            // SAFETY: chunk `c` has not landed, so the hasher never reads
+            // it, and nothing else writes it.
+            let out = unsafe { base.slice_mut(off as usize, len) };
+            match b.read_at(off, out) {
+                Ok(()) => landed.push((c, s)),
+                Err(e) => {
+                    tracing::warn!(source = %b.name(), chunk = c, error = %e, "weights: a read failed; trying another source");
+                    match e {
+                        SourceError::Io(_) => {
+                            self.failed[c].insert(s);
+                        }
+                        _ => self.dead[s] = true,
+                    }
+                    self.why[s].push(format!("chunk {c}: {e}"));
+                    pending.push_front(c);
+                    self.refetched += 1;
+                }
+            }
+        }
+        landed
+    }
+
+    /// Chunk `c`, from source `s`, does not match its hash: a source that
+    /// gave wrong bytes is not trusted again.
+    fn blame(&mut self, sources: &[Source], c: usize, s: usize) {
+        tracing::warn!(source = %sources[s].name(), chunk = c, "weights: a chunk does not match its hash; fetching it again elsewhere");
+        self.failed[c].insert(s);
+        self.dead[s] = true;
+        self.why[s].push(format!("chunk {c} does not match its SHA-256"));
+        self.refetched += 1;
+    }
+
+    /// Checks every landed chunk against its own hash, on every core;
+    /// answers those that do not match, no longer counted as landed and
+    /// their sources blamed.
+    fn sweep(&mut self, sources: &[Source], base: Base) -> Vec<usize> {
+        let m = self.manifest;
+        let n = m.chunks.len();
+        let k = std::thread::available_parallelism()
+            .map_or(1, |p| p.get())
+            .clamp(1, 8)
+            .min(n.max(1));
+        // SAFETY (of the checks' slices): every read has landed or was
+        // drained, so nothing writes the destination meanwhile.
+        let mut wrong: Vec<usize> = std::thread::scope(|sc| {
+            let helpers: Vec<_> = (1..k)
+                .map(|t| {
+                    let h =
+                        thread("weights-sweep").spawn_scoped(sc, move || wrong_in(m, base, t, k));
+                    (t, h)
+                })
+                .collect();
+            let mut wrong = wrong_in(m, base, 0, k);
+            for (t, h) in helpers {
+                wrong.extend(match h {
+                    Ok(h) => h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)),
+                    // No thread: this one checks that share too.
+                    Err(_) => wrong_in(m, base, t, k),
+                });
+            }
+            wrong
+        });
+        wrong.sort_unstable();
+        for &c in &wrong {
+            if let Some(s) = self.from[c].take() {
+                let len = m.chunk(c).1 as u64;
+                self.given[s] -= len;
+                self.done_bytes -= len;
+                self.blame(sources, c, s);
+            }
+        }
+        wrong
+    }
 }
 
 /// The read of one chunk (`offset`, `len`, `peer`, `remote`) into the same

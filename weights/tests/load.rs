@@ -152,6 +152,14 @@ fn a_corrupted_chunk_is_fetched_again_from_another_source() {
         "{:?}",
         got.by_source
     );
+    // The file's hash found the fault, each chunk's hash placed it: only
+    // the wrong chunk was fetched again, and the liar's others were kept.
+    assert_eq!(
+        got.by_source[0].1,
+        m.size - m.chunk(1).1 as u64,
+        "{:?}",
+        got.by_source
+    );
     // A file of the right size but other bytes is refused, chunk by chunk.
     let e = load(
         &m,
