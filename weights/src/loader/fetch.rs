@@ -1,170 +1,14 @@
-//! A verified load from an ordered list of sources.
-//!
-//! Chunks go in windows of [`LoadOptions::window`]. Each chunk goes to the
-//! first source in order that is still alive and has not failed it; where
-//! that is a peer, the window's chunks are spread over every live peer
-//! that has not failed them, and all their reads are in flight at once.
-//!
-//! Verification costs one SHA-256 pass over the file when nothing is
-//! wrong. The file's hash is its identity, so it alone decides; each
-//! chunk's own hash in the manifest serves to find a fault, not to prove
-//! the file. A pass that checked every chunk as well would hash every
-//! byte twice, and on a machine with few cores hashing is what a load
-//! waits for.
-//!
-//! Invariants:
-//! - nothing is handed out before the whole file's SHA-256 equals the
-//!   manifest's content hash;
-//! - the first pass takes chunks as they land, and a second thread hashes
-//!   the landed prefix as it grows;
-//! - where the file's hash differs, every chunk is checked against its own
-//!   hash (on every core); a chunk that does not match is fetched again
-//!   from another source and checked as it lands, and the source that gave
-//!   it is dropped; then the file is hashed again. Chunks that all match
-//!   under a different file hash mean the manifest is wrong
-//!   ([`LoadError::Mismatch`]);
-//! - a source that is gone (a dead peer, a missing file, a file of
-//!   another size) is dropped for the rest of the load;
-//! - reads given up on are waited for (or the bytes moved away from them)
-//!   before the bytes are judged;
-//! - with no source left for a chunk, the load fails naming every source
-//!   tried and why.
+//! The body of a load ([`super::load`]): fetching chunks in windows,
+//! hashing the landed prefix, and finding and fetching again what the
+//! file's hash refuses. The invariants are the parent module's.
 
+use super::{Dest, LoadError, LoadOptions, LoadProgress, Source, Tried};
 use crate::manifest::{chunk_ok, ContentHash, Manifest};
-use crate::source::{ByteSource, PeerSource, SourceError};
-use bytes::Bytes;
-use dynamo_transfer::{
-    Agent, FabricError, FrozenRegion, HostBuffer, Peer, Region, RemoteRegion, WriteOp,
-};
+use crate::source::SourceError;
+use dynamo_transfer::{Agent, FabricError, Peer, Region, RemoteRegion, WriteOp};
 use sha2::{Digest, Sha256};
 use std::collections::{HashSet, VecDeque};
-use std::fmt;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-use thiserror::Error;
-
-/// One source of a load.
-pub enum Source {
-    Peer(PeerSource),
-    Bytes(Box<dyn ByteSource>),
-}
-
-impl Source {
-    pub fn name(&self) -> String {
-        match self {
-            Source::Peer(p) => format!("peer {}", p.name),
-            Source::Bytes(b) => b.name(),
-        }
-    }
-}
-
-/// How a load runs.
-#[derive(Clone, Debug)]
-pub struct LoadOptions {
-    /// The libfabric provider peers are read over (theirs must match).
-    pub provider: String,
-    /// Chunks fetched at once.
-    pub window: usize,
-    /// Longest wait for one window of peer reads.
-    pub peer_timeout: Duration,
-    /// At most this many bytes a second on average (None: as fast as the
-    /// sources go), so a load does not crowd out a serving node's traffic.
-    pub max_bytes_per_sec: Option<u64>,
-}
-
-impl Default for LoadOptions {
-    fn default() -> Self {
-        LoadOptions {
-            provider: "tcp;ofi_rxm".into(),
-            window: 8,
-            peer_timeout: Duration::from_secs(30),
-            max_bytes_per_sec: None,
-        }
-    }
-}
-
-/// Progress of a load, after each chunk lands (the file is verified once
-/// every chunk has).
-#[derive(Clone, Debug, PartialEq)]
-pub struct LoadProgress {
-    pub done: u64,
-    pub total: u64,
-    /// The source of the chunk that just landed.
-    pub source: String,
-}
-
-/// One source a failed load tried, and why it gave nothing usable.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Tried {
-    pub source: String,
-    pub why: String,
-}
-
-/// The list of what was tried, for an error message.
-pub struct TriedList<'a>(pub &'a [Tried]);
-
-impl fmt::Display for TriedList<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0.is_empty() {
-            return f.write_str("no source was configured or advertised");
-        }
-        for (i, t) in self.0.iter().enumerate() {
-            if i > 0 {
-                f.write_str("; ")?;
-            }
-            write!(f, "{}: {}", t.source, t.why)?;
-        }
-        Ok(())
-    }
-}
-
-#[derive(Debug, Error)]
-pub enum LoadError {
-    #[error("no source could provide {model} (sha256 {sha}): {}", TriedList(.tried))]
-    NoSource {
-        model: String,
-        sha: String,
-        tried: Vec<Tried>,
-    },
-    #[error("the chunks match the manifest but the file's SHA-256 is {got}, not {want}: the manifest is wrong")]
-    Mismatch { got: String, want: String },
-    #[error("fabric endpoint for peer reads: {0}")]
-    Fabric(#[from] FabricError),
-    /// The copy on the GPU does not hash to the content hash.
-    #[error("the device copy's SHA-256 is {got}, not {want}")]
-    DeviceMismatch { got: String, want: String },
-    #[error("the manifest: {0}")]
-    Manifest(crate::manifest::ManifestError),
-    #[error("cannot allocate {bytes} bytes to load into: {why}")]
-    Memory { bytes: u64, why: String },
-    #[error("a loading thread: {0}")]
-    Thread(String),
-}
-
-/// Where the bytes land.
-enum Dest {
-    /// Registered memory (peers can read into it, and it can be served).
-    Region(Box<(Agent, Region)>),
-    /// Memory of its own (no peer writes into it), on huge pages where
-    /// large, as a region's is: touching fresh 4 KiB pages costs more
-    /// than the load itself on some machines.
-    Heap(HostBuffer),
-}
-
-impl Dest {
-    fn bytes(&self) -> &[u8] {
-        match self {
-            Dest::Region(ar) => ar.1.bytes(),
-            Dest::Heap(v) => v,
-        }
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        match self {
-            Dest::Region(ar) => ar.1.bytes_mut(),
-            Dest::Heap(v) => v,
-        }
-    }
-}
 
 /// The start of a load's destination, shared by the thread that fetches
 /// chunks, the thread that hashes the landed prefix and the threads that
@@ -172,7 +16,7 @@ impl Dest {
 /// ranges the others do not write (see [`Fetch`]: a chunk is waiting, being
 /// read, or landed, and only a waiting one is written).
 #[derive(Clone, Copy)]
-struct Base(*mut u8);
+pub(super) struct Base(*mut u8);
 
 // SAFETY: a plain address; no range is written while another thread reads
 // it (see above) and the memory outlives every thread.
@@ -196,7 +40,7 @@ impl Base {
 /// The whole file's SHA-256, computed on a second thread over the landed
 /// prefix as it grows, so hashing the file overlaps fetching the chunks
 /// after it.
-struct InOrder {
+pub(super) struct InOrder {
     tx: Option<std::sync::mpsc::SyncSender<(usize, usize)>>,
     landed: Vec<bool>,
     next: usize,
@@ -204,7 +48,7 @@ struct InOrder {
 
 impl InOrder {
     /// One that feeds no hasher (the file is hashed in one pass at the end).
-    fn idle(n: usize) -> Self {
+    pub(super) fn idle(n: usize) -> Self {
         InOrder {
             tx: None,
             landed: vec![false; n],
@@ -229,226 +73,14 @@ impl InOrder {
     }
 }
 
-/// A finished, verified load.
-pub struct Loaded {
-    pub manifest: Manifest,
-    dest: Dest,
-    /// Bytes each source gave (verified), in the order of the sources.
-    pub by_source: Vec<(String, u64)>,
-    /// Chunks fetched again after a wrong or failed read.
-    pub refetched: usize,
-    pub elapsed: Duration,
-}
-
-impl Loaded {
-    pub fn bytes(&self) -> &[u8] {
-        &self.dest.bytes()[..self.manifest.size as usize]
-    }
-
-    /// The endpoint and registered memory the bytes are in, to serve them
-    /// ([`crate::WeightServer::new`]); the load back for one without peers,
-    /// which landed in memory of its own ([`HostBuffer`]).
-    pub fn into_registered(self) -> Result<(Agent, Region, Manifest), Box<Loaded>> {
-        match self.dest {
-            Dest::Region(ar) => {
-                let (a, r) = *ar;
-                Ok((a, r, self.manifest))
-            }
-            dest => Err(Box::new(Loaded { dest, ..self })),
-        }
-    }
-
-    /// The verified bytes, to be shared without a copy: an engine may keep
-    /// them as its weights while they are written to a file and served to
-    /// peers. Registered memory is frozen first (peers may read it, never
-    /// write it), so nothing changes the bytes once they are shared.
-    pub fn into_shared(self) -> Result<SharedLoad, LoadError> {
-        let size = self.manifest.size as usize;
-        let (bytes, registered) = match self.dest {
-            Dest::Region(ar) => {
-                let (mut agent, region) = *ar;
-                let region = Arc::new(agent.freeze(region)?);
-                let bytes = Bytes::from_owner(Held::Region(region.clone()));
-                (bytes, Some((agent, region)))
-            }
-            Dest::Heap(b) => (Bytes::from_owner(Held::Heap(b)), None),
-        };
-        Ok(SharedLoad {
-            manifest: self.manifest,
-            bytes: bytes.slice(..size),
-            registered,
-            by_source: self.by_source,
-            refetched: self.refetched,
-            elapsed: self.elapsed,
-        })
-    }
-}
-
-/// A verified load's bytes, read-only, shared by whoever holds a clone of
-/// [`SharedLoad::bytes`]; the memory is freed (and unregistered) when the
-/// last holder, the load or a [`crate::WeightServer`] built from it, goes.
-pub struct SharedLoad {
-    pub manifest: Manifest,
-    bytes: Bytes,
-    registered: Option<(Agent, Arc<FrozenRegion>)>,
-    /// As in [`Loaded`].
-    pub by_source: Vec<(String, u64)>,
-    pub refetched: usize,
-    pub elapsed: Duration,
-}
-
-impl SharedLoad {
-    /// Exactly the file's bytes, every one verified.
-    pub fn bytes(&self) -> &Bytes {
-        &self.bytes
-    }
-
-    /// The endpoint and registered memory the bytes are in, to serve them
-    /// ([`crate::WeightServer::shared`]); `None` for a load without peers,
-    /// which landed in memory no peer can read.
-    pub fn into_registered(self) -> Option<(Agent, Arc<FrozenRegion>, Manifest)> {
-        let (agent, region) = self.registered?;
-        Some((agent, region, self.manifest))
-    }
-}
-
-/// What shared weight bytes live in.
-pub(crate) enum Held {
-    Region(Arc<FrozenRegion>),
-    Heap(HostBuffer),
-}
-
-impl AsRef<[u8]> for Held {
-    fn as_ref(&self) -> &[u8] {
-        match self {
-            Held::Region(r) => r.bytes(),
-            Held::Heap(b) => b,
-        }
-    }
-}
-
-/// Loads `manifest`'s file from `sources`, in their order of preference.
-///
-/// `reuse` is registered memory of an earlier load (its agent and region)
-/// to land in again if it is large enough, instead of registering anew.
-pub fn load(
-    manifest: &Manifest,
-    mut sources: Vec<Source>,
-    opts: &LoadOptions,
-    reuse: Option<(Agent, Region)>,
-    progress: &mut dyn FnMut(&LoadProgress),
-) -> Result<Loaded, LoadError> {
-    let t0 = Instant::now();
-    // A manifest off the bus is untrusted: its chunks must cover its size.
-    manifest.validate().map_err(LoadError::Manifest)?;
-    let n = manifest.chunks.len();
-    let size = manifest.size as usize;
-    let mut why: Vec<Vec<String>> = vec![Vec::new(); sources.len()];
-    let mut dead = vec![false; sources.len()];
-    // A byte source holding something of another size is not this file.
-    for (i, s) in sources.iter_mut().enumerate() {
-        if let Source::Bytes(b) = s {
-            match b.size() {
-                Ok(len) if len == manifest.size => {}
-                Ok(len) => {
-                    dead[i] = true;
-                    why[i].push(format!(
-                        "holds {len} bytes, not the {} of sha256 {}",
-                        manifest.size,
-                        manifest.sha256.short()
-                    ));
-                }
-                Err(e) => {
-                    dead[i] = true;
-                    why[i].push(e.to_string());
-                }
-            }
-        }
-    }
-    let has_peers = sources.iter().any(|s| matches!(s, Source::Peer(_)));
-    let mut dest = match reuse {
-        Some((a, r)) if r.bytes().len() >= size && a.provider() == opts.provider => {
-            Dest::Region(Box::new((a, r)))
-        }
-        other => {
-            drop(other);
-            if has_peers {
-                let mut a = Agent::new(&opts.provider)?;
-                let r = a.register(size)?;
-                Dest::Region(Box::new((a, r)))
-            } else {
-                Dest::Heap(HostBuffer::zeroed(size).map_err(|e| LoadError::Memory {
-                    bytes: size as u64,
-                    why: e.to_string(),
-                })?)
-            }
-        }
-    };
-    // Peers in the endpoint's address vector (one that cannot be is gone).
-    let mut peers: Vec<Option<Peer>> = vec![None; sources.len()];
-    if let Dest::Region(ar) = &mut dest {
-        let a = &mut ar.0;
-        for (i, s) in sources.iter().enumerate() {
-            if let Source::Peer(p) = s {
-                if p.region.len < manifest.size {
-                    dead[i] = true;
-                    why[i].push(format!(
-                        "advertises {} bytes, not {}",
-                        p.region.len, manifest.size
-                    ));
-                    continue;
-                }
-                match a.insert_peer(&p.address) {
-                    Ok(h) => peers[i] = Some(h),
-                    Err(e) => {
-                        dead[i] = true;
-                        why[i].push(e.to_string());
-                    }
-                }
-            }
-        }
-    }
-    let mut f = Fetch {
-        manifest,
-        opts,
-        peers: &peers,
-        dead,
-        why,
-        failed: vec![HashSet::new(); n],
-        from: vec![None; n],
-        given: vec![0; sources.len()],
-        done_bytes: 0,
-        refetched: 0,
-    };
-    // A panic (in a progress callback, or a thread) gives the memory up as
-    // an error does, then goes on unwinding.
-    let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        f.run(&mut sources, &mut dest, progress, t0)
-    }));
-    match run {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            give_up(dest);
-            return Err(e);
-        }
-        Err(panic) => {
-            give_up(dest);
-            std::panic::resume_unwind(panic);
-        }
-    }
-    Ok(Loaded {
-        manifest: manifest.clone(),
-        dest,
-        by_source: sources.iter().map(Source::name).zip(f.given).collect(),
-        refetched: f.refetched,
-        elapsed: t0.elapsed(),
-    })
-}
-
 /// Waits up to `timeout` for reads given up on to land; if some never do,
 /// moves the bytes to fresh memory and buries the old region with the
 /// agent, so nothing writes under them.
-fn drain(ar: &mut (Agent, Region), size: usize, timeout: Duration) -> Result<(), FabricError> {
+pub(super) fn drain(
+    ar: &mut (Agent, Region),
+    size: usize,
+    timeout: Duration,
+) -> Result<(), FabricError> {
     let deadline = Instant::now() + timeout;
     // Only reads into this region count: a reused agent may still wait on
     // reads an earlier load gave up on, into memory it buried.
@@ -469,23 +101,13 @@ fn drain(ar: &mut (Agent, Region), size: usize, timeout: Duration) -> Result<(),
     Ok(())
 }
 
-/// Drops a failed load's memory, except registered memory that reads
-/// given up on may still write: that stays with its endpoint, which never
-/// frees it ([`Agent::bury`]).
-fn give_up(dest: Dest) {
-    if let Dest::Region(ar) = dest {
-        let (mut agent, region) = *ar;
-        agent.bury(region);
-    }
-}
-
-fn thread(name: &str) -> std::thread::Builder {
+pub(super) fn thread(name: &str) -> std::thread::Builder {
     std::thread::Builder::new().name(name.into())
 }
 
 /// Whether chunks are checked against their own hashes as they land.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Checks {
+pub(super) enum Checks {
     /// No: the whole file's hash decides, and only a file that fails it
     /// has its chunks checked (the first pass over every chunk).
     Deferred,
@@ -494,7 +116,7 @@ enum Checks {
 }
 
 /// Whether chunk `c` of the destination matches its hash.
-fn check(manifest: &Manifest, base: Base, c: usize) -> bool {
+pub(super) fn check(manifest: &Manifest, base: Base, c: usize) -> bool {
     let (off, len) = manifest.chunk(c);
     // SAFETY: nothing writes chunk `c` while it is checked (see `Fetch`).
     let bytes = unsafe { base.slice(off as usize, len) };
@@ -502,7 +124,7 @@ fn check(manifest: &Manifest, base: Base, c: usize) -> bool {
 }
 
 /// The chunks `t`, `t + k`, `t + 2k`, … that do not match their hashes.
-fn wrong_in(manifest: &Manifest, base: Base, t: usize, k: usize) -> Vec<usize> {
+pub(super) fn wrong_in(manifest: &Manifest, base: Base, t: usize, k: usize) -> Vec<usize> {
     (t..manifest.chunks.len())
         .step_by(k)
         .filter(|&c| !check(manifest, base, c))
@@ -515,30 +137,30 @@ fn wrong_in(manifest: &Manifest, base: Base, t: usize, k: usize) -> Vec<usize> {
 /// The destination is written through two paths, peer reads into the
 /// registered region and [`Base`] slices for byte sources; at any time a
 /// chunk is either waiting, being read, or landed, and only a waiting
-/// chunk is written (a read given up on excepted: see [`load`]).
-struct Fetch<'a> {
-    manifest: &'a Manifest,
-    opts: &'a LoadOptions,
+/// chunk is written (a read given up on excepted: see [`super::load`]).
+pub(super) struct Fetch<'a> {
+    pub(super) manifest: &'a Manifest,
+    pub(super) opts: &'a LoadOptions,
     /// Each peer source's handle in the endpoint's address vector.
-    peers: &'a [Option<Peer>],
+    pub(super) peers: &'a [Option<Peer>],
     /// Sources dropped for the rest of the load.
-    dead: Vec<bool>,
+    pub(super) dead: Vec<bool>,
     /// Why each source gave nothing usable, for the error message.
-    why: Vec<Vec<String>>,
+    pub(super) why: Vec<Vec<String>>,
     /// The sources each chunk is not asked for again.
-    failed: Vec<HashSet<usize>>,
+    pub(super) failed: Vec<HashSet<usize>>,
     /// The source each landed chunk came from.
-    from: Vec<Option<usize>>,
+    pub(super) from: Vec<Option<usize>>,
     /// Bytes each source gave.
-    given: Vec<u64>,
-    done_bytes: u64,
-    refetched: usize,
+    pub(super) given: Vec<u64>,
+    pub(super) done_bytes: u64,
+    pub(super) refetched: usize,
 }
 
 impl Fetch<'_> {
     /// Fetches every chunk, then, until the file hashes to its content
     /// hash, finds the chunks that are wrong and fetches them again.
-    fn run(
+    pub(super) fn run(
         &mut self,
         sources: &mut [Source],
         dest: &mut Dest,
@@ -889,7 +511,10 @@ impl Fetch<'_> {
 
 /// The read of one chunk (`offset`, `len`, `peer`, `remote`) into the same
 /// offset of `region`.
-fn read_op<'a>(region: &'a Region, spec: &'a (u64, usize, Peer, RemoteRegion)) -> WriteOp<'a> {
+pub(super) fn read_op<'a>(
+    region: &'a Region,
+    spec: &'a (u64, usize, Peer, RemoteRegion),
+) -> WriteOp<'a> {
     let (off, len, peer, remote) = spec;
     WriteOp {
         local: region,
@@ -902,7 +527,7 @@ fn read_op<'a>(region: &'a Region, spec: &'a (u64, usize, Peer, RemoteRegion)) -
     }
 }
 
-fn no_source(manifest: &Manifest, sources: &[Source], why: &[Vec<String>]) -> LoadError {
+pub(super) fn no_source(manifest: &Manifest, sources: &[Source], why: &[Vec<String>]) -> LoadError {
     LoadError::NoSource {
         model: manifest.model.clone(),
         sha: manifest.sha256.short(),
