@@ -198,7 +198,7 @@ pub struct WeightSource {
     pub layout: String,
     pub size: u64,
     pub state: WeightSourceState,
-    /// Bytes verified so far (`size` once ready).
+    /// Bytes loaded so far, verified once all are (`size` once ready).
     pub loaded_bytes: u64,
     /// The libfabric provider its endpoint is on.
     pub provider: String,

@@ -7,9 +7,9 @@
 //! - [`source`]: where chunks come from: a peer's registered memory read
 //!   over libfabric, or any byte source (a local file, a cache).
 //! - [`loader`]: a load in the configured order of sources, in parallel
-//!   across peers, every chunk verified before it counts and the whole
-//!   file verified before a byte is handed out; a source that fails is
-//!   dropped and the rest carry on.
+//!   across peers, the whole file verified before a byte is handed out
+//!   (and, where it fails, each chunk, to fetch the wrong ones again); a
+//!   source that fails is dropped and the rest carry on.
 //! - [`serve`]: weights held in registered memory that peers may read.
 //! - `device` (feature `cuda`): a verified load copied to GPU memory.
 //!

@@ -606,7 +606,7 @@ impl NodeWeights {
         }
     }
 
-    /// Writes a `loading` source record with the bytes verified so far,
+    /// Writes a `loading` source record with the bytes loaded so far,
     /// every second until `done` closes (the load ended either way).
     async fn report_loading(
         self: Arc<Self>,

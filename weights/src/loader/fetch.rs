@@ -118,7 +118,9 @@ pub(super) enum Checks {
 /// Whether chunk `c` of the destination matches its hash.
 pub(super) fn check(manifest: &Manifest, base: Base, c: usize) -> bool {
     let (off, len) = manifest.chunk(c);
-    // SAFETY: nothing writes chunk `c` while it is checked (see `Fetch`).
+    // SAFETY: nothing writes chunk `c` while it is checked (see `Fetch`;
+    // a read given up on may still land, which the file's hash after the
+    // drain catches).
     let bytes = unsafe { base.slice(off as usize, len) };
     chunk_ok(manifest, c, bytes)
 }
@@ -137,7 +139,9 @@ pub(super) fn wrong_in(manifest: &Manifest, base: Base, t: usize, k: usize) -> V
 /// The destination is written through two paths, peer reads into the
 /// registered region and [`Base`] slices for byte sources; at any time a
 /// chunk is either waiting, being read, or landed, and only a waiting
-/// chunk is written (a read given up on excepted: see [`super::load`]).
+/// chunk is written (a read given up on excepted: it is waited for before
+/// the file is hashed, and a chunk it may have changed is not held
+/// against its source).
 pub(super) struct Fetch<'a> {
     pub(super) manifest: &'a Manifest,
     pub(super) opts: &'a LoadOptions,
@@ -151,6 +155,10 @@ pub(super) struct Fetch<'a> {
     pub(super) failed: Vec<HashSet<usize>>,
     /// The source each landed chunk came from.
     pub(super) from: Vec<Option<usize>>,
+    /// Chunks a read given up on was aimed at: such a read may land late,
+    /// over bytes another source gave, so a wrong chunk here does not
+    /// blame the source it came from.
+    pub(super) late: HashSet<usize>,
     /// Bytes each source gave.
     pub(super) given: Vec<u64>,
     pub(super) done_bytes: u64,
@@ -203,7 +211,10 @@ impl Fetch<'_> {
             // were checked (a late read given up on).
             repairs += 1;
             if repairs > sources.len() + 1 {
-                return Err(no_source(self.manifest, sources, &self.why));
+                return Err(LoadError::Unsettled {
+                    repairs: repairs - 1,
+                    chunks: wrong.len(),
+                });
             }
             let mut none = InOrder::idle(n);
             self.pass(
@@ -399,6 +410,7 @@ impl Fetch<'_> {
         // Reads given up on may land later, over bytes already handed to
         // the hasher: the file is hashed again at the end instead.
         whole.tx = None;
+        self.late.extend(reads.iter().map(|&(c, _)| c));
         let mut landed = Vec::new();
         for (&(c, s), spec) in reads.iter().zip(&specs) {
             if self.dead[s] {
@@ -435,7 +447,8 @@ impl Fetch<'_> {
                 unreachable!("a peer without a handle is dead");
             };
             // SAFETY: chunk `c` has not landed, so the hasher never reads
-            // it, and nothing else writes it.
+            // it, and nothing else writes it (a peer read given up on
+            // excepted, which the file's hash after the drain catches).
             let out = unsafe { base.slice_mut(off as usize, len) };
             match b.read_at(off, out) {
                 Ok(()) => landed.push((c, s)),
@@ -456,17 +469,27 @@ impl Fetch<'_> {
         landed
     }
 
-    /// Chunk `c`, from source `s`, does not match its hash: a source that
-    /// gave wrong bytes is not trusted again.
+    /// Chunk `c`, from source `s`, does not match its hash: it is fetched
+    /// again elsewhere, and a source that gave wrong bytes is not trusted
+    /// again. Where a read given up on was aimed at the chunk, that read
+    /// may have landed over the source's bytes, so the source is only not
+    /// asked for this chunk again.
     fn blame(&mut self, sources: &[Source], c: usize, s: usize) {
-        tracing::warn!(source = %sources[s].name(), chunk = c, "weights: a chunk does not match its hash; fetching it again elsewhere");
         self.failed[c].insert(s);
+        self.refetched += 1;
+        if self.late.contains(&c) {
+            tracing::warn!(source = %sources[s].name(), chunk = c, "weights: a chunk a late read may have landed on does not match its hash; fetching it again elsewhere");
+            self.why[s].push(format!(
+                "chunk {c} does not match its SHA-256 (a read given up on may have landed on it)"
+            ));
+            return;
+        }
+        tracing::warn!(source = %sources[s].name(), chunk = c, "weights: a chunk does not match its hash; fetching it again elsewhere");
         self.dead[s] = true;
         self.why[s].push(format!("chunk {c} does not match its SHA-256"));
-        self.refetched += 1;
     }
 
-    /// Checks every landed chunk against its own hash, on every core;
+    /// Checks every landed chunk against its own hash, on up to 8 cores;
     /// answers those that do not match, no longer counted as landed and
     /// their sources blamed.
     fn sweep(&mut self, sources: &[Source], base: Base) -> Vec<usize> {
@@ -498,12 +521,13 @@ impl Fetch<'_> {
         });
         wrong.sort_unstable();
         for &c in &wrong {
-            if let Some(s) = self.from[c].take() {
-                let len = m.chunk(c).1 as u64;
-                self.given[s] -= len;
-                self.done_bytes -= len;
-                self.blame(sources, c, s);
-            }
+            let Some(s) = self.from[c].take() else {
+                continue;
+            };
+            let len = m.chunk(c).1 as u64;
+            self.given[s] -= len;
+            self.done_bytes -= len;
+            self.blame(sources, c, s);
         }
         wrong
     }

@@ -18,7 +18,7 @@
 //! - the first pass takes chunks as they land, and a second thread hashes
 //!   the landed prefix as it grows;
 //! - where the file's hash differs, every chunk is checked against its own
-//!   hash (on every core); a chunk that does not match is fetched again
+//!   hash (on up to 8 cores); a chunk that does not match is fetched again
 //!   from another source and checked as it lands, and the source that gave
 //!   it is dropped; then the file is hashed again. Chunks that all match
 //!   under a different file hash mean the manifest is wrong
@@ -83,8 +83,10 @@ impl Default for LoadOptions {
     }
 }
 
-/// Progress of a load, after each chunk lands (the file is verified once
-/// every chunk has).
+/// Progress of a load, after each chunk lands. `done` counts bytes landed,
+/// not verified: the file is verified once every chunk has landed, and
+/// where that finds wrong chunks, `done` goes back down by their bytes
+/// and up again as they are fetched again.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoadProgress {
     pub done: u64,
@@ -128,6 +130,10 @@ pub enum LoadError {
     },
     #[error("the chunks match the manifest but the file's SHA-256 is {got}, not {want}: the manifest is wrong")]
     Mismatch { got: String, want: String },
+    /// Chunks kept going wrong after they were fetched again and checked
+    /// (reads given up on that land late).
+    #[error("the file's SHA-256 still differs from its content hash after {repairs} repairs ({chunks} chunks wrong in the last check)")]
+    Unsettled { repairs: usize, chunks: usize },
     #[error("fabric endpoint for peer reads: {0}")]
     Fabric(#[from] FabricError),
     /// The copy on the GPU does not hash to the content hash.
@@ -353,6 +359,7 @@ pub fn load(
         why,
         failed: vec![HashSet::new(); n],
         from: vec![None; n],
+        late: HashSet::new(),
         given: vec![0; sources.len()],
         done_bytes: 0,
         refetched: 0,
