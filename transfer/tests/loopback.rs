@@ -407,3 +407,64 @@ fn tcp_rxm_write_to_a_gone_peer_fails_in_time() {
 fn shm_write_to_a_gone_peer_fails_in_time() {
     write_to_a_gone_peer_fails_in_time("shm");
 }
+
+/// A read target's progress thread, which sees no completion for one-sided
+/// reads of its memory, spins while a peer reads (the data moves inside its
+/// polls), and goes back to idle polling once the reads stop.
+fn a_read_target_spins_while_read_then_idles(provider: &str) {
+    const LEN: usize = 32 << 20;
+    let mut target = Agent::new(provider).expect("provider available");
+    let mut src = target.register(LEN).unwrap();
+    src.bytes_mut().fill(3);
+    let remote = src.remote();
+    let addr = target.address().unwrap();
+    let progress = Progress::spawn(target).unwrap();
+    let mut init = Agent::new(provider).unwrap();
+    let peer = init.insert_peer(&addr).unwrap();
+    let dst = init.register(LEN).unwrap();
+    let cold = |what: &str| {
+        let t0 = std::time::Instant::now();
+        while progress.hot() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "{provider}: the progress thread still spins {what}"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    cold("before any read");
+    let mut hot = 0;
+    for _ in 0..4 {
+        init.read(
+            WriteOp {
+                local: &dst,
+                offset: 0,
+                len: LEN,
+                peer,
+                remote: &remote,
+                remote_offset: 0,
+                notify: None,
+            },
+            Duration::from_secs(30),
+        )
+        .unwrap();
+        hot += usize::from(progress.hot());
+    }
+    assert!(dst.bytes().iter().all(|b| *b == 3));
+    assert!(
+        hot > 0,
+        "{provider}: the progress thread never spun while a peer read"
+    );
+    cold("after the reads");
+    drop(src);
+}
+
+#[test]
+fn tcp_rxm_a_read_target_spins_while_read_then_idles() {
+    a_read_target_spins_while_read_then_idles("tcp;ofi_rxm");
+}
+
+#[test]
+fn shm_a_read_target_spins_while_read_then_idles() {
+    a_read_target_spins_while_read_then_idles("shm");
+}
