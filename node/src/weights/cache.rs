@@ -71,12 +71,73 @@ fn chunk_read_timeout(bytes: usize) -> std::time::Duration {
     std::time::Duration::from_secs(30) + std::time::Duration::from_millis(bytes as u64 / 10_000)
 }
 
+/// Chunks read ahead of a loader that reads the cache in order: each
+/// object's read begins with round trips to the server (a consumer per
+/// object), which the reads ahead overlap. Bounds the memory held to this
+/// many chunks.
+const AHEAD: usize = 4;
+
 /// The in-cluster cache as a loader's source.
+///
+/// Read in order (chunk `i` after `i - 1`, as when the cache is the first
+/// source), it keeps up to [`AHEAD`] chunks in flight; read out of order
+/// (chunks other sources failed), it reads only what is asked, so nothing
+/// is fetched that the load will not use. Reads ahead are tasks this
+/// source owns: it aborts them when dropped, and those it skips past.
 pub(super) struct CacheSource {
     pub(super) store: async_nats::jetstream::object_store::ObjectStore,
     pub(super) manifest: WeightManifest,
     pub(super) cached: bool,
     pub(super) rt: tokio::runtime::Handle,
+    /// Reads in flight, by chunk.
+    pub(super) ahead: BTreeMap<usize, tokio::task::JoinHandle<Result<Vec<u8>, SourceError>>>,
+    /// The chunk read last.
+    pub(super) last: Option<usize>,
+}
+
+impl CacheSource {
+    pub(super) fn new(
+        store: async_nats::jetstream::object_store::ObjectStore,
+        manifest: WeightManifest,
+        cached: bool,
+    ) -> Self {
+        CacheSource {
+            store,
+            manifest,
+            cached,
+            rt: tokio::runtime::Handle::current(),
+            ahead: BTreeMap::new(),
+            last: None,
+        }
+    }
+
+    /// Reads chunk `i` whole (at most one byte more, so a longer object
+    /// is refused without reading it all).
+    fn read(&self, i: usize) -> impl std::future::Future<Output = Result<Vec<u8>, SourceError>> {
+        let name = object(&self.manifest.sha256, i);
+        let store = self.store.clone();
+        let want = self.manifest.chunk(i).1;
+        async move {
+            let o = store
+                .get(name.as_str())
+                .await
+                .map_err(|e| SourceError::Io(format!("{name}: {e}")))?;
+            let mut v = Vec::with_capacity(want);
+            o.take(want as u64 + 1)
+                .read_to_end(&mut v)
+                .await
+                .map_err(|e| SourceError::Io(format!("{name}: {e}")))?;
+            Ok(v)
+        }
+    }
+}
+
+impl Drop for CacheSource {
+    fn drop(&mut self) {
+        for h in self.ahead.values() {
+            h.abort();
+        }
+    }
 }
 
 impl ByteSource for CacheSource {
@@ -92,35 +153,45 @@ impl ByteSource for CacheSource {
     }
     fn read_at(&mut self, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
         let i = (offset / self.manifest.chunk_size) as usize;
-        let name = object(&self.manifest.sha256, i);
-        let store = self.store.clone();
-        let want = out.len();
-        let limit = chunk_read_timeout(want);
-        let read = async move {
-            let o = store
-                .get(name.as_str())
-                .await
-                .map_err(|e| SourceError::Io(format!("{name}: {e}")))?;
-            // At most one byte more than the chunk: a longer object is
-            // refused below without reading it all.
-            let mut v = Vec::with_capacity(want);
-            o.take(want as u64 + 1)
-                .read_to_end(&mut v)
-                .await
-                .map_err(|e| SourceError::Io(format!("{name}: {e}")))?;
-            Ok::<_, SourceError>(v)
+        let in_order = i == 0 || self.last == i.checked_sub(1);
+        self.last = Some(i);
+        // Reads of chunks behind this one, or anywhere once the order
+        // breaks, will not be asked for: they stop.
+        self.ahead.retain(|&k, h| {
+            let keep = in_order && k >= i;
+            if !keep {
+                h.abort();
+            }
+            keep
+        });
+        let upto = if in_order {
+            (i + AHEAD).min(self.manifest.chunks.len())
+        } else {
+            i + 1
         };
-        let bytes = self
+        for k in i..upto {
+            if !self.ahead.contains_key(&k) {
+                let read = self.read(k);
+                self.ahead.insert(k, self.rt.spawn(read));
+            }
+        }
+        let task = self.ahead.remove(&i).expect("chunk i was just asked for");
+        let limit = chunk_read_timeout(out.len());
+        let bytes = match self
             .rt
-            .block_on(async move { tokio::time::timeout(limit, read).await })
+            .block_on(async move { tokio::time::timeout(limit, task).await })
+        {
+            Ok(Ok(read)) => read?,
+            Ok(Err(e)) => return Err(SourceError::Io(format!("chunk {i}: {e}"))),
             // A store that stalls on one chunk would stall on the next:
             // give the cache up, so the rest comes from other sources.
-            .map_err(|_| {
-                SourceError::Gone(format!(
+            Err(_) => {
+                return Err(SourceError::Gone(format!(
                     "chunk {i} not read within {} s; the cache is given up for this load",
                     limit.as_secs()
-                ))
-            })??;
+                )))
+            }
+        };
         if bytes.len() != out.len() {
             return Err(SourceError::Io(format!(
                 "chunk {i} has {} bytes, not {}",

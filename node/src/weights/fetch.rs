@@ -200,12 +200,11 @@ impl NodeWeights {
                     .object_store(&self.bus.subjects.weights_objects())
                     .await
                 {
-                    Ok(store) => sources.push(Source::Bytes(Box::new(CacheSource {
+                    Ok(store) => sources.push(Source::Bytes(Box::new(CacheSource::new(
                         store,
-                        manifest: m.clone(),
-                        cached: cat.cached.contains(&m.sha256),
-                        rt: tokio::runtime::Handle::current(),
-                    }))),
+                        m.clone(),
+                        cat.cached.contains(&m.sha256),
+                    )))),
                     Err(e) => sources.push(Source::Bytes(Box::new(Unavailable {
                         name: "cache (object store)".into(),
                         why: e.to_string(),
