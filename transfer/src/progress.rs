@@ -2,11 +2,11 @@
 //! only while someone reads the endpoint's completion queue.
 //!
 //! Invariants: the thread stops when the [`Progress`] is dropped; it spins
-//! while an [`Expecting`] guard lives, and for [`HOT_FOR`] after a poll
-//! that did work (a completion, or a call of [`BUSY_CALL`] or more: a
-//! peer's reads of this endpoint's memory move through it), and polls
-//! every [`IDLE_POLL`] otherwise; a paused thread does not poll until
-//! resumed.
+//! while an [`Expecting`] guard lives, and, for a read target
+//! ([`Progress::spawn_read_target`]), for [`HOT_FOR`] after a poll that
+//! used [`BUSY_CALL`] of its CPU time (a peer's reads of this endpoint's
+//! memory move through it); it polls every [`IDLE_POLL`] otherwise; a
+//! paused thread does not poll until resumed.
 
 use crate::{Agent, FabricError};
 use std::sync::atomic::Ordering;
@@ -16,8 +16,9 @@ use std::time::Duration;
 /// a manual-progress provider needs one) until dropped.
 ///
 /// It spins while someone expects traffic ([`Progress::expect`]: a
-/// transfer is under way), and polls every [`IDLE_POLL`] otherwise, which
-/// keeps connection set-up moving without burning a core the engine needs.
+/// transfer is under way), a read target also while peers read it, and it
+/// polls every [`IDLE_POLL`] otherwise, which keeps connection set-up
+/// moving without burning a core the engine needs.
 pub struct Progress {
     agent: std::sync::Arc<std::sync::Mutex<Agent>>,
     shared: std::sync::Arc<ProgressFlags>,
@@ -31,18 +32,24 @@ struct ProgressFlags {
     expecting: std::sync::atomic::AtomicUsize,
     /// Spinning after a poll that did work (see [`HOT_FOR`]).
     hot: std::sync::atomic::AtomicBool,
+    /// Times the thread went from idle to spinning after a poll that did
+    /// work.
+    spells: std::sync::atomic::AtomicU64,
 }
 
 /// Poll period of an idle progress thread.
 pub const IDLE_POLL: Duration = Duration::from_millis(2);
 
-/// A poll that took this much of the thread's CPU time moved data. A
-/// target of one-sided reads sees no completion for them, but on providers
-/// with manual progress (shm's bounce buffers, rxm's rendezvous over tcp)
-/// the data moves inside its polls, so a long poll is the sign that a peer
-/// is reading. CPU time, not wall time: a poll the scheduler preempted on
-/// a busy machine did no work.
-pub const BUSY_CALL: Duration = Duration::from_micros(20);
+/// A poll of a read target that took this much of the thread's CPU time
+/// moved data. A target of one-sided reads sees no completion for them,
+/// but on providers with manual progress (shm's bounce buffers, rxm's
+/// rendezvous over tcp) the data moves inside its polls, so a long poll is
+/// the sign that a peer is reading. CPU time, not wall time: a poll the
+/// scheduler preempted on a busy machine did no work. The bar is well
+/// above an idle poll's few microseconds, so the provider's own timers and
+/// interrupt time charged to the thread (where the kernel does not account
+/// it apart) do not keep it spinning.
+pub const BUSY_CALL: Duration = Duration::from_micros(100);
 
 /// How long the thread keeps spinning after a poll that did work: a peer
 /// that is reading posts its next reads within this, and each would
@@ -60,7 +67,21 @@ impl Drop for Expecting {
 }
 
 impl Progress {
+    /// A thread that spins only while someone expects traffic (a write
+    /// target: its writers say when, see [`Progress::expect`]).
     pub fn spawn(agent: Agent) -> std::io::Result<Self> {
+        Self::start(agent, false)
+    }
+
+    /// A thread for memory that peers read without saying when (weights
+    /// served to loading peers): it also spins for [`HOT_FOR`] after each
+    /// poll that did work, so a reader's next window is not held up by
+    /// [`IDLE_POLL`].
+    pub fn spawn_read_target(agent: Agent) -> std::io::Result<Self> {
+        Self::start(agent, true)
+    }
+
+    fn start(agent: Agent, follow_reads: bool) -> std::io::Result<Self> {
         let agent = std::sync::Arc::new(std::sync::Mutex::new(agent));
         let shared = std::sync::Arc::new(ProgressFlags::default());
         let (a, f) = (agent.clone(), shared.clone());
@@ -71,13 +92,18 @@ impl Progress {
                 // thread keeps polling: it is the endpoint's only progress.
                 let mut first_error = None;
                 let mut hot_until = std::time::Instant::now();
+                let mut was_hot = false;
                 while !f.stop.load(Ordering::Relaxed) {
                     if !f.paused.load(Ordering::Relaxed) {
                         if let Ok(mut a) = a.lock() {
-                            let t = thread_cpu();
+                            let t = if follow_reads {
+                                thread_cpu()
+                            } else {
+                                Duration::ZERO
+                            };
                             match a.progress() {
-                                Ok(done) => {
-                                    if done > 0 || thread_cpu().saturating_sub(t) >= BUSY_CALL {
+                                Ok(_) => {
+                                    if follow_reads && thread_cpu().saturating_sub(t) >= BUSY_CALL {
                                         hot_until = std::time::Instant::now() + HOT_FOR;
                                     }
                                 }
@@ -91,6 +117,10 @@ impl Progress {
                         }
                     }
                     let hot = std::time::Instant::now() < hot_until;
+                    if hot && !was_hot {
+                        f.spells.fetch_add(1, Ordering::Relaxed);
+                    }
+                    was_hot = hot;
                     f.hot.store(hot, Ordering::Relaxed);
                     if hot || f.expecting.load(Ordering::Relaxed) > 0 {
                         std::thread::yield_now();
@@ -128,6 +158,12 @@ impl Progress {
     /// counting [`Self::expect`]).
     pub fn hot(&self) -> bool {
         self.shared.hot.load(Ordering::Relaxed)
+    }
+
+    /// How many times the thread went from idle to spinning because a poll
+    /// did work.
+    pub fn hot_spells(&self) -> u64 {
+        self.shared.spells.load(Ordering::Relaxed)
     }
 
     /// Stops polling (fault injection: a peer that never polls).

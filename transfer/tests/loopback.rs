@@ -410,53 +410,64 @@ fn shm_write_to_a_gone_peer_fails_in_time() {
 
 /// A read target's progress thread, which sees no completion for one-sided
 /// reads of its memory, spins while a peer reads (the data moves inside its
-/// polls), and goes back to idle polling once the reads stop.
+/// polls), and goes back to idle polling once the reads stop; a write
+/// target's thread (plain `spawn`) spins only when told to.
 fn a_read_target_spins_while_read_then_idles(provider: &str) {
     const LEN: usize = 32 << 20;
-    let mut target = Agent::new(provider).expect("provider available");
-    let mut src = target.register(LEN).unwrap();
-    src.bytes_mut().fill(3);
-    let remote = src.remote();
-    let addr = target.address().unwrap();
-    let progress = Progress::spawn(target).unwrap();
-    let mut init = Agent::new(provider).unwrap();
-    let peer = init.insert_peer(&addr).unwrap();
-    let dst = init.register(LEN).unwrap();
-    let cold = |what: &str| {
-        let t0 = std::time::Instant::now();
-        while progress.hot() {
-            assert!(
-                t0.elapsed() < Duration::from_secs(5),
-                "{provider}: the progress thread still spins {what}"
-            );
-            std::thread::sleep(Duration::from_millis(1));
+    for read_target in [true, false] {
+        let mut target = Agent::new(provider).expect("provider available");
+        let mut src = target.register(LEN).unwrap();
+        src.bytes_mut().fill(3);
+        let remote = src.remote();
+        let addr = target.address().unwrap();
+        let progress = if read_target {
+            Progress::spawn_read_target(target).unwrap()
+        } else {
+            Progress::spawn(target).unwrap()
+        };
+        let mut init = Agent::new(provider).unwrap();
+        let peer = init.insert_peer(&addr).unwrap();
+        let dst = init.register(LEN).unwrap();
+        let cold = |what: &str| {
+            let t0 = std::time::Instant::now();
+            while progress.hot() {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(5),
+                    "{provider}: the progress thread still spins {what}"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        cold("before any read");
+        let before = progress.hot_spells();
+        for _ in 0..4 {
+            init.read(
+                WriteOp {
+                    local: &dst,
+                    offset: 0,
+                    len: LEN,
+                    peer,
+                    remote: &remote,
+                    remote_offset: 0,
+                    notify: None,
+                },
+                Duration::from_secs(30),
+            )
+            .unwrap();
         }
-    };
-    cold("before any read");
-    let mut hot = 0;
-    for _ in 0..4 {
-        init.read(
-            WriteOp {
-                local: &dst,
-                offset: 0,
-                len: LEN,
-                peer,
-                remote: &remote,
-                remote_offset: 0,
-                notify: None,
-            },
-            Duration::from_secs(30),
-        )
-        .unwrap();
-        hot += usize::from(progress.hot());
+        assert!(dst.bytes().iter().all(|b| *b == 3));
+        let spells = progress.hot_spells() - before;
+        if read_target {
+            assert!(
+                spells > 0,
+                "{provider}: the read target's thread never spun while a peer read"
+            );
+        } else {
+            assert_eq!(spells, 0, "{provider}: a write target's thread spun untold");
+        }
+        cold("after the reads");
+        drop(src);
     }
-    assert!(dst.bytes().iter().all(|b| *b == 3));
-    assert!(
-        hot > 0,
-        "{provider}: the progress thread never spun while a peer read"
-    );
-    cold("after the reads");
-    drop(src);
 }
 
 #[test]

@@ -219,7 +219,7 @@ impl WeightServer {
     ) -> Result<Self, ServeError> {
         let provider = agent.provider().to_string();
         let address = agent.address()?;
-        let progress = Progress::spawn(agent).map_err(|e| ServeError::Thread {
+        let progress = Progress::spawn_read_target(agent).map_err(|e| ServeError::Thread {
             message: e.to_string(),
         })?;
         Ok(WeightServer {

@@ -79,11 +79,14 @@ const AHEAD: usize = 4;
 
 /// The in-cluster cache as a loader's source.
 ///
-/// Read in order (chunk `i` after `i - 1`, as when the cache is the first
-/// source), it keeps up to [`AHEAD`] chunks in flight; read out of order
-/// (chunks other sources failed), it reads only what is asked, so nothing
-/// is fetched that the load will not use. Reads ahead are tasks this
-/// source owns: it aborts them when dropped, and those it skips past.
+/// Read in order (chunk `i` after `i - 1`, or chunk 0 first, as when the
+/// cache is the first source), it keeps up to [`AHEAD`] chunks in flight;
+/// read out of order (chunks other sources failed) it reads only what is
+/// asked and stops what it read ahead. So at most `AHEAD - 1` chunks are
+/// read that the load may not use (two failed chunks in a row from another
+/// source look like order). Reads ahead are tasks this source owns: it
+/// aborts them when dropped, when it skips past them, and when it gives
+/// up after a stalled read.
 pub(super) struct CacheSource {
     pub(super) store: async_nats::jetstream::object_store::ObjectStore,
     pub(super) manifest: WeightManifest,
@@ -153,12 +156,18 @@ impl ByteSource for CacheSource {
     }
     fn read_at(&mut self, offset: u64, out: &mut [u8]) -> Result<(), SourceError> {
         let i = (offset / self.manifest.chunk_size) as usize;
-        let in_order = i == 0 || self.last == i.checked_sub(1);
+        if i >= self.manifest.chunks.len() {
+            return Err(SourceError::Io(format!(
+                "offset {offset} is past the file's {} bytes",
+                self.manifest.size
+            )));
+        }
+        let in_order = self.last.map_or(i == 0, |l| l + 1 == i);
         self.last = Some(i);
-        // Reads of chunks behind this one, or anywhere once the order
-        // breaks, will not be asked for: they stop.
+        // Reads of chunks behind this one, or any but this one once the
+        // order breaks, will not be asked for: they stop.
         self.ahead.retain(|&k, h| {
-            let keep = in_order && k >= i;
+            let keep = k == i || (in_order && k > i);
             if !keep {
                 h.abort();
             }
@@ -175,21 +184,28 @@ impl ByteSource for CacheSource {
                 self.ahead.insert(k, self.rt.spawn(read));
             }
         }
-        let task = self.ahead.remove(&i).expect("chunk i was just asked for");
+        let Some(mut task) = self.ahead.remove(&i) else {
+            return Err(SourceError::Io(format!("chunk {i} was not asked for")));
+        };
         let limit = chunk_read_timeout(out.len());
-        let bytes = match self
+        let waited = self
             .rt
-            .block_on(async move { tokio::time::timeout(limit, task).await })
-        {
+            .block_on(async { tokio::time::timeout(limit, &mut task).await });
+        let bytes = match waited {
             Ok(Ok(read)) => read?,
             Ok(Err(e)) => return Err(SourceError::Io(format!("chunk {i}: {e}"))),
             // A store that stalls on one chunk would stall on the next:
-            // give the cache up, so the rest comes from other sources.
+            // give the cache up, so the rest comes from other sources; the
+            // stalled read and those ahead of it stop.
             Err(_) => {
+                task.abort();
+                for h in std::mem::take(&mut self.ahead).into_values() {
+                    h.abort();
+                }
                 return Err(SourceError::Gone(format!(
                     "chunk {i} not read within {} s; the cache is given up for this load",
                     limit.as_secs()
-                )))
+                )));
             }
         };
         if bytes.len() != out.len() {
