@@ -219,3 +219,61 @@ impl ByteSource for CacheSource {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::embedded_nats::{EmbeddedNats, Security};
+    use dynamo_bus_schema::{Namespace, Subjects};
+    use dynamo_runtime::BusAccess;
+
+    /// Against a real server: read in order, the cache keeps chunks in
+    /// flight ahead of the loader; read out of order, only the chunk asked
+    /// for; every chunk comes back byte for byte.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_cache_reads_ahead_only_in_order() {
+        let nats = EmbeddedNats::start(0, Security::default()).await.unwrap();
+        let subjects = Subjects::new(Namespace::new("cachetest").unwrap());
+        let bus = Bus::connect(&nats.url, "test", subjects, &BusAccess::default())
+            .await
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.gguf");
+        // Seven chunks, the last one short.
+        let file: Vec<u8> = (0..(6 * (4 << 20) + 1000))
+            .map(|i: usize| (i.wrapping_mul(2654435761) >> 11) as u8)
+            .collect();
+        std::fs::write(&path, &file).unwrap();
+        let m = push(&bus, &path, "m", &mut |_, _| {}).await.unwrap();
+        assert_eq!(m.chunks.len(), 7);
+        let store = bus
+            .object_store(&bus.subjects.weights_objects())
+            .await
+            .unwrap();
+        let mut src = CacheSource::new(store, m.clone(), true);
+        tokio::task::spawn_blocking(move || {
+            let mut read = |c: usize| {
+                let (off, len) = m.chunk(c);
+                let mut out = vec![0u8; len];
+                src.read_at(off, &mut out).unwrap();
+                assert!(out == file[off as usize..off as usize + len], "chunk {c}");
+                src.ahead.keys().copied().collect::<Vec<_>>()
+            };
+            assert_eq!(read(0), [1, 2, 3]);
+            assert_eq!(read(1), [2, 3, 4]);
+            // Out of order (another source failed chunk 5): nothing ahead.
+            assert_eq!(read(5), Vec::<usize>::new());
+            // In order again, up to the end.
+            assert_eq!(read(6), Vec::<usize>::new());
+            // Chunk 0 again, after others: out of order.
+            assert_eq!(read(0), Vec::<usize>::new());
+            let mut out = vec![0u8; 10];
+            let past = src
+                .read_at(m.chunks.len() as u64 * m.chunk_size, &mut out)
+                .unwrap_err();
+            assert!(past.to_string().contains("past the file"), "{past}");
+        })
+        .await
+        .unwrap();
+    }
+}
