@@ -3,7 +3,7 @@
 //! file's hash refuses. The invariants are the parent module's.
 
 use super::{Dest, LoadError, LoadOptions, LoadProgress, Source, Tried};
-use crate::manifest::{chunk_ok, ContentHash, Manifest};
+use crate::manifest::{chunk_ok, hash, ContentHash, Manifest};
 use crate::source::SourceError;
 use dynamo_transfer::{Agent, FabricError, Peer, Region, RemoteRegion, WriteOp};
 use sha2::{Digest, Sha256};
@@ -188,7 +188,7 @@ impl Fetch<'_> {
             }
             let got = match streamed.take() {
                 Some(h) => h,
-                None => ContentHash(Sha256::digest(&dest.bytes()[..size]).into()),
+                None => hash(&dest.bytes()[..size]),
             };
             if got == self.manifest.sha256 {
                 return Ok(());
