@@ -12,6 +12,9 @@
 # "on"), a frontend node (gateway + router) and a worker node (the two
 # mocker workers), so gateway and workers talk over separate connections
 # whatever is on; CPU is then both nodes' and the server's.
+# BIN_ON (default BIN) runs the "on" nodes from another build: with every
+# part off (HTTPS=0 KEYS=0 NATS_TLS=0 NATS_USERS=0) it compares two builds
+# side by side, the same way (BENCHMARKS.md, "Allocator").
 # `dynamoctl bench` alternates between them for ROUNDS rounds (each
 # round: non-streaming then streaming, REQUESTS chat requests at
 # CONCURRENCY, keep-alive connections as real clients use). It reports
@@ -20,6 +23,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-./target/release}
+BIN_ON=${BIN_ON:-$BIN}
 REQUESTS=${REQUESTS:-2000}
 CONCURRENCY=${CONCURRENCY:-64}
 ROUNDS=${ROUNDS:-3}
@@ -53,6 +57,7 @@ grep -q "auth = $(b "$NATS_USERS")" "$work/on.toml" && grep -q 'tls = false' "$w
     exit 1
 }
 echo "on: HTTPS=$HTTPS KEYS=$KEYS NATS_TLS=$NATS_TLS NATS_USERS=$NATS_USERS"
+echo "builds: off $BIN, on $BIN_ON"
 scheme_on=http
 [ "$HTTPS" = 1 ] && scheme_on=https
 
@@ -70,7 +75,9 @@ trap cleanup EXIT
 start() { # NAME CONFIG HEALTH_URL [curl args]: sets the pid in $started
   local name=$1 config=$2 health=$3
   shift 3
-  DYNAMO_STATE_DIR="$work/state-$name" "$BIN/dynamo-node" --config "$config" >"$work/$name.log" 2>&1 &
+  local bin=$BIN
+  [ "$name" = on ] && bin=$BIN_ON
+  DYNAMO_STATE_DIR="$work/state-$name" "$bin/dynamo-node" --config "$config" >"$work/$name.log" 2>&1 &
   started=$!
   pids+=("$started")
   for _ in $(seq 1 300); do
@@ -114,7 +121,9 @@ else
     local nats_block="[nats]\nurl = \"$scheme://127.0.0.1:$port\"$nats_access"
     printf "node_id = \"front-$name\"\nnamespace = \"bench\"\n\n$nats_block\n\n[gateway]$gateway\n\n[router]\npolicy = \"least_loaded\"\n" >"$work/front-$name.toml"
     printf "node_id = \"work-$name\"\nnamespace = \"bench\"\n\n$nats_block\n\n[[workers]]\ncount = 2\nengine = \"mocker\"\nmodel = \"smollm2-135m-instruct\"\n\n[workers.mocker]\nspeedup = 0.0\n" >"$work/work-$name.toml"
-    DYNAMO_STATE_DIR="$work/state-work-$name" "$BIN/dynamo-node" --config "$work/work-$name.toml" >"$work/work-$name.log" 2>&1 &
+    local bin=$BIN
+    [ "$name" = on ] && bin=$BIN_ON
+    DYNAMO_STATE_DIR="$work/state-work-$name" "$bin/dynamo-node" --config "$work/work-$name.toml" >"$work/work-$name.log" 2>&1 &
     work_pid=$!
     pids+=("$work_pid")
   }

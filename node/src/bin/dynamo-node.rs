@@ -6,6 +6,13 @@
 //!   [--roles controller]`: a node of a cluster, running what the placement
 //!   controller assigns it.
 
+/// mimalloc rather than glibc's malloc: the serving path allocates and
+/// frees many small buffers per request (frames, TLS records, JSON), and
+/// glibc's malloc took about a sixth of the node's CPU in the serving
+/// bench (BENCHMARKS.md, "Serving path").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use clap::Parser;
 use dynamo_node::config::{parse_labels, JoinConfig, NodeConfig};
 use dynamo_node::{daemon, env};

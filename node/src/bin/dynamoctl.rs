@@ -1,6 +1,12 @@
 //! The admin CLI: `dynamoctl status`, `drain`, `bench`, `replay`, and the
 //! cluster layer's `apply`, `get`, `describe`, `scale`, `delete`, `render`.
 
+/// mimalloc, as in `dynamo-node`: `bench` and `replay` are load generators
+/// that allocate per request, and their CPU shares the machine with the
+/// server they measure (BENCHMARKS.md, "Serving path").
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use clap::{Parser, Subcommand};
 use dynamo_bus_schema::Namespace;
 use dynamo_node::{
