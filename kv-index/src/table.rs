@@ -7,10 +7,9 @@
 //!   slot's value is never [`Value::EMPTY`]. Key 0 (a sequence hash like any
 //!   other, if improbable) lives beside the slots, in `zero`;
 //! - so all-zero memory is an empty table: slots are allocated zeroed and
-//!   never filled by us. A large table is advised onto huge pages before we
-//!   touch any of its pages (the allocator maps large allocations fresh from
-//!   the kernel, untouched; if it reuses heap memory instead, it zeroes it
-//!   first and those pages stay 4 KiB);
+//!   never filled by us. A large table is a mapping of its own, advised
+//!   onto huge pages before any of its pages is touched (`Slots`), not
+//!   memory from the global allocator, which may be reused and zeroed;
 //! - linear probing with backward-shift deletion: every key is reachable
 //!   from its home slot without crossing an empty slot (no tombstones);
 //! - the load factor stays ≤ 2/3 (the table doubles before exceeding it):
@@ -99,42 +98,139 @@ struct Slot<V> {
 /// probes are random, and 4 KiB pages make nearly every probe a TLB miss.
 const HUGE_PAGE_BYTES: usize = 4 << 20;
 
-/// `n` empty (all-zero) slots, which the allocator takes zeroed from the
-/// kernel for a large table, untouched. A large table is advised onto huge
-/// pages *before* its pages are first touched: a page faulted in as 4 KiB
-/// stays 4 KiB until khugepaged collapses it, long after the table is in use.
-fn alloc_slots<V: Value>(n: usize) -> Vec<Slot<V>> {
-    assert!(n > 0 && std::mem::size_of::<Slot<V>>() > 0);
-    let layout = std::alloc::Layout::array::<Slot<V>>(n).expect("a table within the address space");
-    // SAFETY: `layout` has a non-zero size (asserted above).
-    let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut Slot<V>;
-    if ptr.is_null() {
-        std::alloc::handle_alloc_error(layout);
-    }
-    let bytes = layout.size();
-    #[cfg(target_os = "linux")]
-    if bytes >= HUGE_PAGE_BYTES {
-        // madvise wants a page-aligned start; the allocator's pointer is not.
-        const PAGE: usize = 4096;
-        let start = ptr as usize;
-        let aligned = (start + PAGE - 1) & !(PAGE - 1);
-        let len = (bytes - (aligned - start)) & !(PAGE - 1);
-        // SAFETY: an advisory call on a range inside our own, live
-        // allocation; failure is harmless.
-        unsafe {
-            libc::madvise(aligned as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+/// Huge-page size on x86-64 and most arm64 kernels: a large table's mapping
+/// starts on such a boundary, so every 2 MiB of it can be one huge page.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// A table's slots: all-zero when made, never reallocated (a table grows by
+/// making new slots and moving its entries).
+///
+/// A large table (≥ [`HUGE_PAGE_BYTES`]) is its own anonymous mapping,
+/// aligned to [`HUGE_PAGE`] and advised onto huge pages before any page of
+/// it is touched: a page faulted in as 4 KiB stays 4 KiB until khugepaged
+/// collapses it, long after the table is in use. It does not come from the
+/// global allocator, which may hand out reused memory that it must zero
+/// (touching every page first) and keeps freed ranges for small objects.
+/// Smaller tables come zeroed from the global allocator.
+struct Slots<V> {
+    ptr: std::ptr::NonNull<Slot<V>>,
+    len: usize,
+    /// `Some(bytes)`: an mmap of that many bytes (else the global allocator).
+    mapped: Option<usize>,
+}
+
+// SAFETY: `Slots` owns its memory as a `Vec` would; slots are plain data.
+unsafe impl<V: Send> Send for Slots<V> {}
+// SAFETY: shared access gives only `&[Slot<V>]`.
+unsafe impl<V: Sync> Sync for Slots<V> {}
+
+impl<V: Value> Slots<V> {
+    /// `n` empty (all-zero) slots.
+    fn zeroed(n: usize) -> Self {
+        assert!(n > 0 && std::mem::size_of::<Slot<V>>() > 0);
+        let layout =
+            std::alloc::Layout::array::<Slot<V>>(n).expect("a table within the address space");
+        #[cfg(target_os = "linux")]
+        if layout.size() >= HUGE_PAGE_BYTES && layout.align() <= HUGE_PAGE {
+            if let Some((ptr, bytes)) = map_huge(layout.size()) {
+                return Slots {
+                    ptr: ptr.cast(),
+                    len: n,
+                    mapped: Some(bytes),
+                };
+            }
+        }
+        // SAFETY: `layout` has a non-zero size (asserted above).
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut Slot<V>;
+        let Some(ptr) = std::ptr::NonNull::new(ptr) else {
+            std::alloc::handle_alloc_error(layout);
+        };
+        Slots {
+            ptr,
+            len: n,
+            mapped: None,
         }
     }
-    #[cfg(not(target_os = "linux"))]
-    let _ = bytes;
-    // SAFETY: `ptr` was allocated by the global allocator with the layout of
-    // `n` slots (`Vec`'s own layout for this capacity), and all-zero slots
-    // are valid values (`Value`'s safety contract: zero key, zero value).
-    unsafe { Vec::from_raw_parts(ptr, n, n) }
+}
+
+/// A fresh, zero-filled anonymous mapping of at least `bytes`, starting on a
+/// [`HUGE_PAGE`] boundary and advised onto huge pages; `None` if the kernel
+/// refuses (the caller falls back to the global allocator).
+#[cfg(target_os = "linux")]
+fn map_huge(bytes: usize) -> Option<(std::ptr::NonNull<u8>, usize)> {
+    let len = bytes.checked_next_multiple_of(HUGE_PAGE)?;
+    let over = len.checked_add(HUGE_PAGE)?;
+    // SAFETY: a new private anonymous mapping; nothing else refers to it.
+    let raw = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            over,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if raw == libc::MAP_FAILED {
+        return None;
+    }
+    let start = raw as usize;
+    let aligned = start.next_multiple_of(HUGE_PAGE);
+    let (head, tail) = (aligned - start, start + over - (aligned + len));
+    // SAFETY: the head and tail are page-aligned parts of the mapping just
+    // made (mmap returns page-aligned memory and both HUGE_PAGE and `len`
+    // are page multiples), outside what we keep; advice on the kept part is
+    // harmless if refused.
+    unsafe {
+        if head > 0 {
+            libc::munmap(raw, head);
+        }
+        if tail > 0 {
+            libc::munmap((aligned + len) as *mut libc::c_void, tail);
+        }
+        libc::madvise(aligned as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
+    }
+    Some((std::ptr::NonNull::new(aligned as *mut u8)?, len))
+}
+
+impl<V> std::ops::Deref for Slots<V> {
+    type Target = [Slot<V>];
+    fn deref(&self) -> &[Slot<V>] {
+        // SAFETY: `len` initialised (all-zero, valid by `Value`'s contract)
+        // slots live at `ptr` for as long as `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<V> std::ops::DerefMut for Slots<V> {
+    fn deref_mut(&mut self) -> &mut [Slot<V>] {
+        // SAFETY: as for `deref`, and `&mut self` makes the access unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<V> Drop for Slots<V> {
+    fn drop(&mut self) {
+        match self.mapped {
+            // SAFETY: the mapping `map_huge` made, unmapped once.
+            #[cfg(target_os = "linux")]
+            Some(bytes) => unsafe {
+                libc::munmap(self.ptr.as_ptr().cast(), bytes);
+            },
+            #[cfg(not(target_os = "linux"))]
+            Some(_) => unreachable!("only Linux maps tables"),
+            None => {
+                let layout = std::alloc::Layout::array::<Slot<V>>(self.len)
+                    .expect("the layout it was allocated with");
+                // SAFETY: allocated by the global allocator with this layout.
+                unsafe { std::alloc::dealloc(self.ptr.as_ptr().cast(), layout) }
+            }
+        }
+    }
 }
 
 pub struct Table<V: Value> {
-    slots: Vec<Slot<V>>,
+    slots: Slots<V>,
     /// The value of key 0 (`EMPTY` if absent): a zero key marks a free slot.
     zero: V,
     shift: u32,
@@ -185,7 +281,7 @@ impl<V: Value> Table<V> {
 
     fn with_bits(bits: u32) -> Self {
         Table {
-            slots: alloc_slots(1 << bits),
+            slots: Slots::zeroed(1 << bits),
             zero: V::EMPTY,
             shift: 64 - bits,
             len: 0,
@@ -203,7 +299,7 @@ impl<V: Value> Table<V> {
 
     /// Bytes held by the table.
     pub fn heap_bytes(&self) -> usize {
-        self.slots.capacity() * std::mem::size_of::<Slot<V>>()
+        self.slots.len() * std::mem::size_of::<Slot<V>>()
     }
 
     #[inline]
@@ -271,7 +367,7 @@ impl<V: Value> Table<V> {
             // line of the last one is the table's first, where probes wrap).
             let home = &self.slots[self.home(key)] as *const Slot<V> as usize;
             let start = self.slots.as_ptr() as usize;
-            let end = start + std::mem::size_of_val(self.slots.as_slice());
+            let end = start + std::mem::size_of_val(&*self.slots);
             let next = home + 64;
             let next = if next < end { next } else { start };
             for p in [home, next] {
@@ -371,7 +467,7 @@ impl<V: Value> Table<V> {
     {
         let mut touched = 0;
         let n = self.slots.len();
-        let old = std::mem::replace(&mut self.slots, alloc_slots(n));
+        let old = std::mem::replace(&mut self.slots, Slots::zeroed(n));
         let zero = std::mem::replace(&mut self.zero, V::EMPTY);
         self.len = 0;
         let present = old.iter().filter(|s| s.key != 0).map(|s| (s.key, s.val));
@@ -419,7 +515,7 @@ impl<V: Value> Table<V> {
     /// so walking the old slots in order writes the new ones nearly in
     /// order: the copy streams instead of probing at random.
     fn rehash(&mut self, bits: u32) {
-        let old = std::mem::replace(&mut self.slots, alloc_slots(1 << bits));
+        let old = std::mem::replace(&mut self.slots, Slots::zeroed(1 << bits));
         self.shift = 64 - bits;
         let m = self.slots.len() - 1;
         for s in old.iter().filter(|s| s.key != 0) {
@@ -455,6 +551,31 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
     use std::collections::HashMap;
+
+    /// A large table is a mapping of its own on a huge-page boundary, all
+    /// zero, writable end to end; a small one comes from the allocator.
+    #[test]
+    fn large_slots_are_their_own_aligned_zeroed_mapping() {
+        let n = (HUGE_PAGE_BYTES / std::mem::size_of::<Slot<Loc>>()) + 3;
+        let mut big = Slots::<Loc>::zeroed(n);
+        #[cfg(target_os = "linux")]
+        {
+            assert!(big
+                .mapped
+                .is_some_and(|b| b >= n * std::mem::size_of::<Slot<Loc>>()));
+            assert_eq!(big.as_ptr() as usize % HUGE_PAGE, 0);
+        }
+        assert_eq!(big.len(), n);
+        assert!(big
+            .iter()
+            .all(|s| s.key == 0 && s.val.run == 0 && s.val.pos == 0));
+        big[n - 1].key = 9;
+        big[0].key = 8;
+        assert_eq!((big[0].key, big[n - 1].key), (8, 9));
+        let small = Slots::<Loc>::zeroed(16);
+        assert!(small.mapped.is_none());
+        assert!(small.iter().all(|s| s.key == 0));
+    }
 
     #[test]
     fn key_zero_lives_beside_the_slots_through_growth_and_rebuilds() {
