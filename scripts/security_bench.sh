@@ -14,7 +14,7 @@
 # whatever is on; CPU is then both nodes' and the server's.
 # BIN_ON (default BIN) runs the "on" nodes from another build: with every
 # part off (HTTPS=0 KEYS=0 NATS_TLS=0 NATS_USERS=0) it compares two builds
-# side by side, the same way (BENCHMARKS.md, "Allocator").
+# side by side, the same way (BENCHMARKS.md, "Serving path", mimalloc).
 # `dynamoctl bench` alternates between them for ROUNDS rounds (each
 # round: non-streaming then streaming, REQUESTS chat requests at
 # CONCURRENCY, keep-alive connections as real clients use). It reports

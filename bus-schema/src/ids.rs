@@ -93,15 +93,17 @@ impl RouterId {
     }
 }
 
-/// A UUID v7: 48 bits of unix milliseconds, then 74 random bits (from the
-/// OS), so ids sort by creation time and logs of one request line up.
+/// A UUID v7: 48 bits of unix milliseconds, then a counter and random bits
+/// (uuid's per-thread generator, a CSPRNG seeded from the OS), so ids sort
+/// by creation time and logs of one request line up.
 fn random_u128() -> u128 {
     uuid::Uuid::now_v7().as_u128()
 }
 
-/// 64 bits of an instance id: the random low half of a UUID v7 (62 random
-/// bits and its variant), so replicas started in the same millisecond
-/// still differ.
+/// 64 bits of an instance id: the low half of a UUID v7 (its variant, the
+/// low 30 bits of uuid's counter, reseeded at random each millisecond and
+/// stepped within it, and 32 random bits), so replicas started in the same
+/// millisecond still differ.
 fn random_u64() -> u64 {
     random_u128() as u64
 }

@@ -8,8 +8,8 @@
 
 /// mimalloc rather than glibc's malloc: the serving path allocates and
 /// frees many small buffers per request (frames, TLS records, JSON), and
-/// glibc's malloc took about a sixth of the node's CPU in the serving
-/// bench (BENCHMARKS.md, "Serving path").
+/// glibc's malloc took 18–20% of the node's CPU in profiles of the
+/// security bench (BENCHMARKS.md, "Serving path").
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
