@@ -12,6 +12,13 @@
 # "on"), a frontend node (gateway + router) and a worker node (the two
 # mocker workers), so gateway and workers talk over separate connections
 # whatever is on; CPU is then both nodes' and the server's.
+# MEASURE=instructions (node topology) counts instead of timing: both nodes
+# run under valgrind's callgrind, and each mode's REQUESTS (default 1,000
+# here) are counted in instructions executed by dynamo-node, once per side.
+# Instructions do not depend on what else runs on the machine, so this
+# separates what security makes the node do from how a shared 2-core host
+# slows it (BENCHMARKS.md, "Security overhead"). The NATS server (Go, not
+# run under valgrind) is left out of the count.
 # BIN_ON (default BIN) runs the "on" nodes from another build: with every
 # part off (HTTPS=0 KEYS=0 NATS_TLS=0 NATS_USERS=0) it compares two builds
 # side by side, the same way (BENCHMARKS.md, "Serving path", mimalloc).
@@ -24,7 +31,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-./target/release}
 BIN_ON=${BIN_ON:-$BIN}
-REQUESTS=${REQUESTS:-2000}
+MEASURE=${MEASURE:-time}
+case "$MEASURE" in
+time) REQUESTS=${REQUESTS:-2000} ;;
+instructions) REQUESTS=${REQUESTS:-1000} CONCURRENCY=${CONCURRENCY:-16} ;;
+*)
+  echo "security_bench.sh: MEASURE is time or instructions, not $MEASURE" >&2
+  exit 2
+  ;;
+esac
 CONCURRENCY=${CONCURRENCY:-64}
 ROUNDS=${ROUNDS:-3}
 PORT_OFF=${PORT_OFF:-8010}
@@ -68,6 +83,10 @@ case "$TOPOLOGY" in node | fleet) ;; *)
   ;;
 esac
 echo "topology: $TOPOLOGY"
+if [ "$MEASURE" = instructions ]; then
+  [ "$TOPOLOGY" = node ] || { echo "security_bench.sh: MEASURE=instructions needs TOPOLOGY=node" >&2; exit 2; }
+  command -v callgrind_control >/dev/null || { echo "security_bench.sh: MEASURE=instructions needs valgrind" >&2; exit 2; }
+fi
 
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
@@ -75,9 +94,11 @@ trap cleanup EXIT
 start() { # NAME CONFIG HEALTH_URL [curl args]: sets the pid in $started
   local name=$1 config=$2 health=$3
   shift 3
-  local bin=$BIN
+  local bin=$BIN wrap=()
   [ "$name" = on ] && bin=$BIN_ON
-  DYNAMO_STATE_DIR="$work/state-$name" "$bin/dynamo-node" --config "$config" >"$work/$name.log" 2>&1 &
+  [ "$MEASURE" = instructions ] &&
+    wrap=(valgrind --tool=callgrind --instr-atstart=no "--callgrind-out-file=$work/cg-$name.%p")
+  DYNAMO_STATE_DIR="$work/state-$name" "${wrap[@]}" "$bin/dynamo-node" --config "$config" >"$work/$name.log" 2>&1 &
   started=$!
   pids+=("$started")
   for _ in $(seq 1 300); do
@@ -171,6 +192,31 @@ PY
 # Warm both (tokenizers, connections, TLS sessions).
 bench off "" >/dev/null
 bench on "" >/dev/null
+
+if [ "$MEASURE" = instructions ]; then
+  # Instrument from here on, warm again under instrumentation, then count
+  # each mode on each side: zero the counters, run, dump, read the total.
+  callgrind_control -i on "$node_off" >/dev/null 2>&1
+  callgrind_control -i on "$node_on" >/dev/null 2>&1
+  bench off "" >/dev/null
+  bench on "" >/dev/null
+  count() { # off|on MODE: prints instructions per request
+    local pid dump
+    [ "$1" = on ] && pid=$node_on || pid=$node_off
+    callgrind_control -z "$pid" >/dev/null 2>&1
+    bench "$1" "$2" >/dev/null
+    callgrind_control -d "$pid" >/dev/null 2>&1
+    dump=$(ls -t "$work/cg-$1.$pid".* | head -n1)
+    awk -v n="$REQUESTS" '/^totals:/ {printf "%.0f", $2 / n}' "$dump"
+  }
+  for mode in "" "--stream"; do
+    name=${mode:-non-stream}
+    name=${name#--}
+    o=$(count off "$mode") n=$(count on "$mode")
+    echo "$name: dynamo-node instructions per request  off $o | on $n | on/off $(awk -v a="$n" -v b="$o" 'BEGIN {printf "%.3f", a / b}') (CPU target <= 1.10)"
+  done
+  exit 0
+fi
 for mode in "" "--stream"; do
   name=${mode:-non-stream}
   name=${name#--}
