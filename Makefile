@@ -79,6 +79,7 @@ bench: build
 	./scripts/overload_bench.sh
 	./scripts/security_bench.sh
 	$(CARGO) run --release -q -p dynamo-kv-index --example index_report
+	$(CARGO) bench -q -p dynamo-model --bench tokenize
 	./scripts/replay_bench.sh
 	$(CARGO) test --release -q -p dynamo-integration --test catch_up_bench -- --ignored --nocapture catch_up_bench
 	$(CARGO) run --release -q -p dynamo-cpu-engine --example cpu_bench

@@ -7,6 +7,7 @@
 //! Control tokens (type 3) become special added tokens, user-defined tokens
 //! (type 4) plain added tokens. Anything else is a [`TokenizerError`].
 
+use crate::fast_encode::FastEncoder;
 use crate::gguf::{GgufMetadata, Value};
 use serde_json::{json, Map};
 use thiserror::Error;
@@ -107,6 +108,8 @@ pub fn tokenizer_json_from_gguf(meta: &GgufMetadata) -> Result<Vec<u8>, Tokenize
 /// A loaded tokenizer.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// The same encoding, faster, for the configurations this crate builds.
+    fast: Option<FastEncoder>,
 }
 
 impl Tokenizer {
@@ -114,11 +117,17 @@ impl Tokenizer {
     pub fn from_json(bytes: &[u8]) -> Result<Self, TokenizerError> {
         let inner = tokenizers::Tokenizer::from_bytes(bytes)
             .map_err(|e| TokenizerError::Build(e.to_string()))?;
-        Ok(Tokenizer { inner })
+        let fast = FastEncoder::for_tokenizer(&inner);
+        Ok(Tokenizer { inner, fast })
     }
 
     /// Encodes text; special tokens written in the text (e.g. `<|im_start|>`) are recognised.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        if let Some(fast) = &self.fast {
+            return fast
+                .encode(self.inner.get_model(), text)
+                .map_err(TokenizerError::Encode);
+        }
         self.inner
             .encode_fast(text, false)
             .map(|e| e.get_ids().to_vec())
