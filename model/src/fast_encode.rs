@@ -19,11 +19,17 @@
 //!   the tokenizer's own BPE model (and its cache).
 //!
 //! Invariant: for every text, [`FastEncoder::encode`] returns the ids the
-//! `tokenizers` crate's `encode_fast(text, false)` returns. It is used only
-//! for a tokenizer whose configuration it recognises
+//! `tokenizers` crate's `encode_fast(text, false)` returns, with one
+//! exception: a single pre-token of a million characters or more (a run of
+//! a million letters, spaces or punctuation). There `fancy_regex` runs out
+//! of its backtracking stack, and the crate swallows the error and leaves
+//! the rest of that piece as one word. This path goes on splitting as the
+//! pattern says, as llama.cpp's tokenizer does. It is used only for a
+//! tokenizer whose configuration it recognises
 //! ([`FastEncoder::for_tokenizer`]); any other falls back to the crate.
-//! Checked by a seeded property test and fixed texts against the real
-//! SmolLM2 tokenizer (tests below).
+//! Checked by seeded property tests and fixed texts against the real
+//! SmolLM2 tokenizer and against it with GPT-2's plain pre-tokenizer
+//! (tests below).
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
 use serde_json::{json, Value};
@@ -51,6 +57,8 @@ impl FastEncoder {
     /// matched verbatim. `None` otherwise.
     pub(crate) fn for_tokenizer(t: &tokenizers::Tokenizer) -> Option<Self> {
         if t.get_normalizer().is_some()
+            || t.get_truncation().is_some()
+            || t.get_padding().is_some()
             || t.get_encode_special_tokens()
             || !matches!(t.get_model(), ModelWrapper::BPE(_))
         {
@@ -77,7 +85,12 @@ impl FastEncoder {
         };
         let mut added: Vec<(u32, String)> = Vec::new();
         for (id, tok) in t.get_added_tokens_decoder() {
-            if tok.normalized || tok.single_word || tok.lstrip || tok.rstrip {
+            if tok.normalized
+                || tok.single_word
+                || tok.lstrip
+                || tok.rstrip
+                || t.token_to_id(&tok.content) != Some(id)
+            {
                 return None;
             }
             added.push((id, tok.content));
@@ -221,14 +234,31 @@ mod tests {
         (t, fast)
     });
 
-    fn both(text: &str) -> (Vec<u32>, Vec<u32>) {
-        let (t, fast) = &*SMOLLM2;
+    /// The same tokenizer with GPT-2's plain pre-tokenizer (llama.cpp's
+    /// `gpt2`, `default` and `llama-bpe`): no digit split.
+    static PLAIN: LazyLock<(tokenizers::Tokenizer, FastEncoder)> = LazyLock::new(|| {
+        let mut t = SMOLLM2.0.clone();
+        t.with_pre_tokenizer(Some(
+            tokenizers::pre_tokenizers::byte_level::ByteLevel::new(false, true, true),
+        ));
+        let fast =
+            FastEncoder::for_tokenizer(&t).expect("GPT-2's pre-tokenizer takes the fast path");
+        assert!(!fast.digits);
+        (t, fast)
+    });
+
+    fn both_with(which: &(tokenizers::Tokenizer, FastEncoder), text: &str) -> (Vec<u32>, Vec<u32>) {
+        let (t, fast) = which;
         let slow = t
             .encode_fast(text, false)
             .expect("encodes")
             .get_ids()
             .to_vec();
         (fast.encode(t.get_model(), text).expect("encodes"), slow)
+    }
+
+    fn both(text: &str) -> (Vec<u32>, Vec<u32>) {
+        both_with(&SMOLLM2, text)
     }
 
     #[test]
@@ -268,13 +298,22 @@ mod tests {
             "   \n",
             "\u{200b}zero width\u{feff}bom",
         ];
-        for text in texts {
-            let (fast, slow) = both(text);
-            assert_eq!(fast, slow, "{text:?}");
+        let long = [
+            // Long runs, well under fancy_regex's stack (see the module doc).
+            format!("{}x", " ".repeat(5_000)),
+            format!("{}\nend", "\n".repeat(3_001)),
+            format!("a {} b", "z".repeat(20_000)),
+            format!("{}!", "1".repeat(2_000)),
+            "?!.".repeat(3_000),
+            // This file, a long mixed text.
+            include_str!("fast_encode.rs").to_string(),
+        ];
+        for which in [&*SMOLLM2, &*PLAIN] {
+            for text in texts.iter().copied().chain(long.iter().map(String::as_str)) {
+                let (fast, slow) = both_with(which, text);
+                assert_eq!(fast, slow, "{:?}", &text[..text.len().min(80)]);
+            }
         }
-        // This file, a long mixed text.
-        let (fast, slow) = both(include_str!("fast_encode.rs"));
-        assert_eq!(fast, slow);
     }
 
     /// Characters where the pattern's alternatives meet: spaces of several
@@ -337,6 +376,11 @@ mod tests {
             " the",
             "123",
             "\u{feff}",
+            "\u{85}",
+            "\u{b}",
+            "\u{c}",
+            "\u{2028}",
+            "\u{200b}",
         ]);
         prop::collection::vec(pieces, 0..40).prop_map(|v| v.concat())
     }
@@ -352,12 +396,20 @@ mod tests {
         fn any_text_encodes_as_the_tokenizers_crate_does(text in interesting()) {
             let (fast, slow) = both(&text);
             prop_assert_eq!(fast, slow, "{:?}", text);
+            let (fast, slow) = both_with(&PLAIN, &text);
+            prop_assert_eq!(fast, slow, "plain: {:?}", text);
         }
 
+        /// Any characters at all, controls and format characters included.
         #[test]
-        fn any_unicode_encodes_as_the_tokenizers_crate_does(text in "\\PC{0,48}") {
+        fn any_unicode_encodes_as_the_tokenizers_crate_does(
+            chars in prop::collection::vec(any::<char>(), 0..48)
+        ) {
+            let text: String = chars.into_iter().collect();
             let (fast, slow) = both(&text);
             prop_assert_eq!(fast, slow, "{:?}", text);
+            let (fast, slow) = both_with(&PLAIN, &text);
+            prop_assert_eq!(fast, slow, "plain: {:?}", text);
         }
     }
 
@@ -381,5 +433,24 @@ mod tests {
             FastEncoder::for_tokenizer(&other).is_none(),
             "special tokens as text"
         );
+        let mut other = t.clone();
+        other.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::sequence::Sequence::new(
+            vec![
+                tokenizers::pre_tokenizers::digits::Digits::new(false).into(),
+                tokenizers::pre_tokenizers::byte_level::ByteLevel::new(false, true, true).into(),
+            ],
+        )));
+        assert!(
+            FastEncoder::for_tokenizer(&other).is_none(),
+            "contiguous digits"
+        );
+        let mut other = t.clone();
+        other
+            .with_truncation(Some(tokenizers::TruncationParams {
+                max_length: 8,
+                ..Default::default()
+            }))
+            .expect("truncation");
+        assert!(FastEncoder::for_tokenizer(&other).is_none(), "truncation");
     }
 }
