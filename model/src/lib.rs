@@ -10,6 +10,7 @@
 //! NATS-free: used by workers (to describe their model) and by the gateway.
 
 pub mod card;
+mod fast_decode;
 mod fast_encode;
 pub mod gguf;
 pub mod template;

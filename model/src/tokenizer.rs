@@ -1,5 +1,8 @@
 //! Builds a Hugging Face `tokenizer.json` from GGUF tokenizer metadata and
 //! wraps the `tokenizers` crate for encoding and incremental decoding.
+//! Encoding and decoding take faster paths of our own where the tokenizer's
+//! configuration allows (`fast_encode`, `fast_decode`); their output equals
+//! the crate's (each module states the invariant and its tests).
 //!
 //! Supported: `tokenizer.ggml.model = "gpt2"` (byte-level BPE) with the
 //! pre-tokenizers llama.cpp calls `gpt2`, `smollm`, `default` and `llama-bpe`
@@ -7,6 +10,7 @@
 //! Control tokens (type 3) become special added tokens, user-defined tokens
 //! (type 4) plain added tokens. Anything else is a [`TokenizerError`].
 
+use crate::fast_decode::FastDecoder;
 use crate::fast_encode::FastEncoder;
 use crate::gguf::{GgufMetadata, Value};
 use serde_json::{json, Map};
@@ -110,6 +114,8 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// The same encoding, faster, for the configurations this crate builds.
     fast: Option<FastEncoder>,
+    /// The same decoding, faster, for byte-level decoders.
+    fast_decode: Option<FastDecoder>,
 }
 
 impl Tokenizer {
@@ -118,7 +124,12 @@ impl Tokenizer {
         let inner = tokenizers::Tokenizer::from_bytes(bytes)
             .map_err(|e| TokenizerError::Build(e.to_string()))?;
         let fast = FastEncoder::for_tokenizer(&inner);
-        Ok(Tokenizer { inner, fast })
+        let fast_decode = FastDecoder::for_tokenizer(&inner);
+        Ok(Tokenizer {
+            inner,
+            fast,
+            fast_decode,
+        })
     }
 
     /// Encodes text; special tokens written in the text (e.g. `<|im_start|>`) are recognised.
@@ -136,6 +147,9 @@ impl Tokenizer {
 
     /// Decodes ids to text, skipping special tokens.
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        if let Some(fast) = &self.fast_decode {
+            return Ok(fast.decode(ids, true));
+        }
         self.inner
             .decode(ids, true)
             .map_err(|e| TokenizerError::Decode(e.to_string()))
@@ -144,6 +158,9 @@ impl Tokenizer {
     /// Decodes ids to text, special tokens written out (`<|im_start|>`),
     /// so that [`Tokenizer::encode`] reads them back as special tokens.
     pub fn decode_with_special(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        if let Some(fast) = &self.fast_decode {
+            return Ok(fast.decode(ids, false));
+        }
         self.inner
             .decode(ids, false)
             .map_err(|e| TokenizerError::Decode(e.to_string()))
