@@ -22,11 +22,11 @@
 //! `ByteLevel` ([`FastDecoder::for_tokenizer`]; any other falls back).
 //! Checked by seeded property tests against the real SmolLM2 tokenizer.
 
-use serde_json::json;
+use tokenizers::decoders::DecoderWrapper;
 
 pub(crate) struct FastDecoder {
-    /// The bytes of every id, one after another (about 300 KB for a 49k
-    /// vocabulary).
+    /// The bytes of every id, one after another (with the offsets and
+    /// flags, about 0.55 MB for a 49k vocabulary).
     data: Vec<u8>,
     /// Id `i`'s bytes are `data[offsets[i]..offsets[i + 1]]`; an id the
     /// crate drops (no token) has none.
@@ -38,8 +38,7 @@ pub(crate) struct FastDecoder {
 impl FastDecoder {
     /// The table for `t`, if its decoder is `ByteLevel`.
     pub(crate) fn for_tokenizer(t: &tokenizers::Tokenizer) -> Option<Self> {
-        let decoder = serde_json::to_value(t.get_decoder()?).ok()?;
-        if decoder.get("type") != Some(&json!("ByteLevel")) {
+        if !matches!(t.get_decoder(), Some(DecoderWrapper::ByteLevel(_))) {
             return None;
         }
         let char_bytes: std::collections::HashMap<char, u8> = crate::fast_encode::bytes_char()
@@ -47,18 +46,14 @@ impl FastDecoder {
             .enumerate()
             .map(|(b, c)| (c, b as u8))
             .collect();
-        let specials: std::collections::HashSet<String> = t
-            .get_added_tokens_decoder()
+        // One past the highest id: a vocabulary may have holes (a GGUF that
+        // repeats a token string keeps its last id), so not its size.
+        let n = t
+            .get_vocab(true)
             .into_values()
-            .filter(|tok| tok.special)
-            .map(|tok| tok.content)
-            .collect();
-        let added_max = t
-            .get_added_tokens_decoder()
-            .keys()
+            .chain(t.get_added_tokens_decoder().into_keys())
             .max()
-            .map_or(0, |&m| m as usize + 1);
-        let n = t.get_vocab_size(true).max(added_max);
+            .map_or(0, |m| m as usize + 1);
         // A vocabulary this large is not a real one: leave it to the crate.
         if n > 1 << 24 {
             return None;
@@ -72,7 +67,8 @@ impl FastDecoder {
                 let mapped: Option<Vec<u8>> =
                     token.chars().map(|c| char_bytes.get(&c).copied()).collect();
                 data.extend_from_slice(&mapped.unwrap_or_else(|| token.as_bytes().to_vec()));
-                special.push(specials.contains(&token));
+                // The crate's own rule: by content, as ever added special.
+                special.push(t.get_added_vocabulary().is_special_token(&token));
             } else {
                 special.push(false);
             }
@@ -190,6 +186,44 @@ mod tests {
         }
         assert_eq!(fast.decode(&[a], true), "two words");
         assert_eq!(fast.decode(&[b], true), "");
+    }
+
+    /// A vocabulary with a hole and its highest id past its size, and a
+    /// content added special then again not special: as the crate.
+    #[test]
+    fn holes_and_twice_added_tokens_decode_as_the_crate_does() {
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [
+                {"id": 5, "content": "<s>", "single_word": false, "lstrip": false,
+                 "rstrip": false, "normalized": false, "special": true},
+                {"id": 5, "content": "<s>", "single_word": false, "lstrip": false,
+                 "rstrip": false, "normalized": false, "special": false},
+            ],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+                        "use_regex": true},
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                      "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                      "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                      "vocab": {"a": 0, "Ġb": 2, "c": 7, "<s>": 5}, "merges": []},
+        });
+        let t = tokenizers::Tokenizer::from_bytes(json.to_string().as_bytes()).expect("parses");
+        let fast = FastDecoder::for_tokenizer(&t).expect("fast path");
+        let ids = [0, 1, 2, 3, 4, 5, 6, 7, 8, 7, 0];
+        for skip in [true, false] {
+            assert_eq!(
+                fast.decode(&ids, skip),
+                t.decode(&ids, skip).unwrap(),
+                "skip {skip}"
+            );
+        }
+        assert_eq!(
+            fast.decode(&[7], true),
+            "c",
+            "the id past the vocabulary's size"
+        );
+        assert_eq!(fast.decode(&[5], true), "", "special once, special always");
     }
 
     #[test]
