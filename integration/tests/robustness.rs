@@ -471,7 +471,15 @@ async fn a_worker_holding_300k_blocks_is_dumped_and_indexed_exactly() {
         );
     let mut w = Node::start(&worker_cfg);
     let p1 = free_port();
-    let mut g1 = Node::start(&kv_aware(node_config("g1", &nats.url, Some(p1), 0, "")));
+    // No snapshots: a router that starts later must learn the worker from
+    // its dump, not from a snapshot this one took in time (catch_up.rs
+    // tests snapshots).
+    let g1_cfg = kv_aware(node_config("g1", &nats.url, Some(p1), 0, "")).replace(
+        "policy = \"kv_aware\"",
+        "policy = \"kv_aware\"\nkv_snapshots = false",
+    );
+    assert!(g1_cfg.contains("kv_snapshots = false"), "{g1_cfg}");
+    let mut g1 = Node::start(&g1_cfg);
     let h1 = Http::new(p1);
     h1.wait_ready(1, &mut g1).await;
     const PROMPTS: usize = 80;
