@@ -19,14 +19,30 @@ use std::time::{Duration, Instant};
 
 const MAX_TOKENS: u32 = 32;
 
+/// One stream as the client saw it.
+struct Timed {
+    /// First token, ms after sending.
+    ttft: f64,
+    /// Gaps between token events, ms.
+    itl: Vec<f64>,
+    /// From the last token event to the end of the stream, ms.
+    tail: f64,
+    /// Our path only: TTFT less the worker's own first-token time (its
+    /// `timings.first_token_ms`, from receiving the request to the
+    /// engine's first token): what the gateway, router, bus and return
+    /// path took.
+    path: Option<f64>,
+}
+
 /// Arrival times of one stream's token events.
-async fn timed(client: &reqwest::Client, url: &str, body: &Value, direct: bool) -> (f64, Vec<f64>) {
+async fn timed(client: &reqwest::Client, url: &str, body: &Value, direct: bool) -> Timed {
     let t0 = Instant::now();
     let r = client.post(url).json(body).send().await.expect("request");
     assert_eq!(r.status().as_u16(), 200);
     let mut s = r.bytes_stream();
     let mut buf = String::new();
     let mut at = Vec::new();
+    let mut worker_first = None;
     while let Some(Ok(b)) = s.next().await {
         buf.push_str(&String::from_utf8_lossy(&b));
         while let Some(i) = buf.find("\n\n") {
@@ -47,14 +63,25 @@ async fn timed(client: &reqwest::Client, url: &str, body: &Value, direct: bool) 
             if token {
                 at.push(t0.elapsed().as_secs_f64() * 1e3);
             }
+            if let Some(f) = v["timings"]["first_token_ms"].as_f64() {
+                worker_first = Some(f);
+            }
         }
     }
+    let end = t0.elapsed().as_secs_f64() * 1e3;
     assert!(!at.is_empty(), "no tokens from {url}");
-    let itl = at.windows(2).map(|w| w[1] - w[0]).collect();
-    (at[0], itl)
+    Timed {
+        ttft: at[0],
+        itl: at.windows(2).map(|w| w[1] - w[0]).collect(),
+        tail: end - at[at.len() - 1],
+        path: worker_first.map(|f| at[0] - f),
+    }
 }
 
 fn pct(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
     v.sort_by(|a, b| a.total_cmp(b));
     v[((v.len() - 1) as f64 * p).round() as usize]
 }
@@ -75,6 +102,24 @@ fn pin(cpus: std::ops::Range<usize>) {
 struct Samples {
     ttft: Vec<f64>,
     itl: Vec<f64>,
+    tail: Vec<f64>,
+    path: Vec<f64>,
+}
+
+impl Samples {
+    fn add(&mut self, t: Timed) {
+        self.ttft.push(t.ttft);
+        self.itl.extend(t.itl);
+        self.tail.push(t.tail);
+        self.path.extend(t.path);
+    }
+
+    fn extend(&mut self, o: Samples) {
+        self.ttft.extend(o.ttft);
+        self.itl.extend(o.itl);
+        self.tail.extend(o.tail);
+        self.path.extend(o.path);
+    }
 }
 
 /// Prints both paths' percentiles and what ours adds.
@@ -103,6 +148,15 @@ fn report(conc: &str, direct: &mut Samples, gateway: &mut Samples) {
         g[3] - d[3]
     );
     assert!(d[0] > 0.0 && g[0] > 0.0);
+    if std::env::var("EXTERNAL_BENCH_VERBOSE").is_ok_and(|v| v == "1") {
+        println!(
+            "{conc:<7} last token to end of stream p50: direct {:.2} ms, gateway {:.2} ms; our path's share of TTFT p50 {:.2} ms, p99 {:.2} ms",
+            pct(&mut direct.tail, 0.5),
+            pct(&mut gateway.tail, 0.5),
+            pct(&mut gateway.path, 0.5),
+            pct(&mut gateway.path, 0.99),
+        );
+    }
 }
 
 /// Builds a request body for a prompt and an output length.
@@ -141,16 +195,13 @@ async fn closed_loop(
                 tokio::time::sleep(Duration::from_millis(ms)).await;
             }
             let p = &prompts[(c + k) % prompts.len()];
-            let (t, itl) = timed(client, url, &body(p, n), direct).await;
-            s.ttft.push(t);
-            s.itl.extend(itl);
+            s.add(timed(client, url, &body(p, n), direct).await);
         }
         s
     });
     let mut all = Samples::default();
     for s in futures::future::join_all(runs).await {
-        all.ttft.extend(s.ttft);
-        all.itl.extend(s.itl);
+        all.extend(s);
     }
     all
 }
@@ -249,7 +300,7 @@ async fn external_overhead() {
                 });
                 let out = futures::future::join_all(runs).await;
                 if verbose && conc > 1 {
-                    let mut t: Vec<f64> = out.iter().map(|(t, _)| *t).collect();
+                    let mut t: Vec<f64> = out.iter().map(|t| t.ttft).collect();
                     t.sort_by(|a, b| a.total_cmp(b));
                     let t: Vec<String> = t.iter().map(|x| format!("{x:.1}")).collect();
                     println!(
@@ -259,9 +310,8 @@ async fn external_overhead() {
                     );
                 }
                 let s = if first { &mut direct } else { &mut gateway };
-                for (t, itl) in out {
-                    s.ttft.push(t);
-                    s.itl.extend(itl);
+                for t in out {
+                    s.add(t);
                 }
             }
         }
@@ -282,8 +332,7 @@ async fn external_overhead() {
                 };
                 let s = closed_loop(&client, url, &prompts, body, first, b, think).await;
                 let into = if first { &mut direct } else { &mut gateway };
-                into.ttft.extend(s.ttft);
-                into.itl.extend(s.itl);
+                into.extend(s);
             }
         }
         report(
@@ -292,5 +341,16 @@ async fn external_overhead() {
             &mut gateway,
         );
     }
+    // Requests our worker sent twice because the server had closed the
+    // connection it picked (the worker logs the count at powers of two).
+    let retried = node
+        .log_text()
+        .lines()
+        .rfind(|l| l.contains("a connection closed before any answer"))
+        .map(str::to_string);
+    println!(
+        "worker: requests sent again on a new connection: {}",
+        retried.as_deref().unwrap_or("none logged")
+    );
     tokio::time::sleep(Duration::from_millis(10)).await;
 }
