@@ -479,3 +479,104 @@ async fn a_corrupted_chunk_is_fetched_again_and_other_content_is_refused() {
     assert!(log.contains(&want), "{want:?} not in:\n{log}");
     assert!(a.alive() && b.alive());
 }
+
+/// Makes `path` a named pipe, so a write into it goes as fast as the test
+/// reads (a disk as slow as the test wants, with the node's real write).
+fn slow_disk_at(path: &std::path::Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("a path without NUL");
+    // SAFETY: `c` is a NUL-terminated path that outlives the call.
+    let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
+    assert_eq!(rc, 0, "mkfifo {}", path.display());
+}
+
+/// A node stopped while it writes the file it loaded from a peer waits for
+/// the write (the file is kept for its next start), and waits only as long
+/// as its shutdown grace. The write goes into a named pipe at the file's
+/// temporary path (`<sha256>.gguf.part`), so it lasts as long as the test
+/// wants: the stop is seen waiting, and the bytes that come out are the
+/// model's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_waits_for_a_loaded_file_being_written_within_its_grace() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut a = Node::start(&node_config("a", &nats.url, Some(port), 1, ""));
+    let http = Http::new(port);
+    http.wait_ready(1, &mut a).await;
+    wait_served(&nats.url, "a").await;
+    let sha = models_ls(&nats.url)["models"][0]["sha256"]
+        .as_str()
+        .expect("a sha256")
+        .to_string();
+    let want = std::fs::read(dynamo_integration::llama::gguf()).unwrap();
+    let grace = "[supervision]\nshutdown_grace_ms = 3000\n";
+
+    // 1. The write finishes during the stop: the node waits for it.
+    let dir = tempfile::tempdir().unwrap();
+    let part = dir.path().join(format!("{sha}.gguf.part"));
+    slow_disk_at(&part);
+    let mut b = start_bare(
+        &node_config("b", &nats.url, None, 1, grace),
+        dir.path(),
+        &[],
+    );
+    let (_, line) = load_finished(&mut b).await;
+    assert!(line.contains("peer a"), "{line}");
+    // b's worker started from the loaded bytes, with the write pending.
+    http.wait_ready(2, &mut a).await;
+    assert!(!b.log_text().contains("the loaded file is kept"));
+    b.signal(libc::SIGTERM);
+    wait_log(
+        &mut b,
+        Duration::from_secs(30),
+        "b waiting for its write",
+        |l| l.contains("weights: finishing the write of loaded files"),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(b.alive(), "b did not wait for its write: {}", b.log_text());
+    // Now the "disk" takes the bytes, within the grace.
+    let got = tokio::task::spawn_blocking(move || std::fs::read(&part))
+        .await
+        .expect("the reader")
+        .expect("the pipe read");
+    assert!(got == want, "{} bytes written, not the model's", got.len());
+    assert_eq!(b.wait(Duration::from_secs(30)), Some(0), "{}", b.log_text());
+    let log = b.log_text();
+    assert!(log.contains("weights: the loaded file is kept"), "{log}");
+    assert!(!log.contains("was not written in time"), "{log}");
+    assert!(log.contains("node stopped"), "{log}");
+
+    // 2. A write that never finishes: the stop gives up at its grace.
+    let dir = tempfile::tempdir().unwrap();
+    slow_disk_at(&dir.path().join(format!("{sha}.gguf.part")));
+    let mut c = start_bare(
+        &node_config("c", &nats.url, None, 1, grace),
+        dir.path(),
+        &[],
+    );
+    load_finished(&mut c).await;
+    http.wait_ready(2, &mut a).await;
+    c.signal(libc::SIGTERM);
+    wait_log(
+        &mut c,
+        Duration::from_secs(30),
+        "c waiting for its write",
+        |l| l.contains("weights: finishing the write of loaded files"),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(c.alive(), "c did not wait for its write: {}", c.log_text());
+    // ... for its grace (3 s), not for ever.
+    assert_eq!(c.wait(Duration::from_secs(30)), Some(0), "{}", c.log_text());
+    let log = c.log_text();
+    assert!(
+        log.contains(
+            "weights: a loaded file was not written in time; the next start loads it again"
+        ),
+        "{log}"
+    );
+    assert!(!log.contains("the loaded file is kept"), "{log}");
+    assert!(log.contains("node stopped"), "{log}");
+    assert!(a.alive());
+}
