@@ -490,12 +490,51 @@ fn slow_disk_at(path: &std::path::Path) {
     assert_eq!(rc, 0, "mkfifo {}", path.display());
 }
 
+/// Starts node `name` without the model, its file's temporary path a
+/// named pipe nothing reads yet; once it has loaded the model from a peer
+/// (and its worker is up, `ready` workers in all), stops it and checks
+/// that it waits for the write. Answers the node, its directory and the
+/// pipe.
+async fn stopped_while_writing(
+    name: &str,
+    nats: &str,
+    sha: &str,
+    http: &Http,
+    a: &mut Node,
+) -> (Node, tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let part = dir.path().join(format!("{sha}.gguf.part"));
+    slow_disk_at(&part);
+    let grace = "[supervision]\nshutdown_grace_ms = 3000\n";
+    let mut n = start_bare(&node_config(name, nats, None, 1, grace), dir.path(), &[]);
+    let (_, line) = load_finished(&mut n).await;
+    assert!(line.contains("peer a"), "{line}");
+    // Its worker started from the loaded bytes, with the write pending.
+    http.wait_ready(2, a).await;
+    assert!(!n.log_text().contains("the loaded file is kept"));
+    n.signal(libc::SIGTERM);
+    wait_log(
+        &mut n,
+        Duration::from_secs(30),
+        "the stop waiting for the write",
+        |l| l.contains("weights: finishing the write of loaded files"),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(
+        n.alive(),
+        "{name} did not wait for its write: {}",
+        n.log_text()
+    );
+    (n, dir, part)
+}
+
 /// A node stopped while it writes the file it loaded from a peer waits for
 /// the write (the file is kept for its next start), and waits only as long
-/// as its shutdown grace. The write goes into a named pipe at the file's
-/// temporary path (`<sha256>.gguf.part`), so it lasts as long as the test
-/// wants: the stop is seen waiting, and the bytes that come out are the
-/// model's.
+/// as its shutdown grace (3 s here). The write goes into a named pipe at
+/// the file's temporary path (`<sha256>.gguf.part`), so it lasts as long as
+/// the test wants: the stop is seen waiting, and the bytes that come out
+/// are the model's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_waits_for_a_loaded_file_being_written_within_its_grace() {
     let nats = Nats::start();
@@ -508,38 +547,15 @@ async fn a_stop_waits_for_a_loaded_file_being_written_within_its_grace() {
         .as_str()
         .expect("a sha256")
         .to_string();
-    let want = std::fs::read(dynamo_integration::llama::gguf()).unwrap();
-    let grace = "[supervision]\nshutdown_grace_ms = 3000\n";
 
     // 1. The write finishes during the stop: the node waits for it.
-    let dir = tempfile::tempdir().unwrap();
-    let part = dir.path().join(format!("{sha}.gguf.part"));
-    slow_disk_at(&part);
-    let mut b = start_bare(
-        &node_config("b", &nats.url, None, 1, grace),
-        dir.path(),
-        &[],
-    );
-    let (_, line) = load_finished(&mut b).await;
-    assert!(line.contains("peer a"), "{line}");
-    // b's worker started from the loaded bytes, with the write pending.
-    http.wait_ready(2, &mut a).await;
-    assert!(!b.log_text().contains("the loaded file is kept"));
-    b.signal(libc::SIGTERM);
-    wait_log(
-        &mut b,
-        Duration::from_secs(30),
-        "b waiting for its write",
-        |l| l.contains("weights: finishing the write of loaded files"),
-    )
-    .await;
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    assert!(b.alive(), "b did not wait for its write: {}", b.log_text());
+    let (mut b, _dir, part) = stopped_while_writing("b", &nats.url, &sha, &http, &mut a).await;
     // Now the "disk" takes the bytes, within the grace.
     let got = tokio::task::spawn_blocking(move || std::fs::read(&part))
         .await
         .expect("the reader")
         .expect("the pipe read");
+    let want = std::fs::read(dynamo_integration::llama::gguf()).unwrap();
     assert!(got == want, "{} bytes written, not the model's", got.len());
     assert_eq!(b.wait(Duration::from_secs(30)), Some(0), "{}", b.log_text());
     let log = b.log_text();
@@ -547,27 +563,9 @@ async fn a_stop_waits_for_a_loaded_file_being_written_within_its_grace() {
     assert!(!log.contains("was not written in time"), "{log}");
     assert!(log.contains("node stopped"), "{log}");
 
-    // 2. A write that never finishes: the stop gives up at its grace.
-    let dir = tempfile::tempdir().unwrap();
-    slow_disk_at(&dir.path().join(format!("{sha}.gguf.part")));
-    let mut c = start_bare(
-        &node_config("c", &nats.url, None, 1, grace),
-        dir.path(),
-        &[],
-    );
-    load_finished(&mut c).await;
-    http.wait_ready(2, &mut a).await;
-    c.signal(libc::SIGTERM);
-    wait_log(
-        &mut c,
-        Duration::from_secs(30),
-        "c waiting for its write",
-        |l| l.contains("weights: finishing the write of loaded files"),
-    )
-    .await;
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    assert!(c.alive(), "c did not wait for its write: {}", c.log_text());
-    // ... for its grace (3 s), not for ever.
+    // 2. A write that never finishes: the stop gives up at its grace, not
+    // for ever.
+    let (mut c, _dir, _part) = stopped_while_writing("c", &nats.url, &sha, &http, &mut a).await;
     assert_eq!(c.wait(Duration::from_secs(30)), Some(0), "{}", c.log_text());
     let log = c.log_text();
     assert!(
