@@ -56,6 +56,18 @@ async fn wait_served(nats: &str, node: &str) {
     }
 }
 
+/// A NATS server and node `a`: a gateway and one mocker worker, the model
+/// file its own, served to peers.
+async fn peer_a() -> (Nats, Node, Http) {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut a = Node::start(&node_config("a", &nats.url, Some(port), 1, ""));
+    let http = Http::new(port);
+    http.wait_ready(1, &mut a).await;
+    wait_served(&nats.url, "a").await;
+    (nats, a, http)
+}
+
 /// Waits until `node` has written the file it loaded.
 async fn kept(node: &mut Node) {
     wait_log(node, Duration::from_secs(60), "the loaded file kept", |l| {
@@ -157,12 +169,7 @@ async fn a_node_without_the_model_loads_it_from_a_peer_and_answers_the_same() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_killed_mid_load_is_replaced_by_the_cache() {
-    let nats = Nats::start();
-    let port = free_port();
-    let mut a = Node::start(&node_config("a", &nats.url, Some(port), 1, ""));
-    let http = Http::new(port);
-    http.wait_ready(1, &mut a).await;
-    wait_served(&nats.url, "a").await;
+    let (nats, a, _http) = peer_a().await;
     // The file is in the cache as well.
     let out = dynamoctl(
         &nats.url,
@@ -330,11 +337,7 @@ async fn a_node_stops_cleanly_after_a_shm_load_and_while_waiting_for_a_source() 
 /// here the only peer is killed mid-load, and a new peer then comes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_load_whose_peer_is_gone_waits_for_another_source() {
-    let nats = Nats::start();
-    let port = free_port();
-    let mut a = Node::start(&node_config("a", &nats.url, Some(port), 1, ""));
-    Http::new(port).wait_ready(1, &mut a).await;
-    wait_served(&nats.url, "a").await;
+    let (nats, a, _http) = peer_a().await;
     // A slow load (20 MB/s) from peers only, so a dies in the middle of it.
     let dir = tempfile::tempdir().unwrap();
     let mut b = start_bare(
@@ -399,11 +402,7 @@ fn pinned_mocker(sha: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupted_chunk_is_fetched_again_and_other_content_is_refused() {
-    let nats = Nats::start();
-    let port = free_port();
-    let mut a = Node::start(&node_config("a", &nats.url, Some(port), 1, ""));
-    Http::new(port).wait_ready(1, &mut a).await;
-    wait_served(&nats.url, "a").await;
+    let (nats, mut a, _http) = peer_a().await;
     let gguf = dynamo_integration::llama::gguf();
     assert_success(&dynamoctl(
         &nats.url,
@@ -537,12 +536,7 @@ async fn stopped_while_writing(
 /// are the model's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_waits_for_a_loaded_file_being_written_within_its_grace() {
-    let nats = Nats::start();
-    let port = free_port();
-    let mut a = Node::start(&node_config("a", &nats.url, Some(port), 1, ""));
-    let http = Http::new(port);
-    http.wait_ready(1, &mut a).await;
-    wait_served(&nats.url, "a").await;
+    let (nats, mut a, http) = peer_a().await;
     let sha = models_ls(&nats.url)["models"][0]["sha256"]
         .as_str()
         .expect("a sha256")
