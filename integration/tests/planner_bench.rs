@@ -553,7 +553,7 @@ async fn run(
             );
         }
         let path = std::path::Path::new(&dir).join(format!("{shape}-{policy:?}.csv"));
-        if let Err(e) = std::fs::write(&path, csv) {
+        if let Err(e) = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, csv)) {
             eprintln!("PLANNER_BENCH_DUMP: {}: {e}", path.display());
         }
     }
@@ -669,23 +669,26 @@ fn oracle(s: &Setup, reqs: &[Req]) -> (f64, f64, f64) {
 }
 
 fn report(name: &str, runs: &[Run]) {
+    // Without a static-peak run (PLANNER_BENCH_POLICIES) there is nothing
+    // to compare worker-seconds with.
     let peak_ws = runs
         .iter()
         .find(|r| matches!(r.policy, Policy::StaticPeak))
-        .map(|r| r.worker_seconds)
-        .unwrap_or(1.0)
-        .max(1e-9);
+        .map(|r| r.worker_seconds.max(1e-9));
     println!("\n{name}");
     println!("| policy | within both SLAs | worker-seconds (vs static peak) | peak workers | failed | TTFT p50 / p99 ms | ITL p50 ms | scaling actions | direction changes (in the constant segment) |");
     println!("|---|---|---|---|---|---|---|---|---|");
     for r in runs {
         println!(
-            "| {:?} | {:.2}% of {} | {:.0} ({:.0}%) | {} | {} | {:.0} / {:.0} | {:.1} | {} | {} ({}) |",
+            "| {:?} | {:.2}% of {} | {:.0} ({}) | {} | {} | {:.0} / {:.0} | {:.1} | {} | {} ({}) |",
             r.policy,
             r.within_sla * 100.0,
             r.requests,
             r.worker_seconds,
-            r.worker_seconds / peak_ws * 100.0,
+            peak_ws.map_or("no static-peak run".to_string(), |p| format!(
+                "{:.0}%",
+                r.worker_seconds / p * 100.0
+            )),
             r.peak_workers,
             r.failed,
             r.ttft_p50,
