@@ -479,37 +479,63 @@ async fn a_corrupted_chunk_is_fetched_again_and_other_content_is_refused() {
     assert!(a.alive() && b.alive());
 }
 
-/// Makes `path` a named pipe, so a write into it goes as fast as the test
-/// reads (a disk as slow as the test wants, with the node's real write).
-fn slow_disk_at(path: &std::path::Path) {
+/// Makes `path` a named pipe and opens its reading end, so the node's real
+/// write into it goes only as fast as the test reads (a disk as slow as
+/// the test wants). The reader is opened before the node writes, so the
+/// node never waits to open the pipe, and a read never waits for a writer
+/// that does not come: with no writer it ends at once.
+fn slow_disk_at(path: &std::path::Path) -> std::fs::File {
     use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::io::AsRawFd;
     let c = std::ffi::CString::new(path.as_os_str().as_bytes()).expect("a path without NUL");
     // SAFETY: `c` is a NUL-terminated path that outlives the call.
     let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
     assert_eq!(rc, 0, "mkfifo {}", path.display());
+    // Opening a pipe's reading end blocks until a writer comes, unless
+    // non-blocking; reads then block again (for data or the writer's end).
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .expect("the pipe's reading end");
+    // SAFETY: `f` is an open descriptor for the duration of the call.
+    let rc = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETFL, 0) };
+    assert_eq!(rc, 0, "fcntl on {}", path.display());
+    f
 }
 
-/// Starts node `name` without the model, its file's temporary path a
-/// named pipe nothing reads yet; once it has loaded the model from a peer
-/// (and its worker is up, `ready` workers in all), stops it and checks
-/// that it waits for the write. Answers the node, its directory and the
-/// pipe.
+/// Starts node `name` without the model, with a shutdown grace of
+/// `grace_ms` and its file's temporary path a named pipe nothing reads
+/// yet. Once it has loaded the model from peer a and its worker has
+/// registered, stops it (SIGTERM) and waits until it says it is
+/// finishing the write. Answers the node, its directory and the pipe.
 async fn stopped_while_writing(
     name: &str,
     nats: &str,
     sha: &str,
-    http: &Http,
-    a: &mut Node,
-) -> (Node, tempfile::TempDir, std::path::PathBuf) {
+    grace_ms: u64,
+) -> (Node, tempfile::TempDir, std::fs::File) {
     let dir = tempfile::tempdir().unwrap();
-    let part = dir.path().join(format!("{sha}.gguf.part"));
-    slow_disk_at(&part);
-    let grace = "[supervision]\nshutdown_grace_ms = 3000\n";
-    let mut n = start_bare(&node_config(name, nats, None, 1, grace), dir.path(), &[]);
+    let pipe = slow_disk_at(&dir.path().join(format!("{sha}.gguf.part")));
+    let grace = format!("[supervision]\nshutdown_grace_ms = {grace_ms}\n");
+    let mut n = start_bare(&node_config(name, nats, None, 1, &grace), dir.path(), &[]);
     let (_, line) = load_finished(&mut n).await;
     assert!(line.contains("peer a"), "{line}");
-    // Its worker started from the loaded bytes, with the write pending.
-    http.wait_ready(2, a).await;
+    // Its worker starts from the loaded bytes, with the write pending.
+    let t0 = std::time::Instant::now();
+    while !registrations(nats)
+        .await
+        .iter()
+        .any(|r| r.node_id.0 == name)
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "{name}'s worker never registered:\n{}",
+            n.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     assert!(!n.log_text().contains("the loaded file is kept"));
     n.signal(libc::SIGTERM);
     wait_log(
@@ -519,36 +545,38 @@ async fn stopped_while_writing(
         |l| l.contains("weights: finishing the write of loaded files"),
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    assert!(
-        n.alive(),
-        "{name} did not wait for its write: {}",
-        n.log_text()
-    );
-    (n, dir, part)
+    (n, dir, pipe)
 }
 
 /// A node stopped while it writes the file it loaded from a peer waits for
 /// the write (the file is kept for its next start), and waits only as long
-/// as its shutdown grace (3 s here). The write goes into a named pipe at
-/// the file's temporary path (`<sha256>.gguf.part`), so it lasts as long as
-/// the test wants: the stop is seen waiting, and the bytes that come out
-/// are the model's.
+/// as its shutdown grace. The write goes into a named pipe at the file's
+/// temporary path (`<sha256>.gguf.part`), so it lasts as long as the test
+/// wants: the bytes that come out are the model's, and a write that never
+/// ends holds the stop for the grace and no longer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_waits_for_a_loaded_file_being_written_within_its_grace() {
-    let (nats, mut a, http) = peer_a().await;
+    let (nats, mut a, _http) = peer_a().await;
     let sha = models_ls(&nats.url)["models"][0]["sha256"]
         .as_str()
         .expect("a sha256")
         .to_string();
 
-    // 1. The write finishes during the stop: the node waits for it.
-    let (mut b, _dir, part) = stopped_while_writing("b", &nats.url, &sha, &http, &mut a).await;
-    // Now the "disk" takes the bytes, within the grace.
-    let got = tokio::task::spawn_blocking(move || std::fs::read(&part))
-        .await
-        .expect("the reader")
-        .expect("the pipe read");
+    // 1. The write finishes during the stop (a grace of 30 s): the node
+    // waits for it. A node that did not wait would be gone within the
+    // runtime's 1 s shutdown bound.
+    let (mut b, _dir, mut pipe) = stopped_while_writing("b", &nats.url, &sha, 30_000).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(b.alive(), "b did not wait for its write: {}", b.log_text());
+    // Now the "disk" takes the bytes.
+    let got = tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        let mut v = Vec::new();
+        pipe.read_to_end(&mut v).map(|_| v)
+    })
+    .await
+    .expect("the reader")
+    .expect("the pipe read");
     let want = std::fs::read(dynamo_integration::llama::gguf()).unwrap();
     assert!(got == want, "{} bytes written, not the model's", got.len());
     assert_eq!(b.wait(Duration::from_secs(30)), Some(0), "{}", b.log_text());
@@ -557,17 +585,16 @@ async fn a_stop_waits_for_a_loaded_file_being_written_within_its_grace() {
     assert!(!log.contains("was not written in time"), "{log}");
     assert!(log.contains("node stopped"), "{log}");
 
-    // 2. A write that never finishes: the stop gives up at its grace, not
-    // for ever.
-    let (mut c, _dir, _part) = stopped_while_writing("c", &nats.url, &sha, &http, &mut a).await;
+    // 2. A write that never finishes (the pipe is never read): the stop
+    // gives up at its grace (3 s), not at another bound.
+    let (mut c, _dir, _pipe) = stopped_while_writing("c", &nats.url, &sha, 3_000).await;
     assert_eq!(c.wait(Duration::from_secs(30)), Some(0), "{}", c.log_text());
     let log = c.log_text();
-    assert!(
-        log.contains(
-            "weights: a loaded file was not written in time; the next start loads it again"
-        ),
-        "{log}"
-    );
+    let line = log
+        .lines()
+        .find(|l| l.contains("weights: a loaded file was not written in time"))
+        .unwrap_or_else(|| panic!("no give-up line in:\n{log}"));
+    assert!(line.contains("limit_s=3"), "{line}");
     assert!(!log.contains("the loaded file is kept"), "{log}");
     assert!(log.contains("node stopped"), "{log}");
     assert!(a.alive());
