@@ -30,7 +30,8 @@ struct Timed {
     /// Our path only: TTFT less the worker's own first-token time (its
     /// `timings.first_token_ms`, from receiving the request to the
     /// engine's first token): what the gateway, router, bus and return
-    /// path took.
+    /// path took. A lower bound of what our path adds: the worker's own
+    /// work (the engine's request, its HTTP call) is inside that time.
     path: Option<f64>,
 }
 
@@ -123,7 +124,9 @@ impl Samples {
 }
 
 /// Prints both paths' percentiles and what ours adds.
-fn report(conc: &str, direct: &mut Samples, gateway: &mut Samples) {
+/// `verbose` adds each stream's end after its last token and our path's
+/// share of TTFT.
+fn report(conc: &str, direct: &mut Samples, gateway: &mut Samples, verbose: bool) {
     let row = |name: &str, s: &mut Samples| {
         let r = [
             pct(&mut s.ttft, 0.5),
@@ -148,7 +151,7 @@ fn report(conc: &str, direct: &mut Samples, gateway: &mut Samples) {
         g[3] - d[3]
     );
     assert!(d[0] > 0.0 && g[0] > 0.0);
-    if std::env::var("EXTERNAL_BENCH_VERBOSE").is_ok_and(|v| v == "1") {
+    if verbose {
         println!(
             "{conc:<7} last token to end of stream p50: direct {:.2} ms, gateway {:.2} ms; our path's share of TTFT p50 {:.2} ms, p99 {:.2} ms",
             pct(&mut direct.tail, 0.5),
@@ -315,7 +318,7 @@ async fn external_overhead() {
                 }
             }
         }
-        report(&conc.to_string(), &mut direct, &mut gateway);
+        report(&conc.to_string(), &mut direct, &mut gateway, verbose);
     }
     // Concurrency 8 as load tools mean it: eight clients in a closed loop,
     // sending at once ("8 loop") or after a pause ("8 think").
@@ -339,6 +342,7 @@ async fn external_overhead() {
             if think { "8 think" } else { "8 loop" },
             &mut direct,
             &mut gateway,
+            verbose,
         );
     }
     // Requests our worker sent twice because the server had closed the
