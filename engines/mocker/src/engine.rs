@@ -10,7 +10,20 @@
 //! their cadence: a step that ends up to [`MAX_CARRY`] late (a timer's
 //! tick, a busy host) starts the next one from when it should have ended,
 //! so lateness does not add up over a stream. Later than that, the next
-//! step starts afresh. One tokio task per engine, watched through its [`Liveness`]; it
+//! step starts afresh.
+//!
+//! **What waits for a step's end.** New requests, cancels, snapshots and
+//! faults are applied between steps: a snapshot must match the KV events
+//! already sent, and those of a step go out when it ends. Pool bookkeeping
+//! (reserve, commit, release, export, import) is applied as it arrives,
+//! also while a step runs, as a GPU engine's block manager works on the
+//! host while the device computes: a step's plan and state change are
+//! made when it starts, so its outcome cannot depend on them, and the KV
+//! events they make go out with the step's. So a remote prefill's
+//! reservation and commit wait for no step; only the request's own
+//! admission does, as in a real engine.
+//!
+//! One tokio task per engine, watched through its [`Liveness`]; it
 //! ends when the engine handle is dropped, failing whatever is still
 //! running with [`EngineError::Stopped`]. If it dies (a panic), every
 //! request's stream closes and the liveness fires, so the worker restarts.
@@ -63,6 +76,21 @@ enum Cmd {
     ),
     Release(ReservationId),
     Fault(EngineFault),
+}
+
+impl Cmd {
+    /// Whether the command waits for the running step to end (see the
+    /// module doc); pool bookkeeping does not.
+    fn between_steps(&self) -> bool {
+        match self {
+            Cmd::Add(..) | Cmd::Cancel(_) | Cmd::Snapshot(_) | Cmd::Fault(_) => true,
+            Cmd::Export(..)
+            | Cmd::Import(..)
+            | Cmd::Reserve(..)
+            | Cmd::Commit(..)
+            | Cmd::Release(_) => false,
+        }
+    }
 }
 
 /// What the mocker needs to know about the model it pretends to run.
@@ -249,7 +277,17 @@ async fn run(
     };
     // When the last step should have ended (None: idle since).
     let mut due: Option<tokio::time::Instant> = None;
+    // Commands that came while a step ran and wait for its end, in order
+    // (bounded like the queue they came from: their tickets still count).
+    let mut deferred: std::collections::VecDeque<Queued<Cmd>> = Default::default();
+    let mut closed = false;
     'outer: loop {
+        for q in deferred.drain(..) {
+            apply(q.cmd, &mut core, &mut outs);
+        }
+        if closed {
+            break 'outer;
+        }
         if core.is_idle() {
             due = None;
             publish_load(&core, &load);
@@ -284,7 +322,20 @@ async fn run(
             Some(d) => {
                 let end = start + d;
                 due = Some(end);
-                tokio::time::sleep_until(end).await;
+                let sleep = tokio::time::sleep_until(end);
+                tokio::pin!(sleep);
+                loop {
+                    tokio::select! {
+                        biased;
+                        _ = &mut sleep => break,
+                        q = rx.recv(), if !closed => match q {
+                            Some(q) if q.cmd.between_steps() => deferred.push_back(q),
+                            Some(q) => apply(q.cmd, &mut core, &mut outs),
+                            // The handle is gone: finish this step, then stop.
+                            None => closed = true,
+                        },
+                    }
+                }
             }
             None => {
                 due = None;
@@ -521,5 +572,36 @@ mod tests {
         let r = b.reserve_blocks(1).unwrap().await.unwrap().unwrap();
         assert_eq!(b.load().kv_used_blocks, used + 1);
         b.release_blocks(r.id);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pool_commands_are_answered_while_a_step_runs_and_requests_wait_for_its_end() {
+        // Every decode step takes 200 ms.
+        let step = std::time::Duration::from_millis(200);
+        let cfg = MockerConfig {
+            token_lo: 100,
+            decode_ms: [0.0, 0.0, 200.0],
+            ..MockerConfig::default()
+        };
+        let e = MockerEngine::start(cfg, model()).unwrap();
+        let prompt: Vec<u32> = (100..148).collect();
+        let mut a = e.generate(req(1, prompt.clone(), 1000)).unwrap();
+        assert!(matches!(a.recv().await, Some(EngineEvent::Started { .. })));
+        assert!(matches!(a.recv().await, Some(EngineEvent::Tokens(_))));
+        // The first decode step started as the prefill's token went out.
+        let t0 = tokio::time::Instant::now();
+        let r = e.reserve_blocks(2).unwrap().await.unwrap().unwrap();
+        assert_eq!(r.blocks.len(), 2);
+        assert!(t0.elapsed() < step, "the reservation waited for the step");
+        let exported = e.export_blocks(vec![]).unwrap().await.unwrap();
+        assert!(exported.is_empty());
+        e.release_blocks(r.id);
+        assert!(t0.elapsed() < step, "the export waited for the step");
+        // A new request is admitted at the step's end, not before.
+        let mut b = e.generate(req(2, prompt, 1)).unwrap();
+        assert!(matches!(b.recv().await, Some(EngineEvent::Started { .. })));
+        assert!(t0.elapsed() >= step, "a request joined a running step");
+        // Request 1 kept its cadence meanwhile.
+        assert!(matches!(a.recv().await, Some(EngineEvent::Tokens(_))));
     }
 }
