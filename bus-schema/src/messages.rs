@@ -550,6 +550,19 @@ pub struct FrameTimings {
 }
 wire!(FrameTimings = 15);
 
+/// Worker → gateway, before the terminal frame: the prompt tokens served
+/// from the prefix cache, where the engine reported them only after the
+/// stream started (vLLM's last usage chunk); replaces
+/// [`FrameStarted::cached_tokens`]. Sent only when it differs from it.
+/// Carries no `seq` (like [`FrameTimings`]): a gateway of an older build
+/// rejects and counts it, and the stream goes on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FrameUsage {
+    pub request_id: RequestId,
+    pub cached_tokens: u32,
+}
+wire!(FrameUsage = 17);
+
 /// Worker → gateway (`reply_to`): frames of several requests bound for one
 /// gateway's inbox, in the order the worker made them. Each element is the
 /// complete envelope the frame would have been published as alone (a

@@ -331,6 +331,13 @@ fn samples() -> Vec<(&'static str, Vec<u8>)> {
             })),
         ),
         (
+            "FrameUsage",
+            enc(encode(&FrameUsage {
+                request_id: rid,
+                cached_tokens: 48,
+            })),
+        ),
+        (
             "PrefillRequest",
             enc(encode(&PrefillRequest {
                 request_id: rid,
@@ -747,6 +754,7 @@ fn decode_all(bytes: &[u8]) {
         FrameError,
         FrameHeartbeat,
         FrameTimings,
+        FrameUsage,
         FrameMux,
         CancelRequest,
         LoadReport,

@@ -115,6 +115,9 @@ pub struct Generation {
     /// The current attempt has reported its first token to the router.
     prefill_reported: bool,
     timings: Option<dynamo_bus_schema::PhaseTimings>,
+    /// The cached prompt tokens the current attempt's worker reported
+    /// (counted in the metric once, however often it corrects them).
+    attempt_cached: u32,
     /// This stream's share of the planner's open-stream gauges.
     gauge: Option<crate::feed::StreamGauge>,
 }
@@ -195,6 +198,7 @@ impl Generation {
             failed,
             prefill_reported: false,
             timings: None,
+            attempt_cached: 0,
             gauge,
         })
     }
@@ -346,6 +350,7 @@ impl Generation {
                 if self.migrations == 0 {
                     self.usage.cached_tokens = f.cached_tokens;
                 }
+                self.attempt_cached = f.cached_tokens;
                 self.shared
                     .metrics
                     .cached_tokens
@@ -409,6 +414,18 @@ impl Generation {
                 self.fail(map_wire(&f.error));
             }
             Frame::Heartbeat(_) => {}
+            Frame::Usage(f) => {
+                // The engine's own count, reported late: it replaces the
+                // one `Started` carried (usage is the first attempt's).
+                if self.migrations == 0 {
+                    self.usage.cached_tokens = f.cached_tokens.min(self.usage.prompt_tokens);
+                }
+                self.shared
+                    .metrics
+                    .cached_tokens
+                    .inc_by(f.cached_tokens.saturating_sub(self.attempt_cached) as u64);
+                self.attempt_cached = self.attempt_cached.max(f.cached_tokens);
+            }
             Frame::Timings(f) => {
                 let m = &self.shared.metrics;
                 let t = &f.timings;

@@ -15,7 +15,7 @@
 
 use dynamo_bus_schema::{
     decode_payload, peek_kind, FrameError, FrameFinished, FrameHeartbeat, FrameMux, FrameStarted,
-    FrameTimings, FrameTokens, RequestId, WireMessage, MAX_MUX_FRAMES,
+    FrameTimings, FrameTokens, FrameUsage, RequestId, WireMessage, MAX_MUX_FRAMES,
 };
 use dynamo_runtime::counters;
 use futures::StreamExt;
@@ -33,6 +33,8 @@ pub enum Frame {
     Heartbeat(FrameHeartbeat),
     /// The phase breakdown, just before the terminal frame (not numbered).
     Timings(FrameTimings),
+    /// Cached prompt tokens reported late (not numbered).
+    Usage(FrameUsage),
 }
 
 impl Frame {
@@ -44,6 +46,7 @@ impl Frame {
             Frame::Error(f) => f.request_id,
             Frame::Heartbeat(f) => f.request_id,
             Frame::Timings(f) => f.request_id,
+            Frame::Usage(f) => f.request_id,
         }
     }
     /// The frame's place in its stream (`None` for heartbeats).
@@ -53,7 +56,7 @@ impl Frame {
             Frame::Tokens(f) => Some(f.seq.0),
             Frame::Finished(f) => Some(f.seq.0),
             Frame::Error(f) => Some(f.seq.0),
-            Frame::Heartbeat(_) | Frame::Timings(_) => None,
+            Frame::Heartbeat(_) | Frame::Timings(_) | Frame::Usage(_) => None,
         }
     }
 }
@@ -147,6 +150,7 @@ impl Inbox {
             Ok((k, p)) if k == FrameError::KIND => decode_payload(p).map(Frame::Error),
             Ok((k, p)) if k == FrameHeartbeat::KIND => decode_payload(p).map(Frame::Heartbeat),
             Ok((k, p)) if k == FrameTimings::KIND => decode_payload(p).map(Frame::Timings),
+            Ok((k, p)) if k == FrameUsage::KIND => decode_payload(p).map(Frame::Usage),
             Ok((k, _)) => {
                 counters::reject("frame", subject, &format!("unknown message kind {}", k.0));
                 return;

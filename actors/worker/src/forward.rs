@@ -16,7 +16,8 @@
 use crate::mux::{FrameSink, Outgoing};
 use dynamo_bus_schema::{
     ErrorKind, FinishReason, FrameError, FrameFinished, FrameHeartbeat, FrameSeq, FrameStarted,
-    FrameTimings, FrameTokens, PhaseTimings, PrefillReply, RequestId, WireError, WorkerId,
+    FrameTimings, FrameTokens, FrameUsage, PhaseTimings, PrefillReply, RequestId, WireError,
+    WorkerId,
 };
 use dynamo_engine::{EngineEvent, ResponseStream};
 use std::sync::{Arc, Mutex};
@@ -165,6 +166,14 @@ impl Forward {
                             seq: next_seq(),
                             worker_id: self.worker_id,
                             prompt_tokens: self.prompt_tokens,
+                            cached_tokens,
+                        };
+                        self.send(&f).await;
+                    }
+                    EngineEvent::Cached { cached_tokens } => {
+                        // Unnumbered, and ahead of the terminal frame.
+                        let f = FrameUsage {
+                            request_id: self.request_id,
                             cached_tokens,
                         };
                         self.send(&f).await;

@@ -172,6 +172,13 @@ pub enum EngineEvent {
     },
     /// Tokens produced by one engine step.
     Tokens(Vec<u32>),
+    /// The prompt tokens served from the prefix cache, known only after
+    /// `Started` (an external engine that reports them late, as vLLM does
+    /// in its last usage chunk): replaces `Started`'s count. At most once,
+    /// before the terminal event.
+    Cached {
+        cached_tokens: u32,
+    },
     Finished {
         reason: FinishReason,
     },

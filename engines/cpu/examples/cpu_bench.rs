@@ -29,7 +29,7 @@ async fn times(mut rx: ResponseStream) -> Vec<Instant> {
             EngineEvent::Tokens(toks) => t.extend(toks.iter().map(|_| Instant::now())),
             EngineEvent::Finished { .. } => break,
             EngineEvent::Failed(e) => panic!("{e}"),
-            EngineEvent::Started { .. } => {}
+            EngineEvent::Started { .. } | EngineEvent::Cached { .. } => {}
         }
     }
     t

@@ -45,7 +45,9 @@ async fn collect(mut rx: dynamo_engine::ResponseStream) -> Outcome {
     };
     while let Some(ev) = rx.recv().await {
         match ev {
-            EngineEvent::Started { cached_tokens } => out.cached = cached_tokens,
+            EngineEvent::Started { cached_tokens } | EngineEvent::Cached { cached_tokens } => {
+                out.cached = cached_tokens
+            }
             EngineEvent::Tokens(t) => out.tokens.extend(t),
             EngineEvent::Finished { reason } => {
                 out.reason = reason;

@@ -3,7 +3,12 @@
 //! events, and its end.
 //!
 //! Invariants: `Started` goes once, before any token, with the cached
-//! prompt tokens the first chunk reports; no more than `max_tokens`
+//! prompt tokens the first chunk reports; where a later chunk reports
+//! another count (vLLM puts it only in its usage chunk, after the last
+//! choice), one `Cached` with the last count goes before the terminal
+//! event; after the chunk that ends the request, an OpenAI-style stream
+//! is read on for its usage chunk until `[DONE]`, its end or
+//! [`USAGE_GRACE`], never longer; no more than `max_tokens`
 //! tokens are handed out; generation ends after a stop token id even where
 //! the server cannot be told about them; exactly one terminal event
 //! (`Finished` or `Failed`) ends every request; a request is sent at most
@@ -32,6 +37,9 @@ const MAX_ERROR_BODY: usize = 4096;
 /// How long the rest of a finished stream is read, so its connection can
 /// be reused.
 const DRAIN: Duration = Duration::from_millis(200);
+/// Longest an OpenAI-style stream is read after its last choice for the
+/// usage chunk that follows it (vLLM sends it, then `[DONE]`, at once).
+pub(crate) const USAGE_GRACE: Duration = Duration::from_millis(100);
 
 /// A response body being read.
 type Body = std::pin::Pin<Box<dyn futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Send>>;
@@ -203,6 +211,11 @@ impl Call {
         // `timings_per_token`, vLLM's `continuous_usage_stats`, SGLang's
         // `meta_info`).
         let mut started = false;
+        // The cached prompt tokens `Started` said, and the last count a
+        // chunk gave.
+        let prompt_len = req.prompt().len() as u32;
+        let (mut reported, mut latest) = (0u32, None::<u32>);
+        let mut usage_until = None;
         let s = req.sampling();
         let max = s.max_tokens as usize;
         let mut sent = 0usize;
@@ -213,7 +226,13 @@ impl Call {
         let mut body: Body = Box::pin(resp.bytes_stream());
         let mut finish: Option<FinishReason> = None;
         'read: loop {
-            let next = match tokio::time::timeout(self.idle_timeout, body.next()).await {
+            let wait = match usage_until {
+                Some(t) => t - tokio::time::Instant::now().min(t),
+                None => self.idle_timeout,
+            };
+            let next = match tokio::time::timeout(wait, body.next()).await {
+                // The request is done; its usage chunk did not come.
+                Err(_) if finish.is_some() => break 'read,
                 Err(_) => {
                     return Err(EngineError::Failed(format!(
                         "the engine sent nothing for {} ms",
@@ -246,15 +265,38 @@ impl Call {
                         ev.data
                     )));
                 }
+                if finish.is_some() {
+                    // After the last choice: only the usage matters, and
+                    // a chunk that does not decode costs it, nothing else.
+                    match decoder.chunk(&ev.data) {
+                        Ok(c) => {
+                            if let Some(n) = c.cached_tokens {
+                                latest = Some(n.min(prompt_len));
+                            }
+                            if c.done {
+                                break 'read;
+                            }
+                        }
+                        Err(e) => {
+                            tracing::debug!(error = %e, "a chunk after the last choice did not decode");
+                        }
+                    }
+                    continue;
+                }
                 let c = match decoder.chunk(&ev.data) {
                     Ok(c) => c,
                     Err(ChunkError::Malformed(m)) => return Err(EngineError::Failed(m)),
                     Err(e) => return Err(EngineError::Failed(e.to_string())),
                 };
+                if let Some(n) = c.cached_tokens {
+                    latest = Some(n.min(prompt_len));
+                }
                 if !started {
                     started = true;
-                    let cached_tokens = c.cached_tokens.unwrap_or(0).min(req.prompt().len() as u32);
-                    let _ = tx.send(EngineEvent::Started { cached_tokens });
+                    reported = latest.unwrap_or(0);
+                    let _ = tx.send(EngineEvent::Started {
+                        cached_tokens: reported,
+                    });
                 }
                 let mut toks = c.tokens;
                 if toks.is_empty() && text.is_some() {
@@ -313,7 +355,12 @@ impl Call {
                     .or(full.then_some(FinishReason::Length));
                 if let Some(r) = end {
                     finish = Some(r);
-                    break 'read;
+                    if self.api != Api::OpenAi {
+                        break 'read;
+                    }
+                    // Its usage chunk follows the last choice.
+                    usage_until = Some(tokio::time::Instant::now() + USAGE_GRACE);
+                    continue;
                 }
                 if c.done {
                     break 'read;
@@ -321,7 +368,12 @@ impl Call {
             }
         }
         match finish {
-            Some(r) => Ok((r, Some(body))),
+            Some(r) => {
+                if let Some(n) = latest.filter(|n| *n != reported) {
+                    let _ = tx.send(EngineEvent::Cached { cached_tokens: n });
+                }
+                Ok((r, Some(body)))
+            }
             None => Err(EngineError::Failed(
                 "the engine's stream ended before the request finished".into(),
             )),

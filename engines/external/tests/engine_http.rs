@@ -121,12 +121,51 @@ async fn completion(State(s): State<Arc<Script>>, Json(b): Json<Value>) -> Respo
         .unwrap()
 }
 
+/// vLLM's `/v1/completions` stream, with `continuous_usage_stats`: usage
+/// on every chunk, the cached tokens only in the usage chunk after the
+/// last choice (`--enable-prompt-tokens-details`). Scripts by the prompt's
+/// first token: 1 ends as vLLM does (usage chunk, then `[DONE]`); 9 sends
+/// its last choice and then nothing, keeping the stream open.
+async fn openai_completions(State(s): State<Arc<Script>>, Json(b): Json<Value>) -> Response {
+    let first = b["prompt"][0].as_u64().unwrap_or(0);
+    let usage = |n: u32| json!({"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n});
+    let choice = |t: u32, n: u32, finish: Option<&str>| {
+        let v = json!({"choices": [{"index": 0, "text": "x", "token_ids": [t], "finish_reason": finish}],
+                       "usage": usage(n)});
+        format!("data: {v}\n\n")
+    };
+    let mut frames = vec![choice(10, 1, None), choice(11, 2, Some("length"))];
+    if first == 1 {
+        let mut u = usage(2);
+        u["prompt_tokens_details"] = json!({"cached_tokens": 2});
+        frames.push(format!("data: {}\n\n", json!({"choices": [], "usage": u})));
+        frames.push("data: [DONE]\n\n".into());
+    }
+    s.open.fetch_add(1, Ordering::SeqCst);
+    let guard = Open(s.clone());
+    let stream = futures::stream::unfold((frames.into_iter(), guard), |(mut it, g)| async move {
+        match it.next() {
+            Some(f) => Some((Ok::<_, std::io::Error>(f), (it, g))),
+            // Open, silent.
+            None => {
+                std::future::pending::<()>().await;
+                None
+            }
+        }
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(stream))
+        .unwrap()
+}
+
 /// The server, its script, and its task (aborted when the set drops).
 async fn server() -> (u16, Arc<Script>, tokio::task::JoinSet<()>) {
     let s = Arc::new(Script::default());
     let app = Router::new()
         .route("/health", get(health))
         .route("/completion", post(completion))
+        .route("/v1/completions", post(openai_completions))
         .with_state(s.clone());
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
@@ -157,9 +196,19 @@ fn engine_full(
     detokenize: Option<dynamo_external_engine::engine::Detokenize>,
     kv: Option<dynamo_external_engine::config::RawKvEvents>,
 ) -> ExternalEngine {
+    engine_api(port, "llamacpp", retokenize, detokenize, kv)
+}
+
+fn engine_api(
+    port: u16,
+    api: &str,
+    retokenize: Option<dynamo_external_engine::engine::Retokenize>,
+    detokenize: Option<dynamo_external_engine::engine::Detokenize>,
+    kv: Option<dynamo_external_engine::config::RawKvEvents>,
+) -> ExternalEngine {
     let cfg = RawExternal {
         url: Some(format!("http://127.0.0.1:{port}")),
-        api: Some("llamacpp".into()),
+        api: Some(api.into()),
         max_inflight: Some(2),
         health_interval_ms: Some(20),
         health_failures: Some(2),
@@ -213,9 +262,21 @@ async fn events_started(
     e: &ExternalEngine,
     r: ValidRequest,
 ) -> (Option<u32>, Vec<u32>, EngineEvent) {
+    let (started, _, toks, end) = events_all(e, r).await;
+    (started, toks, end)
+}
+
+/// Every event of a request: the cached tokens its `Started` said (once,
+/// before any token), the later count of a `Cached` (at most once, after
+/// the tokens), the tokens, and the terminal event.
+async fn events_all(
+    e: &ExternalEngine,
+    r: ValidRequest,
+) -> (Option<u32>, Option<u32>, Vec<u32>, EngineEvent) {
     let mut rx = e.generate(r).expect("admitted");
     let mut toks = Vec::new();
     let mut started = None;
+    let mut late = None;
     loop {
         match tokio::time::timeout(Duration::from_secs(10), rx.recv())
             .await
@@ -228,9 +289,15 @@ async fn events_started(
             }
             EngineEvent::Tokens(t) => {
                 assert!(started.is_some(), "tokens before Started");
+                assert!(late.is_none(), "tokens after Cached");
                 toks.extend(t)
             }
-            end => return (started, toks, end),
+            EngineEvent::Cached { cached_tokens } => {
+                assert!(started.is_some(), "Cached before Started");
+                assert!(late.is_none(), "Cached twice");
+                late = Some(cached_tokens);
+            }
+            end => return (started, late, toks, end),
         }
     }
 }
@@ -261,10 +328,12 @@ async fn not_ready_until_healthy_then_serves() {
     s.healthy.store(true, Ordering::SeqCst);
     ready(&e).await;
     assert_eq!(e.kind(), "llamacpp");
-    let (cached, toks, end) = events_started(&e, req(1, 1, 10, vec![])).await;
+    let (cached, late, toks, end) = events_all(&e, req(1, 1, 10, vec![])).await;
     assert_eq!(toks, vec![10, 11, 12, 13, 14]);
-    // What the engine's prefix cache served, from its first chunk.
+    // What the engine's prefix cache served, from its first chunk, and the
+    // other count its last chunk gave.
     assert_eq!(cached, Some(2));
+    assert_eq!(late, Some(3));
     assert_eq!(
         end,
         EngineEvent::Finished {
@@ -272,6 +341,36 @@ async fn not_ready_until_healthy_then_serves() {
         }
     );
     assert!(!e.liveness().is_stopped());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cached_tokens_reported_after_the_last_choice_are_read_and_passed_on() {
+    let (port, s, _server) = server().await;
+    s.healthy.store(true, Ordering::SeqCst);
+    let e = engine_api(port, "vllm", None, None, None);
+    ready(&e).await;
+    // vLLM: no count with the first chunk, the count in the usage chunk.
+    let (cached, late, toks, end) = events_all(&e, req(1, 1, 10, vec![])).await;
+    assert_eq!(toks, vec![10, 11]);
+    assert_eq!((cached, late), (Some(0), Some(2)));
+    let length = EngineEvent::Finished {
+        reason: FinishReason::Length,
+    };
+    assert_eq!(end, length);
+    // A server that sends no usage chunk and leaves its stream open: the
+    // request still ends, within the grace, and nothing is made up.
+    let t0 = std::time::Instant::now();
+    let (cached, late, toks, end) = events_all(&e, req(2, 9, 10, vec![])).await;
+    assert_eq!(
+        (cached, late, toks, end),
+        (Some(0), None, vec![10, 11], length)
+    );
+    // Within the grace (100 ms), not the idle timeout (2 s).
+    assert!(
+        t0.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        t0.elapsed()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -322,7 +322,8 @@ mod tests {
                     .entry(id)
                     .or_insert((0, vec![], FinishReason::Unknown(0)));
                 match ev {
-                    EngineEvent::Started { cached_tokens } => e.0 = cached_tokens,
+                    EngineEvent::Started { cached_tokens }
+                    | EngineEvent::Cached { cached_tokens } => e.0 = cached_tokens,
                     EngineEvent::Tokens(t) => e.1.extend(t),
                     EngineEvent::Finished { reason } => e.2 = reason,
                     EngineEvent::Failed(err) => panic!("{err}"),

@@ -244,6 +244,7 @@ impl PrefillServer {
             while let Some(ev) = events.recv().await {
                 match ev {
                     EngineEvent::Started { .. } => started = Some(Instant::now()),
+                    EngineEvent::Cached { .. } => {}
                     EngineEvent::Tokens(_) => {
                         if first.is_none() {
                             drop(queued.take());
