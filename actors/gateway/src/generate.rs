@@ -416,7 +416,8 @@ impl Generation {
             Frame::Heartbeat(_) => {}
             Frame::Usage(f) => {
                 // The engine's own count, reported late: it replaces the
-                // one `Started` carried (usage is the first attempt's).
+                // one `Started` carried (usage is the first attempt's). The
+                // counter only rises: a lower count leaves it as it is.
                 if self.migrations == 0 {
                     self.usage.cached_tokens = f.cached_tokens.min(self.usage.prompt_tokens);
                 }

@@ -6,9 +6,11 @@
 //! prompt tokens the first chunk reports; where a later chunk reports
 //! another count (vLLM puts it only in its usage chunk, after the last
 //! choice), one `Cached` with the last count goes before the terminal
-//! event; after the chunk that ends the request, an OpenAI-style stream
-//! is read on for its usage chunk until `[DONE]`, its end or
-//! [`USAGE_GRACE`], never longer; no more than `max_tokens`
+//! event; after the chunk with which the engine ended the request, an
+//! OpenAI-style stream is read on for its usage chunk until `[DONE]`, its
+//! end or [`USAGE_GRACE`], never longer, and what goes wrong then (a
+//! broken stream, an error event, a cancel) ends only that read, never
+//! the finished request; no more than `max_tokens`
 //! tokens are handed out; generation ends after a stop token id even where
 //! the server cannot be told about them; exactly one terminal event
 //! (`Finished` or `Failed`) ends every request; a request is sent at most
@@ -125,9 +127,16 @@ impl Call {
         cancel: CancellationToken,
         slot: Slot,
     ) {
+        // How the request finished, once the engine said so: a cancel
+        // that comes while its usage chunk is read (the gateway cancels at
+        // a stop string) keeps that reason.
+        let done = std::sync::Mutex::new(None);
         let out = tokio::select! {
-            r = self.stream(&req, &tx) => r,
-            _ = cancel.cancelled() => Ok((FinishReason::Cancelled, None)),
+            r = self.stream(&req, &tx, &done) => r,
+            _ = cancel.cancelled() => {
+                let reason = done.lock().ok().and_then(|d| *d);
+                Ok((reason.unwrap_or(FinishReason::Cancelled), None))
+            }
         };
         match out {
             Ok((reason, rest)) => {
@@ -153,6 +162,7 @@ impl Call {
         &self,
         req: &ValidRequest,
         tx: &mpsc::UnboundedSender<EngineEvent>,
+        done: &std::sync::Mutex<Option<FinishReason>>,
     ) -> Result<(FinishReason, Option<Body>), EngineError> {
         let text = match &self.detokenize {
             None => None,
@@ -227,6 +237,7 @@ impl Call {
         let mut finish: Option<FinishReason> = None;
         'read: loop {
             let wait = match usage_until {
+                Some(t) if tokio::time::Instant::now() >= t => break 'read,
                 Some(t) => t - tokio::time::Instant::now().min(t),
                 None => self.idle_timeout,
             };
@@ -241,10 +252,20 @@ impl Call {
                 }
                 Ok(n) => n,
             };
+            // After the last choice, a broken stream costs only the usage
+            // chunk: the request is done.
+            if finish.is_some() && matches!(next, Some(Err(_))) {
+                break 'read;
+            }
             let events = match next {
-                Some(Ok(bytes)) => sse
-                    .push(&bytes)
-                    .map_err(|e| EngineError::Failed(e.to_string()))?,
+                Some(Ok(bytes)) => match sse.push(&bytes) {
+                    Ok(events) => events,
+                    Err(e) if finish.is_some() => {
+                        tracing::debug!(error = %e, "the stream after the last choice did not decode");
+                        break 'read;
+                    }
+                    Err(e) => return Err(EngineError::Failed(e.to_string())),
+                },
                 Some(Err(e)) => {
                     return Err(EngineError::Failed(format!(
                         "the engine's stream broke: {e}"
@@ -259,6 +280,10 @@ impl Call {
                 }
             };
             for ev in events {
+                if finish.is_some() && ev.event == "error" {
+                    tracing::debug!(error = %ev.data, "the engine reported an error after the last choice");
+                    break 'read;
+                }
                 if ev.event == "error" {
                     return Err(EngineError::Failed(format!(
                         "the engine reported: {}",
@@ -350,12 +375,18 @@ impl Call {
                 }
                 // A stop token, else the engine's own reason (it may come on
                 // the chunk of the last allowed token), else the limit.
+                let engine_finished = c.finish.is_some();
                 let end = stop_token
                     .or(c.finish)
                     .or(full.then_some(FinishReason::Length));
                 if let Some(r) = end {
+                    if let Ok(mut d) = done.lock() {
+                        *d = Some(r);
+                    }
                     finish = Some(r);
-                    if self.api != Api::OpenAi {
+                    // Only a stream the engine itself ended has its usage
+                    // chunk next (one we ended at a stop id goes on).
+                    if self.api != Api::OpenAi || !engine_finished {
                         break 'read;
                     }
                     // Its usage chunk follows the last choice.

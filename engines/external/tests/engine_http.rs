@@ -125,7 +125,8 @@ async fn completion(State(s): State<Arc<Script>>, Json(b): Json<Value>) -> Respo
 /// on every chunk, the cached tokens only in the usage chunk after the
 /// last choice (`--enable-prompt-tokens-details`). Scripts by the prompt's
 /// first token: 1 ends as vLLM does (usage chunk, then `[DONE]`); 9 sends
-/// its last choice and then nothing, keeping the stream open.
+/// its last choice and then nothing, keeping the stream open; 3 sends an
+/// error event after its last choice.
 async fn openai_completions(State(s): State<Arc<Script>>, Json(b): Json<Value>) -> Response {
     let first = b["prompt"][0].as_u64().unwrap_or(0);
     let usage = |n: u32| json!({"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n});
@@ -140,6 +141,9 @@ async fn openai_completions(State(s): State<Arc<Script>>, Json(b): Json<Value>) 
         u["prompt_tokens_details"] = json!({"cached_tokens": 2});
         frames.push(format!("data: {}\n\n", json!({"choices": [], "usage": u})));
         frames.push("data: [DONE]\n\n".into());
+    }
+    if first == 3 {
+        frames.push("event: error\ndata: {\"error\": \"engine core died\"}\n\n".into());
     }
     s.open.fetch_add(1, Ordering::SeqCst);
     let guard = Open(s.clone());
@@ -196,12 +200,13 @@ fn engine_full(
     detokenize: Option<dynamo_external_engine::engine::Detokenize>,
     kv: Option<dynamo_external_engine::config::RawKvEvents>,
 ) -> ExternalEngine {
-    engine_api(port, "llamacpp", retokenize, detokenize, kv)
+    engine_api(port, "llamacpp", 2000, retokenize, detokenize, kv)
 }
 
 fn engine_api(
     port: u16,
     api: &str,
+    idle_timeout_ms: u64,
     retokenize: Option<dynamo_external_engine::engine::Retokenize>,
     detokenize: Option<dynamo_external_engine::engine::Detokenize>,
     kv: Option<dynamo_external_engine::config::RawKvEvents>,
@@ -213,7 +218,7 @@ fn engine_api(
         health_interval_ms: Some(20),
         health_failures: Some(2),
         metrics_path: Some(String::new()),
-        idle_timeout_ms: Some(2000),
+        idle_timeout_ms: Some(idle_timeout_ms),
         kv_events: kv,
         prompt: detokenize.is_some().then(|| "text".into()),
         ..Default::default()
@@ -347,7 +352,9 @@ async fn not_ready_until_healthy_then_serves() {
 async fn cached_tokens_reported_after_the_last_choice_are_read_and_passed_on() {
     let (port, s, _server) = server().await;
     s.healthy.store(true, Ordering::SeqCst);
-    let e = engine_api(port, "vllm", None, None, None);
+    // An idle timeout far past the grace (100 ms), so a read that waited
+    // for it instead would show.
+    let e = engine_api(port, "vllm", 60_000, None, None, None);
     ready(&e).await;
     // vLLM: no count with the first chunk, the count in the usage chunk.
     let (cached, late, toks, end) = events_all(&e, req(1, 1, 10, vec![])).await;
@@ -363,13 +370,15 @@ async fn cached_tokens_reported_after_the_last_choice_are_read_and_passed_on() {
     let (cached, late, toks, end) = events_all(&e, req(2, 9, 10, vec![])).await;
     assert_eq!(
         (cached, late, toks, end),
-        (Some(0), None, vec![10, 11], length)
+        (Some(0), None, vec![10, 11], length.clone())
     );
-    // Within the grace (100 ms), not the idle timeout (2 s).
-    assert!(
-        t0.elapsed() < Duration::from_millis(1500),
-        "{:?}",
-        t0.elapsed()
+    assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
+    // A stream that breaks off with an error after its last choice: the
+    // request finished, and stays finished (not failed, not migrated).
+    let (cached, late, toks, end) = events_all(&e, req(3, 3, 10, vec![])).await;
+    assert_eq!(
+        (cached, late, toks, end),
+        (Some(0), None, vec![10, 11], length)
     );
 }
 

@@ -21,7 +21,11 @@
 //! made when it starts, so its outcome cannot depend on them, and the KV
 //! events they make go out with the step's. So a remote prefill's
 //! reservation and commit wait for no step; only the request's own
-//! admission does, as in a real engine.
+//! admission does, as in a real engine. A pool command that comes after
+//! a request in the queue may thus be applied before it: blocks committed
+//! for a request that has not joined yet are cached, not pinned, and a
+//! reservation in between may evict them under pool pressure (the
+//! request then prefills what is gone, as after any eviction).
 //!
 //! One tokio task per engine, watched through its [`Liveness`]; it
 //! ends when the engine handle is dropped, failing whatever is still
