@@ -18,7 +18,9 @@
 //!   direction), and each recent shrink that a growth undid doubles that
 //!   window;
 //! - pending replicas (desired, not yet ready) count as coming: the burst
-//!   rule only adds what desired replicas cannot absorb;
+//!   rule only adds what desired replicas cannot absorb, and the arrival
+//!   rule acts only on the last second's arrivals exceeding what they
+//!   carry by [`ARRIVAL_Z`] standard deviations;
 //! - only the idle rule scales a target to zero; any demand wakes it.
 
 use crate::capacity::{
@@ -42,6 +44,14 @@ pub const DECODE_LEARN_SHARE: f64 = 0.5;
 const MAX_SIZED: u32 = 4096;
 /// Recommendations kept per target (the scale-down window's history).
 const MAX_RECENT: usize = 512;
+/// Seconds of arrivals the arrival rule looks at (the fast windows of
+/// about the last second).
+pub const ARRIVAL_SPAN_S: f64 = 1.0;
+/// Poisson standard deviations by which the arrivals of that span must
+/// exceed what the desired replicas carry before the arrival rule acts.
+pub const ARRIVAL_Z: f64 = 3.0;
+/// Fast windows kept for the arrival rule, whatever their length.
+const MAX_ARRIVAL_WINDOWS: usize = 64;
 /// Decisions a worker must report before it is learned from (cold start).
 const WARM_WINDOWS: u32 = 2;
 /// Shrink windows a new period of demand is watched before anything
@@ -229,6 +239,10 @@ pub struct Memory {
     /// The rate and lengths sized for (see [`crate::demand`]).
     #[serde(default)]
     pub demand: Demand,
+    /// The fast windows of about the last [`ARRIVAL_SPAN_S`]: (seconds,
+    /// arrivals), oldest first.
+    #[serde(default)]
+    pub recent_arrivals: VecDeque<(f64, u64)>,
 }
 
 impl Memory {
@@ -246,6 +260,7 @@ impl Memory {
             targets: BTreeMap::new(),
             decisions: 0,
             demand: Demand::default(),
+            recent_arrivals: VecDeque::new(),
         }
     }
 }
@@ -418,6 +433,18 @@ impl PlannerState {
         self.track(targets, now);
         if let Some(slow) = slow {
             self.learn(targets, slow);
+        }
+        // The arrivals of about the last second (the oldest window goes
+        // once the newer ones cover the span).
+        let recent = &mut self.memory.recent_arrivals;
+        if fast.secs.is_finite() && fast.secs > 0.0 {
+            recent.push_back((fast.secs, fast.arrivals));
+        }
+        while recent.len() > MAX_ARRIVAL_WINDOWS
+            || (recent.len() > 1
+                && recent.iter().skip(1).map(|w| w.0).sum::<f64>() >= ARRIVAL_SPAN_S)
+        {
+            recent.pop_front();
         }
         let mut notes = Vec::new();
         let mut want: Vec<(u32, String, String)> = Vec::new();
@@ -750,6 +777,27 @@ impl PlannerState {
         let sized = slow
             .is_some()
             .then(|| (need(rate_up), need(rate_up / DOWN_UTILISATION)));
+        // Arrivals: a rise that queues show only once it has filled them
+        // (decode's only after prefill), and the rate windows only after
+        // seconds. It acts when the last second's arrivals exceed what the
+        // desired replicas carry by ARRIVAL_Z standard deviations of a
+        // Poisson count, and sizes for the rate one deviation below what
+        // was seen: a count that high is rarely noise, and the rate sized
+        // for is more likely under the true one than over it.
+        let (span, seen) = self
+            .memory
+            .recent_arrivals
+            .iter()
+            .fold((0.0, 0u64), |(s, a), w| (s + w.0, a + w.1));
+        let carried = t.desired as f64 * per;
+        let expected = carried * span;
+        let arrival = (t.desired > 0
+            && span >= ARRIVAL_SPAN_S / 2.0
+            && seen as f64 > expected + ARRIVAL_Z * expected.max(1.0).sqrt())
+        .then(|| {
+            let rate = (seen as f64 - (seen as f64).sqrt()) / span;
+            (need(rate), rate)
+        });
         nums.insert("rate".into(), rate_now);
         nums.insert("rate_upper".into(), rate_upper);
         nums.insert("rate_ahead".into(), rate_ahead);
@@ -809,6 +857,17 @@ impl PlannerState {
             n = burst;
             rule = "burst".into();
             reason = why;
+        }
+        if let Some((want, rate)) = arrival {
+            nums.insert("need_arrivals".into(), want as f64);
+            if want > n {
+                n = want;
+                rule = "burst".into();
+                reason = format!(
+                    "{seen} arrivals in the last {span:.1} s, over the {carried:.2} req/s {} replicas carry by more than {ARRIVAL_Z:.0} standard deviations: {want} replicas carry {rate:.2} req/s",
+                    t.desired
+                );
+            }
         }
         // Shrink: the largest recommendation of the last window, and not
         // within the window of the last change. Each shrink that a growth

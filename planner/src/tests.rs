@@ -691,3 +691,72 @@ fn a_lasting_queue_near_a_band_edge_neither_shrinks_nor_bursts_back() {
     let e = p.evaluate(&ts, &w, Some(&w));
     assert!(e.notes[1].numbers["need"] < 3.0, "{:?}", e.notes[1]);
 }
+
+/// The benchmark's cadence: sizing every 2 s, bursts every 0.5 s.
+const FAST: &str = "ttft_ms: 1000\nitl_ms: 30\ninterval_ms: 2000\nfast_interval_ms: 500\nscale_down_after_ms: 8000\ncold_start_ms: 1250\nservices: {prefill: {min: 1, max: 64}, decode: {min: 1, max: 64}}\n";
+
+/// A half-second window (with a two-second one every fourth) of `count`
+/// arrivals, and no worker samples: no queue says anything.
+fn half_second(i: u64, count: u64, slow_count: u64) -> (Window, Option<Window>) {
+    let mk = |count: u64, secs: f64| Window {
+        now_ms: 1_000_000 + i * 500,
+        secs,
+        arrivals: count,
+        prompts: count,
+        isl_mean: (count > 0).then_some(1000.0),
+        finished: count,
+        osl_mean: (count > 0).then_some(200.0),
+        inflight: 1,
+        ..Window::default()
+    };
+    (mk(count, 0.5), (i % 4 == 3).then(|| mk(slow_count, 2.0)))
+}
+
+#[test]
+fn a_burst_of_arrivals_grows_a_target_before_any_queue_shows_it() {
+    let mut p = PlannerState::new(spec(FAST));
+    let mut ts = pd(1, 1);
+    // A minute at 4 req/s, applied as decided.
+    let mut last = Evaluation::default();
+    for i in 0..120u64 {
+        let (fast, slow) = half_second(i, 2, 8);
+        last = p.evaluate(&ts, &fast, slow.as_ref());
+        for c in &last.changes {
+            let t = ts.iter_mut().find(|t| t.name == c.target).unwrap();
+            t.desired = c.to;
+            t.ready = c.to;
+        }
+    }
+    let decode = ts[1].desired;
+    let note = last.notes.iter().find(|n| n.target == "decode").unwrap();
+    let carried = decode as f64 * note.numbers["capacity_per_replica"];
+    // What the fleet carries, arriving for a second: nothing to do.
+    let at = (carried * 0.5).floor() as u64;
+    for i in 120..122u64 {
+        let (fast, _) = half_second(i, at, 0);
+        let e = p.evaluate(&ts, &fast, None);
+        assert!(e.changes.is_empty(), "{e:?}");
+    }
+    // Three times that for a second, before any sizing window or queue
+    // sees it: decode grows at once, by the arrivals.
+    let burst = (carried * 0.5 * 3.0).ceil() as u64;
+    let (fast, _) = half_second(122, burst, 0);
+    let e1 = p.evaluate(&ts, &fast, None);
+    let (fast, _) = half_second(123, burst, 0);
+    let e2 = p.evaluate(&ts, &fast, None);
+    let grew: Vec<&Change> = e1
+        .changes
+        .iter()
+        .chain(&e2.changes)
+        .filter(|c| c.target == "decode")
+        .collect();
+    let c = grew
+        .first()
+        .unwrap_or_else(|| panic!("no growth: {e1:?} {e2:?}"));
+    assert_eq!(c.rule, "burst");
+    assert!(c.reason.contains("arrivals in the last"), "{}", c.reason);
+    // Sized for the rate one deviation below the one seen: about twice
+    // the fleet at least, never past three times it (and one to round).
+    assert!(c.to >= 2 * decode, "{c:?}");
+    assert!(c.to <= 3 * decode + 1, "{c:?}");
+}
