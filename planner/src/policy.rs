@@ -322,7 +322,9 @@ impl PlannerState {
     }
 
     /// Continues from a predecessor's memory (its status).
-    pub fn adopt(spec: PlannerSpec, memory: Memory) -> Self {
+    pub fn adopt(spec: PlannerSpec, mut memory: Memory) -> Self {
+        // Arrivals counted before the handover are not the last second's.
+        memory.recent_arrivals.clear();
         PlannerState { spec, memory }
     }
 
@@ -860,6 +862,10 @@ impl PlannerState {
         }
         if let Some((want, rate)) = arrival {
             nums.insert("need_arrivals".into(), want as f64);
+            // Held like the queues' asks: what the arrivals asked for
+            // counts in the shrink window.
+            let m = self.memory.targets.entry(t.name.clone()).or_default();
+            push_recent(&mut m.recent, now, want, interval_ms);
             if want > n {
                 n = want;
                 rule = "burst".into();
