@@ -372,19 +372,9 @@ proptest! {
         for i in 0..1200u64 {
             let n = arrivals(0.5);
             slow_count += n;
-            let mk = |count: u64, secs: f64| Window {
-                now_ms: 1_000_000 + i * 500,
-                secs,
-                arrivals: count,
-                prompts: count,
-                isl_mean: (count > 0).then_some(1000.0),
-                finished: count,
-                osl_mean: (count > 0).then_some(200.0),
-                inflight: 1,
-                ..Window::default()
-            };
-            let slow = (i % 4 == 3).then(|| mk(std::mem::take(&mut slow_count), 2.0));
-            let e = p.evaluate(&ts, &mk(n, 0.5), slow.as_ref());
+            let slow_n = if i % 4 == 3 { std::mem::take(&mut slow_count) } else { 0 };
+            let (fast, slow) = half_second(i, n, slow_n);
+            let e = p.evaluate(&ts, &fast, slow.as_ref());
             for c in e.changes {
                 let t = ts.iter_mut().find(|t| t.name == c.target).unwrap();
                 t.desired = c.to;
