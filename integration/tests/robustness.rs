@@ -575,3 +575,83 @@ async fn a_node_that_lost_its_bus_stops_within_its_grace_without_waiting_on_it()
     let s = stream.await.unwrap();
     assert!(!s.done || s.error.is_some(), "{s:?}");
 }
+
+/// Reads what the server sends until it closes the connection (bounded).
+async fn until_closed(s: &mut tokio::net::TcpStream) -> (String, Instant) {
+    use tokio::io::AsyncReadExt;
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(30), s.read_to_end(&mut out)).await;
+    assert!(read.is_ok(), "the server never closed the connection");
+    (String::from_utf8_lossy(&out).into_owned(), Instant::now())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_clients_are_cut_off_and_open_connections_are_bounded() {
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpStream;
+    let nats = Nats::start();
+    let port = free_port();
+    let cfg = node_config("n1", &nats.url, Some(port), 1, "").replace(
+        "shutdown_grace_ms = 10000\n",
+        "shutdown_grace_ms = 10000\nclient_timeout_ms = 1000\nmax_connections = 3\n",
+    );
+    let mut node = Node::start(&cfg);
+    let http = Http::new(port);
+    http.wait_ready(1, &mut node).await;
+    let connect = || TcpStream::connect(("127.0.0.1", port));
+    // Headers sent halfway, then nothing: the connection is closed.
+    let mut half = connect().await.unwrap();
+    half.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    // A body that stops: a 408 OpenAI error, then the connection closes.
+    let mut stalled = connect().await.unwrap();
+    stalled
+        .write_all(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\":",
+        )
+        .await
+        .unwrap();
+    let (text, _) = until_closed(&mut half).await;
+    assert!(!text.contains(" 200 "), "{text}");
+    let (text, _) = until_closed(&mut stalled).await;
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    let body: Value = serde_json::from_str(text.split("\r\n\r\n").nth(1).unwrap_or("")).unwrap();
+    assert_eq!(body["error"]["code"], "body_timeout", "{body}");
+    assert!(body["error"]["message"].is_string(), "{body}");
+    // Three connections that send nothing fill the server's three places
+    // (the client's pooled ones have timed out by now): a fourth is
+    // answered only once the timeout has closed one of them.
+    let opened = Instant::now();
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        idle.push(connect().await.unwrap());
+    }
+    let mut fourth = connect().await.unwrap();
+    fourth
+        .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let answer = tokio::spawn(async move { until_closed(&mut fourth).await });
+    for s in &mut idle {
+        let (text, _) = until_closed(s).await;
+        assert!(!text.contains(" 200 "), "{text}");
+    }
+    let (text, answered) = answer.await.unwrap();
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    // A place frees only when an idle connection's timeout (1 s from its
+    // accept, which came after `opened`) closes it.
+    assert!(
+        answered.duration_since(opened) >= Duration::from_millis(1000),
+        "the fourth connection was served while three were open"
+    );
+    // And the server serves as before.
+    let r = http
+        .post(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": [5, 6], "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    assert!(!node.log_text().contains("panicked"));
+}

@@ -107,6 +107,11 @@ pub struct RawGateway {
     pub tls_cert: Option<String>,
     /// HTTPS: the certificate's private key (PEM).
     pub tls_key: Option<String>,
+    /// Connections open at once (past it, new ones wait to be accepted).
+    pub max_connections: Option<usize>,
+    /// A client that leaves the server waiting this long for a request's
+    /// head or a piece of its body is disconnected (a body: 408).
+    pub client_timeout_ms: Option<u64>,
 }
 
 /// `[workers.transfer]`: the KV transfer endpoint of prefill/decode workers.
@@ -455,6 +460,8 @@ impl NodeConfig {
                         !raw.spec_check,
                     )?,
                     frame_batch: ms(g.frame_batch_ms, d.frame_batch),
+                    max_connections: g.max_connections.unwrap_or(d.max_connections),
+                    client_timeout: ms(g.client_timeout_ms, d.client_timeout),
                     tls: match (&g.tls_cert, &g.tls_key) {
                         (None, None) => None,
                         (Some(cert), Some(key)) => Some(
@@ -477,6 +484,14 @@ impl NodeConfig {
                         }
                     },
                 };
+                if cfg.max_connections == 0 || cfg.max_connections > 1_000_000 {
+                    return Err(invalid("gateway.max_connections", "must be 1-1000000"));
+                }
+                if cfg.client_timeout < Duration::from_millis(100)
+                    || cfg.client_timeout > Duration::from_secs(3600)
+                {
+                    return Err(invalid("gateway.client_timeout_ms", "must be 100-3600000"));
+                }
                 if cfg.frame_batch > Duration::from_millis(1000) {
                     return Err(invalid("gateway.frame_batch_ms", "must be 0-1000"));
                 }

@@ -19,7 +19,6 @@ use crate::shared::{Shared, CONTROL_CONCURRENCY};
 use dynamo_bus_schema::{unix_ms, FaultKind, GatewayId};
 use dynamo_runtime::{Bus, Gate, Tasks};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use std::future::IntoFuture;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -97,11 +96,16 @@ impl Actor for GatewayActor {
 
         let server_stop = CancellationToken::new();
         let (stop, asked) = (server_stop.clone(), server_stop.clone());
-        // Connections are served by tasks of axum's own: they close (after
-        // their in-flight requests) when the server is stopped or when this
-        // actor's tasks stop, so a restarted gateway leaves none behind.
+        // Connections are served by tasks of the server's own (`conn`):
+        // they close (after their in-flight requests) when the server is
+        // stopped or when this actor's tasks stop, so a restarted gateway
+        // leaves none behind.
         let gone = tasks.token();
         let router = app(shared.clone());
+        let limits = crate::conn::ConnLimits {
+            max_connections: args.config.max_connections,
+            client_timeout: args.config.client_timeout,
+        };
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
         let shutdown = async move {
             tokio::select! {
@@ -118,11 +122,10 @@ impl Actor for GatewayActor {
                 let (listener, accept) =
                     crate::tls::TlsListener::new(listener, tls.config.clone())?;
                 tasks.spawn("https accept", accept);
-                Box::pin(
-                    axum::serve(listener, router)
-                        .with_graceful_shutdown(shutdown)
-                        .into_future(),
-                )
+                Box::pin(async move {
+                    crate::conn::serve(listener, router, limits, shutdown).await;
+                    Ok(())
+                })
             }
             None => {
                 // Small writes (an SSE chunk per token, a 429) go out at
@@ -134,11 +137,10 @@ impl Actor for GatewayActor {
                         tracing::debug!(error = %e, "cannot set TCP_NODELAY");
                     }
                 });
-                Box::pin(
-                    axum::serve(listener, router)
-                        .with_graceful_shutdown(shutdown)
-                        .into_future(),
-                )
+                Box::pin(async move {
+                    crate::conn::serve(listener, router, limits, shutdown).await;
+                    Ok(())
+                })
             }
         };
         tasks.spawn("server", async move {

@@ -48,6 +48,12 @@ pub struct GatewayConfig {
     pub frame_batch: Duration,
     /// HTTPS with this certificate and key (None: plain HTTP).
     pub tls: Option<crate::tls::TlsSettings>,
+    /// Connections open at once; past it new ones wait to be accepted.
+    pub max_connections: usize,
+    /// A client that leaves the server waiting this long for its request
+    /// (the head, the next request on a kept-alive connection, or a piece
+    /// of the body) is disconnected (a stalled body gets a 408 first).
+    pub client_timeout: Duration,
 }
 
 /// Per-model admission control: past `max_inflight` requests being served,
@@ -94,6 +100,8 @@ impl Default for GatewayConfig {
             api_keys: Vec::new(),
             frame_batch: Duration::from_millis(50),
             tls: None,
+            max_connections: 8192,
+            client_timeout: Duration::from_secs(30),
         }
     }
 }

@@ -88,6 +88,20 @@ impl ApiError {
             retry_after: None,
         }
     }
+    /// The client stopped sending its request body (408).
+    pub fn body_stalled(after: std::time::Duration) -> Self {
+        ApiError {
+            status: StatusCode::REQUEST_TIMEOUT,
+            message: format!(
+                "The request body stalled: nothing arrived for {} ms.",
+                after.as_millis()
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("body_timeout"),
+            retry_after: None,
+        }
+    }
     pub fn timeout(message: impl Into<String>) -> Self {
         ApiError {
             status: StatusCode::GATEWAY_TIMEOUT,

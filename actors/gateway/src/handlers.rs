@@ -64,6 +64,8 @@ pub fn app(shared: Arc<Shared>) -> Router {
 fn body_error(r: BytesRejection, limit: usize) -> ApiError {
     if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
         ApiError::too_large(limit)
+    } else if let Some(after) = crate::conn::stalled(&r) {
+        ApiError::body_stalled(after)
     } else {
         ApiError::invalid(None, format!("Cannot read the request body: {r}"))
     }

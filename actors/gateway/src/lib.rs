@@ -15,6 +15,7 @@ pub mod actor;
 pub mod admission;
 pub mod auth;
 pub mod config;
+pub mod conn;
 pub mod dashboard;
 pub mod dispatch;
 pub mod error;

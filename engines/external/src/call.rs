@@ -236,9 +236,10 @@ impl Call {
         let mut body: Body = Box::pin(resp.bytes_stream());
         let mut finish: Option<FinishReason> = None;
         'read: loop {
+            let now = tokio::time::Instant::now();
             let wait = match usage_until {
-                Some(t) if tokio::time::Instant::now() >= t => break 'read,
-                Some(t) => t - tokio::time::Instant::now().min(t),
+                Some(t) if now >= t => break 'read,
+                Some(t) => t - now,
                 None => self.idle_timeout,
             };
             let next = match tokio::time::timeout(wait, body.next()).await {
