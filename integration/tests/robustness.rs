@@ -381,16 +381,59 @@ async fn a_full_engine_answers_overloaded_and_the_router_avoids_it() {
     }
     assert_eq!((ok, refused), (4, 4), "two workers hold two requests each");
     assert!(http.metric("dynamo_gateway_route_retries_total").await > 0);
-    // Both said so: the next request is refused by the router itself.
-    let (status, retry, json, _) = timed_post(port, long(9)).await;
-    assert_eq!(status, 503, "{json}");
-    assert_eq!(retry.as_deref(), Some("1"));
-    assert_eq!(json["error"]["code"], "workers_overloaded", "{json}");
+    // Each refused one waited for room (the 500 ms queue wait) first.
+    assert_eq!(http.metric("dynamo_gateway_room_waits_total").await, 4);
     assert_eq!(
         http.metric("dynamo_gateway_rejected_requests_total{reason=\"workers_overloaded\"}")
             .await,
-        5,
+        4,
         "each refusal counted once"
+    );
+    // Their requests ended, so both have places again: the next request is
+    // served at once, not refused for the minute the marks would last.
+    let (status, _, json, _) = timed_post(port, long(9)).await;
+    assert_eq!(status, 200, "{json}");
+    assert_eq!(http.metric("dynamo_gateway_room_waits_total").await, 4);
+    assert!(!node.log_text().contains("panicked"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_past_every_engine_waits_for_room_instead_of_failing() {
+    let nats = Nats::start();
+    let port = free_port();
+    // Two workers with two places each; the router would avoid a worker
+    // that refused for a minute, unless it shows a place again.
+    let cfg = real_time(node_config("n1", &nats.url, Some(port), 2, ""))
+        .replace(
+            "speedup = 1.0\n",
+            "speedup = 1.0\nmax_num_seqs = 1\nmax_waiting_seqs = 1\n",
+        )
+        .replace(
+            "worker_ttl_ms = 3000\n",
+            "worker_ttl_ms = 3000\noverload_backoff_ms = 60000\n",
+        )
+        .replace(
+            "shutdown_grace_ms = 10000\n",
+            "shutdown_grace_ms = 10000\nmax_queue_wait_ms = 5000\n",
+        );
+    let mut node = Node::start(&cfg);
+    let http = Http::new(port);
+    http.wait_ready(2, &mut node).await;
+    // Eight short requests for four places: half wait for room.
+    let short = |i: usize| json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 10, "ignore_eos": true});
+    let tasks: Vec<_> = (0..8)
+        .map(|i| tokio::spawn(timed_post(port, short(i))))
+        .collect();
+    for t in tasks {
+        let (status, _, json, _) = t.await.unwrap();
+        assert_eq!(status, 200, "{json}");
+        assert_eq!(json["usage"]["completion_tokens"], 10, "{json}");
+    }
+    assert!(http.metric("dynamo_gateway_room_waits_total").await >= 1);
+    assert_eq!(
+        http.metric("dynamo_gateway_rejected_requests_total{reason=\"workers_overloaded\"}")
+            .await,
+        0
     );
     assert!(!node.log_text().contains("panicked"));
 }

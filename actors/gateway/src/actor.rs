@@ -85,6 +85,7 @@ impl Actor for GatewayActor {
             feed: crate::feed::Feed::default(),
             auth: crate::auth::Auth::new(c.api_keys.clone(), std::time::Instant::now()),
             events: crate::dashboard::Events::default(),
+            room: crate::dispatch::Room::new(c.admission.max_queued as usize),
         });
         let inbox_owner = shared.clone();
         tasks.spawn("inbox", async move { inbox_owner.inbox.run(sub).await });

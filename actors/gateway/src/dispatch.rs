@@ -4,7 +4,10 @@
 //!
 //! Invariants: a worker that fails a request is never chosen again for it;
 //! a worker that refuses as overloaded is reported to the router, which
-//! avoids it for a while; the deadline bounds every wait; a request routed
+//! avoids it until it has a place again (or for a while); when every
+//! worker refused for room the request waits for room at most the
+//! admission queue's wait, among at most `max_queued` such waiters, then
+//! gets 503 `workers_overloaded`; the deadline bounds every wait; a request routed
 //! to a worker whose model card differs from the one it was tokenized with
 //! is given back ([`DispatchError::CardChanged`]) so the caller tokenizes
 //! it again with that card; every route that does not end in an accepted
@@ -57,9 +60,70 @@ impl From<ApiError> for DispatchError {
     }
 }
 
+/// How often a request waiting for room asks the router again when no
+/// request of this gateway ended meanwhile (a place freed by another
+/// gateway's request, or a mark that expired).
+const ROOM_POLL: Duration = Duration::from_millis(100);
+
+/// Requests waiting for a worker with room: every worker of their model
+/// refused them for room (`Overloaded`). Each waits at most the admission
+/// queue's wait (`max_queue_wait`) within its deadline, and at most
+/// `max_queued` wait at once (past it: 503 at once, as before).
+pub struct Room {
+    notify: tokio::sync::Notify,
+    waiters: Arc<tokio::sync::Semaphore>,
+}
+
+impl Room {
+    pub fn new(max_waiting: usize) -> Self {
+        Room {
+            notify: tokio::sync::Notify::new(),
+            waiters: Arc::new(tokio::sync::Semaphore::new(max_waiting)),
+        }
+    }
+
+    /// A request a worker had taken ended: one waiter (the longest
+    /// waiting) tries again.
+    pub fn freed(&self) {
+        self.notify.notify_one();
+    }
+}
+
+/// A request's wait for room: since when, and its place among the waiters.
+type Waiting = Option<(Instant, tokio::sync::OwnedSemaphorePermit)>;
+
+/// Waits until a place may be free (a request of this gateway ended, or
+/// [`ROOM_POLL`] passed); false when this request may not wait (longer).
+async fn wait_for_room(shared: &Shared, waiting: &mut Waiting, deadline: Instant) -> bool {
+    let now = Instant::now();
+    let since = match waiting {
+        Some((since, _)) => *since,
+        None => {
+            let Ok(place) = shared.room.waiters.clone().try_acquire_owned() else {
+                return false;
+            };
+            shared.metrics.room_waits.inc();
+            *waiting = Some((now, place));
+            now
+        }
+    };
+    let until = (since + shared.config.admission.max_queue_wait).min(deadline);
+    if now >= until {
+        return false;
+    }
+    tokio::select! {
+        _ = shared.room.notify.notified() => {}
+        _ = tokio::time::sleep_until(until.min(now + ROOM_POLL)) => {}
+    }
+    true
+}
+
 /// Routes `tokens` and gets a worker to accept them as request `id`,
 /// trying other workers when one refuses (retryable) or is unreachable;
 /// workers in `exclude` are never chosen and the ones that fail are added.
+/// When every worker refused for room, the request waits for one to have
+/// room again ([`Room`]), then tries again; a worker that refused for room
+/// is not excluded.
 pub async fn dispatch(
     shared: &Arc<Shared>,
     id: RequestId,
@@ -69,10 +133,36 @@ pub async fn dispatch(
     deadline: Instant,
     exclude: &mut Vec<WorkerId>,
 ) -> Result<(RouteDecision, mpsc::Receiver<Frame>), DispatchError> {
+    let mut waiting: Waiting = None;
+    loop {
+        match try_workers(shared, id, plan, &tokens, sampling, deadline, exclude).await {
+            Err(DispatchError::Api(e)) if e.code == Some("workers_overloaded") => {
+                if !wait_for_room(shared, &mut waiting, deadline).await {
+                    return Err(refused_overloaded(shared, e));
+                }
+            }
+            other => return other,
+        }
+    }
+}
+
+/// One round of [`dispatch`]: up to `max_route_attempts` workers. Every
+/// worker refusing for room ends it with a `workers_overloaded` error
+/// (not counted yet: the caller may wait and try again).
+async fn try_workers(
+    shared: &Arc<Shared>,
+    id: RequestId,
+    plan: &Attempt,
+    tokens: &Arc<Vec<u32>>,
+    sampling: &SamplingParams,
+    deadline: Instant,
+    exclude: &mut Vec<WorkerId>,
+) -> Result<(RouteDecision, mpsc::Receiver<Frame>), DispatchError> {
     let attempts = shared.config.max_route_attempts.max(1);
     let mut last_error = None;
-    // Workers that refused this request for room (they said `Overloaded`).
-    let mut overloaded = 0usize;
+    // Workers that refused this request for room (they said `Overloaded`):
+    // avoided this round, not for good.
+    let mut overloaded: Vec<WorkerId> = Vec::new();
     for attempt in 0..attempts {
         if attempt > 0 {
             shared.metrics.route_retries.inc();
@@ -84,25 +174,17 @@ pub async fn dispatch(
             )
             .into());
         }
-        let decision = match route(
-            shared,
-            id,
-            &plan.model,
-            &tokens,
-            exclude,
-            plan.routing,
-            left,
-        )
-        .await
-        {
-            Ok(d) => d,
-            // The workers left all refused it for room: that is overload,
-            // not a missing fleet.
-            Err(e) if overloaded > 0 && e.code == Some("no_workers_available") => {
-                return Err(refused_overloaded(shared, last_error.unwrap_or(e)))
-            }
-            Err(e) => return Err(e.into()),
-        };
+        let avoid: Vec<WorkerId> = exclude.iter().chain(&overloaded).copied().collect();
+        let decision =
+            match route(shared, id, &plan.model, tokens, &avoid, plan.routing, left).await {
+                Ok(d) => d,
+                // The workers left all refused it for room: that is overload,
+                // not a missing fleet.
+                Err(e) if !overloaded.is_empty() && e.code == Some("no_workers_available") => {
+                    return Err(overloaded_error(last_error.unwrap_or(e)).into())
+                }
+                Err(e) => return Err(e.into()),
+            };
         if let Some(want) = plan.card_digest {
             if decision.card_digest != want {
                 release(shared, id);
@@ -113,7 +195,7 @@ pub async fn dispatch(
         let req = GenerateRequest {
             request_id: id,
             model: plan.model.clone(),
-            token_ids: (*tokens).clone(),
+            token_ids: (**tokens).clone(),
             sampling: sampling.clone(),
             reply_to: shared.frames_subject.clone(),
             deadline_unix_ms: unix_ms()
@@ -156,7 +238,7 @@ pub async fn dispatch(
                 }
                 Some(e) if e.kind.is_retryable() => {
                     if e.kind == ErrorKind::Overloaded {
-                        overloaded += 1;
+                        overloaded.push(decision.worker_id);
                         if let Ok(r) = shared.router() {
                             let _ = r.cast(RouterMsg::WorkerOverloaded(decision.worker_id));
                         }
@@ -204,33 +286,37 @@ pub async fn dispatch(
             }
         };
         tracing::debug!(request = %id, worker = %decision.worker_id, ?failure, "worker did not take request");
-        exclude.push(decision.worker_id);
+        if overloaded.last() != Some(&decision.worker_id) {
+            exclude.push(decision.worker_id);
+        }
         release(shared, id);
         last_error = failure;
     }
     let e = last_error.unwrap_or_else(|| ApiError::unavailable("No worker accepted the request."));
-    if e.code == Some("workers_overloaded") {
-        return Err(refused_overloaded(shared, e));
-    }
     Err(e.into())
 }
 
-/// A request every worker tried refused for room: counted as a rejection.
-fn refused_overloaded(shared: &Shared, e: ApiError) -> DispatchError {
-    shared
-        .metrics
-        .rejected
-        .with_label_values(&["workers_overloaded"])
-        .inc();
-    let e = if e.code == Some("workers_overloaded") {
+/// The error of a request every worker refused for room.
+fn overloaded_error(e: ApiError) -> ApiError {
+    if e.code == Some("workers_overloaded") {
         e
     } else {
         ApiError::overloaded(
             "Every worker for this model is at capacity. Retry shortly.",
             "workers_overloaded",
         )
-    };
-    e.into()
+    }
+}
+
+/// A request every worker refused for room, after its wait: counted as a
+/// rejection.
+fn refused_overloaded(shared: &Shared, e: ApiError) -> DispatchError {
+    shared
+        .metrics
+        .rejected
+        .with_label_values(&["workers_overloaded"])
+        .inc();
+    overloaded_error(e).into()
 }
 
 async fn route(
@@ -281,11 +367,6 @@ async fn route(
                 return Err(ApiError::unavailable(format!("{e}. Retry shortly.")))
             }
             Err(e @ RouteError::Overloaded { .. }) => {
-                shared
-                    .metrics
-                    .rejected
-                    .with_label_values(&["workers_overloaded"])
-                    .inc();
                 return Err(ApiError::overloaded(
                     format!("{e}. Retry shortly."),
                     "workers_overloaded",

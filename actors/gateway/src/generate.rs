@@ -533,8 +533,11 @@ impl Drop for Generation {
                 send_cancel(&self.shared, d.worker_id, self.id, self.cancel_reason);
             }
             if let Ok(r) = self.shared.router() {
-                let _ = r.cast(RouterMsg::Release(self.id));
+                let _ = r.cast(RouterMsg::Finished(self.id));
             }
+            // A place on that worker is free: one request waiting for room
+            // tries again.
+            self.shared.room.freed();
         }
     }
 }

@@ -18,6 +18,8 @@ pub struct Metrics {
     pub predicted_cached_tokens: IntCounter,
     pub errors: IntCounterVec,
     pub route_retries: IntCounter,
+    /// Requests that waited for a worker with room.
+    pub room_waits: IntCounter,
     pub migrations: IntCounterVec,
     pub migration_failures: IntCounterVec,
     pub phase: HistogramVec,
@@ -81,6 +83,10 @@ impl Metrics {
         let route_retries = IntCounter::new(
             "route_retries_total",
             "Requests re-routed after a worker refused or was unreachable",
+        )?;
+        let room_waits = IntCounter::new(
+            "room_waits_total",
+            "Requests that waited for a worker with room (every worker had refused them for room)",
         )?;
         let migrations = IntCounterVec::new(
             Opts::new(
@@ -167,6 +173,7 @@ impl Metrics {
             Box::new(predicted_cached_tokens.clone()),
             Box::new(errors.clone()),
             Box::new(route_retries.clone()),
+            Box::new(room_waits.clone()),
             Box::new(migrations.clone()),
             Box::new(migration_failures.clone()),
             Box::new(phase.clone()),
@@ -193,6 +200,7 @@ impl Metrics {
             predicted_cached_tokens,
             errors,
             route_retries,
+            room_waits,
             migrations,
             migration_failures,
             phase,

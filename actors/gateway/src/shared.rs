@@ -39,6 +39,8 @@ pub struct Shared {
     pub auth: std::sync::Arc<crate::auth::Auth>,
     /// Recent events for the cluster page.
     pub events: crate::dashboard::Events,
+    /// Requests waiting for a worker with room.
+    pub room: crate::dispatch::Room,
 }
 
 impl Shared {

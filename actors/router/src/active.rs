@@ -231,6 +231,11 @@ impl ActiveLoad {
         ]
     }
 
+    /// The worker an own request was routed to.
+    pub fn worker_of_own(&self, id: RequestId) -> Option<WorkerId> {
+        self.entries.get(&(self.me, id)).map(|e| e.worker)
+    }
+
     /// An own request finished; returns its `Finished` if a peer may hold
     /// it (whether or not one listens now).
     pub fn finish_own(&mut self, id: RequestId) -> Option<ActiveLoadEvent> {

@@ -71,8 +71,12 @@ pub enum RouterMsg {
         weights: Option<crate::policy::KvCostWeights>,
         reply: RpcReplyPort<Result<RouteDecision, RouteError>>,
     },
-    /// An own request finished (in any way).
+    /// An own route was given back without the worker keeping the request
+    /// (it refused, failed or could not be reached; the request moved on).
     Release(RequestId),
+    /// An own request its worker had taken ended (in any way): released,
+    /// and that worker has a place again.
+    Finished(RequestId),
     /// An own request's first token came back.
     PrefillDone(RequestId),
     /// A worker refused one of this gateway's requests as overloaded.
@@ -442,6 +446,11 @@ impl Actor for RouterActor {
             },
             RouterMsg::Release(id) => {
                 if let Some(ev) = s.release(id) {
+                    rt.tell_peers(ToPeers::Load(ev));
+                }
+            }
+            RouterMsg::Finished(id) => {
+                if let Some(ev) = s.finished(id) {
                     rt.tell_peers(ToPeers::Load(ev));
                 }
             }

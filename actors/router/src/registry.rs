@@ -11,7 +11,8 @@
 //! - a record of an older generation never replaces a newer one;
 //! - a model's card is the one of its most recently started worker (what
 //!   a rolling upgrade brings in), with its digest;
-//! - a worker marked overloaded is avoided until the mark expires.
+//! - a worker marked overloaded is avoided until the mark expires or the
+//!   worker shows a place again (a request on it ended).
 
 use dynamo_bus_schema::{
     unix_ms, LoadReport, ModelCard, ModelName, WorkerId, WorkerRegistration, WorkerState,
@@ -54,8 +55,19 @@ pub enum Upserted {
 pub struct Registry {
     ttl: Duration,
     workers: BTreeMap<WorkerId, WorkerEntry>,
-    /// Workers that refused a request as overloaded, until when to avoid them.
-    overloaded: HashMap<WorkerId, Instant>,
+    /// Workers that refused a request as overloaded: until when to avoid
+    /// them, and the most requests each has reported in flight since.
+    overloaded: HashMap<WorkerId, Overload>,
+}
+
+/// An overload mark (see [`Registry::mark_overloaded`]).
+#[derive(Clone, Copy, Debug)]
+struct Overload {
+    until: Instant,
+    /// The highest `inflight_requests` the worker reported since the mark
+    /// (starting from its last report before it): a report below it means
+    /// a request ended there, so it has a place again.
+    peak: u32,
 }
 
 impl Registry {
@@ -177,6 +189,15 @@ impl Registry {
     pub fn load(&mut self, report: LoadReport, now: Instant) {
         if let Some(e) = self.workers.get_mut(&report.worker_id) {
             if report.generation == e.reg.generation {
+                let inflight = report.load.inflight_requests;
+                if let Some(m) = self.overloaded.get_mut(&report.worker_id) {
+                    if inflight < m.peak {
+                        // A request ended there since it refused: room again.
+                        self.overloaded.remove(&report.worker_id);
+                    } else {
+                        m.peak = inflight;
+                    }
+                }
                 e.reg.load = report.load;
                 e.last_seen = now;
             }
@@ -197,19 +218,34 @@ impl Registry {
             tracing::warn!(worker = %id, "worker expired (no heartbeat within TTL)");
             self.remove(*id);
         }
-        self.overloaded.retain(|_, until| *until > now);
+        self.overloaded.retain(|_, m| m.until > now);
         dead
     }
 
-    /// The worker refused a request as overloaded: avoid it for `backoff`.
+    /// The worker refused a request as overloaded: avoid it for `backoff`,
+    /// or until it has a place again: one of this router's requests on it
+    /// ended ([`Self::room_freed`]), or it reports fewer requests in flight
+    /// than at any time since the mark.
     pub fn mark_overloaded(&mut self, id: WorkerId, now: Instant, backoff: Duration) {
-        if self.workers.contains_key(&id) {
-            self.overloaded.insert(id, now + backoff);
+        if let Some(e) = self.workers.get(&id) {
+            let peak = e.reg.load.inflight_requests;
+            self.overloaded.insert(
+                id,
+                Overload {
+                    until: now + backoff,
+                    peak,
+                },
+            );
         }
     }
 
+    /// A request the worker had taken ended: it has a place again.
+    pub fn room_freed(&mut self, id: WorkerId) {
+        self.overloaded.remove(&id);
+    }
+
     pub fn is_overloaded(&self, id: WorkerId, now: Instant) -> bool {
-        self.overloaded.get(&id).is_some_and(|until| *until > now)
+        self.overloaded.get(&id).is_some_and(|m| m.until > now)
     }
 
     /// Every served model with its workers (any state), each with its

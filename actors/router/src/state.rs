@@ -654,6 +654,15 @@ impl RouterState {
         self.active.finish_own(id)
     }
 
+    /// An own request its worker had taken ended: released, and that
+    /// worker has a place again (an overload mark on it ends).
+    pub fn finished(&mut self, id: RequestId) -> Option<ActiveLoadEvent> {
+        if let Some(w) = self.active.worker_of_own(id) {
+            self.registry.room_freed(w);
+        }
+        self.release(id)
+    }
+
     /// Every served model with its workers (any state).
     pub fn models(&self) -> Vec<ModelEntry> {
         self.registry.models()

@@ -489,6 +489,56 @@ fn an_overloaded_worker_is_avoided_while_another_can_take_it() {
     assert!(route(&mut s, &m, &[], later).is_ok());
 }
 
+fn inflight(s: &mut RouterState, id: u64, n: u32, now: Instant) {
+    s.load(
+        LoadReport {
+            worker_id: WorkerId(id),
+            generation: 1,
+            load: LoadMetrics {
+                inflight_requests: n,
+                ..LoadMetrics::default()
+            },
+        },
+        now,
+    );
+}
+
+#[test]
+fn an_overloaded_worker_is_routed_again_once_it_shows_a_place() {
+    let t0 = Instant::now();
+    let mut s = RouterState::new(Duration::from_secs(3), Box::new(RoundRobin::default()));
+    let m = ModelName("a".into());
+    s.upsert(reg(1, 1, "a"), t0);
+    let overloaded =
+        |s: &mut RouterState| matches!(route(s, &m, &[], t0), Err(RouteError::Overloaded { .. }));
+    // Reports since the mark that never fall below their highest keep it.
+    inflight(&mut s, 1, 3, t0);
+    s.overloaded(WorkerId(1), t0);
+    for n in [3, 4, 4] {
+        inflight(&mut s, 1, n, t0);
+        assert!(overloaded(&mut s), "{n} in flight");
+    }
+    // One fewer than the most since the mark: a request ended there.
+    inflight(&mut s, 1, 3, t0);
+    assert!(!overloaded(&mut s));
+
+    // A route given back without the worker keeping it (the refused
+    // request itself) does not end the mark; a request it had taken
+    // ending does.
+    let kept = s
+        .route(RequestId(7), &m, &[], &[], t0)
+        .map(|(d, _)| d)
+        .unwrap();
+    assert_eq!(kept.worker_id, WorkerId(1));
+    let refused = RequestId(8);
+    s.route(refused, &m, &[], &[], t0).unwrap();
+    s.overloaded(WorkerId(1), t0);
+    let _ = s.release(refused);
+    assert!(overloaded(&mut s));
+    let _ = s.finished(RequestId(7));
+    assert!(!overloaded(&mut s));
+}
+
 #[test]
 fn a_models_card_is_its_newest_workers_with_the_routed_digest() {
     let t0 = Instant::now();
