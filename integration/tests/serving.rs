@@ -82,6 +82,22 @@ async fn chat_and_completions_return_the_mockers_tokens_detokenized() {
     let models: Value = r.json().await.unwrap();
     assert_eq!(models["object"], "list");
     assert_eq!(models["data"][0]["id"], MODEL);
+    // And one model by its id, as OpenAI's `GET /v1/models/{id}`.
+    for (id, status) in [(MODEL, 200), ("gpt-9", 404)] {
+        let r = http
+            .client
+            .get(format!("{}/v1/models/{id}", http.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), status, "{id}");
+        let m: Value = r.json().await.unwrap();
+        if status == 200 {
+            assert_eq!(m, models["data"][0], "the list's entry");
+        } else {
+            assert_eq!(m["error"]["code"], "model_not_found", "{m}");
+        }
+    }
 
     // Non-streaming chat: text = mocker tokens through the real tokenizer, usage matches.
     let content = "What is the capital of France?";
@@ -504,6 +520,89 @@ async fn bad_input_gets_the_right_status_and_error_object() {
         .await;
     assert_error(&r, 400, "invalid_request_error");
     assert_eq!(r.json["error"]["code"], "context_length_exceeded");
+    // A prompt that fills the context, with no max_tokens: one token more
+    // is needed, and the message's sum adds up.
+    let full: Vec<u32> = vec![300; 8192];
+    let r = http
+        .post("/v1/completions", &json!({"model": MODEL, "prompt": full}))
+        .await;
+    assert_eq!(r.json["error"]["code"], "context_length_exceeded");
+    let msg = r.json["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("you requested 8193 tokens (8192 in the prompt, 1 for the completion)"),
+        "{msg}"
+    );
+    // What OpenAI's API allows or refuses, as it does.
+    for (body, status, param) in [
+        // Optional fields sent as null take their defaults.
+        (
+            chat(json!({"stream": null, "ignore_eos": null, "max_tokens": 2})),
+            200,
+            None,
+        ),
+        // vLLM's "top_k off".
+        (chat(json!({"top_k": -1, "max_tokens": 2})), 200, None),
+        (chat(json!({"top_k": -2})), 400, Some("top_k")),
+        (
+            chat(json!({"stream_options": {"include_usage": true}})),
+            400,
+            Some("stream_options"),
+        ),
+        (
+            chat(json!({"tool_choice": "required"})),
+            400,
+            Some("tool_choice"),
+        ),
+        (
+            chat(json!({"tool_choice": "auto", "max_tokens": 2})),
+            200,
+            None,
+        ),
+        (chat(json!({"user": 123})), 400, Some("user")),
+        (chat(json!({"model": 123})), 400, Some("model")),
+        (chat(json!({"max_tokens": "5"})), 400, Some("max_tokens")),
+        (
+            chat(json!({"messages": [{"role": "user"}]})),
+            400,
+            Some("messages.[0].content"),
+        ),
+        (
+            chat(json!({"messages": [{"role": "user", "content": null}]})),
+            400,
+            Some("messages.[0].content"),
+        ),
+        (
+            chat(json!({"messages": [{"role": "user", "content": []}]})),
+            400,
+            Some("messages.[0].content"),
+        ),
+        (
+            chat(json!({"messages": [{"role": 7, "content": "hi"}]})),
+            400,
+            Some("messages[0].role"),
+        ),
+        (
+            chat(
+                json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null}, {"role": "user", "content": "more"}], "max_tokens": 2}),
+            ),
+            200,
+            None,
+        ),
+    ] {
+        let r = http.post("/v1/chat/completions", &body).await;
+        assert_eq!(r.status, status, "{body}: {}", r.json);
+        if let Some(p) = param {
+            assert_error(&r, 400, "invalid_request_error");
+            assert_eq!(r.json["error"]["param"], p, "{body}: {}", r.json);
+        }
+    }
+    let r = http
+        .post(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": null, "stream": null}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.json);
     // Body over the configured limit (64 KiB in these tests) → 413.
     let big = json!({"model": MODEL, "prompt": "x".repeat(70_000)});
     let r = http.post("/v1/completions", &big).await;

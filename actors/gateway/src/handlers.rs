@@ -18,7 +18,7 @@ use crate::router_metrics::router_metrics;
 use crate::shared::Shared;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -50,6 +50,7 @@ pub fn app(shared: Arc<Shared>) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(list_models))
+        .route("/v1/models/{*id}", get(get_model))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/v1/dynamo/overlap", post(overlap))
@@ -382,15 +383,34 @@ async fn list_models(
     let data: Vec<Value> = models
         .iter()
         .filter(|m| s.auth.allow_model(&caller, &m.card.name.0).is_ok())
-        .map(|m| {
-            json!({
-                "id": m.card.name.0, "object": "model", "created": s.started_unix_s, "owned_by": "dynamo",
-                "context_length": m.card.context_length, "block_size": m.card.block_size,
-                "workers": m.workers.len(),
-            })
-        })
+        .map(|m| model_object(&s, m))
         .collect();
     Ok(Json(json!({"object": "list", "data": data})))
+}
+
+fn model_object(s: &Shared, m: &dynamo_router::registry::ModelEntry) -> Value {
+    json!({
+        "id": m.card.name.0, "object": "model", "created": s.started_unix_s, "owned_by": "dynamo",
+        "context_length": m.card.context_length, "block_size": m.card.block_size,
+        "workers": m.workers.len(),
+    })
+}
+
+/// `GET /v1/models/{id}`: one model (404 `model_not_found` for a model
+/// no worker serves or the caller's key may not use).
+async fn get_model(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    let caller = s.auth.authenticate(&headers)?;
+    let _place = control(&s)?;
+    let models = models::list(&s).await?;
+    models
+        .iter()
+        .find(|m| m.card.name.0 == id && s.auth.allow_model(&caller, &id).is_ok())
+        .map(|m| Json(model_object(&s, m)))
+        .ok_or_else(|| ApiError::model_not_found(&id))
 }
 
 async fn health(State(s): State<Arc<Shared>>) -> Response {

@@ -16,7 +16,7 @@
 //! |---|---|
 //! | `temperature` | 0 – 2 |
 //! | `top_p` | (0, 1] |
-//! | `top_k` | 0 (off) – the vocabulary size |
+//! | `top_k` | 0 (off; -1, vLLM's off, also) – the vocabulary size |
 //! | `max_tokens`, `max_completion_tokens` | ≥ 1, and prompt + completion ≤ the context length |
 //! | `stop` | a string or up to [`MAX_STOP`] strings, each 1 – [`MAX_STOP_BYTES`] bytes |
 //! | `n` | 1 |
@@ -70,11 +70,13 @@ pub struct CommonParams {
     pub seed: Option<u64>,
     pub stop: Option<Value>,
     pub n: Option<i64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
+    /// An end user's id: checked to be a string, otherwise unused.
+    pub user: Option<String>,
     /// Extension: keep generating past end-of-sequence tokens.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub ignore_eos: bool,
     /// Extension: end-to-end deadline for this request in milliseconds.
     pub timeout_ms: Option<u64>,
@@ -127,8 +129,18 @@ pub struct CompletionRequest {
     pub prompt: Value,
     #[serde(flatten)]
     pub common: CommonParams,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     pub echo: bool,
+}
+
+/// An optional field sent as `null` takes its default, as OpenAI's API
+/// allows for every optional field.
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
 /// One prompt, ready to route.
@@ -157,17 +169,49 @@ pub struct ValidOptions {
 /// Parses a JSON body into `T`, mapping serde's complaint to a 400.
 pub fn parse_body<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, ApiError> {
     serde_json::from_slice(body).map_err(|e| {
-        let msg = if e.is_syntax() || e.is_eof() {
-            format!("We could not parse the JSON body of your request: {e}")
+        let (msg, param) = if e.is_syntax() || e.is_eof() {
+            (
+                format!("We could not parse the JSON body of your request: {e}"),
+                None,
+            )
         } else {
-            format!("Invalid request body: {e}")
+            (
+                format!("Invalid request body: {e}"),
+                field_of::<T>(body, &e),
+            )
         };
-        let param = field_in(&e.to_string());
         ApiError::invalid(param, msg)
     })
 }
 
-/// Best effort: the field a serde message names (`missing field `model``).
+/// The field a body's type error is about (worked out only on an error):
+/// the one a missing-field message names, else the path serde keeps to
+/// the bad value, else (inside the flattened [`CommonParams`], where serde
+/// keeps no path) the first of the body's top-level fields that
+/// [`CommonParams`] refuses alone.
+fn field_of<'a, T: Deserialize<'a>>(body: &'a [u8], e: &serde_json::Error) -> Option<String> {
+    if e.to_string().starts_with("missing field") {
+        return field_in(&e.to_string());
+    }
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    if let Err(e) = serde_path_to_error::deserialize::<_, T>(de) {
+        let path = e.path().to_string();
+        if path != "." {
+            return Some(path);
+        }
+    }
+    let fields: serde_json::Map<String, Value> = serde_json::from_slice(body).ok()?;
+    fields.into_iter().take(256).find_map(|(k, v)| {
+        let mut probe = serde_json::Map::new();
+        probe.insert("model".into(), Value::String("m".into()));
+        probe.insert(k.clone(), v);
+        serde_json::from_value::<CommonParams>(Value::Object(probe))
+            .is_err()
+            .then_some(k)
+    })
+}
+
+/// The field a serde message names (`missing field `model``).
 fn field_in(msg: &str) -> Option<String> {
     let start = msg.find('`')? + 1;
     let end = start + msg[start..].find('`')?;
@@ -270,6 +314,12 @@ impl CommonParams {
                 Some(w)
             }
         };
+        if self.stream_options.is_some() && !self.stream {
+            return Err(ApiError::invalid(
+                Some("stream_options".into()),
+                "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+            ));
+        }
         Ok(ValidOptions {
             stream: self.stream,
             include_usage: self
@@ -298,12 +348,16 @@ impl CommonParams {
                 format!("top_p = {top_p} is out of range: it must be in (0, 1]"),
             ));
         }
-        let top_k = self.top_k.unwrap_or(0);
+        // -1 is vLLM's "off", which its clients send.
+        let top_k = match self.top_k.unwrap_or(0) {
+            -1 => 0,
+            k => k,
+        };
         let vocab = pre.card.vocab_size;
         if !(0..=vocab as i64).contains(&top_k) {
             return Err(ApiError::invalid(
                 Some("top_k".into()),
-                format!("top_k = {top_k} is out of range: it must be between 0 (off) and {vocab}"),
+                format!("top_k = {top_k} is out of range: it must be between 0 (off; -1 also) and {vocab}"),
             ));
         }
         let (param, requested) = match (self.max_completion_tokens, self.max_tokens) {
@@ -340,9 +394,12 @@ impl CommonParams {
             },
         };
         if prompt + max_tokens.max(1) > ctx {
+            // With no room left (and no max_tokens asked), at least one
+            // token is needed.
+            let completion = max_tokens.max(1);
             return Err(ApiError::invalid(
                 Some(prompt_param.into()),
-                format!("This model's maximum context length is {ctx} tokens. However, you requested {} tokens ({prompt} in the prompt, {max_tokens} for the completion). Please reduce the length of the prompt or the completion.", prompt + max_tokens.max(1)),
+                format!("This model's maximum context length is {ctx} tokens. However, you requested {} tokens ({prompt} in the prompt, {completion} for the completion). Please reduce the length of the prompt or the completion.", prompt + completion),
             ).with_code("context_length_exceeded"));
         }
         Ok(ValidGenerate {
@@ -428,6 +485,21 @@ impl ChatRequest {
                         format!("`{name}` in messages is not supported by this server (it does not implement tools)."),
                     ));
                 }
+            }
+            let no_content = match &m.content {
+                None | Some(Value::Null) => true,
+                Some(Value::Array(a)) => a.is_empty(),
+                Some(_) => false,
+            };
+            // Only an assistant turn may come without content (OpenAI's rule).
+            if no_content && m.role != "assistant" {
+                return Err(ApiError::invalid(
+                    Some(format!("messages.[{i}].content")),
+                    format!(
+                        "A {} message needs content (a string or a non-empty array of text parts).",
+                        m.role
+                    ),
+                ));
             }
             let role = if m.role == "developer" {
                 "system".to_string()
@@ -539,6 +611,7 @@ impl Parsed {
 
 #[cfg(test)]
 mod tests {
+
     use super::*;
 
     #[test]
@@ -550,6 +623,33 @@ mod tests {
         let e = parse_body::<ChatRequest>(br#"{"model":"m","messages":[],"temperature":"hot"}"#)
             .unwrap_err();
         assert_eq!(e.status.as_u16(), 400);
+        assert_eq!(e.param.as_deref(), Some("temperature"));
+        // A value's type names its field, not the value.
+        for (body, field) in [
+            (r#"{"model":123,"messages":[]}"#, "model"),
+            (
+                r#"{"model":"m","messages":[],"max_tokens":5.5}"#,
+                "max_tokens",
+            ),
+            (r#"{"model":"m","messages":[],"user":7}"#, "user"),
+            (r#"{"model":"m","messages":[],"stream":"yes"}"#, "stream"),
+            (
+                r#"{"model":"m","messages":[{"role":1}]}"#,
+                "messages[0].role",
+            ),
+        ] {
+            let e = parse_body::<ChatRequest>(body.as_bytes()).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{body}");
+        }
+        let e = parse_body::<CompletionRequest>(br#"{"model":"m","prompt":"x","echo":"yes"}"#)
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("echo"));
+        // Null is the default, as OpenAI's API allows.
+        let c = parse_body::<CompletionRequest>(
+            br#"{"model":"m","prompt":"x","echo":null,"stream":null,"ignore_eos":null}"#,
+        )
+        .unwrap();
+        assert!(!c.echo && !c.common.stream && !c.common.ignore_eos);
     }
 
     #[test]
@@ -660,6 +760,15 @@ mod tests {
                 "skip_special_tokens",
             ),
             (r#"{"model":"m","echo":true}"#, "echo"),
+            (r#"{"model":"m","tool_choice":"required"}"#, "tool_choice"),
+            (
+                r#"{"model":"m","tool_choice":{"type":"function","function":{"name":"f"}}}"#,
+                "tool_choice",
+            ),
+            (
+                r#"{"model":"m","stream_options":{"include_usage":true}}"#,
+                "stream_options",
+            ),
         ] {
             let p: CommonParams = serde_json::from_str(body).unwrap();
             let e = p.options(&cfg).unwrap_err();
@@ -673,6 +782,8 @@ mod tests {
             r#"{"model":"m","response_format":{"type":"text"},"tools":[],"functions":[],"function_call":"none"}"#,
             r#"{"model":"m","logprobs":null,"guided_json":null,"user":"u","metadata":{"a":"b"},"store":false}"#,
             r#"{"model":"m","tool_choice":"auto","skip_special_tokens":true,"add_generation_prompt":true,"typical_p":1}"#,
+            r#"{"model":"m","tool_choice":"none","stream":true,"stream_options":{"include_usage":true}}"#,
+            r#"{"model":"m","stream":null,"stream_options":null}"#,
             // genai-perf's recipe: every request runs to max_tokens anyway.
             r#"{"model":"m","min_tokens":64,"max_tokens":64,"ignore_eos":true}"#,
         ] {

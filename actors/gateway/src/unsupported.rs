@@ -36,6 +36,7 @@ pub const UNSUPPORTED: &[&str] = &[
     // Structured output and tools.
     "response_format",
     "tools",
+    "tool_choice",
     "functions",
     "function_call",
     "guided_json",
@@ -90,6 +91,8 @@ pub fn at_default(name: &str, v: &Value, p: &CommonParams) -> bool {
             "tools" | "functions" | "stop_token_ids" => empty_array(),
             "suffix" | "chat_template" => v.as_str() == Some(""),
             "function_call" => v.as_str() == Some("none"),
+            // Without tools, "auto" and "none" mean the same: no tool call.
+            "tool_choice" => matches!(v.as_str(), Some("none" | "auto")),
             "response_format" => {
                 v.as_object().is_some_and(|o| o.len() == 1)
                     && v.get("type").and_then(Value::as_str) == Some("text")
