@@ -419,15 +419,22 @@ async fn a_burst_past_every_engine_waits_for_room_instead_of_failing() {
     let mut node = Node::start(&cfg);
     let http = Http::new(port);
     http.wait_ready(2, &mut node).await;
-    // Eight short requests for four places: half wait for room.
-    let short = |i: usize| json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 10, "ignore_eos": true});
-    let tasks: Vec<_> = (0..8)
-        .map(|i| tokio::spawn(timed_post(port, short(i))))
+    // Four requests of about a second take the four places; four more
+    // come while they run, and wait for room.
+    let req = |i: usize| json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 150, "ignore_eos": true});
+    let mut tasks: Vec<_> = (0..4)
+        .map(|i| tokio::spawn(timed_post(port, req(i))))
         .collect();
+    let t0 = Instant::now();
+    while routed(&http).await < 4 {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tasks.extend((4..8).map(|i| tokio::spawn(timed_post(port, req(i)))));
     for t in tasks {
         let (status, _, json, _) = t.await.unwrap();
         assert_eq!(status, 200, "{json}");
-        assert_eq!(json["usage"]["completion_tokens"], 10, "{json}");
+        assert_eq!(json["usage"]["completion_tokens"], 150, "{json}");
     }
     assert!(http.metric("dynamo_gateway_room_waits_total").await >= 1);
     assert_eq!(

@@ -83,7 +83,7 @@ async fn chat_and_completions_return_the_mockers_tokens_detokenized() {
     assert_eq!(models["object"], "list");
     assert_eq!(models["data"][0]["id"], MODEL);
     // And one model by its id, as OpenAI's `GET /v1/models/{id}`.
-    for (id, status) in [(MODEL, 200), ("gpt-9", 404)] {
+    for (id, status) in [(MODEL, 200), ("gpt-9", 404), ("%FF", 400)] {
         let r = http
             .client
             .get(format!("{}/v1/models/{id}", http.base))
@@ -92,10 +92,10 @@ async fn chat_and_completions_return_the_mockers_tokens_detokenized() {
             .unwrap();
         assert_eq!(r.status().as_u16(), status, "{id}");
         let m: Value = r.json().await.unwrap();
-        if status == 200 {
-            assert_eq!(m, models["data"][0], "the list's entry");
-        } else {
-            assert_eq!(m["error"]["code"], "model_not_found", "{m}");
+        match status {
+            200 => assert_eq!(m, models["data"][0], "the list's entry"),
+            404 => assert_eq!(m["error"]["code"], "model_not_found", "{m}"),
+            _ => assert_eq!(m["error"]["type"], "invalid_request_error", "{m}"),
         }
     }
 
@@ -579,7 +579,7 @@ async fn bad_input_gets_the_right_status_and_error_object() {
         (
             chat(json!({"messages": [{"role": 7, "content": "hi"}]})),
             400,
-            Some("messages[0].role"),
+            Some("messages.[0].role"),
         ),
         (
             chat(
@@ -603,6 +603,19 @@ async fn bad_input_gets_the_right_status_and_error_object() {
         )
         .await;
     assert_eq!(r.status, 200, "{}", r.json);
+    // A compressed body: 415, not a JSON error.
+    let r = http
+        .client
+        .post(format!("{}/v1/chat/completions", http.base))
+        .header("content-type", "application/json")
+        .header("content-encoding", "gzip")
+        .body(vec![0x1f, 0x8b, 8, 0])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 415);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["code"], "unsupported_content_encoding", "{e}");
     // Body over the configured limit (64 KiB in these tests) → 413.
     let big = json!({"model": MODEL, "prompt": "x".repeat(70_000)});
     let r = http.post("/v1/completions", &big).await;

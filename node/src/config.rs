@@ -109,8 +109,9 @@ pub struct RawGateway {
     pub tls_key: Option<String>,
     /// Connections open at once (past it, new ones wait to be accepted).
     pub max_connections: Option<usize>,
-    /// A client that leaves the server waiting this long for a request's
-    /// head or a piece of its body is disconnected (a body: 408).
+    /// A client that leaves the server waiting this long (for a request's
+    /// head, its whole body, or to take a write) is disconnected (a body:
+    /// 408).
     pub client_timeout_ms: Option<u64>,
 }
 

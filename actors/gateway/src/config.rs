@@ -50,9 +50,9 @@ pub struct GatewayConfig {
     pub tls: Option<crate::tls::TlsSettings>,
     /// Connections open at once; past it new ones wait to be accepted.
     pub max_connections: usize,
-    /// A client that leaves the server waiting this long for its request
-    /// (the head, the next request on a kept-alive connection, or a piece
-    /// of the body) is disconnected (a stalled body gets a 408 first).
+    /// A client that leaves the server waiting this long is disconnected:
+    /// for a request's head (or the next one on a kept-alive connection),
+    /// for the whole body (a 408 first), or to take a write.
     pub client_timeout: Duration,
 }
 

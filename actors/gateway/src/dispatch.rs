@@ -68,24 +68,40 @@ const ROOM_POLL: Duration = Duration::from_millis(100);
 /// Requests waiting for a worker with room: every worker of their model
 /// refused them for room (`Overloaded`). Each waits at most the admission
 /// queue's wait (`max_queue_wait`) within its deadline, and at most
-/// `max_queued` wait at once (past it: 503 at once, as before).
+/// `max_queued` wait at once (past it: 503 at once, as before). A request
+/// of a model ending wakes one of that model's waiters; a wake-up that
+/// finds none busy waiting is kept for the next (one at most), and every
+/// waiter also asks again each [`ROOM_POLL`].
 pub struct Room {
-    notify: tokio::sync::Notify,
+    /// One per model that has had waiters (bounded by the models served).
+    by_model: std::sync::Mutex<std::collections::HashMap<ModelName, Arc<tokio::sync::Notify>>>,
     waiters: Arc<tokio::sync::Semaphore>,
 }
 
 impl Room {
     pub fn new(max_waiting: usize) -> Self {
         Room {
-            notify: tokio::sync::Notify::new(),
+            by_model: std::sync::Mutex::new(std::collections::HashMap::new()),
             waiters: Arc::new(tokio::sync::Semaphore::new(max_waiting)),
         }
     }
 
-    /// A request a worker had taken ended: one waiter (the longest
-    /// waiting) tries again.
-    pub fn freed(&self) {
-        self.notify.notify_one();
+    /// A request of `model` that a worker had taken ended: one of the
+    /// model's waiters tries again.
+    pub fn freed(&self, model: &ModelName) {
+        if let Ok(m) = self.by_model.lock() {
+            if let Some(n) = m.get(model) {
+                n.notify_one();
+            }
+        }
+    }
+
+    fn of(&self, model: &ModelName) -> Arc<tokio::sync::Notify> {
+        match self.by_model.lock() {
+            Ok(mut m) => m.entry(model.clone()).or_default().clone(),
+            // Poisoned (a panic while holding it): waiters still poll.
+            Err(_) => Arc::new(tokio::sync::Notify::new()),
+        }
     }
 }
 
@@ -94,7 +110,12 @@ type Waiting = Option<(Instant, tokio::sync::OwnedSemaphorePermit)>;
 
 /// Waits until a place may be free (a request of this gateway ended, or
 /// [`ROOM_POLL`] passed); false when this request may not wait (longer).
-async fn wait_for_room(shared: &Shared, waiting: &mut Waiting, deadline: Instant) -> bool {
+async fn wait_for_room(
+    shared: &Shared,
+    model: &ModelName,
+    waiting: &mut Waiting,
+    deadline: Instant,
+) -> bool {
     let now = Instant::now();
     let since = match waiting {
         Some((since, _)) => *since,
@@ -111,8 +132,9 @@ async fn wait_for_room(shared: &Shared, waiting: &mut Waiting, deadline: Instant
     if now >= until {
         return false;
     }
+    let room = shared.room.of(model);
     tokio::select! {
-        _ = shared.room.notify.notified() => {}
+        _ = room.notified() => {}
         _ = tokio::time::sleep_until(until.min(now + ROOM_POLL)) => {}
     }
     true
@@ -137,7 +159,7 @@ pub async fn dispatch(
     loop {
         match try_workers(shared, id, plan, &tokens, sampling, deadline, exclude).await {
             Err(DispatchError::Api(e)) if e.code == Some("workers_overloaded") => {
-                if !wait_for_room(shared, &mut waiting, deadline).await {
+                if !wait_for_room(shared, &plan.model, &mut waiting, deadline).await {
                     return Err(refused_overloaded(shared, e));
                 }
             }

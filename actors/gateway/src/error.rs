@@ -88,6 +88,19 @@ impl ApiError {
             retry_after: None,
         }
     }
+    /// A body in an encoding this server does not decode (415).
+    pub fn unsupported_encoding(encoding: &str) -> Self {
+        ApiError {
+            status: StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            message: format!(
+                "Content-Encoding {encoding:?} is not supported: send the body uncompressed."
+            ),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("unsupported_content_encoding"),
+            retry_after: None,
+        }
+    }
     /// The client stopped sending its request body (408).
     pub fn body_stalled(after: std::time::Duration) -> Self {
         ApiError {

@@ -537,7 +537,7 @@ impl Drop for Generation {
             }
             // A place on that worker is free: one request waiting for room
             // tries again.
-            self.shared.room.freed();
+            self.shared.room.freed(&self.plan.model);
         }
     }
 }

@@ -17,7 +17,7 @@ use crate::respond::{collect_response, stream_response, WORKER_HEADER};
 use crate::router_metrics::router_metrics;
 use crate::shared::Shared;
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::extract::rejection::{BytesRejection, PathRejection};
 use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -106,7 +106,11 @@ async fn serve(
     let _guard = InflightGuard(&s);
     let caller = s.auth.authenticate(&headers);
     let res = match &caller {
-        Ok(c) => match s.auth.admit(c, t0.into_std()) {
+        Ok(c) => match s
+            .auth
+            .admit(c, t0.into_std())
+            .and_then(|()| plain_body(&headers))
+        {
             Ok(()) => handle(s.clone(), c, body, ep, t0).await,
             Err(e) => Err(e),
         },
@@ -133,6 +137,21 @@ async fn serve(
             .inc();
     }
     resp
+}
+
+/// A compressed body is refused (415) rather than misread as broken JSON.
+fn plain_body(headers: &HeaderMap) -> Result<(), ApiError> {
+    match headers.get(axum::http::header::CONTENT_ENCODING) {
+        None => Ok(()),
+        Some(v) => {
+            let v = v.to_str().unwrap_or("?").trim();
+            if v.is_empty() || v.eq_ignore_ascii_case("identity") {
+                Ok(())
+            } else {
+                Err(ApiError::unsupported_encoding(v))
+            }
+        }
+    }
 }
 
 async fn handle(
@@ -400,10 +419,12 @@ fn model_object(s: &Shared, m: &dynamo_router::registry::ModelEntry) -> Value {
 /// no worker serves or the caller's key may not use).
 async fn get_model(
     State(s): State<Arc<Shared>>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
     headers: HeaderMap,
 ) -> Result<Json<Value>, ApiError> {
     let caller = s.auth.authenticate(&headers)?;
+    let Path(id) =
+        id.map_err(|e| ApiError::invalid(None, format!("Bad model id in the path: {e}")))?;
     let _place = control(&s)?;
     let models = models::list(&s).await?;
     models

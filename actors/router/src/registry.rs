@@ -12,7 +12,9 @@
 //! - a model's card is the one of its most recently started worker (what
 //!   a rolling upgrade brings in), with its digest;
 //! - a worker marked overloaded is avoided until the mark expires or the
-//!   worker shows a place again (a request on it ended).
+//!   worker shows a place again: one of this router's requests on it
+//!   ended, or it reports fewer requests in flight than the most it
+//!   reported since the mark (its last report before the mark included).
 
 use dynamo_bus_schema::{
     unix_ms, LoadReport, ModelCard, ModelName, WorkerId, WorkerRegistration, WorkerState,

@@ -85,6 +85,31 @@ struct Args {
     metrics_allow_unauthenticated: bool,
 }
 
+/// Raises the soft limit on open files to the hard one, as servers do
+/// (every connection is one); returns the limit in force.
+fn raise_open_files_limit() -> u64 {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit only writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
+        return u64::MAX;
+    }
+    if r.rlim_cur < r.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: r.rlim_max,
+            rlim_max: r.rlim_max,
+        };
+        // SAFETY: setrlimit only reads the struct; up to the hard limit
+        // needs no privilege.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            return raised.rlim_cur;
+        }
+    }
+    r.rlim_cur
+}
+
 fn fail(e: impl std::fmt::Display) -> ! {
     eprintln!("dynamo-node: {e}");
     std::process::exit(2);
@@ -191,6 +216,16 @@ fn main() {
         (None, None) => fail("give --config FILE or --join NATS_URL"),
     };
     let mut cfg = cfg;
+    let files = raise_open_files_limit();
+    if let Some(g) = &cfg.gateway {
+        if (g.max_connections as u64).saturating_add(256) > files {
+            tracing::warn!(
+                open_files = files,
+                max_connections = g.max_connections,
+                "the open-files limit is below gateway.max_connections (+256 for the rest): raise it (ulimit -n) or lower max_connections"
+            );
+        }
+    }
     if let Some(addr) = args.metrics_listen {
         let listen = dynamo_node::config::MetricsListen::new(
             addr,
