@@ -74,7 +74,7 @@ impl Default for CpuEngineConfig {
             num_blocks: 512,
             max_num_seqs: 16,
             max_num_batched_tokens: 512,
-            max_waiting_seqs: 64,
+            max_waiting_seqs: 256,
             enable_prefix_caching: true,
             emit_kv_events: true,
             offload_host_blocks: 0,
