@@ -145,6 +145,11 @@ async fn chat_and_completions_return_the_mockers_tokens_detokenized() {
     let usage = &chunks.last().unwrap()["usage"];
     assert_eq!(usage["completion_tokens"], 12);
     assert_eq!(usage["prompt_tokens"], prompt.len());
+    // As OpenAI's: with usage asked for, every other chunk says `null`.
+    assert!(chunks[..chunks.len() - 1]
+        .iter()
+        .all(|c| c.get("usage") == Some(&Value::Null)));
+    assert_eq!(chunks.last().unwrap()["choices"], json!([]));
 
     // Completions with a string prompt (no chat template).
     let ptoks = preprocessor().tokenizer.encode("Once upon a time").unwrap();

@@ -31,28 +31,42 @@ pub const WORKER_HEADER: &str = "x-dynamo-worker";
 
 /// Renders stream chunks around a prefix built once per response.
 struct ChunkWriter {
-    /// `{"id":…,"object":…,"created":…,"model":…,"choices":`
+    /// `{"id":…,"object":…,"created":…,"model":…,"choices":`, with
+    /// `"usage":null,` before `"choices"` when the client asked for usage
+    /// (OpenAI's chunks all carry the field then; only the last has it).
     prefix: String,
+    /// The same without `usage`, for the usage chunk itself.
+    plain: String,
 }
 
 impl ChunkWriter {
-    fn new(id: &str, object: &str, created: u64, model: &str) -> Self {
+    fn new(id: &str, object: &str, created: u64, model: &str, include_usage: bool) -> Self {
         let q = |s: &str| serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into());
+        let head = format!(
+            "{{\"id\":{},\"object\":{},\"created\":{created},\"model\":{},",
+            q(id),
+            q(object),
+            q(model)
+        );
         ChunkWriter {
-            prefix: format!(
-                "{{\"id\":{},\"object\":{},\"created\":{created},\"model\":{},\"choices\":",
-                q(id),
-                q(object),
-                q(model)
-            ),
+            prefix: if include_usage {
+                format!("{head}\"usage\":null,\"choices\":")
+            } else {
+                format!("{head}\"choices\":")
+            },
+            plain: format!("{head}\"choices\":"),
         }
     }
 
     /// A chunk with arbitrary `choices` (and optionally one more top-level
     /// field: `usage`, or `timings` on a choice's last chunk).
     fn raw(&self, choices: &Value, extra: Option<(&str, &Value)>) -> Event {
-        let mut s = String::with_capacity(self.prefix.len() + 128);
-        s.push_str(&self.prefix);
+        let prefix = match extra {
+            Some(("usage", _)) => &self.plain,
+            _ => &self.prefix,
+        };
+        let mut s = String::with_capacity(prefix.len() + 128);
+        s.push_str(prefix);
         s.push_str(&choices.to_string());
         if let Some((key, v)) = extra {
             let _ = write!(s, ",\"{key}\":{v}");
@@ -175,7 +189,7 @@ pub fn stream_response(
         Endpoint::Chat => "chat.completion.chunk",
         Endpoint::Completions => "text_completion",
     };
-    let chunks = ChunkWriter::new(&id, object, created, &model);
+    let chunks = ChunkWriter::new(&id, object, created, &model, opts.include_usage);
     let chunk_prefix = chunks.prefix.clone();
     let chunk = move |choices: Value, extra: Option<(&str, Value)>| -> Event {
         chunks.raw(&choices, extra.as_ref().map(|(k, v)| (*k, v)))
