@@ -17,7 +17,7 @@
 //! | `temperature` | 0 – 2 |
 //! | `top_p` | (0, 1] |
 //! | `top_k` | 0 (off; -1, vLLM's off, also) – the vocabulary size |
-//! | `max_tokens`, `max_completion_tokens` | ≥ 1, and prompt + completion ≤ the context length |
+//! | `max_tokens`, `max_completion_tokens` | ≥ 1 (a whole number; `5.0` is 5), and prompt + completion ≤ the context length |
 //! | `stop` | a string or up to [`MAX_STOP`] strings, each 1 – [`MAX_STOP_BYTES`] bytes |
 //! | `n` | 1 |
 //! | `messages` | 1 – [`MAX_MESSAGES`] messages |
@@ -61,14 +61,18 @@ pub const MAX_ROUTING_TEMPERATURE: f64 = 100.0;
 #[derive(Debug, Deserialize)]
 pub struct CommonParams {
     pub model: String,
+    #[serde(default, deserialize_with = "whole_number")]
     pub max_tokens: Option<i64>,
+    #[serde(default, deserialize_with = "whole_number")]
     pub max_completion_tokens: Option<i64>,
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
     /// Extension: top-k sampling (0 = off).
+    #[serde(default, deserialize_with = "whole_number")]
     pub top_k: Option<i64>,
     pub seed: Option<u64>,
     pub stop: Option<Value>,
+    #[serde(default, deserialize_with = "whole_number")]
     pub n: Option<i64>,
     #[serde(default, deserialize_with = "null_as_default")]
     pub stream: bool,
@@ -131,6 +135,47 @@ pub struct CompletionRequest {
     pub common: CommonParams,
     #[serde(default, deserialize_with = "null_as_default")]
     pub echo: bool,
+}
+
+/// An integer field that also takes a number with no fraction (`5.0`, as
+/// Python clients write a float), as vLLM does; `5.5` is refused.
+fn whole_number<'de, D>(d: D) -> Result<Option<i64>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    use serde::de::{Error, Unexpected, Visitor};
+    struct Whole;
+    impl<'de> Visitor<'de> for Whole {
+        type Value = Option<i64>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a whole number")
+        }
+        fn visit_none<E: Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_some<D2: serde::Deserializer<'de>>(self, d: D2) -> Result<Self::Value, D2::Error> {
+            d.deserialize_any(self)
+        }
+        fn visit_i64<E: Error>(self, v: i64) -> Result<Self::Value, E> {
+            Ok(Some(v))
+        }
+        fn visit_u64<E: Error>(self, v: u64) -> Result<Self::Value, E> {
+            i64::try_from(v)
+                .map(Some)
+                .map_err(|_| E::invalid_value(Unexpected::Unsigned(v), &self))
+        }
+        fn visit_f64<E: Error>(self, v: f64) -> Result<Self::Value, E> {
+            if v.fract() == 0.0 && v.abs() < 9.0e15 {
+                Ok(Some(v as i64))
+            } else {
+                Err(E::invalid_value(Unexpected::Float(v), &self))
+            }
+        }
+    }
+    d.deserialize_option(Whole)
 }
 
 /// An optional field sent as `null` takes its default, as OpenAI's API

@@ -36,6 +36,18 @@ fn serde_errors_name_the_field() {
     let e =
         parse_body::<CompletionRequest>(br#"{"model":"m","prompt":"x","echo":"yes"}"#).unwrap_err();
     assert_eq!(e.param.as_deref(), Some("echo"));
+    // A whole number written as a float is that number; a fraction is not.
+    let c = parse_body::<ChatRequest>(br#"{"model":"m","messages":[],"max_tokens":5.0,"n":1.0}"#)
+        .unwrap();
+    assert_eq!((c.common.max_tokens, c.common.n), (Some(5), Some(1)));
+    let e =
+        parse_body::<ChatRequest>(br#"{"model":"m","messages":[],"max_tokens":"5"}"#).unwrap_err();
+    assert_eq!(e.param.as_deref(), Some("max_tokens"));
+    assert!(
+        e.message.contains("expected a whole number"),
+        "{}",
+        e.message
+    );
     // Null is the default, as OpenAI's API allows.
     let c = parse_body::<CompletionRequest>(
         br#"{"model":"m","prompt":"x","echo":null,"stream":null,"ignore_eos":null}"#,
