@@ -164,3 +164,31 @@ async fn the_admin_commands_show_and_decode_the_jetstream_state() {
     assert!(String::from_utf8_lossy(&missing.stderr).contains("no KV bucket nope"));
     assert!(node.alive());
 }
+
+#[test]
+fn bench_and_calibrate_fail_fast_against_a_server_that_never_answers() {
+    // Accepts connections and never says a word.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let _hold = std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in listener.incoming().flatten() {
+            held.push(s);
+        }
+    });
+    for args in [
+        vec!["bench", "--url", url.as_str(), "--requests", "1"],
+        vec!["calibrate-mocker", "--url", url.as_str()],
+    ] {
+        let out = std::process::Command::new(bin("dynamoctl"))
+            .args(&args)
+            .output()
+            .expect("run dynamoctl");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(
+            err.contains("did not answer GET /v1/models within 10 s"),
+            "{args:?}: {err}"
+        );
+    }
+}

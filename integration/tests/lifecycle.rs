@@ -521,3 +521,43 @@ fn nats_access_flags_apply_with_a_config_file() {
         "{err}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_node_under_a_live_nodes_id_is_refused_and_the_first_is_untouched() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut first = Node::start(&node_config("n1", &nats.url, Some(port), 1, ""));
+    let http = Http::new(port);
+    http.wait_ready(1, &mut first).await;
+    let before = registrations(&nats.url).await;
+    // The same id again (another node's workers would be n1's workers).
+    let mut second = Node::start(&node_config("n1", &nats.url, None, 1, ""));
+    assert_eq!(second.wait(Duration::from_secs(30)), Some(1), "refused");
+    let log = second.log_text();
+    assert!(log.contains("node id \"n1\" is taken"), "{log}");
+    // The first node and its worker are as they were.
+    assert!(first.alive());
+    let after = registrations(&nats.url).await;
+    assert_eq!(
+        after
+            .iter()
+            .map(|r| (r.worker_id, r.generation))
+            .collect::<Vec<_>>(),
+        before
+            .iter()
+            .map(|r| (r.worker_id, r.generation))
+            .collect::<Vec<_>>()
+    );
+    let r = http
+        .post(
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": [5, 6], "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    // Once it is gone (SIGTERM), its id is free again at once on this host.
+    first.signal(libc::SIGTERM);
+    assert_eq!(first.wait(Duration::from_secs(30)), Some(0));
+    let mut third = Node::start(&node_config("n1", &nats.url, Some(port), 1, ""));
+    http.wait_ready(1, &mut third).await;
+}

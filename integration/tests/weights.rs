@@ -404,6 +404,31 @@ fn pinned_mocker(sha: &str) -> String {
 async fn a_corrupted_chunk_is_fetched_again_and_other_content_is_refused() {
     let (nats, mut a, _http) = peer_a().await;
     let gguf = dynamo_integration::llama::gguf();
+    // What no worker could load, or no client could name, stays out.
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("notes.gguf");
+    std::fs::write(&text, "not a model").unwrap();
+    let empty = dir.path().join("empty.gguf");
+    std::fs::write(&empty, "").unwrap();
+    for (file, model, says) in [
+        (text.to_str().unwrap(), MODEL, "is not a GGUF model file"),
+        (empty.to_str().unwrap(), MODEL, "is not a GGUF model file"),
+        (gguf.as_str(), "a b/../c*>", "is not a model name"),
+    ] {
+        let out = dynamoctl(&nats.url, &["models", "push", file, "--model", model]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && err.contains(says),
+            "{file} {model}: {err}"
+        );
+    }
+    let v = models_ls(&nats.url);
+    assert!(
+        v["models"].as_array().is_some_and(|ms| ms
+            .iter()
+            .all(|m| m["cached"] != true && m["model"] == MODEL)),
+        "nothing was pushed: {v}"
+    );
     assert_success(&dynamoctl(
         &nats.url,
         &["models", "push", &gguf, "--model", MODEL],

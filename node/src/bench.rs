@@ -116,6 +116,33 @@ fn body(spec: &BenchSpec, i: usize) -> Value {
     b
 }
 
+/// How long the server has to answer `GET /v1/models` before a bench or a
+/// calibration starts.
+const PREFLIGHT: Duration = Duration::from_secs(10);
+
+/// Fails at once, naming the server, when `base` does not answer HTTP
+/// (any status will do: an API key may be needed): a listener that never
+/// replies would otherwise hold every request for its whole timeout.
+pub async fn preflight(client: &reqwest::Client, base: &str) -> anyhow::Result<()> {
+    let url = format!("{}/v1/models", base.trim_end_matches('/'));
+    match tokio::time::timeout(PREFLIGHT, client.get(&url).send()).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => {
+            let mut why = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                why = format!("{why}: {s}");
+                src = s.source();
+            }
+            anyhow::bail!("cannot reach {base}: {why}")
+        }
+        Err(_) => anyhow::bail!(
+            "{base} did not answer GET /v1/models within {} s: is it an OpenAI server?",
+            PREFLIGHT.as_secs()
+        ),
+    }
+}
+
 async fn one(client: &reqwest::Client, url: &str, spec: &BenchSpec, i: usize) -> Sample {
     let t0 = Instant::now();
     let mut s = Sample::default();
@@ -257,6 +284,7 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
         builder = builder.default_headers(h);
     }
     let client = builder.build()?;
+    preflight(&client, &spec.url).await?;
     let next = Arc::new(AtomicUsize::new(0));
     let spec = Arc::new(spec);
     let t0 = Instant::now();

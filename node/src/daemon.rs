@@ -116,6 +116,9 @@ async fn serve(
     )
     .await?;
     let bus = buses.node().clone();
+    // Two nodes under one id would share worker ids and records, and the
+    // second's exit would make the controller move the first's replicas.
+    check_node_id_free(&bus, &cfg.node_id).await?;
     // Made by the node: its workers may not make streams.
     crate::access::ensure_worker_streams(&bus).await;
 
@@ -361,6 +364,64 @@ impl NodeRegistrar {
             self.put(&reg).await;
         }
     }
+}
+
+/// How recent a node record's heartbeat must be for its node to count as
+/// live (records are refreshed every second).
+const NODE_LIVE_MS: u64 = 5_000;
+
+/// Fails when another live node holds `id`: its record's heartbeat is
+/// recent, and it is not this host's earlier run of the node (a process
+/// that is gone, as after a crash and a quick restart).
+async fn check_node_id_free(bus: &Bus, id: &dynamo_bus_schema::NodeId) -> anyhow::Result<()> {
+    let limit = Duration::from_secs(5);
+    let kv = match tokio::time::timeout(
+        limit,
+        bus.kv_bucket(
+            &bus.subjects.nodes_bucket(),
+            dynamo_runtime::bus::REGISTRY_MAX_AGE,
+        ),
+    )
+    .await
+    {
+        Ok(Ok(kv)) => kv,
+        // Not readable now: nothing to compare with (the bus's own
+        // errors surface where the node uses it).
+        _ => return Ok(()),
+    };
+    let Ok(Ok(Some(bytes))) = tokio::time::timeout(limit, kv.get(&id.0)).await else {
+        return Ok(());
+    };
+    let reg = match dynamo_bus_schema::peek_kind(&bytes) {
+        Ok((k, _))
+            if k == <dynamo_bus_schema::NodeInventory as dynamo_bus_schema::WireMessage>::KIND =>
+        {
+            dynamo_bus_schema::decode::<dynamo_bus_schema::NodeInventory>(&bytes)
+                .ok()
+                .map(|i| i.registration)
+        }
+        _ => dynamo_bus_schema::decode::<NodeRegistration>(&bytes).ok(),
+    };
+    let Some(reg) = reg else { return Ok(()) };
+    let age = unix_ms().saturating_sub(reg.heartbeat_unix_ms);
+    let ours_gone = reg.hostname == hostname() && !pid_alive(reg.pid);
+    if age > NODE_LIVE_MS
+        || ours_gone
+        || reg.pid == std::process::id() && reg.hostname == hostname()
+    {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "node id {:?} is taken: a node on {} (pid {}) holds it and was heard from {} ms ago; give this node another --node-id (or node_id), or stop that one first",
+        id.0,
+        reg.hostname,
+        reg.pid,
+        age
+    )
+}
+
+fn pid_alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
 }
 
 pub fn hostname() -> String {

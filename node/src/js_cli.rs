@@ -78,8 +78,8 @@ pub enum BucketsCmd {
         /// Stop after this many entries.
         #[arg(long)]
         count: Option<usize>,
-        /// Stop after this many seconds.
-        #[arg(long)]
+        /// Stop after this many seconds (at most a year).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(0..=MAX_FOLLOW_S))]
         timeout_s: Option<u64>,
     },
 }
@@ -108,8 +108,8 @@ pub enum EventsCmd {
         /// Stop after this many batches.
         #[arg(long)]
         count: Option<usize>,
-        /// Stop after this many seconds.
-        #[arg(long)]
+        /// Stop after this many seconds (at most a year).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(0..=MAX_FOLLOW_S))]
         timeout_s: Option<u64>,
     },
 }
@@ -282,6 +282,9 @@ async fn buckets(url: &str, ns: &Namespace, cmd: &BucketsCmd) -> anyhow::Result<
         BucketsCmd::Watch { .. } => anyhow::bail!("watch prints as it goes"),
     }
 }
+
+/// The longest `--timeout-s` of `watch` and `tail`: a year.
+const MAX_FOLLOW_S: u64 = 365 * 24 * 3600;
 
 /// Prints `f(item)` per item until `count` items or `timeout_s` seconds.
 async fn follow<S, T>(

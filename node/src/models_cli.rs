@@ -109,11 +109,53 @@ fn human(b: u64) -> String {
     }
 }
 
+/// A name clients can put in `"model"`: 1-128 characters of letters,
+/// digits and `-_./:+@`, without `..` (`org/Model-1.5B:q4` passes).
+pub fn check_model_name(model: &str) -> anyhow::Result<()> {
+    let ok = !model.is_empty()
+        && model.len() <= 128
+        && !model.contains("..")
+        && model
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./:+@".contains(c));
+    anyhow::ensure!(
+        ok,
+        "--model {model:?} is not a model name: 1-128 characters of letters, digits and -_./:+@, without '..'"
+    );
+    Ok(())
+}
+
+/// The cache holds model files a worker can load: GGUF, by its magic.
+fn check_gguf(file: &Path) -> anyhow::Result<()> {
+    use std::io::Read;
+    let mut magic = [0u8; 4];
+    std::fs::File::open(file)
+        .and_then(|mut f| f.read_exact(&mut magic))
+        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", file.display()))
+        .and_then(|()| {
+            anyhow::ensure!(
+                &magic == b"GGUF",
+                "{} is not a GGUF model file (it does not start with \"GGUF\")",
+                file.display()
+            );
+            Ok(())
+        })
+        .map_err(|e| {
+            if e.to_string().contains("failed to fill whole buffer") {
+                anyhow::anyhow!("{} is not a GGUF model file (too short)", file.display())
+            } else {
+                e
+            }
+        })
+}
+
 /// Puts `file` in the cache as `model`, with a progress bar on a terminal.
 pub async fn push(url: &str, ns: Namespace, file: &Path, model: &str) -> anyhow::Result<Value> {
     if !file.is_file() {
         anyhow::bail!("{} is not a file", file.display());
     }
+    check_model_name(model)?;
+    check_gguf(file)?;
     let bus = crate::access::cli_connect(url, ns).await?;
     let bar = indicatif::ProgressBar::new(file.metadata()?.len());
     bar.set_style(

@@ -223,8 +223,9 @@ fn pct(v: &mut [f64], p: f64) -> Option<f64> {
 
 pub async fn run(spec: ReplaySpec) -> anyhow::Result<ReplayReport> {
     anyhow::ensure!(
-        spec.speedup > 0.0 && spec.speedup.is_finite(),
-        "--speedup must be positive"
+        (1e-6..=1e9).contains(&spec.speedup),
+        "--speedup must be between 0.000001 and 1000000000 (got {})",
+        spec.speedup
     );
     check_token_scale(spec.token_scale)?;
     let text = std::fs::read_to_string(&spec.trace)

@@ -165,7 +165,7 @@ pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
             "event_duplicates": i.event_duplicates, "dumps": i.dumps,
         })),
         "namespace": ns.as_str(),
-        "nats_url": url,
+        "nats_url": dynamo_runtime::bus::redact_url(url),
         "nodes": nodes_json,
         "workers": workers_json,
         "models": models.into_values().collect::<Vec<_>>(),

@@ -100,6 +100,31 @@ pub struct Bus {
 
 /// The servers of a comma-separated URL list (async-nats parses one URL per
 /// string, so a list is split here).
+/// `url` (one or several comma-separated servers) with any password or
+/// token in it replaced by `***`, for messages and status output.
+pub fn redact_url(url: &str) -> String {
+    url.split(',')
+        .map(|part| {
+            let Some(scheme_end) = part.find("://").map(|i| i + 3) else {
+                return part.to_string();
+            };
+            let rest = &part[scheme_end..];
+            let host_end = rest.find('/').unwrap_or(rest.len());
+            match rest[..host_end].rfind('@') {
+                None => part.to_string(),
+                Some(at) => {
+                    let user = match rest[..at].split_once(':') {
+                        Some((u, _)) => format!("{u}:***"),
+                        None => "***".to_string(),
+                    };
+                    format!("{}{user}{}", &part[..scheme_end], &rest[at..])
+                }
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
 pub fn server_addrs(url: &str) -> Result<Vec<async_nats::ServerAddr>, String> {
     url.split(',')
         .map(str::trim)
@@ -146,7 +171,7 @@ impl Bus {
         access: &BusAccess,
     ) -> Result<Self, BusError> {
         let servers = server_addrs(url).map_err(|reason| BusError::Connect {
-            url: url.into(),
+            url: redact_url(url),
             reason,
         })?;
         let opts = async_nats::ConnectOptions::new()
@@ -172,7 +197,7 @@ impl Bus {
             .connect(servers)
             .await
             .map_err(|e| BusError::Connect {
-                url: url.into(),
+                url: redact_url(url),
                 reason: connect_hint(&e.to_string(), access),
             })?;
         let js = jetstream::new(client.clone());
@@ -694,6 +719,21 @@ fn random_stream_id() -> u64 {
 #[cfg(test)]
 mod url_tests {
     use super::*;
+
+    #[test]
+    fn passwords_and_tokens_in_urls_are_not_shown() {
+        assert_eq!(
+            redact_url("nats://user:s3cret@127.0.0.1:4222"),
+            "nats://user:***@127.0.0.1:4222"
+        );
+        assert_eq!(redact_url("tls://tok@h:4222"), "tls://***@h:4222");
+        assert_eq!(
+            redact_url("nats://a:b@h1:1,nats://h2:2"),
+            "nats://a:***@h1:1,nats://h2:2"
+        );
+        assert_eq!(redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
+        assert_eq!(redact_url("127.0.0.1:4222"), "127.0.0.1:4222");
+    }
 
     #[test]
     fn a_server_list_is_split_and_a_cluster_gets_three_replicas() {
