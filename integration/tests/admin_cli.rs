@@ -192,3 +192,33 @@ fn bench_and_calibrate_fail_fast_against_a_server_that_never_answers() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mistyped_namespace_is_an_error_and_leaves_nothing_behind() {
+    let nats = Nats::start();
+    for args in [
+        vec!["status"],
+        vec!["get", "deployments"],
+        vec!["models", "ls"],
+        vec!["planner", "status"],
+    ] {
+        let out = std::process::Command::new(bin("dynamoctl"))
+            .args(&args)
+            .args(["--nats", nats.url.as_str(), "--namespace", "typo"])
+            .output()
+            .expect("run dynamoctl");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(
+            err.contains("namespace \"typo\" has nothing on this NATS server"),
+            "{args:?}: {err}"
+        );
+    }
+    let js = async_nats::jetstream::new(async_nats::connect(&nats.url).await.unwrap());
+    let names: Vec<String> = futures::StreamExt::collect::<Vec<_>>(js.stream_names())
+        .await
+        .into_iter()
+        .map(|n| n.unwrap())
+        .collect();
+    assert!(names.iter().all(|n| !n.contains("typo")), "{names:?}");
+}

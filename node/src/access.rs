@@ -217,3 +217,21 @@ pub async fn cli_connect(url: &str, ns: Namespace) -> anyhow::Result<Bus> {
     let access = cli_access(url, &ns)?;
     Ok(Bus::connect(url, "dynamoctl", Subjects::new(ns), &access).await?)
 }
+
+/// [`cli_connect`] for a command about what exists (status, get, models,
+/// planner): fails when the namespace has nothing on this server, a
+/// mistyped `--namespace`, instead of creating its buckets and printing
+/// nothing.
+pub async fn cli_connect_existing(url: &str, ns: Namespace) -> anyhow::Result<Bus> {
+    let bus = cli_connect(url, ns.clone()).await?;
+    let s = &bus.subjects;
+    for b in [s.nodes_bucket(), s.workers_bucket(), s.deployments_bucket()] {
+        if bus.js.get_stream(format!("KV_{b}")).await.is_ok() {
+            return Ok(bus);
+        }
+    }
+    anyhow::bail!(
+        "namespace {:?} has nothing on this NATS server (no nodes, workers or deployments): check --namespace",
+        ns.as_str()
+    )
+}

@@ -33,8 +33,14 @@ struct Store {
     pins: async_nats::jetstream::kv::Store,
 }
 
-async fn open(url: &str, ns: Namespace) -> anyhow::Result<Store> {
-    let bus = crate::access::cli_connect(url, ns).await?;
+/// The namespace's desired state; `existing`: only where the namespace
+/// has state already (every command but `apply`).
+async fn open(url: &str, ns: Namespace, existing: bool) -> anyhow::Result<Store> {
+    let bus = if existing {
+        crate::access::cli_connect_existing(url, ns).await?
+    } else {
+        crate::access::cli_connect(url, ns).await?
+    };
     let s = &bus.subjects;
     Ok(Store {
         deployments: bus.kv_bucket_durable(&s.deployments_bucket()).await?,
@@ -48,7 +54,7 @@ use dynamo_controller::desired::{record, write};
 /// `apply -f SPEC`: stores the checked spec as the deployment's desired state.
 pub async fn apply(url: &str, ns: Namespace, path: &Path) -> anyhow::Result<Value> {
     let spec = load_spec(path)?;
-    let store = open(url, ns).await?;
+    let store = open(url, ns, false).await?;
     for _ in 0..5 {
         let prev = record(&store.deployments, &spec.name).await?;
         let unchanged = prev
@@ -82,7 +88,7 @@ pub fn parse_target(target: &str) -> anyhow::Result<(String, String)> {
 
 /// `scale DEPLOYMENT/SERVICE N`.
 pub async fn scale(url: &str, ns: Namespace, target: &str, replicas: u32) -> anyhow::Result<Value> {
-    let store = open(url, ns).await?;
+    let store = open(url, ns, true).await?;
     let (name, service) = match parse_target(target) {
         Ok(t) => t,
         // `deployment/SERVICE` (or `SERVICE`): the one deployment that has it.
@@ -151,7 +157,7 @@ pub async fn scale(url: &str, ns: Namespace, target: &str, replicas: u32) -> any
 
 /// `delete deployment NAME`: its replicas drain and stop.
 pub async fn delete(url: &str, ns: Namespace, name: &str) -> anyhow::Result<Value> {
-    let store = open(url, ns).await?;
+    let store = open(url, ns, true).await?;
     if record(&store.deployments, name).await?.is_none() {
         anyhow::bail!("no deployment {name:?} (see dynamoctl get deployments)");
     }
@@ -195,7 +201,7 @@ fn status_json(rec: &DeploymentRecord, st: Option<&DeploymentStatus>) -> Value {
 
 /// `get deployments`.
 pub async fn get(url: &str, ns: Namespace) -> anyhow::Result<Value> {
-    let store = open(url, ns).await?;
+    let store = open(url, ns, true).await?;
     let recs: BTreeMap<String, DeploymentRecord> = dynamo_controller::read_all(&store.deployments)
         .await
         .map_err(|e| anyhow::anyhow!(e))?;
@@ -209,7 +215,7 @@ pub async fn get(url: &str, ns: Namespace) -> anyhow::Result<Value> {
 
 /// `describe deployment NAME`.
 pub async fn describe(url: &str, ns: Namespace, name: &str) -> anyhow::Result<Value> {
-    let store = open(url, ns).await?;
+    let store = open(url, ns, true).await?;
     let Some((rec, _)) = record(&store.deployments, name).await? else {
         anyhow::bail!("no deployment {name:?} (see dynamoctl get deployments)");
     };

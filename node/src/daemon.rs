@@ -420,8 +420,17 @@ async fn check_node_id_free(bus: &Bus, id: &dynamo_bus_schema::NodeId) -> anyhow
     )
 }
 
+/// Whether process `pid` of this host is running (a zombie, killed and not
+/// yet reaped by its parent, is not).
 fn pid_alive(pid: u32) -> bool {
-    std::path::Path::new(&format!("/proc/{pid}")).exists()
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // `pid (comm) S ...`: the state follows the last ')'.
+    let state = stat
+        .rfind(')')
+        .and_then(|i| stat[i + 1..].trim_start().chars().next());
+    !matches!(state, Some('Z' | 'X') | None)
 }
 
 pub fn hostname() -> String {
@@ -559,4 +568,25 @@ pub async fn load_group_model(
     };
     tracing::info!(model = %m.card.name, file = %m.path.display(), "model card loaded");
     Ok(GroupModel { loaded: m, weights })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pid_alive;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_process_that_exited_is_not_alive_even_before_it_is_reaped() {
+        assert!(pid_alive(std::process::id()));
+        let mut child = std::process::Command::new("true").spawn().expect("spawn");
+        let pid = child.id();
+        // Exited and not reaped yet (a zombie) reads as gone.
+        let t0 = Instant::now();
+        while pid_alive(pid) {
+            assert!(t0.elapsed() < Duration::from_secs(10), "still alive");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        child.wait().expect("reap");
+        assert!(!pid_alive(pid));
+    }
 }

@@ -11,7 +11,7 @@ use std::path::Path;
 /// Every weight file: its manifest, whether the cache holds it, and the
 /// nodes serving it.
 pub async fn ls(url: &str, ns: Namespace) -> anyhow::Result<Value> {
-    let bus = crate::access::cli_connect(url, ns).await?;
+    let bus = crate::access::cli_connect_existing(url, ns).await?;
     catalog_json(&bus).await
 }
 
@@ -266,7 +266,7 @@ pub struct WatchArgs {
 /// bar for each on a terminal (a line per start and end otherwise), until
 /// interrupted or, with `until_idle`, until none is in progress.
 pub async fn watch(url: &str, ns: Namespace, args: WatchArgs) -> anyhow::Result<()> {
-    let bus = crate::access::cli_connect(url, ns).await?;
+    let bus = crate::access::cli_connect_existing(url, ns).await?;
     let bars = indicatif::MultiProgress::new();
     let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let style = indicatif::ProgressStyle::with_template(

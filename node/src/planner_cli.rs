@@ -13,7 +13,7 @@ struct Store {
 }
 
 async fn open(url: &str, ns: Namespace) -> anyhow::Result<Store> {
-    let bus = crate::access::cli_connect(url, ns).await?;
+    let bus = crate::access::cli_connect_existing(url, ns).await?;
     let s = &bus.subjects;
     Ok(Store {
         deployments: bus.kv_bucket_durable(&s.deployments_bucket()).await?,

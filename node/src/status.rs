@@ -48,7 +48,7 @@ async fn read_bucket<T: dynamo_bus_schema::WireMessage>(
 
 /// Collects the cluster's status as JSON.
 pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
-    let bus = crate::access::cli_connect(url, ns.clone()).await?;
+    let bus = crate::access::cli_connect_existing(url, ns.clone()).await?;
     // A node of a cluster (`--join`) writes its inventory; others their registration.
     let inventories: Vec<NodeInventory> = read_bucket(&bus, &bus.subjects.nodes_bucket()).await?;
     let mut nodes: Vec<NodeRegistration> = read_bucket(&bus, &bus.subjects.nodes_bucket()).await?;
