@@ -286,6 +286,10 @@ fn narrows(field: &str, parent_name: &str, parent: Pack, child: Pack) -> Result<
 impl DeploymentSpec {
     /// Parses and checks a YAML spec.
     pub fn parse(text: &str) -> Result<Self, SpecError> {
+        // A key given twice anywhere is refused: a map would keep the last
+        // one and drop the other silently (two services of one name).
+        serde_yaml_ng::from_str::<serde_yaml_ng::Value>(text)
+            .map_err(|e| SpecError::Parse(e.to_string()))?;
         let raw: RawSpec =
             serde_yaml_ng::from_str(text).map_err(|e| SpecError::Parse(e.to_string()))?;
         Self::validate(raw)
@@ -905,6 +909,19 @@ services:
 
     fn err(text: &str) -> String {
         DeploymentSpec::parse(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_key_given_twice_is_refused() {
+        let services = DISAGG.replace("  decode:\n", "  prefill:\n");
+        let e = err(&services);
+        assert!(e.contains("duplicate entry with key \"prefill\""), "{e}");
+        let fields = DISAGG.replace(
+            "    worker: {engine: mocker}\n  decode:",
+            "    worker: {engine: mocker, engine: cpu}\n  decode:",
+        );
+        let e = err(&fields);
+        assert!(e.contains("duplicate entry with key \"engine\""), "{e}");
     }
 
     #[test]

@@ -144,6 +144,15 @@ async fn the_admin_commands_show_and_decode_the_jetstream_state() {
     );
     let out = index_query(&h.base, &["--text", "hello there"]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("prompt:"));
+    // A model nobody serves is an error, not "no worker holds it".
+    let out = std::process::Command::new(bin("dynamoctl"))
+        .args([
+            "index", "query", "--url", &h.base, "--model", "nosuch", "--tokens", "1,2,3",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("404"), "{err}");
 
     // consumers ls answers (the routers follow core NATS: maybe none).
     let c = ok_json(&nats.url, &["consumers", "ls"]);

@@ -224,6 +224,16 @@ async fn bucket_store(
             return Ok((name.clone(), js.get_key_value(&name).await?));
         }
     }
+    for name in [
+        bucket.to_string(),
+        format!("dynamo_{}_{bucket}", ns.as_str()),
+    ] {
+        if js.get_stream(format!("OBJ_{name}")).await.is_ok() {
+            anyhow::bail!(
+                "{name} is an object store, not a KV bucket: `buckets ls` shows its size; its objects are not read here"
+            );
+        }
+    }
     anyhow::bail!(
         "no KV bucket {bucket} (nor dynamo_{}_{bucket})",
         ns.as_str()
@@ -364,7 +374,14 @@ async fn tail(
     use async_nats::jetstream::consumer::{push, DeliverPolicy};
     let subjects = Subjects::new(ns.clone());
     let subject = match worker {
-        Some(w) => subjects.kv_events(w.parse::<WorkerId>().map_err(anyhow::Error::msg)?),
+        Some(w) => {
+            let id = w.parse::<WorkerId>().ok().filter(|_| w.len() == 16);
+            subjects.kv_events(id.ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--worker {w:?} is not a worker id: 16 hex digits, as `dynamoctl status` lists them"
+                )
+            })?)
+        }
         None => subjects.kv_events_all(),
     };
     let js = connect(url, ns).await?;

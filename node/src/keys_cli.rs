@@ -11,6 +11,12 @@ pub fn new_key(
     tokens_per_minute: Option<u64>,
 ) -> anyhow::Result<(String, String)> {
     use rand::Rng;
+    for m in models {
+        anyhow::ensure!(
+            !m.trim().is_empty() && m.len() <= 256 && !m.chars().any(char::is_control),
+            "--model {m:?} is not a model name (empty, over 256 bytes, or with control characters)"
+        );
+    }
     let bytes: [u8; 32] = rand::rng().random();
     let key = format!("dyn-{}", hex::encode(bytes));
     let mut entry = format!(
@@ -49,5 +55,8 @@ mod tests {
         assert_eq!(keys[0].requests_per_minute, Some(60));
         assert!(new_key("two words", &[], None, None).is_err());
         assert!(new_key("a", &[], Some(0), None).is_err());
+        for bad in ["", " ", "a\nb"] {
+            assert!(new_key("a", &[bad.into()], None, None).is_err(), "{bad:?}");
+        }
     }
 }

@@ -515,16 +515,15 @@ async fn overlap(
     let body = body.map_err(|r| body_error(r, s.config.max_body_bytes))?;
     let req: Req = parse_body(&body)?;
     s.auth.allow_model(&caller, &req.model)?;
+    // A model no worker serves is a 404, whichever form the prompt has.
+    let loaded = s.models.get(&s, &req.model).await?;
     let prompt = match req.prompt {
         Prompt::Tokens(t) => t,
-        Prompt::Text(text) => {
-            let loaded = s.models.get(&s, &req.model).await?;
-            loaded
-                .pre
-                .tokenizer
-                .encode(&text)
-                .map_err(|e| ApiError::invalid(Some("prompt".into()), e.to_string()))?
-        }
+        Prompt::Text(text) => loaded
+            .pre
+            .tokenizer
+            .encode(&text)
+            .map_err(|e| ApiError::invalid(Some("prompt".into()), e.to_string()))?,
     };
     let tokens = prompt.len();
     let req = (req.model, prompt);
