@@ -116,6 +116,20 @@ fn body(spec: &BenchSpec, i: usize) -> Value {
     b
 }
 
+/// An http(s) URL of a server (`--url`).
+pub fn check_url(url: &str) -> anyhow::Result<()> {
+    match reqwest::Url::parse(url) {
+        Ok(u) if matches!(u.scheme(), "http" | "https") && u.host().is_some() => Ok(()),
+        Ok(u) => anyhow::bail!(
+            "--url {url:?}: needs http:// or https:// and a host (got scheme {:?})",
+            u.scheme()
+        ),
+        Err(e) => {
+            anyhow::bail!("--url {url:?} is not a URL ({e}); for example http://127.0.0.1:8000")
+        }
+    }
+}
+
 /// How long the server has to answer `GET /v1/models` before a bench or a
 /// calibration starts.
 const PREFLIGHT: Duration = Duration::from_secs(10);
@@ -257,6 +271,7 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
         spec.endpoint == "chat" || spec.endpoint == "completions",
         "--endpoint must be chat or completions"
     );
+    check_url(&spec.url)?;
     let path = if spec.endpoint == "chat" {
         "/v1/chat/completions"
     } else {
@@ -357,4 +372,20 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
         reject_p999_ms: pct(&mut refused, 0.999),
         first_error: samples.iter().find_map(|s| s.error.clone()),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_url;
+
+    #[test]
+    fn a_server_url_is_http_or_https_with_a_host() {
+        for ok in ["http://127.0.0.1:8000", "https://gw.example.com/", "http://[::1]:80"] {
+            assert!(check_url(ok).is_ok(), "{ok}");
+        }
+        for bad in ["notaurl", "127.0.0.1:8000", "ftp://h/x", "http://", ""] {
+            let e = check_url(bad).unwrap_err().to_string();
+            assert!(e.starts_with("--url"), "{bad}: {e}");
+        }
+    }
 }

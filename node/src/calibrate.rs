@@ -102,6 +102,7 @@ pub async fn run(spec: &CalibrateSpec) -> anyhow::Result<Calibrated> {
         .connect_timeout(std::time::Duration::from_secs(10))
         .timeout(std::time::Duration::from_secs(600))
         .build()?;
+    crate::bench::check_url(&spec.url)?;
     crate::bench::preflight(&client, &spec.url).await?;
     let url = format!("{}/v1/completions", spec.url.trim_end_matches('/'));
     let mut rng = 0x9e37_79b9_7f4a_7c15u64 ^ std::process::id() as u64;

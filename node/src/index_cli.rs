@@ -41,6 +41,7 @@ pub async fn run(cmd: IndexCmd) -> anyhow::Result<()> {
         (None, Some(t)) => json!(t),
         (None, None) => anyhow::bail!("give --text or --tokens"),
     };
+    crate::bench::check_url(&url)?;
     let endpoint = format!("{}/v1/dynamo/overlap", url.trim_end_matches('/'));
     let mut req = reqwest::Client::new()
         .post(&endpoint)

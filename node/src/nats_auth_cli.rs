@@ -23,6 +23,29 @@ use dynamo_runtime::tls::Pki;
 use dynamo_runtime::Credentials;
 use std::path::Path;
 
+/// A name the server certificate can hold: an IP address, or a DNS name
+/// (labels of letters, digits and `-`, at most 63 each; a leading `*.`).
+fn check_tls_name(n: &str) -> anyhow::Result<()> {
+    if n.parse::<std::net::IpAddr>().is_ok() {
+        return Ok(());
+    }
+    let host = n.strip_prefix("*.").unwrap_or(n);
+    let ok = !host.is_empty()
+        && host.len() <= 253
+        && host.split('.').all(|l| {
+            !l.is_empty()
+                && l.len() <= 63
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+                && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+        });
+    anyhow::ensure!(
+        ok,
+        "--tls-names {n:?} is not an IP address or a DNS name (nothing was written)"
+    );
+    Ok(())
+}
+
 /// Writes the users of `namespaces` (and TLS files for `tls_names`) into
 /// `out`; returns what was written, one path a line.
 pub fn write(out: &Path, namespaces: &[String], tls_names: &[String]) -> anyhow::Result<String> {
@@ -64,23 +87,34 @@ pub fn write(out: &Path, namespaces: &[String], tls_names: &[String]) -> anyhow:
         }
         creds.push((n.clone(), c));
     }
+    for n in tls_names {
+        check_tls_name(n)?;
+    }
     let pki = if tls_names.is_empty() {
         None
     } else {
         let names: Vec<&str> = tls_names.iter().map(String::as_str).collect();
         Some(Pki::generate("dynamo", &names)?)
     };
-    std::fs::create_dir_all(out)?;
+    let at = |p: &Path| {
+        let p = p.display().to_string();
+        move |e: std::io::Error| anyhow::anyhow!("cannot write {p}: {e}")
+    };
+    std::fs::create_dir_all(out).map_err(at(out))?;
     let mut written = Vec::new();
     for (n, c) in &creds {
         let dir = out.join(n);
-        c.only(&crate::access::node_roles()).write(&dir)?;
+        c.only(&crate::access::node_roles())
+            .write(&dir)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", dir.display()))?;
         written.push(format!(
             "{}/ (the nodes' seeds, one <role>.nk per role)",
             dir.display()
         ));
         let admin = out.join(format!("{n}.admin"));
-        c.only(&[Role::Admin]).write(&admin)?;
+        c.only(&[Role::Admin])
+            .write(&admin)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", admin.display()))?;
         written.push(format!(
             "{}/admin.nk (the operator's seed)",
             admin.display()
@@ -88,8 +122,10 @@ pub fn write(out: &Path, namespaces: &[String], tls_names: &[String]) -> anyhow:
     }
     if let Some(pki) = pki {
         let dir = out.join("tls");
-        std::fs::create_dir_all(&dir)?;
-        let f = pki.write(&dir)?;
+        std::fs::create_dir_all(&dir).map_err(at(&dir))?;
+        let f = pki
+            .write(&dir)
+            .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", dir.display()))?;
         written.push(format!(
             "{} {} {}",
             f.ca.display(),
@@ -97,7 +133,8 @@ pub fn write(out: &Path, namespaces: &[String], tls_names: &[String]) -> anyhow:
             f.key.display()
         ));
     }
-    dynamo_runtime::tls::write_file(&auth_file, &accounts(&users), false)?;
+    dynamo_runtime::tls::write_file(&auth_file, &accounts(&users), false)
+        .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", auth_file.display()))?;
     written.push(auth_file.display().to_string());
     Ok(written.join("\n"))
 }
@@ -105,6 +142,22 @@ pub fn write(out: &Path, namespaces: &[String], tls_names: &[String]) -> anyhow:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tls_names_are_ip_addresses_or_dns_names() {
+        for ok in [
+            "127.0.0.1",
+            "::1",
+            "localhost",
+            "nats-0.nats.svc",
+            "*.example.com",
+        ] {
+            assert!(check_tls_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "bad name!", "*.*.x", "-a.b", "a..b", "*."] {
+            assert!(check_tls_name(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn writes_users_seeds_and_certificates_and_never_overwrites() {

@@ -745,7 +745,7 @@ fn main() {
                         Some(std::time::Duration::from_secs_f64(d))
                     }
                     Some(d) => {
-                        anyhow::bail!("--duration-s must be a positive number of seconds (got {d})")
+                        anyhow::bail!("--duration-s must be more than 0 and under 1000000 seconds (got {d})")
                     }
                     None => None,
                 };
