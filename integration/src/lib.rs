@@ -419,6 +419,17 @@ fn header(r: &reqwest::Response, name: &str) -> Option<String> {
 }
 
 impl Http {
+    /// A two-token completion succeeds (the service is up and serving).
+    pub async fn assert_serves(&self) {
+        let r = self
+            .post(
+                "/v1/completions",
+                &serde_json::json!({"model": MODEL, "prompt": [5, 6], "max_tokens": 2}),
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.json);
+    }
+
     pub fn new(port: u16) -> Self {
         Http {
             base: format!("http://127.0.0.1:{port}"),

@@ -380,7 +380,11 @@ mod tests {
 
     #[test]
     fn a_server_url_is_http_or_https_with_a_host() {
-        for ok in ["http://127.0.0.1:8000", "https://gw.example.com/", "http://[::1]:80"] {
+        for ok in [
+            "http://127.0.0.1:8000",
+            "https://gw.example.com/",
+            "http://[::1]:80",
+        ] {
             assert!(check_url(ok).is_ok(), "{ok}");
         }
         for bad in ["notaurl", "127.0.0.1:8000", "ftp://h/x", "http://", ""] {
