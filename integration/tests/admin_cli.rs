@@ -230,4 +230,17 @@ async fn a_mistyped_namespace_is_an_error_and_leaves_nothing_behind() {
         .map(|n| n.unwrap())
         .collect();
     assert!(names.iter().all(|n| !n.contains("typo")), "{names:?}");
+    // A cache filled before any node starts is a namespace in use.
+    let gguf = dynamo_integration::llama::gguf();
+    for args in [
+        vec!["models", "push", gguf.as_str(), "--model", MODEL],
+        vec!["models", "ls"],
+    ] {
+        let out = std::process::Command::new(bin("dynamoctl"))
+            .args(&args)
+            .args(["--nats", nats.url.as_str(), "--namespace", "early"])
+            .output()
+            .expect("run dynamoctl");
+        assert_success(&out);
+    }
 }

@@ -223,15 +223,33 @@ pub async fn cli_connect(url: &str, ns: Namespace) -> anyhow::Result<Bus> {
 /// mistyped `--namespace`, instead of creating its buckets and printing
 /// nothing.
 pub async fn cli_connect_existing(url: &str, ns: Namespace) -> anyhow::Result<Bus> {
+    use async_nats::jetstream::context::GetStreamErrorKind;
+    use async_nats::jetstream::ErrorCode;
     let bus = cli_connect(url, ns.clone()).await?;
     let s = &bus.subjects;
-    for b in [s.nodes_bucket(), s.workers_bucket(), s.deployments_bucket()] {
-        if bus.js.get_stream(format!("KV_{b}")).await.is_ok() {
-            return Ok(bus);
+    // Any of these says the namespace is in use (the weights cache may be
+    // filled before a node starts).
+    let streams = [
+        format!("KV_{}", s.nodes_bucket()),
+        format!("KV_{}", s.workers_bucket()),
+        format!("KV_{}", s.deployments_bucket()),
+        format!("KV_{}", s.weights_bucket()),
+        format!("OBJ_{}", s.weights_objects()),
+    ];
+    for name in streams {
+        match bus.js.get_stream(&name).await {
+            Ok(_) => return Ok(bus),
+            Err(e) => match e.kind() {
+                GetStreamErrorKind::JetStream(j)
+                    if j.error_code() == ErrorCode::STREAM_NOT_FOUND => {}
+                // Not an absence (a timeout, a server electing its leader,
+                // a refused credential): say what it was.
+                _ => anyhow::bail!("cannot read stream {name}: {e}"),
+            },
         }
     }
     anyhow::bail!(
-        "namespace {:?} has nothing on this NATS server (no nodes, workers or deployments): check --namespace",
+        "namespace {:?} has nothing on this NATS server (no nodes, workers, deployments or cached models): check --namespace",
         ns.as_str()
     )
 }

@@ -210,8 +210,9 @@ async fn serve(
         registrar.put(&reg).await;
     }
     println!(
-        "dynamo-node {} ready: nats {url}{}",
+        "dynamo-node {} ready: nats {}{}",
         cfg.node_id,
+        dynamo_runtime::bus::redact_url(url),
         cfg.gateway
             .as_ref()
             .map(|g| format!(", OpenAI API on http://{}", g.listen))
@@ -366,13 +367,19 @@ impl NodeRegistrar {
     }
 }
 
-/// How recent a node record's heartbeat must be for its node to count as
-/// live (records are refreshed every second).
-const NODE_LIVE_MS: u64 = 5_000;
+/// A node record older than this (by its writer's clock) is a node long
+/// gone; a younger one is watched for [`NODE_WATCH`] to see if it changes.
+const NODE_GONE_MS: u64 = 30_000;
+/// How long a younger record is watched: a live node rewrites it every
+/// second, so two and a half heartbeats.
+const NODE_WATCH: Duration = Duration::from_millis(2_500);
 
-/// Fails when another live node holds `id`: its record's heartbeat is
-/// recent, and it is not this host's earlier run of the node (a process
-/// that is gone, as after a crash and a quick restart).
+/// Fails when another live node holds `id`: its record in the nodes bucket
+/// is rewritten while this node watches it. Records a live node cannot
+/// have written are let go at once: one older than [`NODE_GONE_MS`], or
+/// one of this host whose process is gone (a crash and a quick restart).
+/// Liveness is judged by the record changing, not by timestamps, so a
+/// writer's skewed clock or a new hostname cannot hold an id.
 async fn check_node_id_free(bus: &Bus, id: &dynamo_bus_schema::NodeId) -> anyhow::Result<()> {
     let limit = Duration::from_secs(5);
     let kv = match tokio::time::timeout(
@@ -389,35 +396,48 @@ async fn check_node_id_free(bus: &Bus, id: &dynamo_bus_schema::NodeId) -> anyhow
         // errors surface where the node uses it).
         _ => return Ok(()),
     };
-    let Ok(Ok(Some(bytes))) = tokio::time::timeout(limit, kv.get(&id.0)).await else {
+    let read = || async {
+        match tokio::time::timeout(limit, kv.entry(&id.0)).await {
+            Ok(Ok(Some(e))) if e.operation == async_nats::jetstream::kv::Operation::Put => Some(e),
+            _ => None,
+        }
+    };
+    let Some(first) = read().await else {
         return Ok(());
     };
-    let reg = match dynamo_bus_schema::peek_kind(&bytes) {
+    let bytes = &first.value;
+    let reg = match dynamo_bus_schema::peek_kind(bytes) {
         Ok((k, _))
             if k == <dynamo_bus_schema::NodeInventory as dynamo_bus_schema::WireMessage>::KIND =>
         {
-            dynamo_bus_schema::decode::<dynamo_bus_schema::NodeInventory>(&bytes)
+            dynamo_bus_schema::decode::<dynamo_bus_schema::NodeInventory>(bytes)
                 .ok()
                 .map(|i| i.registration)
         }
-        _ => dynamo_bus_schema::decode::<NodeRegistration>(&bytes).ok(),
+        _ => dynamo_bus_schema::decode::<NodeRegistration>(bytes).ok(),
     };
     let Some(reg) = reg else { return Ok(()) };
     let age = unix_ms().saturating_sub(reg.heartbeat_unix_ms);
     let ours_gone = reg.hostname == hostname() && !pid_alive(reg.pid);
-    if age > NODE_LIVE_MS
-        || ours_gone
-        || reg.pid == std::process::id() && reg.hostname == hostname()
-    {
+    if age > NODE_GONE_MS || ours_gone {
         return Ok(());
     }
-    anyhow::bail!(
-        "node id {:?} is taken: a node on {} (pid {}) holds it and was heard from {} ms ago; give this node another --node-id (or node_id), or stop that one first",
-        id.0,
-        reg.hostname,
-        reg.pid,
-        age
-    )
+    let t0 = tokio::time::Instant::now();
+    while t0.elapsed() < NODE_WATCH {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        match read().await {
+            Some(e) if e.revision != first.revision => anyhow::bail!(
+                "node id {:?} is taken: a node on {} (pid {}) holds it and is writing its record; give this node another --node-id (or node_id), or stop that one first",
+                id.0,
+                reg.hostname,
+                reg.pid
+            ),
+            // Deleted (it stopped) or unchanged so far.
+            None => return Ok(()),
+            Some(_) => {}
+        }
+    }
+    Ok(())
 }
 
 /// Whether process `pid` of this host is running (a zombie, killed and not

@@ -26,10 +26,13 @@ use std::path::Path;
 /// A name the server certificate can hold: an IP address, or a DNS name
 /// (labels of letters, digits and `-`, at most 63 each; a leading `*.`).
 fn check_tls_name(n: &str) -> anyhow::Result<()> {
-    if n.parse::<std::net::IpAddr>().is_ok() {
+    let t = n.trim();
+    if t.parse::<std::net::IpAddr>().is_ok() {
         return Ok(());
     }
-    let host = n.strip_prefix("*.").unwrap_or(n);
+    // A fully qualified name may end in a dot.
+    let t = t.strip_suffix('.').unwrap_or(t);
+    let host = t.strip_prefix("*.").unwrap_or(t);
     let ok = !host.is_empty()
         && host.len() <= 253
         && host.split('.').all(|l| {
@@ -93,7 +96,7 @@ pub fn write(out: &Path, namespaces: &[String], tls_names: &[String]) -> anyhow:
     let pki = if tls_names.is_empty() {
         None
     } else {
-        let names: Vec<&str> = tls_names.iter().map(String::as_str).collect();
+        let names: Vec<&str> = tls_names.iter().map(|n| n.trim()).collect();
         Some(Pki::generate("dynamo", &names)?)
     };
     let at = |p: &Path| {
@@ -149,6 +152,8 @@ mod tests {
             "127.0.0.1",
             "::1",
             "localhost",
+            " localhost",
+            "nats.example.com.",
             "nats-0.nats.svc",
             "*.example.com",
         ] {

@@ -98,19 +98,16 @@ pub struct Bus {
     pub replicas: usize,
 }
 
-/// The servers of a comma-separated URL list (async-nats parses one URL per
-/// string, so a list is split here).
 /// `url` (one or several comma-separated servers) with any password or
-/// token in it replaced by `***`, for messages and status output.
+/// token in it replaced by `***`, for messages and status output. A part
+/// without a scheme (`user:pass@host:4222`) is read as the client reads it.
 pub fn redact_url(url: &str) -> String {
     url.split(',')
         .map(|part| {
-            let Some(scheme_end) = part.find("://").map(|i| i + 3) else {
-                return part.to_string();
-            };
+            let scheme_end = part.find("://").map(|i| i + 3).unwrap_or(0);
             let rest = &part[scheme_end..];
-            let host_end = rest.find('/').unwrap_or(rest.len());
-            match rest[..host_end].rfind('@') {
+            // The userinfo ends at the last '@' (a password may hold '/').
+            match rest.rfind('@') {
                 None => part.to_string(),
                 Some(at) => {
                     let user = match rest[..at].split_once(':') {
@@ -125,11 +122,16 @@ pub fn redact_url(url: &str) -> String {
         .join(",")
 }
 
+/// The servers of a comma-separated URL list (async-nats parses one URL per
+/// string, so a list is split here).
 pub fn server_addrs(url: &str) -> Result<Vec<async_nats::ServerAddr>, String> {
     url.split(',')
         .map(str::trim)
         .filter(|s| !s.is_empty())
-        .map(|u| u.parse().map_err(|e| format!("bad server URL {u:?}: {e}")))
+        .map(|u| {
+            u.parse()
+                .map_err(|e| format!("bad server URL {:?}: {e}", redact_url(u)))
+        })
         .collect::<Result<Vec<_>, _>>()
         .and_then(|v| {
             if v.is_empty() {
@@ -733,6 +735,8 @@ mod url_tests {
         );
         assert_eq!(redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
         assert_eq!(redact_url("127.0.0.1:4222"), "127.0.0.1:4222");
+        assert_eq!(redact_url("u:p@127.0.0.1:4222"), "u:***@127.0.0.1:4222");
+        assert_eq!(redact_url("nats://u:p/q@h:1"), "nats://u:***@h:1");
     }
 
     #[test]

@@ -85,8 +85,9 @@ struct Args {
     metrics_allow_unauthenticated: bool,
 }
 
-/// Raises the soft limit on open files to the hard one, as servers do
-/// (every connection is one); returns the limit in force.
+/// Raises the soft limit on open files towards the hard one, as servers do
+/// (every connection is one), to at most 2^20 (children inherit it, and
+/// some close every descriptor up to it); returns the limit in force.
 fn raise_open_files_limit() -> u64 {
     let mut r = libc::rlimit {
         rlim_cur: 0,
@@ -96,9 +97,10 @@ fn raise_open_files_limit() -> u64 {
     if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) } != 0 {
         return u64::MAX;
     }
-    if r.rlim_cur < r.rlim_max {
+    let want = r.rlim_max.min(1 << 20);
+    if r.rlim_cur < want {
         let raised = libc::rlimit {
-            rlim_cur: r.rlim_max,
+            rlim_cur: want,
             rlim_max: r.rlim_max,
         };
         // SAFETY: setrlimit only reads the struct; up to the hard limit

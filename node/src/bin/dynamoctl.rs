@@ -421,7 +421,14 @@ fn main() {
     };
     let res: anyhow::Result<()> = rt.block_on(async {
         let limit = std::time::Duration::from_secs(15);
-        let timed = |url: String| move |_| anyhow::anyhow!("timed out talking to NATS at {url}");
+        let timed = |url: String| {
+            move |_| {
+                anyhow::anyhow!(
+                    "timed out talking to NATS at {}",
+                    dynamo_runtime::bus::redact_url(&url)
+                )
+            }
+        };
         match cli.cmd {
             Cmd::Streams { cmd } => dynamo_node::js_cli::run_streams(cmd).await,
             Cmd::Buckets { cmd } => dynamo_node::js_cli::run_buckets(cmd).await,
@@ -694,7 +701,12 @@ fn main() {
                     status::collect(&url, ns),
                 )
                 .await
-                .map_err(|_| anyhow::anyhow!("timed out talking to NATS at {url}"))??;
+                .map_err(|_| {
+                    anyhow::anyhow!(
+                        "timed out talking to NATS at {}",
+                        dynamo_runtime::bus::redact_url(&url)
+                    )
+                })??;
                 if json {
                     println!("{}", serde_json::to_string_pretty(&v)?);
                 } else {
