@@ -169,6 +169,8 @@ async fn ctrl_c_to_the_process_group_stops_a_node_with_embedded_nats_at_once() {
     assert!(url.starts_with("tls://"), "{url}");
     assert!(node.dir().join("it.nats-ca.pem").is_file());
     assert!(node.dir().join("it.nats-creds/admin.nk").is_file());
+    // Made for the CLI: the node's own connections never see it.
+    assert!(!node.log_text().contains("admin.nk"), "{}", node.log_text());
     let status = std::process::Command::new(bin("dynamoctl"))
         .args(["status", "--json", "--namespace", "it"])
         .env("DYNAMO_STATE_DIR", node.dir())

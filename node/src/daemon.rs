@@ -51,7 +51,11 @@ pub async fn run(cfg: NodeConfig) -> anyhow::Result<()> {
                 ca_file: e.ca_file.clone(),
                 user: None,
             },
-            generated.clone(),
+            // The admin seed goes to the CLI's state directory, not to the
+            // node's connections.
+            generated
+                .as_ref()
+                .map(|c| c.only(&crate::access::node_roles())),
         ),
         (NatsSpec::Url(u), None) => (
             u.clone(),
