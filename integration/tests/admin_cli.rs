@@ -132,6 +132,26 @@ async fn the_admin_commands_show_and_decode_the_jetstream_state() {
     assert_eq!(batches.len(), 1, "{batches:?}");
     assert_eq!(batches[0]["worker"], json!(worker));
     assert_eq!(batches[0]["events"][0]["kind"], "stored", "{}", batches[0]);
+    // A prefix of the id, as drain takes, names the same worker.
+    let by_prefix = lines(
+        &nats.url,
+        &[
+            "events",
+            "tail",
+            "--worker",
+            &worker[..6],
+            "--last",
+            "5",
+            "--count",
+            "1",
+            "--timeout-s",
+            "10",
+        ],
+    );
+    assert_eq!(by_prefix[0]["worker"], json!(worker), "{by_prefix:?}");
+    let out = dynamoctl(&nats.url, &["events", "tail", "--worker", "nothex"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--worker"), "{err}");
 
     // index query: by token ids and by text, what the worker holds.
     let ids: Vec<String> = (1..200).map(|t: u32| t.to_string()).collect();

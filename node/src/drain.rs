@@ -22,7 +22,8 @@ pub struct DrainSpec {
     pub wait: Duration,
 }
 
-async fn find_worker(bus: &Bus, name: &str) -> anyhow::Result<WorkerId> {
+/// The registered worker whose id is, or starts with, `name`.
+pub(crate) async fn find_worker(bus: &Bus, name: &str) -> anyhow::Result<WorkerId> {
     let kv = bus
         .kv_bucket(&bus.subjects.workers_bucket(), REGISTRY_MAX_AGE)
         .await?;

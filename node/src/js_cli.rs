@@ -99,7 +99,8 @@ pub enum EventsCmd {
     Tail {
         #[command(flatten)]
         t: Target,
-        /// Only this worker's events (its id, 16 hex digits).
+        /// Only this worker's events (its id, 16 hex digits, or a prefix of
+        /// a registered worker's).
         #[arg(long)]
         worker: Option<String>,
         /// Start with the stream's last N batches.
@@ -373,18 +374,26 @@ async fn tail(
 ) -> anyhow::Result<()> {
     use async_nats::jetstream::consumer::{push, DeliverPolicy};
     let subjects = Subjects::new(ns.clone());
+    let bus = crate::access::cli_connect(url, ns.clone()).await?;
     let subject = match worker {
-        Some(w) => {
-            let id = w.parse::<WorkerId>().ok().filter(|_| w.len() == 16);
-            subjects.kv_events(id.ok_or_else(|| {
-                anyhow::anyhow!(
-                    "--worker {w:?} is not a worker id: 16 hex digits, as `dynamoctl status` lists them"
-                )
-            })?)
+        // A whole id: its events, registered now or not (history).
+        Some(w) if w.len() == 16 && w.parse::<WorkerId>().is_ok() => {
+            subjects.kv_events(w.parse::<WorkerId>().map_err(anyhow::Error::msg)?)
         }
+        // A prefix, as `drain` takes: one registered worker.
+        Some(w) if !w.is_empty() && w.len() < 16 && w.chars().all(|c| c.is_ascii_hexdigit()) => {
+            subjects.kv_events(
+                crate::drain::find_worker(&bus, w)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("--worker: {e}"))?,
+            )
+        }
+        Some(w) => anyhow::bail!(
+            "--worker {w:?} is not a worker id: 16 hex digits (or a prefix of a registered one), as `dynamoctl status` lists them"
+        ),
         None => subjects.kv_events_all(),
     };
-    let js = connect(url, ns).await?;
+    let js = bus.js.clone();
     let mut stream = js
         .get_stream(subjects.kv_events_stream())
         .await
