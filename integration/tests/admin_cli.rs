@@ -114,40 +114,27 @@ async fn the_admin_commands_show_and_decode_the_jetstream_state() {
     assert_eq!(watched[0]["value"]["type"], "WorkerRegistration");
 
     // events tail: the last batches, decoded, for that worker only.
-    let batches = lines(
-        &nats.url,
-        &[
+    let tail = |w: &str| {
+        let args = [
             "events",
             "tail",
             "--worker",
-            &worker,
+            w,
             "--last",
             "5",
             "--count",
             "1",
             "--timeout-s",
             "10",
-        ],
-    );
+        ];
+        lines(&nats.url, &args)
+    };
+    let batches = tail(&worker);
     assert_eq!(batches.len(), 1, "{batches:?}");
     assert_eq!(batches[0]["worker"], json!(worker));
     assert_eq!(batches[0]["events"][0]["kind"], "stored", "{}", batches[0]);
     // A prefix of the id, as drain takes, names the same worker.
-    let by_prefix = lines(
-        &nats.url,
-        &[
-            "events",
-            "tail",
-            "--worker",
-            &worker[..6],
-            "--last",
-            "5",
-            "--count",
-            "1",
-            "--timeout-s",
-            "10",
-        ],
-    );
+    let by_prefix = tail(&worker[..6]);
     assert_eq!(by_prefix[0]["worker"], json!(worker), "{by_prefix:?}");
     let out = dynamoctl(&nats.url, &["events", "tail", "--worker", "nothex"]);
     let err = String::from_utf8_lossy(&out.stderr);
