@@ -182,6 +182,31 @@ impl Subjects {
     pub fn deploy_status_bucket(&self) -> String {
         format!("dynamo_{}_deploy_status", self.ns.0)
     }
+    /// The names of every JetStream stream of this namespace (a KV bucket's
+    /// is `KV_<bucket>`, an object store's `OBJ_<store>`), sorted. Exact
+    /// names, not a prefix: namespace `a` must not claim `a_b`'s streams.
+    pub fn stream_names(&self) -> Vec<String> {
+        let buckets = [
+            self.workers_bucket(),
+            self.nodes_bucket(),
+            self.deployments_bucket(),
+            self.assignments_bucket(),
+            self.controller_bucket(),
+            self.planner_bucket(),
+            self.pins_bucket(),
+            self.weights_bucket(),
+            self.deploy_status_bucket(),
+        ];
+        let objects = [self.weights_objects(), self.router_state_objects()];
+        let mut names: Vec<String> = buckets
+            .iter()
+            .map(|b| format!("KV_{b}"))
+            .chain(objects.iter().map(|o| format!("OBJ_{o}")))
+            .chain([self.kv_events_stream()])
+            .collect();
+        names.sort();
+        names
+    }
 }
 
 /// Node ids come from configs and flags; keep only subject-safe characters.

@@ -76,6 +76,65 @@ async fn the_admin_commands_show_and_decode_the_jetstream_state() {
         "{info}"
     );
 
+    // Another namespace whose name extends this one's ("it_b"): its
+    // streams are not "it"'s, though their names share a prefix; --all
+    // shows every stream on the server.
+    let other = dynamo_runtime::Bus::connect(
+        &nats.url,
+        "other",
+        dynamo_bus_schema::Subjects::new(dynamo_bus_schema::Namespace::new("it_b").unwrap()),
+        &Default::default(),
+    )
+    .await
+    .expect("connect to NATS");
+    other
+        .kv_bucket(
+            &other.subjects.workers_bucket(),
+            std::time::Duration::from_secs(60),
+        )
+        .await
+        .expect("it_b's workers bucket");
+    let names = |v: &Value, list: &str, key: &str| -> Vec<String> {
+        v[list]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s[key].as_str().unwrap().to_string())
+            .collect()
+    };
+    let ns_only = names(&ok_json(&nats.url, &["streams", "ls"]), "streams", "name");
+    assert!(
+        !ns_only.contains(&"KV_dynamo_it_b_workers".to_string()),
+        "{ns_only:?}"
+    );
+    assert!(
+        ns_only.contains(&"KV_dynamo_it_workers".to_string()),
+        "{ns_only:?}"
+    );
+    let every = names(
+        &ok_json(&nats.url, &["streams", "ls", "--all"]),
+        "streams",
+        "name",
+    );
+    assert!(
+        every.contains(&"KV_dynamo_it_b_workers".to_string()),
+        "{every:?}"
+    );
+    let buckets = names(&ok_json(&nats.url, &["buckets", "ls"]), "buckets", "bucket");
+    assert!(
+        !buckets.contains(&"dynamo_it_b_workers".to_string()),
+        "{buckets:?}"
+    );
+    let buckets = names(
+        &ok_json(&nats.url, &["buckets", "ls", "--all"]),
+        "buckets",
+        "bucket",
+    );
+    assert!(
+        buckets.contains(&"dynamo_it_b_workers".to_string()),
+        "{buckets:?}"
+    );
+
     // buckets ls / get (short name, decoded) / watch.
     let v = ok_json(&nats.url, &["buckets", "ls"]);
     assert!(

@@ -262,6 +262,17 @@ async fn a_peer_killed_mid_load_is_replaced_by_the_cache() {
     let last = lines.last().unwrap();
     assert!(last["node"] == "b" && last["state"] == "ready", "{out}");
     assert!(b.alive());
+    // A mistyped node is an error, not a silent watch of nothing.
+    let out = dynamoctl(
+        &nats.url,
+        &["models", "watch", "--node", "nosuch", "--until-idle"],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no node \"nosuch\"") && err.contains("b"),
+        "{err}"
+    );
 }
 
 /// libfabric's `shm` provider installs SIGTERM and SIGINT handlers when

@@ -65,6 +65,27 @@ pub struct BenchReport {
     pub first_error: Option<String>,
 }
 
+/// A load's outcome as an exit status: an error when any request failed
+/// (refusals under load are not failures: they are counted apart).
+pub fn outcome(
+    requests: usize,
+    ok: usize,
+    errors: usize,
+    first_error: Option<&str>,
+) -> anyhow::Result<()> {
+    let first = first_error.unwrap_or("unknown");
+    if ok == 0 && errors == 0 && requests > 0 {
+        anyhow::bail!("no request succeeded: every one was refused under load");
+    }
+    if ok == 0 && errors > 0 {
+        anyhow::bail!("every request failed: {first}");
+    }
+    if errors > 0 {
+        anyhow::bail!("{errors} of {requests} requests failed; the first: {first}");
+    }
+    Ok(())
+}
+
 #[derive(Default)]
 struct Sample {
     latency: Option<Duration>,
@@ -376,7 +397,23 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
 
 #[cfg(test)]
 mod tests {
-    use super::check_url;
+    use super::{check_url, outcome};
+
+    #[test]
+    fn any_failed_request_fails_the_run_and_refusals_do_not() {
+        assert!(outcome(10, 10, 0, None).is_ok());
+        // Two refused under load: counted apart, not failures.
+        assert!(outcome(10, 8, 0, None).is_ok());
+        let e = outcome(10, 7, 3, Some("HTTP 500: boom")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "3 of 10 requests failed; the first: HTTP 500: boom"
+        );
+        let e = outcome(4, 0, 4, Some("connection refused")).unwrap_err();
+        assert_eq!(e.to_string(), "every request failed: connection refused");
+        let e = outcome(4, 0, 0, None).unwrap_err();
+        assert!(e.to_string().contains("refused under load"), "{e}");
+    }
 
     #[test]
     fn a_server_url_is_http_or_https_with_a_host() {

@@ -775,10 +775,23 @@ fn respec(e: ConfigError, field: &str) -> ConfigError {
     }
 }
 
+/// Reads a spec section as a node config; an error names the spec's field
+/// that is wrong (`services.frontend.gateway.max_migrations`), not only
+/// its section.
 fn raw_from_json(field: &str, v: serde_json::Value) -> Result<RawConfig, ConfigError> {
-    serde_json::from_value(v).map_err(|e| ConfigError::Invalid {
-        key: field.to_string(),
-        message: e.to_string(),
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        // The worker section is the node config's only worker.
+        let rest = path.strip_prefix("workers[0]").unwrap_or(&path);
+        let rest = rest.trim_start_matches('.');
+        ConfigError::Invalid {
+            key: if rest.is_empty() {
+                field.to_string()
+            } else {
+                format!("{field}.{rest}")
+            },
+            message: e.into_inner().to_string(),
+        }
     })
 }
 

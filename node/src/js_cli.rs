@@ -35,8 +35,11 @@ impl Target {
 
 #[derive(Subcommand, Debug)]
 pub enum StreamsCmd {
-    /// Every stream: subjects, messages, bytes, replicas, sequences.
+    /// The namespace's (with --all: every) stream: subjects, messages, bytes, replicas, sequences.
     Ls {
+        /// Every one on the server, not only the namespace's.
+        #[arg(long)]
+        all: bool,
         #[command(flatten)]
         t: Target,
     },
@@ -58,8 +61,11 @@ pub enum StreamsCmd {
 
 #[derive(Subcommand, Debug)]
 pub enum BucketsCmd {
-    /// Every KV bucket and object store, with its entry count.
+    /// The namespace's (with --all: every) KV bucket and object store, with its entry count.
     Ls {
+        /// Every one on the server, not only the namespace's.
+        #[arg(long)]
+        all: bool,
         #[command(flatten)]
         t: Target,
     },
@@ -86,8 +92,11 @@ pub enum BucketsCmd {
 
 #[derive(Subcommand, Debug)]
 pub enum ConsumersCmd {
-    /// Every stream's consumers: pending, delivered, durable or not.
+    /// The namespace's (with --all: every) stream's consumers: pending, delivered, durable or not.
     Ls {
+        /// Every one on the server, not only the namespace's.
+        #[arg(long)]
+        all: bool,
         #[command(flatten)]
         t: Target,
     },
@@ -176,13 +185,24 @@ fn stream_row(i: &async_nats::jetstream::stream::Info) -> Value {
     })
 }
 
+/// Whether a stream is the namespace's (`all`: every stream is shown).
+fn ours(ns: &Namespace, all: bool) -> impl Fn(&str) -> bool {
+    let names = Subjects::new(ns.clone()).stream_names();
+    move |name: &str| all || names.iter().any(|n| n == name)
+}
+
 /// `streams …`.
 async fn streams(url: &str, ns: &Namespace, cmd: &StreamsCmd) -> anyhow::Result<Value> {
     let js = connect(url, ns).await?;
     match cmd {
-        StreamsCmd::Ls { .. } => {
+        StreamsCmd::Ls { all, .. } => {
             let infos: Vec<_> = js.streams().try_collect().await?;
-            let mut rows: Vec<Value> = infos.iter().map(stream_row).collect();
+            let ours = ours(ns, *all);
+            let mut rows: Vec<Value> = infos
+                .iter()
+                .filter(|i| ours(&i.config.name))
+                .map(stream_row)
+                .collect();
             rows.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
             Ok(json!({ "streams": rows }))
         }
@@ -245,10 +265,12 @@ async fn bucket_store(
 async fn buckets(url: &str, ns: &Namespace, cmd: &BucketsCmd) -> anyhow::Result<Value> {
     let js = connect(url, ns).await?;
     match cmd {
-        BucketsCmd::Ls { .. } => {
+        BucketsCmd::Ls { all, .. } => {
             let infos: Vec<_> = js.streams().try_collect().await?;
+            let ours = ours(ns, *all);
             let mut rows: Vec<Value> = infos
                 .iter()
+                .filter(|i| ours(&i.config.name))
                 .filter_map(|i| {
                     let (kind, name) = if let Some(n) = i.config.name.strip_prefix("KV_") {
                         ("kv", n)
@@ -451,11 +473,12 @@ async fn tail(
 }
 
 /// `consumers ls`: every stream's consumers.
-async fn consumers(url: &str, ns: &Namespace) -> anyhow::Result<Value> {
+async fn consumers(url: &str, ns: &Namespace, all: bool) -> anyhow::Result<Value> {
     let js = connect(url, ns).await?;
     let names: Vec<String> = js.stream_names().try_collect().await?;
+    let ours = ours(ns, all);
     let mut rows = Vec::new();
-    for n in names {
+    for n in names.into_iter().filter(|n| ours(n)) {
         let s = js.get_stream(&n).await?;
         let infos: Vec<_> = s.consumers().try_collect().await?;
         for c in infos {
@@ -513,7 +536,7 @@ fn print(v: &Value, json_out: bool, key: &str, cols: &[&str]) -> anyhow::Result<
 /// Runs `streams …`.
 pub async fn run_streams(cmd: StreamsCmd) -> anyhow::Result<()> {
     let t = match &cmd {
-        StreamsCmd::Ls { t } | StreamsCmd::Info { t, .. } | StreamsCmd::Purge { t, .. } => t,
+        StreamsCmd::Ls { t, .. } | StreamsCmd::Info { t, .. } | StreamsCmd::Purge { t, .. } => t,
     };
     let (url, ns) = t.resolve()?;
     let v = streams(&url, &ns, &cmd).await?;
@@ -542,7 +565,7 @@ pub async fn run_buckets(cmd: BucketsCmd) -> anyhow::Result<()> {
             let (url, ns) = t.resolve()?;
             watch(&url, &ns, bucket, *count, *timeout_s, t.json).await
         }
-        BucketsCmd::Ls { t } | BucketsCmd::Get { t, .. } => {
+        BucketsCmd::Ls { t, .. } | BucketsCmd::Get { t, .. } => {
             let (url, ns) = t.resolve()?;
             let v = buckets(&url, &ns, &cmd).await?;
             if let (false, Some(keys)) = (t.json, v["keys"].as_array()) {
@@ -566,9 +589,9 @@ pub async fn run_buckets(cmd: BucketsCmd) -> anyhow::Result<()> {
 
 /// Runs `consumers ls`.
 pub async fn run_consumers(cmd: ConsumersCmd) -> anyhow::Result<()> {
-    let ConsumersCmd::Ls { t } = cmd;
+    let ConsumersCmd::Ls { all, t } = cmd;
     let (url, ns) = t.resolve()?;
-    let v = consumers(&url, &ns).await?;
+    let v = consumers(&url, &ns, all).await?;
     let cols = [
         "stream",
         "name",

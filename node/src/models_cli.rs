@@ -245,6 +245,47 @@ fn changes(
     out
 }
 
+/// Fails unless `node` is a registered node or holds a weights record: a
+/// mistyped `--node` would otherwise watch nothing, silently.
+async fn check_node(bus: &Bus, node: &str) -> anyhow::Result<()> {
+    use futures::TryStreamExt;
+    let v = tokio::time::timeout(WATCH_READ, catalog_json(bus))
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "reading the weights bucket took over {} s",
+                WATCH_READ.as_secs()
+            )
+        })??;
+    if !records(&v, Some(node)).is_empty() {
+        return Ok(());
+    }
+    let name = bus.subjects.nodes_bucket();
+    let read = async {
+        let kv = bus
+            .kv_bucket(&name, dynamo_runtime::bus::REGISTRY_MAX_AGE)
+            .await?;
+        let keys: Vec<String> = kv.keys().await?.try_collect().await?;
+        anyhow::Ok(keys)
+    };
+    let mut nodes = tokio::time::timeout(WATCH_READ, read)
+        .await
+        .map_err(|_| anyhow::anyhow!("reading {name} took over {} s", WATCH_READ.as_secs()))?
+        .map_err(|e| anyhow::anyhow!("reading {name}: {e}"))?;
+    if nodes.iter().any(|n| n == node) {
+        return Ok(());
+    }
+    nodes.sort();
+    anyhow::bail!(
+        "no node {node:?} is registered or holds weights (registered: {})",
+        if nodes.is_empty() {
+            "none".to_string()
+        } else {
+            nodes.join(", ")
+        }
+    )
+}
+
 /// Longest read of the weights bucket by `models watch`.
 const WATCH_READ: std::time::Duration = std::time::Duration::from_secs(10);
 /// Failed reads in a row that end `models watch`.
@@ -267,6 +308,9 @@ pub struct WatchArgs {
 /// interrupted or, with `until_idle`, until none is in progress.
 pub async fn watch(url: &str, ns: Namespace, args: WatchArgs) -> anyhow::Result<()> {
     let bus = crate::access::cli_connect_existing(url, ns).await?;
+    if let Some(node) = &args.node {
+        check_node(&bus, node).await?;
+    }
     let bars = indicatif::MultiProgress::new();
     let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let style = indicatif::ProgressStyle::with_template(

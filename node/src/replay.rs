@@ -228,6 +228,15 @@ pub async fn run(spec: ReplaySpec) -> anyhow::Result<ReplayReport> {
         spec.speedup
     );
     check_token_scale(spec.token_scale)?;
+    anyhow::ensure!(
+        spec.vocab > 256,
+        "--vocab must be over 256: token ids are drawn from [256, vocab) (got {})",
+        spec.vocab
+    );
+    anyhow::ensure!(
+        spec.max_output != Some(0),
+        "--max-output must be at least 1 (leave it out to keep the trace's lengths)"
+    );
     let text = std::fs::read_to_string(&spec.trace)
         .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", spec.trace.display()))?;
     let mut reqs = Vec::new();
@@ -303,6 +312,26 @@ pub async fn run(spec: ReplaySpec) -> anyhow::Result<ReplayReport> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn bad_settings_are_refused_before_the_trace_is_read() {
+        let spec = |vocab, max_output| ReplaySpec {
+            trace: "/nonexistent/trace.jsonl".into(),
+            url: "http://127.0.0.1:1".into(),
+            model: "m".into(),
+            speedup: 1.0,
+            max_requests: None,
+            max_output,
+            vocab,
+            token_scale: 1,
+        };
+        let e = run(spec(10, None)).await.unwrap_err().to_string();
+        assert!(e.contains("--vocab must be over 256"), "{e}");
+        let e = run(spec(49152, Some(0))).await.unwrap_err().to_string();
+        assert!(e.contains("--max-output must be at least 1"), "{e}");
+        let e = run(spec(49152, Some(1))).await.unwrap_err().to_string();
+        assert!(e.contains("cannot read /nonexistent/trace.jsonl"), "{e}");
+    }
 
     #[test]
     fn equal_hash_ids_give_equal_tokens_and_lengths_are_exact() {

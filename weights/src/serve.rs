@@ -141,7 +141,7 @@ pub struct WeightServer {
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
     #[error("fabric: {0}")]
-    Fabric(#[from] FabricError),
+    Fabric(FabricError),
     #[error("reading {path}: {message}")]
     Io { path: String, message: String },
     #[error("{path} is not the manifest's file: SHA-256 {got}, expected {want}")]
@@ -152,6 +152,14 @@ pub enum ServeError {
     },
     #[error("the progress thread did not start: {message}")]
     Thread { message: String },
+}
+
+// Not `#[from]`: the message already shows the cause, and a source would
+// print it twice in a chain (`{:#}`).
+impl From<FabricError> for ServeError {
+    fn from(e: FabricError) -> Self {
+        ServeError::Fabric(e)
+    }
 }
 
 impl WeightServer {

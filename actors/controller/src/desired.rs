@@ -28,14 +28,22 @@ pub const ATTEMPTS: usize = 5;
 pub enum DesiredError {
     #[error("no deployment {0:?} (see dynamoctl get deployments)")]
     NoDeployment(String),
-    #[error("{0}")]
+    #[error(transparent)]
     Spec(#[from] dynamo_cluster_config::spec::SpecError),
     #[error("deployment {0} kept changing under us; try again")]
     Contended(String),
     #[error("the deployments bucket: {0}")]
     Bus(String),
     #[error("a stored deployment record does not decode: {0}")]
-    Decode(#[from] dynamo_bus_schema::DecodeError),
+    Decode(dynamo_bus_schema::DecodeError),
+}
+
+// Not `#[from]`: the message already shows the cause, and a source would
+// print it twice in a chain (`{:#}`).
+impl From<dynamo_bus_schema::DecodeError> for DesiredError {
+    fn from(e: dynamo_bus_schema::DecodeError) -> Self {
+        DesiredError::Decode(e)
+    }
 }
 
 /// The deployment's record and its entry's revision.
@@ -174,4 +182,36 @@ pub async fn touch(store: &kv::Store, name: &str) -> Result<bool, DesiredError> 
         }
     }
     Err(DesiredError::Contended(name.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DesiredError;
+
+    /// Every message in an error's chain, as `{:#}` prints it.
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut out = e.to_string();
+        let mut cause = e.source();
+        while let Some(c) = cause {
+            out.push_str(": ");
+            out.push_str(&c.to_string());
+            cause = c.source();
+        }
+        out
+    }
+
+    /// A cause shows once in a chain, not again as a source.
+    #[test]
+    fn a_cause_is_shown_once() {
+        let spec = dynamo_cluster_config::spec::DeploymentSpec::parse("version: 2\nname: d\n")
+            .expect_err("version 2");
+        let msg = spec.to_string();
+        let e = DesiredError::from(spec);
+        assert_eq!(chain(&e).matches(&msg).count(), 1, "{}", chain(&e));
+        let d = dynamo_bus_schema::DecodeError::TooShort { len: 1 };
+        let msg = d.to_string();
+        let e = DesiredError::from(d);
+        assert_eq!(chain(&e).matches(&msg).count(), 1, "{}", chain(&e));
+        assert!(chain(&e).starts_with("a stored deployment record does not decode: "));
+    }
 }

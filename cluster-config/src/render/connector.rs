@@ -61,7 +61,16 @@ pub enum ConnectorError {
     },
     #[cfg(feature = "k8s-client")]
     #[error("Kubernetes API: {0}")]
-    Api(#[from] kube::Error),
+    Api(kube::Error),
+}
+
+// Not `#[from]`: the message already shows the cause, and a source would
+// print it twice in a chain (`{:#}`).
+#[cfg(feature = "k8s-client")]
+impl From<kube::Error> for ConnectorError {
+    fn from(e: kube::Error) -> Self {
+        ConnectorError::Api(e)
+    }
 }
 
 /// The Grove kinds that scale.

@@ -146,6 +146,16 @@ pub enum SearchError {
         need: u32,
     },
     #[error(
+        "{gpus} × {gpu} hold {model}'s weights but not the KV cache of one sequence of {tokens} tokens (ISL + OSL): at most {most} fit beside the weights; shorten the sequence or add GPUs"
+    )]
+    SequenceTooLong {
+        model: String,
+        gpu: String,
+        gpus: u32,
+        tokens: u64,
+        most: u64,
+    },
+    #[error(
         "no deployment of {model} on {gpus} × {gpu} meets TTFT ≤ {ttft_ms} ms and ITL ≤ {itl_ms} ms; best reachable: TTFT {best_ttft_ms:.0} ms, ITL {best_itl_ms:.1} ms (not necessarily together)"
     )]
     ImpossibleSla {
@@ -622,9 +632,9 @@ pub fn search(
     };
     let layouts = cx.layouts();
     if layouts.is_empty() {
-        // The smallest layout of the searched grid that would hold the
-        // weights and one sequence (128 GPUs when none does).
-        let need = [1, 2, 4, 8, 16]
+        // The layouts of the searched grid, and the longest sequence each
+        // holds beside the weights (None: the weights alone do not fit).
+        let grid: Vec<(Layout, Option<u64>)> = [1, 2, 4, 8, 16]
             .into_iter()
             .filter(|tp| *tp <= q.max_tp)
             .flat_map(|tp| {
@@ -635,13 +645,37 @@ pub fn search(
                     dpa: false,
                 })
             })
-            .filter(|l| {
-                plan(model, gpu, &cx.deployment(*l))
-                    .is_ok_and(|p| p.seq_tokens >= q.isl as u64 + q.osl as u64)
+            .map(|l| {
+                let seq = plan(model, gpu, &cx.deployment(l))
+                    .ok()
+                    .map(|p| p.seq_tokens);
+                (l, seq)
             })
-            .map(|l| l.gpus())
+            .collect();
+        let tokens = q.isl as u64 + q.osl as u64;
+        // The smallest that would hold the weights and one sequence (128
+        // GPUs when none does).
+        let need = grid
+            .iter()
+            .filter(|(_, seq)| seq.is_some_and(|s| s >= tokens))
+            .map(|(l, _)| l.gpus())
             .min()
             .unwrap_or(128);
+        // The budget holds the weights: what it cannot hold is the sequence.
+        let most = grid
+            .iter()
+            .filter(|(l, _)| l.gpus() <= q.gpus)
+            .filter_map(|(_, seq)| *seq)
+            .max();
+        if let Some(most) = most {
+            return Err(SearchError::SequenceTooLong {
+                model: model.name.clone(),
+                gpu: gpu.name.clone(),
+                gpus: q.gpus,
+                tokens,
+                most,
+            });
+        }
         return Err(SearchError::TooFewGpus {
             model: model.name.clone(),
             gpu: gpu.name.clone(),
@@ -1014,6 +1048,18 @@ mod tests {
             SearchError::TooFewGpus { need, .. } => assert!(*need >= 8, "{e}"),
             other => panic!("{other}"),
         }
+        // The weights fit; a sequence of 10 M tokens does not.
+        let e = run_q("Llama-3.1-70B", "H100", |q| q.isl = 10_000_000).unwrap_err();
+        match &e {
+            SearchError::SequenceTooLong { tokens, most, .. } => {
+                assert!(*most > 0 && *most < *tokens, "{e}")
+            }
+            other => panic!("{other}"),
+        }
+        assert!(
+            e.to_string().contains("hold Llama-3.1-70B's weights"),
+            "{e}"
+        );
         let e = run("Llama-3.1-8B", "H100", 0, 5000.0, 100.0).unwrap_err();
         assert!(matches!(e, SearchError::NotPositive { field: "gpus", .. }));
         let e = run("Llama-3.1-8B", "H100", MAX_GPUS + 1, 5000.0, 100.0).unwrap_err();

@@ -192,7 +192,7 @@ pub enum EngineError {
     #[error("engine stopped")]
     Stopped,
     #[error("invalid request: {0}")]
-    Invalid(#[from] RequestError),
+    Invalid(RequestError),
     #[error("request {0} is already running")]
     Duplicate(RequestId),
     #[error("request needs {needed} KV blocks but the engine has only {capacity}")]
@@ -208,6 +208,14 @@ pub enum EngineError {
     /// went away or answered an error): another worker can take it over.
     #[error("the engine failed: {0}")]
     Failed(String),
+}
+
+// Not `#[from]`: the message already shows the cause, and a source would
+// print it twice in a chain (`{:#}`).
+impl From<RequestError> for EngineError {
+    fn from(e: RequestError) -> Self {
+        EngineError::Invalid(e)
+    }
 }
 
 impl EngineError {

@@ -168,7 +168,15 @@ pub enum StartError {
     #[error("cannot start engine threads: {0}")]
     Threads(String),
     #[error("cannot reserve the KV pool: {0}")]
-    Memory(#[from] dynamo_engine::ArenaError),
+    Memory(dynamo_engine::ArenaError),
+}
+
+// Not `#[from]`: the message already shows the cause, and a source would
+// print it twice in a chain (`{:#}`).
+impl From<dynamo_engine::ArenaError> for StartError {
+    fn from(e: dynamo_engine::ArenaError) -> Self {
+        StartError::Memory(e)
+    }
 }
 
 /// Work commands (snapshots, block moves) queued beyond the admitted requests.

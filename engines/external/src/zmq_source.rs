@@ -88,7 +88,15 @@ pub enum SourceError {
     #[error("endpoint {endpoint}: {message}")]
     Endpoint { endpoint: String, message: String },
     #[error("zmq: {0}")]
-    Zmq(#[from] zeromq::ZmqError),
+    Zmq(zeromq::ZmqError),
+}
+
+// Not `#[from]`: the message already shows the cause, and a source would
+// print it twice in a chain (`{:#}`).
+impl From<zeromq::ZmqError> for SourceError {
+    fn from(e: zeromq::ZmqError) -> Self {
+        SourceError::Zmq(e)
+    }
 }
 
 /// `tcp://host:PORT` with `offset` added to the port.

@@ -91,7 +91,15 @@ pub enum ConfigError {
     #[error("mocker.startup_ms must be at most 3600000 (an hour), got {0}")]
     StartupTooLong(u64),
     #[error("mocker KV pool: {0}")]
-    Memory(#[from] dynamo_engine::ArenaError),
+    Memory(dynamo_engine::ArenaError),
+}
+
+// Not `#[from]`: the message already shows the cause, and a source would
+// print it twice in a chain (`{:#}`).
+impl From<dynamo_engine::ArenaError> for ConfigError {
+    fn from(e: dynamo_engine::ArenaError) -> Self {
+        ConfigError::Memory(e)
+    }
 }
 
 impl MockerConfig {

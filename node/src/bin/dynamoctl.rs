@@ -389,21 +389,23 @@ enum Cmd {
 }
 
 /// Prints a load report; fails (non-zero exit) when no request succeeded.
+/// Prints a load's report, then fails (a non-zero exit) when any request
+/// failed, so a script or CI job sees it: every request, or `errors` of
+/// `requests` (requests refused under load, 429 or 503, are counted apart
+/// and are not failures).
 fn report(
     r: &impl serde::Serialize,
     json: bool,
-    ok: usize,
+    counts: (usize, usize, usize),
     first_error: Option<&str>,
 ) -> anyhow::Result<()> {
+    let (requests, ok, errors) = counts;
     if json {
         println!("{}", serde_json::to_string(r)?);
     } else {
         println!("{}", serde_json::to_string_pretty(r)?);
     }
-    if ok == 0 {
-        anyhow::bail!("every request failed: {}", first_error.unwrap_or_default());
-    }
-    Ok(())
+    dynamo_node::bench::outcome(requests, ok, errors, first_error)
 }
 
 fn main() {
@@ -778,7 +780,7 @@ fn main() {
                     ca_file,
                 };
                 let r = bench::run(spec).await?;
-                report(&r, json, r.ok, r.first_error.as_deref())
+                report(&r, json, (r.requests, r.ok, r.errors), r.first_error.as_deref())
             }
             Cmd::Configure(spec) => {
                 print!("{}", configure::run(&spec)?);
@@ -815,7 +817,7 @@ fn main() {
                     token_scale,
                 };
                 let r = replay::run(spec).await?;
-                report(&r, json, r.ok, r.first_error.as_deref())
+                report(&r, json, (r.requests, r.ok, r.errors), r.first_error.as_deref())
             }
         }
     });

@@ -384,3 +384,31 @@ fn a_metrics_listener_other_hosts_reach_needs_a_token_or_an_allowance() {
     let e = with(&format!("token_file = {:?}\n", token.display().to_string())).unwrap_err();
     assert!(e.to_string().contains("needs metrics.listen"), "{e}");
 }
+
+/// A wrong value in a spec's service settings names its field, down to the
+/// key, not only the service.
+#[test]
+fn a_wrong_value_in_a_spec_names_its_field() {
+    for (yaml, key) in [
+        (
+            "frontend:\n    role: frontend\n    gateway: {max_migrations: -1}",
+            "config key `services.frontend.gateway.max_migrations`",
+        ),
+        (
+            "frontend:\n    role: frontend\n    router: {worker_ttl_ms: \"soon\"}",
+            "config key `services.frontend.router.worker_ttl_ms`",
+        ),
+        (
+            "w:\n    role: aggregated\n    worker: {engine: cpu, model: smollm2-135m-instruct, cpu: {threads: -2}}",
+            "config key `services.w.worker.cpu.threads`",
+        ),
+    ] {
+        let spec = dynamo_cluster_config::spec::DeploymentSpec::parse(&format!(
+            "version: 1\nname: d\nservices:\n  {yaml}\n"
+        ))
+        .expect("the spec parses");
+        let e = check_spec_settings(&spec).expect_err(yaml).to_string();
+        assert!(e.starts_with(key), "{yaml}: {e}");
+        assert!(e.contains("invalid"), "{yaml}: {e}");
+    }
+}

@@ -135,7 +135,7 @@ pub enum LoadError {
     #[error("the file's SHA-256 still differs from its content hash after {repairs} repairs ({chunks} chunks wrong in the last check)")]
     Unsettled { repairs: usize, chunks: usize },
     #[error("fabric endpoint for peer reads: {0}")]
-    Fabric(#[from] FabricError),
+    Fabric(FabricError),
     /// The copy on the GPU does not hash to the content hash.
     #[error("the device copy's SHA-256 is {got}, not {want}")]
     DeviceMismatch { got: String, want: String },
@@ -145,6 +145,14 @@ pub enum LoadError {
     Memory { bytes: u64, why: String },
     #[error("a loading thread: {0}")]
     Thread(String),
+}
+
+// Not `#[from]`: the message already shows the cause, and a source would
+// print it twice in a chain (`{:#}`).
+impl From<FabricError> for LoadError {
+    fn from(e: FabricError) -> Self {
+        LoadError::Fabric(e)
+    }
 }
 
 /// Where the bytes land.
