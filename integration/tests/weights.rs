@@ -512,6 +512,33 @@ async fn a_corrupted_chunk_is_fetched_again_and_other_content_is_refused() {
     let log = d.log_text();
     let want = format!("no source for model {MODEL} with the pinned sha256 {other}");
     assert!(log.contains(&want), "{want:?} not in:\n{log}");
+
+    // `models rm` takes the file out of the cache: only with --yes, only
+    // what it names, and the nodes serving it go on serving it.
+    let out = dynamoctl(&nats.url, &["models", "rm", MODEL]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("add --yes"));
+    let out = dynamoctl(&nats.url, &["models", "rm", "nosuch-model", "--yes"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no model or content hash"));
+    let out = dynamoctl(&nats.url, &["models", "rm", &sha[..10], "--yes", "--json"]);
+    assert_success(&out);
+    let r: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(r["chunks_deleted"].as_u64().is_some_and(|n| n >= 1), "{r}");
+    assert_eq!(r["manifest_kept"], true, "{r}");
+    assert!(r["served_by"].as_array().unwrap().len() >= 2, "{r}");
+    assert!(
+        store.get(format!("{sha}.0").as_str()).await.is_err(),
+        "chunk 0 is still in the object store"
+    );
+    let v = models_ls(&nats.url);
+    assert_eq!(v["models"][0]["cached"], false, "{v}");
+    assert_eq!(v["models"][0]["sha256"], sha.as_str(), "{v}");
+    let out = dynamoctl(&nats.url, &["models", "rm", MODEL, "--yes"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("is not in the cache"),
+        "{err}"
+    );
     assert!(a.alive() && b.alive());
 }
 

@@ -182,6 +182,73 @@ pub async fn push(url: &str, ns: Namespace, file: &Path, model: &str) -> anyhow:
     }))
 }
 
+/// `dynamoctl models rm MODEL|SHA256 --yes`: takes a file out of the
+/// in-cluster cache. `what` is a model name or a content hash (its first 8
+/// hex digits or more) and must name one file. Nodes serving the file keep
+/// serving it, and peers keep loading it from them (its manifest stays
+/// while any does).
+pub async fn rm(url: &str, ns: Namespace, what: &str, yes: bool) -> anyhow::Result<Value> {
+    let bus = crate::access::cli_connect_existing(url, ns).await?;
+    let cat = catalog(&bus).await?;
+    let by_hash = what.len() >= 8 && what.bytes().all(|b| b.is_ascii_hexdigit());
+    let found: Vec<_> = cat
+        .manifests
+        .values()
+        .filter(|m| {
+            m.model == what || (by_hash && m.sha256.hex().starts_with(&what.to_ascii_lowercase()))
+        })
+        .collect();
+    let m = match found.as_slice() {
+        [one] => *one,
+        [] => anyhow::bail!(
+            "no model or content hash {what:?} is known (dynamoctl models ls lists them)"
+        ),
+        many => anyhow::bail!(
+            "{what:?} names {} files ({}): give the content hash",
+            many.len(),
+            many.iter()
+                .map(|m| format!("{} {}", m.model, &m.sha256.hex()[..12]))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    let sha = m.sha256.hex();
+    let mut served: Vec<String> = cat
+        .sources
+        .get(&m.sha256)
+        .into_iter()
+        .flatten()
+        .map(|s| s.node.0.clone())
+        .collect();
+    served.sort();
+    let cached = cat.cached.contains(&m.sha256);
+    if !cached && !served.is_empty() {
+        anyhow::bail!(
+            "{} ({}) is not in the cache: nodes {} hold it loaded, and serve it while they run",
+            m.model,
+            &sha[..12],
+            served.join(", ")
+        );
+    }
+    if !yes {
+        anyhow::bail!(
+            "this deletes {} ({}, {} bytes) from the in-cluster cache: add --yes to do it",
+            m.model,
+            &sha[..12],
+            m.size
+        );
+    }
+    let chunks = crate::weights::remove(&bus, m, !served.is_empty()).await?;
+    Ok(json!({
+        "model": m.model,
+        "sha256": sha,
+        "was_cached": cached,
+        "chunks_deleted": chunks,
+        "served_by": served,
+        "manifest_kept": !served.is_empty(),
+    }))
+}
+
 /// One weight source record as `models watch` follows it.
 #[derive(Clone, Debug, PartialEq)]
 struct Seen {

@@ -112,6 +112,18 @@ enum ModelsCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Take a model file out of the in-cluster cache (needs --yes). Nodes
+    /// serving it keep serving it.
+    Rm {
+        /// The model's name, or its content hash (8 hex digits or more).
+        what: String,
+        #[arg(long)]
+        yes: bool,
+        #[command(flatten)]
+        bus: Bus,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -627,6 +639,38 @@ fn main() {
                         v["size"],
                         v["sha256"].as_str().unwrap_or("?"),
                         v["seconds"].as_f64().unwrap_or(0.0)
+                    );
+                }
+                Ok(())
+            }
+            Cmd::Models {
+                cmd:
+                    ModelsCmd::Rm {
+                        what,
+                        yes,
+                        bus,
+                        json,
+                    },
+            } => {
+                let (url, ns) = bus.resolve()?;
+                let v = tokio::time::timeout(limit, models_cli::rm(&url, ns, &what, yes))
+                    .await
+                    .map_err(timed(url.clone()))??;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&v)?);
+                } else {
+                    let kept = match v["served_by"].as_array() {
+                        Some(n) if !n.is_empty() => format!(
+                            "; still served by {}",
+                            n.iter().filter_map(|x| x.as_str()).collect::<Vec<_>>().join(", ")
+                        ),
+                        _ => String::new(),
+                    };
+                    println!(
+                        "removed {} ({}) from the cache: {} chunks{kept}",
+                        v["model"].as_str().unwrap_or("?"),
+                        v["sha256"].as_str().and_then(|h| h.get(..12)).unwrap_or("?"),
+                        v["chunks_deleted"]
                     );
                 }
                 Ok(())

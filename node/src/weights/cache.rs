@@ -45,6 +45,38 @@ pub async fn push(
     Ok(m)
 }
 
+/// Takes `m`'s file out of the in-cluster cache: its `cache.` entry first
+/// (no load starts on it after that; one already reading falls back to
+/// its other sources), then its chunks (those already gone, as after a
+/// push that failed half way, are skipped). The manifest goes too unless
+/// `keep_manifest` (nodes serve the file, and peers load it from them).
+/// Answers the chunks deleted.
+pub async fn remove(bus: &Bus, m: &WeightManifest, keep_manifest: bool) -> anyhow::Result<usize> {
+    use async_nats::jetstream::object_store::DeleteErrorKind;
+    let kv = bucket(bus).await?;
+    let sha = m.sha256.hex();
+    kv.purge(format!("cache.{sha}"))
+        .await
+        .map_err(|e| anyhow::anyhow!("removing cache.{sha}: {e}"))?;
+    let store = bus.object_store(&bus.subjects.weights_objects()).await?;
+    let mut deleted = 0;
+    for i in 0..m.chunks.len() {
+        let name = object(&m.sha256, i);
+        match store.delete(name.as_str()).await {
+            Ok(()) => deleted += 1,
+            Err(e) if e.kind() == DeleteErrorKind::NotFound => {}
+            Err(e) => anyhow::bail!("deleting chunk {i} ({name}): {e}"),
+        }
+    }
+    if !keep_manifest {
+        let key = WeightManifest::key(&m.sha256);
+        kv.purge(&key)
+            .await
+            .map_err(|e| anyhow::anyhow!("removing {key}: {e}"))?;
+    }
+    Ok(deleted)
+}
+
 /// A source that could not be opened, so the load's error names it.
 pub(super) struct Unavailable {
     pub(super) name: String,

@@ -20,7 +20,7 @@
 mod cache;
 mod fetch;
 
-pub use cache::push;
+pub use cache::{push, remove};
 pub use fetch::{Fetched, ModelFile, Written};
 
 use dynamo_bus_schema::weights::{ContentHash, WeightManifest, WeightSource, WeightSourceState};
