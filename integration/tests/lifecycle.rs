@@ -417,7 +417,7 @@ async fn dynamoctl_drain_stops_new_work_and_lets_in_flight_requests_finish() {
     let out = tokio::task::spawn_blocking({
         let a = a.clone();
         let ctl = ctl.clone();
-        move || ctl(&["drain", &a[..6]])
+        move || ctl(&["drain", &a[..6], "--json"])
     })
     .await
     .unwrap();

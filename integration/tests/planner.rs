@@ -318,7 +318,7 @@ async fn an_idle_service_goes_to_zero_the_next_request_succeeds_and_a_manual_sca
     );
     assert!(decisions(&s).iter().any(|d| d["rule"] == "wake"), "{s}");
     // A manual scale pins: the planner leaves it through idle periods…
-    let out = c.ctl(&["scale", "plan/agg", "2"]);
+    let out = c.ctl(&["scale", "plan/agg", "2", "--json"]);
     assert_success(&out);
     assert!(String::from_utf8_lossy(&out.stdout).contains("\"pinned\":true"));
     tokio::time::sleep(Duration::from_secs(8)).await;

@@ -201,7 +201,17 @@ pub fn cli_access(url: &str, ns: &Namespace) -> anyhow::Result<BusAccess> {
         None => None,
     };
     let creds = match std::env::var_os(env::NATS_CREDENTIALS) {
-        Some(p) => Some(Credentials::read(&PathBuf::from(p))?),
+        Some(p) => {
+            let c = Credentials::read(&PathBuf::from(p))?;
+            // The CLI logs nothing by default: say it on stderr.
+            for f in &c.exposed {
+                eprintln!(
+                    "dynamoctl: warning: {} is readable by other users: a NATS seed is a secret (chmod 600 it)",
+                    f.display()
+                );
+            }
+            Some(c)
+        }
         None if local && creds_dir.is_dir() => Some(Credentials::read(&creds_dir)?),
         None => None,
     };

@@ -42,7 +42,7 @@ pub struct BenchSpec {
     pub ca_file: Option<std::path::PathBuf>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Default, Serialize)]
 pub struct BenchReport {
     pub requests: usize,
     pub ok: usize,
@@ -63,6 +63,44 @@ pub struct BenchReport {
     pub reject_p99_ms: Option<f64>,
     pub reject_p999_ms: Option<f64>,
     pub first_error: Option<String>,
+}
+
+/// `bench`'s report for people (`--json` prints every field).
+pub fn render(r: &BenchReport) -> String {
+    let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
+    let mut out = format!(
+        "{} requests in {:.1} s: {} ok, {} failed, {} refused under load\n\
+         throughput    {:.1} req/s, {:.0} output tokens/s\n\
+         latency (ms)  p50 {:.1}  p99 {:.1}\n",
+        r.requests,
+        r.duration_s,
+        r.ok,
+        r.errors,
+        r.rejected,
+        r.req_per_s,
+        r.output_tokens_per_s,
+        r.latency_p50_ms,
+        r.latency_p99_ms,
+    );
+    if r.ttft_p50_ms.is_some() {
+        out += &format!(
+            "TTFT (ms)     p50 {}  p99 {}\nITL (ms)      p50 {}\n",
+            ms(r.ttft_p50_ms),
+            ms(r.ttft_p99_ms),
+            ms(r.itl_p50_ms)
+        );
+    }
+    if r.rejected > 0 {
+        out += &format!(
+            "refusal (ms)  p50 {}  p90 {}  p99 {}  p99.9 {}\n",
+            ms(r.reject_p50_ms),
+            ms(r.reject_p90_ms),
+            ms(r.reject_p99_ms),
+            ms(r.reject_p999_ms)
+        );
+    }
+    // A failure's first error ends the command's output (its exit message).
+    out
 }
 
 /// A load's outcome as an exit status: an error when any request failed
@@ -397,7 +435,32 @@ pub async fn run(spec: BenchSpec) -> anyhow::Result<BenchReport> {
 
 #[cfg(test)]
 mod tests {
-    use super::{check_url, outcome};
+    use super::{check_url, outcome, render, BenchReport};
+
+    #[test]
+    fn the_report_for_people_shows_what_was_measured() {
+        let mut r = BenchReport {
+            requests: 10,
+            ok: 8,
+            rejected: 2,
+            req_per_s: 5.0,
+            latency_p50_ms: 12.5,
+            latency_p99_ms: 40.0,
+            reject_p50_ms: Some(1.0),
+            ..Default::default()
+        };
+        let text = render(&r);
+        assert!(
+            text.starts_with("10 requests in 0.0 s: 8 ok, 0 failed, 2 refused under load"),
+            "{text}"
+        );
+        assert!(text.contains("p50 12.5  p99 40.0"), "{text}");
+        assert!(text.contains("refusal (ms)  p50 1.0"), "{text}");
+        // Streaming adds TTFT and ITL.
+        assert!(!text.contains("TTFT"), "{text}");
+        r.ttft_p50_ms = Some(3.0);
+        assert!(render(&r).contains("TTFT (ms)     p50 3.0"));
+    }
 
     #[test]
     fn any_failed_request_fails_the_run_and_refusals_do_not() {

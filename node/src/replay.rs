@@ -60,6 +60,32 @@ pub struct ReplayReport {
     pub first_error: Option<String>,
 }
 
+/// `replay`'s report for people (`--json` prints every field).
+pub fn render(r: &ReplayReport) -> String {
+    let ms = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
+    let out = format!(
+        "{} requests in {:.1} s: {} ok, {} failed ({:.2} req/s)\n\
+         cached prompt tokens  {} of {} ({:.1}%); the oracle {:.1}%, so {:.3} of it\n\
+         TTFT (ms)             p50 {}  p99 {}\n\
+         end to end (ms)       p50 {}\n",
+        r.requests,
+        r.duration_s,
+        r.ok,
+        r.errors,
+        r.req_per_s,
+        r.cached_tokens,
+        r.prompt_tokens,
+        r.cached_token_fraction * 100.0,
+        r.oracle_cached_fraction * 100.0,
+        r.cached_vs_oracle,
+        ms(r.ttft_p50_ms),
+        ms(r.ttft_p99_ms),
+        ms(r.e2e_p50_ms),
+    );
+    // A failure's first error ends the command's output (its exit message).
+    out
+}
+
 struct TraceRequest {
     at: Duration,
     prompt: Vec<u32>,

@@ -128,6 +128,9 @@ pub struct Credentials {
     /// Where they were read from (None: made in memory).
     pub dir: Option<PathBuf>,
     seeds: BTreeMap<Role, Seed>,
+    /// Seed files read that other users may read (group or other bits set):
+    /// each is warned about when read.
+    pub exposed: Vec<PathBuf>,
 }
 
 impl Credentials {
@@ -137,13 +140,19 @@ impl Credentials {
         for r in Role::ALL {
             seeds.insert(r, Seed::generate()?);
         }
-        Ok(Credentials { dir: None, seeds })
+        Ok(Credentials {
+            dir: None,
+            seeds,
+            exposed: Vec::new(),
+        })
     }
 
     /// Reads every `<role>.nk` in `dir` (at least one); other files are
     /// ignored.
     pub fn read(dir: &Path) -> Result<Credentials, AccessError> {
+        use std::os::unix::fs::PermissionsExt;
         let mut seeds = BTreeMap::new();
+        let mut exposed = Vec::new();
         for r in Role::ALL {
             let path = dir.join(format!("{r}.nk"));
             match std::fs::read_to_string(&path) {
@@ -153,6 +162,19 @@ impl Credentials {
                         reason,
                     })?;
                     seeds.insert(r, seed);
+                    // A warning, not a refusal: Kubernetes mounts a secret
+                    // 0644 unless told otherwise.
+                    let mode = std::fs::metadata(&path)
+                        .map(|m| m.permissions().mode())
+                        .unwrap_or(0);
+                    if mode & 0o077 != 0 {
+                        tracing::warn!(
+                            path = %path.display(),
+                            mode = format!("{:o}", mode & 0o777),
+                            "a NATS seed file other users may read: it is a secret (chmod 600 it)"
+                        );
+                        exposed.push(path);
+                    }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => {
@@ -175,6 +197,7 @@ impl Credentials {
         Ok(Credentials {
             dir: Some(dir.to_path_buf()),
             seeds,
+            exposed,
         })
     }
 
@@ -188,6 +211,7 @@ impl Credentials {
                 .filter(|(r, _)| roles.contains(r))
                 .map(|(r, s)| (*r, s.clone()))
                 .collect(),
+            exposed: self.exposed.clone(),
         }
     }
 
@@ -256,6 +280,15 @@ mod tests {
             .permissions()
             .mode();
         assert_eq!(mode & 0o777, 0o600);
+        assert!(back.exposed.is_empty());
+        // A seed file others may read is read, and named as exposed.
+        std::fs::set_permissions(
+            dir.path().join("node.nk"),
+            std::fs::Permissions::from_mode(0o644),
+        )
+        .unwrap();
+        let open = Credentials::read(dir.path()).unwrap();
+        assert_eq!(open.exposed, vec![dir.path().join("node.nk")]);
         // A seed never prints.
         let shown = format!("{back:?}");
         assert!(!shown.contains(all.seed(Role::Worker).unwrap().expose()));

@@ -69,6 +69,8 @@ enum PlannerCmd {
         target: String,
         #[command(flatten)]
         bus: Bus,
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -253,6 +255,8 @@ enum Cmd {
         replicas: u32,
         #[command(flatten)]
         bus: Bus,
+        #[arg(long)]
+        json: bool,
     },
     /// Write the Kubernetes manifests of a spec (`render k8s -f SPEC`):
     /// a Grove PodCliqueSet (one clique per service, a scaling group per
@@ -292,6 +296,8 @@ enum Cmd {
         name: String,
         #[command(flatten)]
         bus: Bus,
+        #[arg(long)]
+        json: bool,
     },
     /// Nodes, workers, models and load.
     Status {
@@ -320,6 +326,9 @@ enum Cmd {
         nats: Option<String>,
         #[arg(long, env = env::NAMESPACE, default_value = "default")]
         namespace: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Load-test an OpenAI-compatible endpoint.
     Bench {
@@ -401,13 +410,33 @@ enum Cmd {
 }
 
 /// Prints a load report; fails (non-zero exit) when no request succeeded.
+/// Prints `v` as JSON with `--json`, otherwise the sentence `human` makes.
+fn print_or(
+    v: &serde_json::Value,
+    json: bool,
+    human: impl FnOnce() -> String,
+) -> anyhow::Result<()> {
+    if json {
+        println!("{v}");
+    } else {
+        println!("{}", human());
+    }
+    Ok(())
+}
+
+/// A string field of a command's JSON answer ("?" if it has none).
+fn str_of<'a>(v: &'a serde_json::Value, key: &str) -> &'a str {
+    v[key].as_str().unwrap_or("?")
+}
+
 /// Prints a load's report, then fails (a non-zero exit) when any request
 /// failed, so a script or CI job sees it: every request, or `errors` of
 /// `requests` (requests refused under load, 429 or 503, are counted apart
 /// and are not failures).
-fn report(
-    r: &impl serde::Serialize,
+fn report<R: serde::Serialize>(
+    r: &R,
     json: bool,
+    human: fn(&R) -> String,
     counts: (usize, usize, usize),
     first_error: Option<&str>,
 ) -> anyhow::Result<()> {
@@ -415,7 +444,7 @@ fn report(
     if json {
         println!("{}", serde_json::to_string(r)?);
     } else {
-        println!("{}", serde_json::to_string_pretty(r)?);
+        print!("{}", human(r));
     }
     dynamo_node::bench::outcome(requests, ok, errors, first_error)
 }
@@ -676,26 +705,41 @@ fn main() {
                 Ok(())
             }
             Cmd::Planner {
-                cmd: PlannerCmd::Release { target, bus },
+                cmd: PlannerCmd::Release { target, bus, json },
             } => {
                 let (url, ns) = bus.resolve()?;
                 let v = tokio::time::timeout(limit, planner_cli::release(&url, ns, &target))
                     .await
                     .map_err(timed(url.clone()))??;
-                println!("{v}");
-                Ok(())
+                print_or(&v, json, || {
+                    format!(
+                        "{}/{} released: the planner sizes it again",
+                        str_of(&v, "deployment"),
+                        str_of(&v, "target")
+                    )
+                })
             }
             Cmd::Scale {
                 target,
                 replicas,
                 bus,
+                json,
             } => {
                 let (url, ns) = bus.resolve()?;
                 let v = tokio::time::timeout(limit, cluster::scale(&url, ns, &target, replicas))
                     .await
                     .map_err(timed(url.clone()))??;
-                println!("{v}");
-                Ok(())
+                print_or(&v, json, || {
+                    let (d, t) = (str_of(&v, "deployment"), str_of(&v, "target"));
+                    let what = if v["changed"].as_bool() == Some(true) {
+                        format!("scaled to {replicas} (generation {})", v["generation"])
+                    } else {
+                        format!("already at {replicas}")
+                    };
+                    format!(
+                        "{d}/{t} {what}; pinned: the planner leaves it until `dynamoctl planner release {d}/{t}`"
+                    )
+                })
             }
             Cmd::Render {
                 target: RenderTarget::K8s,
@@ -727,13 +771,19 @@ fn main() {
                 }
                 Ok(())
             }
-            Cmd::Delete { kind: _, name, bus } => {
+            Cmd::Delete {
+                kind: _,
+                name,
+                bus,
+                json,
+            } => {
                 let (url, ns) = bus.resolve()?;
                 let v = tokio::time::timeout(limit, cluster::delete(&url, ns, &name))
                     .await
                     .map_err(timed(url.clone()))??;
-                println!("{v}");
-                Ok(())
+                print_or(&v, json, || {
+                    format!("deployment {name} deleted: its replicas drain and stop")
+                })
             }
             Cmd::Status {
                 nats,
@@ -766,6 +816,7 @@ fn main() {
                 wait_secs,
                 nats,
                 namespace,
+                json,
             } => {
                 let ns = Namespace::new(&namespace)?;
                 let url = status::resolve_nats_url(nats, &ns)?;
@@ -775,8 +826,23 @@ fn main() {
                     wait: std::time::Duration::from_secs(wait_secs),
                 };
                 let v = drain::run(&url, ns, spec).await?;
-                println!("{v}");
-                Ok(())
+                print_or(&v, json, || {
+                    let id = str_of(&v, "worker_id");
+                    if resume {
+                        format!("worker {id} is {}: it takes requests again", str_of(&v, "state"))
+                    } else if v["drained"].as_bool() == Some(true) {
+                        format!(
+                            "worker {id} drained: no request in flight (waited {} ms); it takes no new ones until `dynamoctl drain {id} --resume`",
+                            v["waited_ms"]
+                        )
+                    } else {
+                        format!(
+                            "worker {id} is {}: {} request(s) still in flight (not waited for)",
+                            str_of(&v, "state"),
+                            v["inflight"]
+                        )
+                    }
+                })
             }
             Cmd::Bench {
                 url,
@@ -824,7 +890,8 @@ fn main() {
                     ca_file,
                 };
                 let r = bench::run(spec).await?;
-                report(&r, json, (r.requests, r.ok, r.errors), r.first_error.as_deref())
+                let counts = (r.requests, r.ok, r.errors);
+                report(&r, json, bench::render, counts, r.first_error.as_deref())
             }
             Cmd::Configure(spec) => {
                 print!("{}", configure::run(&spec)?);
@@ -861,7 +928,8 @@ fn main() {
                     token_scale,
                 };
                 let r = replay::run(spec).await?;
-                report(&r, json, (r.requests, r.ok, r.errors), r.first_error.as_deref())
+                let counts = (r.requests, r.ok, r.errors);
+                report(&r, json, replay::render, counts, r.first_error.as_deref())
             }
         }
     });
