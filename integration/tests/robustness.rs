@@ -405,6 +405,40 @@ async fn a_full_engine_answers_overloaded_and_the_router_avoids_it() {
     assert!(!node.log_text().contains("panicked"));
 }
 
+/// A batch of more prompts than every worker has places: the prompts a
+/// worker took free places as they end, and the rest wait for them (past
+/// the queue's 500 ms), so the batch is served whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_larger_than_every_engines_room_is_served_whole() {
+    let nats = Nats::start();
+    let port = free_port();
+    let mut node = Node::start(&two_small_engines(&nats, port, ""));
+    let http = Http::new(port);
+    http.wait_ready(2, &mut node).await;
+    // Eight prompts of about a second each; the two workers hold four.
+    let prompts: Vec<Vec<u32>> = (0..8u32).map(|i| vec![300 + i, 7, 8, 9]).collect();
+    let (status, _, json, _) = timed_post(
+        port,
+        json!({"model": MODEL, "prompt": prompts, "max_tokens": 150, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(status, 200, "{json}");
+    let choices = json["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 8, "{json}");
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i, "{json}");
+        assert_eq!(c["finish_reason"], "length", "{json}");
+    }
+    assert_eq!(json["usage"]["completion_tokens"], 8 * 150, "{json}");
+    assert!(http.metric("dynamo_gateway_room_waits_total").await >= 1);
+    assert_eq!(
+        http.metric("dynamo_gateway_rejected_requests_total{reason=\"workers_overloaded\"}")
+            .await,
+        0
+    );
+    assert!(!node.log_text().contains("panicked"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_past_every_engine_waits_for_room_instead_of_failing() {
     let nats = Nats::start();

@@ -6,7 +6,8 @@
 //! a worker that refuses as overloaded is reported to the router, which
 //! avoids it until it has a place again (or for a while); when every
 //! worker refused for room the request waits for room at most the
-//! admission queue's wait, among at most `max_queued` such waiters, then
+//! admission queue's wait (a later prompt of a batch whose earlier ones
+//! run: until its deadline), among at most `max_queued` such waiters, then
 //! gets 503 `workers_overloaded`; the deadline bounds every wait; a request routed
 //! to a worker whose model card differs from the one it was tokenized with
 //! is given back ([`DispatchError::CardChanged`]) so the caller tokenizes
@@ -43,6 +44,9 @@ pub struct Attempt {
     /// How long workers may hold token frames (a client that does not
     /// stream), sent as [`HEADER_FRAME_BATCH_MS`].
     pub frame_batch: Option<std::time::Duration>,
+    /// Waits for room until the deadline rather than the admission
+    /// queue's wait (a later prompt of a batch: [`crate::openai::ValidGenerate::patient`]).
+    pub patient: bool,
 }
 
 /// Why a request could not be dispatched.
@@ -115,6 +119,7 @@ async fn wait_for_room(
     model: &ModelName,
     waiting: &mut Waiting,
     deadline: Instant,
+    patient: bool,
 ) -> bool {
     let now = Instant::now();
     let since = match waiting {
@@ -128,7 +133,11 @@ async fn wait_for_room(
             now
         }
     };
-    let until = (since + shared.config.admission.max_queue_wait).min(deadline);
+    let until = if patient {
+        deadline
+    } else {
+        (since + shared.config.admission.max_queue_wait).min(deadline)
+    };
     if now >= until {
         return false;
     }
@@ -159,7 +168,7 @@ pub async fn dispatch(
     loop {
         match try_workers(shared, id, plan, &tokens, sampling, deadline, exclude).await {
             Err(DispatchError::Api(e)) if e.code == Some("workers_overloaded") => {
-                if !wait_for_room(shared, &plan.model, &mut waiting, deadline).await {
+                if !wait_for_room(shared, &plan.model, &mut waiting, deadline, plan.patient).await {
                     return Err(refused_overloaded(shared, e));
                 }
             }

@@ -152,6 +152,7 @@ impl Generation {
             card_digest,
             block_size: pre.card.block_size,
             frame_batch: v.frame_batch,
+            patient: v.patient,
         };
         let mut failed = Vec::new();
         let (decision, rx) = dispatch(

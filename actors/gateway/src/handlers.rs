@@ -245,6 +245,9 @@ async fn handle(
             // usage count long).
             v.frame_batch = (!opts.stream && v.stop.is_empty() && !s.config.frame_batch.is_zero())
                 .then_some(s.config.frame_batch);
+            // Prompts of this batch that a worker took free room as they
+            // end: a later one waits for it rather than failing the batch.
+            v.patient = !started.is_empty();
             // A copy to try again with only where requests may be held.
             let again = (!s.config.hold_for_workers.is_zero()).then(|| v.clone());
             let mut next = Some(v);

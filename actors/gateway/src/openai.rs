@@ -199,6 +199,10 @@ pub struct ValidGenerate {
     /// Workers may batch token frames this long (a client that does not
     /// stream; set by the gateway, not the body).
     pub frame_batch: Option<std::time::Duration>,
+    /// A later prompt of a batch whose earlier prompts a worker took: it
+    /// may wait for room until its deadline, not only the queue's wait,
+    /// since those prompts free room as they end (set by the gateway).
+    pub patient: bool,
 }
 
 /// Request-wide options after validation.
@@ -454,6 +458,7 @@ impl CommonParams {
             stop: stop_strings(&self.stop)?,
             routing: None,
             frame_batch: None,
+            patient: false,
         })
     }
 }
