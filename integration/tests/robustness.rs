@@ -405,6 +405,17 @@ async fn a_full_engine_answers_overloaded_and_the_router_avoids_it() {
     assert!(!node.log_text().contains("panicked"));
 }
 
+/// Requests waited for room, and none was refused for it.
+async fn waited_and_none_refused(http: &Http, node: &Node) {
+    assert!(http.metric("dynamo_gateway_room_waits_total").await >= 1);
+    assert_eq!(
+        http.metric("dynamo_gateway_rejected_requests_total{reason=\"workers_overloaded\"}")
+            .await,
+        0
+    );
+    assert!(!node.log_text().contains("panicked"));
+}
+
 /// A batch of more prompts than every worker has places: the prompts a
 /// worker took free places as they end, and the rest wait for them (past
 /// the queue's 500 ms), so the batch is served whole.
@@ -430,13 +441,7 @@ async fn a_batch_larger_than_every_engines_room_is_served_whole() {
         assert_eq!(c["finish_reason"], "length", "{json}");
     }
     assert_eq!(json["usage"]["completion_tokens"], 8 * 150, "{json}");
-    assert!(http.metric("dynamo_gateway_room_waits_total").await >= 1);
-    assert_eq!(
-        http.metric("dynamo_gateway_rejected_requests_total{reason=\"workers_overloaded\"}")
-            .await,
-        0
-    );
-    assert!(!node.log_text().contains("panicked"));
+    waited_and_none_refused(&http, &node).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -467,13 +472,7 @@ async fn a_burst_past_every_engine_waits_for_room_instead_of_failing() {
         assert_eq!(status, 200, "{json}");
         assert_eq!(json["usage"]["completion_tokens"], 150, "{json}");
     }
-    assert!(http.metric("dynamo_gateway_room_waits_total").await >= 1);
-    assert_eq!(
-        http.metric("dynamo_gateway_rejected_requests_total{reason=\"workers_overloaded\"}")
-            .await,
-        0
-    );
-    assert!(!node.log_text().contains("panicked"));
+    waited_and_none_refused(&http, &node).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,195 @@
+use super::*;
+
+const DISAGG: &str = r#"
+version: 1
+name: disagg
+services:
+  frontend:
+    role: frontend
+    gateway: {listen: "127.0.0.1:8000"}
+    router: {policy: kv_aware}
+  prefill:
+    role: prefill
+    replicas: 2
+    topology: {required: rack}
+    starts_after: [frontend]
+    worker: {engine: mocker}
+  decode:
+    role: decode
+    replicas: 2
+    worker: {engine: mocker}
+"#;
+
+fn err(text: &str) -> String {
+    DeploymentSpec::parse(text).unwrap_err().to_string()
+}
+
+#[test]
+fn a_key_given_twice_is_refused() {
+    let services = DISAGG.replace("  decode:\n", "  prefill:\n");
+    let e = err(&services);
+    assert!(e.contains("duplicate entry with key \"prefill\""), "{e}");
+    let fields = DISAGG.replace(
+        "    worker: {engine: mocker}\n  decode:",
+        "    worker: {engine: mocker, engine: cpu}\n  decode:",
+    );
+    let e = err(&fields);
+    assert!(e.contains("duplicate entry with key \"engine\""), "{e}");
+}
+
+#[test]
+fn a_disaggregated_spec_parses() {
+    let s = DeploymentSpec::parse(DISAGG).unwrap();
+    assert_eq!(s.services.len(), 3);
+    let p = s.service("prefill").unwrap();
+    assert_eq!((p.replicas, p.resources.slots), (2, 1));
+    assert_eq!(p.pack.required, Some(Level::Rack));
+    assert_eq!(s.service("frontend").unwrap().resources.slots, 0);
+    let (scopes, gangs) = s.gangs(&|_| true);
+    assert_eq!(scopes.len(), 1);
+    assert_eq!(scopes[0].key, "disagg/prefill");
+    assert_eq!(gangs.len(), 5);
+    assert!(gangs
+        .iter()
+        .any(|g| g.key == "disagg/prefill-1" && g.scopes == vec![0]));
+    // The round trip keeps the meaning.
+    let again = DeploymentSpec::parse(&s.to_yaml().unwrap()).unwrap();
+    assert_eq!(again, s);
+}
+
+#[test]
+fn a_planner_section_names_its_targets_and_fits_its_budget() {
+    let with = |p: &str| format!("{DISAGG}planner:\n{p}");
+    let s = DeploymentSpec::parse(&with(
+        "  slot_budget: 6\n  services: {prefill: {min: 1, max: 4}, decode: {min: 1, max: 4}}\n",
+    ))
+    .unwrap();
+    let p = s.planner.as_ref().unwrap();
+    assert_eq!(p.targets.len(), 2);
+    assert_eq!(s.target_slots("prefill"), Some(1));
+    let again = DeploymentSpec::parse(&s.to_yaml().unwrap()).unwrap();
+    assert_eq!(again, s);
+    assert!(err(&with("  services: {frontend: {max: 2}}\n")).contains("planner.services.frontend"));
+    assert!(err(&with("  services: {nope: {max: 2}}\n")).contains("planner.services.nope"));
+    assert!(err(&with(
+        "  slot_budget: 1\n  services: {prefill: {min: 1, max: 4}, decode: {min: 1, max: 4}}\n"
+    ))
+    .contains("planner.slot_budget"));
+}
+
+#[test]
+fn groups_make_gangs_of_their_members() {
+    let text = DISAGG.replace(
+            "  decode:\n",
+            "  pd2:\n    role: aggregated\n    worker: {engine: mocker}\n  decode:\n",
+        ) + "groups:\n  pd:\n    services: [decode, pd2]\n    replicas: 3\n    topology: {required: host}\n";
+    let s = DeploymentSpec::parse(&text).unwrap();
+    let (_, gangs) = s.gangs(&|_| true);
+    let pd: Vec<&Gang> = gangs
+        .iter()
+        .filter(|g| g.key.starts_with("disagg/pd-"))
+        .collect();
+    assert_eq!(pd.len(), 3);
+    assert_eq!(pd[0].members.len(), 3);
+    assert_eq!(pd[0].pack.required, Some(Level::Host));
+    assert!(pd[0]
+        .members
+        .iter()
+        .any(|m| m.key == "disagg/pd-0.decode-1"));
+    let mut s2 = s.clone();
+    assert!(s2
+        .scale("decode", 4)
+        .unwrap_err()
+        .to_string()
+        .contains("scale deployment/pd"));
+    s2.scale("pd", 1).unwrap();
+    // frontend, two prefill replicas and one group replica.
+    assert_eq!(s2.gangs(&|_| true).1.len(), 4);
+    assert!(s2
+        .scale("nope", 1)
+        .unwrap_err()
+        .to_string()
+        .contains("no service or group"));
+}
+
+#[test]
+fn errors_name_the_field() {
+    assert!(
+        err(&DISAGG.replace("replicas: 2\n    topology", "replcas: 2\n    topology"))
+            .contains("replcas")
+    );
+    assert!(err(&DISAGG.replace("version: 1", "version: 2")).contains("`version`"));
+    assert!(err(&DISAGG.replace("name: disagg", "name: Dis_agg")).contains("`name`"));
+    assert!(
+        err(&DISAGG.replace("starts_after: [frontend]", "starts_after: [nobody]"))
+            .contains("services.prefill.starts_after")
+    );
+    assert!(err(&DISAGG.replace(
+        "worker: {engine: mocker}\n  decode",
+        "worker: {role: x, engine: mocker}\n  decode"
+    ))
+    .contains("services.prefill.worker.role"));
+    assert!(err(&DISAGG.replace(
+        "    replicas: 2\n    worker",
+        "    replicas: 2\n    resources: {slots: 65}\n    worker"
+    ))
+    .contains("services.decode.resources.slots"));
+    assert!(err(&DISAGG.replace(
+        "router: {policy: kv_aware}",
+        "router: {policy: kv_aware}\n    worker: {engine: cpu}"
+    ))
+    .contains("services.frontend.worker"));
+    assert!(
+        err(&DISAGG.replace("    worker: {engine: mocker}\n  decode", "  decode"))
+            .contains("services.prefill.worker")
+    );
+    assert!(err(&DISAGG.replace("role: decode", "role: decoder")).contains("decoder"));
+}
+
+#[test]
+fn a_child_only_narrows_its_parent() {
+    let text = DISAGG.replace(
+        "name: disagg\n",
+        "name: disagg\ntopology: {required: rack}\n",
+    );
+    assert!(DeploymentSpec::parse(&text).is_ok());
+    let wider = text.replace(
+        "topology: {required: rack}\n    starts",
+        "topology: {required: zone}\n    starts",
+    );
+    let e = err(&wider);
+    assert!(
+        e.contains("services.prefill.topology.required") && e.contains("narrow"),
+        "{e}"
+    );
+    let e = err(&DISAGG.replace("{required: rack}", "{required: rack, preferred: zone}"));
+    assert!(e.contains("services.prefill.topology.preferred"), "{e}");
+    let grouped = DISAGG.to_string()
+        + "groups:\n  pd:\n    services: [prefill, decode]\n    topology: {required: host}\n";
+    let e = err(&grouped);
+    assert!(
+        e.contains("services.prefill.topology.required") && e.contains("group pd"),
+        "{e}"
+    );
+}
+
+#[test]
+fn start_order_cycles_are_refused() {
+    let text = DISAGG.replace(
+        "role: frontend\n",
+        "role: frontend\n    starts_after: [prefill]\n",
+    );
+    assert!(err(&text).contains("cycle"));
+}
+
+#[test]
+fn group_membership_is_checked() {
+    let twice = DISAGG.to_string()
+        + "groups:\n  a:\n    services: [decode]\n  b:\n    services: [decode]\n";
+    assert!(err(&twice).contains("groups.b.services"));
+    let missing = DISAGG.to_string() + "groups:\n  a:\n    services: [nope]\n";
+    assert!(err(&missing).contains("groups.a.services"));
+    let floor = DISAGG.to_string()
+        + "groups:\n  a:\n    services: [decode]\n    replicas: 1\n    min_available: 2\n";
+    assert!(err(&floor).contains("groups.a.min_available"));
+}
