@@ -20,11 +20,8 @@ const MAX_DIMS: u32 = 8;
 
 #[derive(Debug, Error)]
 pub enum GgufError {
-    #[error("cannot read {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error("cannot read {path}: {cause}")]
+    Io { path: String, cause: std::io::Error },
     #[error("{path} is not a GGUF file (magic {magic:?})")]
     BadMagic { path: String, magic: [u8; 4] },
     #[error("{path}: GGUF version {version} is not supported (2 and 3 are)")]
@@ -102,7 +99,7 @@ impl GgufMetadata {
         let p = path.display().to_string();
         let file = std::fs::File::open(path).map_err(|source| GgufError::Io {
             path: p.clone(),
-            source,
+            cause: source,
         })?;
         Self::read(&mut BufReader::with_capacity(1 << 20, file), &p)
     }
@@ -199,7 +196,7 @@ impl<R: Read> Reader<'_, R> {
     fn fill(&mut self, buf: &mut [u8]) -> Result<(), GgufError> {
         self.r.read_exact(buf).map_err(|source| GgufError::Io {
             path: self.path.into(),
-            source,
+            cause: source,
         })?;
         self.pos += buf.len() as u64;
         Ok(())

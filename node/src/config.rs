@@ -20,11 +20,8 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum ConfigError {
-    #[error("cannot read config {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error("cannot read config {path}: {cause}")]
+    Read { path: String, cause: std::io::Error },
     #[error("config {path}: {message}")]
     Parse { path: String, message: String },
     #[error("config key `{key}`: {message}")]
@@ -408,7 +405,7 @@ impl NodeConfig {
     pub fn load_with(path: &Path, edit: impl FnOnce(&mut RawConfig)) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.display().to_string(),
-            source,
+            cause: source,
         })?;
         let mut raw: RawConfig = toml::from_str(&text).map_err(|e| ConfigError::Parse {
             path: path.display().to_string(),

@@ -13,11 +13,8 @@ use std::path::Path;
 /// Reading a file for its manifest failed.
 #[derive(Debug, thiserror::Error)]
 pub enum FileError {
-    #[error("reading {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error("reading {path}: {cause}")]
+    Io { path: String, cause: std::io::Error },
     #[error(transparent)]
     Manifest(#[from] ManifestError),
 }
@@ -36,7 +33,7 @@ pub fn chunk_ok(m: &Manifest, i: usize, bytes: &[u8]) -> bool {
 pub fn of_file(path: &Path, model: &str, layout: &str) -> Result<Manifest, FileError> {
     let io = |source| FileError::Io {
         path: path.display().to_string(),
-        source,
+        cause: source,
     };
     let mut f = std::fs::File::open(path).map_err(io)?;
     let size = f.metadata().map_err(io)?.len();
@@ -79,7 +76,7 @@ pub fn of_file(path: &Path, model: &str, layout: &str) -> Result<Manifest, FileE
         read?;
         whole.map_err(|_| FileError::Io {
             path: path.display().to_string(),
-            source: std::io::Error::other("the hashing thread failed"),
+            cause: std::io::Error::other("the hashing thread failed"),
         })
     })?;
     let m = Manifest {
@@ -165,7 +162,7 @@ pub fn remember(dir: &Path, path: &Path, m: &Manifest) -> Result<(), FileError> 
     if len != m.size {
         return Err(FileError::Io {
             path: path.display().to_string(),
-            source: std::io::Error::other(format!("holds {len} bytes, not {}", m.size)),
+            cause: std::io::Error::other(format!("holds {len} bytes, not {}", m.size)),
         });
     }
     keep(&file, m);
@@ -182,7 +179,7 @@ fn cache_entry(
 ) -> Result<(std::path::PathBuf, u64), FileError> {
     let meta = std::fs::metadata(path).map_err(|source| FileError::Io {
         path: path.display().to_string(),
-        source,
+        cause: source,
     })?;
     cache_entry_for(dir, path, &meta, model, layout)
 }
@@ -197,7 +194,7 @@ fn cache_entry_for(
 ) -> Result<(std::path::PathBuf, u64), FileError> {
     let io = |source| FileError::Io {
         path: path.display().to_string(),
-        source,
+        cause: source,
     };
     let mtime = meta
         .modified()

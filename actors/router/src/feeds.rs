@@ -216,7 +216,7 @@ pub async fn snapshots(
                 decode_assembled::<ActiveLoadSnapshot>(&b).map_err(|source| {
                     dynamo_runtime::BusError::Decode {
                         subject: bus.subjects.router_snapshot(),
-                        source,
+                        cause: source,
                     }
                 })
             });

@@ -247,7 +247,7 @@ impl Credentials {
             .create(dir)
             .map_err(|source| TlsError::Write {
                 path: dir.display().to_string(),
-                source,
+                cause: source,
             })?;
         for (r, s) in &self.seeds {
             write_file(&dir.join(format!("{r}.nk")), s.expose(), true)?;

@@ -58,11 +58,8 @@ pub enum BusError {
     Timeout { subject: String, timeout: Duration },
     #[error("request to {subject} failed: {reason}")]
     Request { subject: String, reason: String },
-    #[error("reply from {subject} could not be decoded: {source}")]
-    Decode {
-        subject: String,
-        source: DecodeError,
-    },
+    #[error("reply from {subject} could not be decoded: {cause}")]
+    Decode { subject: String, cause: DecodeError },
     #[error("{subject} answered with an error: {error}")]
     Remote { subject: String, error: WireError },
     #[error("JetStream bucket {bucket}: {reason}")]
@@ -71,8 +68,8 @@ pub enum BusError {
     Encode(String),
     #[error("{name} of {len} bytes is larger than one bus message may be ({MAX_MESSAGE} bytes)")]
     TooLarge { name: &'static str, len: usize },
-    #[error("reply from {subject} came in bad pieces: {source}")]
-    Pieces { subject: String, source: ChunkError },
+    #[error("reply from {subject} came in bad pieces: {cause}")]
+    Pieces { subject: String, cause: ChunkError },
 }
 
 /// Registry buckets (workers, nodes) drop a record this long after its last
@@ -261,7 +258,10 @@ impl Bus {
         timeout: Duration,
     ) -> Result<R, BusError> {
         let payload = self.request_bytes(subject.clone(), msg, timeout).await?;
-        decode(&payload).map_err(|source| BusError::Decode { subject, source })
+        decode(&payload).map_err(|source| BusError::Decode {
+            subject,
+            cause: source,
+        })
     }
 
     /// Request/reply whose answer may be one of several kinds: the raw
@@ -287,7 +287,10 @@ impl Bus {
         let payload = self
             .request_bytes_with(subject.clone(), msg, headers, timeout)
             .await?;
-        decode(&payload).map_err(|source| BusError::Decode { subject, source })
+        decode(&payload).map_err(|source| BusError::Decode {
+            subject,
+            cause: source,
+        })
     }
 
     async fn request_bytes_with<T: WireMessage>(
@@ -330,7 +333,7 @@ impl Bus {
                 let err: ErrorReply =
                     decode(&reply.payload).map_err(|source| BusError::Decode {
                         subject: subject.clone(),
-                        source,
+                        cause: source,
                     })?;
                 Err(BusError::Remote {
                     subject,
@@ -384,12 +387,17 @@ impl Bus {
                     let piece: ChunkedReply =
                         decode_payload(p).map_err(|source| BusError::Decode {
                             subject: subject.clone(),
-                            source,
+                            cause: source,
                         })?;
                     match pieces.push(piece) {
                         Ok(Some(whole)) => whole,
                         Ok(None) => continue,
-                        Err(source) => return Err(BusError::Pieces { subject, source }),
+                        Err(source) => {
+                            return Err(BusError::Pieces {
+                                subject,
+                                cause: source,
+                            })
+                        }
                     }
                 }
                 _ => m.payload.to_vec(),
@@ -399,7 +407,7 @@ impl Bus {
                     let e: ErrorReply =
                         decode_assembled(&whole).map_err(|source| BusError::Decode {
                             subject: subject.clone(),
-                            source,
+                            cause: source,
                         })?;
                     Err(BusError::Remote {
                         subject,

@@ -29,11 +29,8 @@ pub enum TlsError {
     },
     #[error("cannot generate TLS certificates: {0}")]
     Generate(String),
-    #[error("cannot write {path}: {source}")]
-    Write {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error("cannot write {path}: {cause}")]
+    Write { path: String, cause: std::io::Error },
 }
 
 /// Reads every certificate of a PEM file (at least one).
@@ -173,7 +170,7 @@ pub fn write_file(path: &Path, text: &str, secret: bool) -> Result<(), TlsError>
     use std::os::unix::fs::OpenOptionsExt;
     let werr = |source| TlsError::Write {
         path: path.display().to_string(),
-        source,
+        cause: source,
     };
     let mut opts = std::fs::OpenOptions::new();
     opts.write(true).create(true).truncate(true);

@@ -18,11 +18,8 @@ use thiserror::Error;
 pub enum LoadError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
-    #[error("cannot read tensor data of {path}: {source}")]
-    Io {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error("cannot read tensor data of {path}: {cause}")]
+    Io { path: String, cause: std::io::Error },
     #[error("architecture {0:?} is not supported (llama is)")]
     Architecture(String),
     #[error("metadata key {0} is missing or not a number")]
@@ -113,7 +110,7 @@ impl Weights {
         let p = path.display().to_string();
         let io = |source| LoadError::Io {
             path: p.clone(),
-            source,
+            cause: source,
         };
         let mut f = std::fs::File::open(path).map_err(io)?;
         let len = f.metadata().map_err(io)?.len();
@@ -135,7 +132,7 @@ impl Weights {
             .map(|o| bytes.slice(o..))
             .ok_or_else(|| LoadError::Io {
                 path: name.to_string(),
-                source: std::io::Error::new(
+                cause: std::io::Error::new(
                     std::io::ErrorKind::UnexpectedEof,
                     format!(
                         "tensor data starts at {} but the file has {} bytes",

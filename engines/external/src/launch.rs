@@ -29,10 +29,10 @@ const MAX_LOG_LINE: usize = 4096;
 pub enum LaunchError {
     #[error("no free port: {0}")]
     Port(std::io::Error),
-    #[error("cannot start {program:?}: {source}")]
+    #[error("cannot start {program:?}: {cause}")]
     Spawn {
         program: String,
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     #[error("`{{model_path}}` is used but the worker has no model file")]
     NoModelPath,
@@ -208,7 +208,7 @@ pub fn launch(
     }
     let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
         program: args[0].clone(),
-        source,
+        cause: source,
     })?;
     tracing::info!(worker, pid = child.id(), command = ?args, "engine process started");
     let tail = Tail::default();

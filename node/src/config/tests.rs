@@ -412,3 +412,20 @@ fn a_wrong_value_in_a_spec_names_its_field() {
         assert!(e.contains("invalid"), "{yaml}: {e}");
     }
 }
+
+/// A config that cannot be read names its path and the cause, once: the
+/// cause is in the message, not also a source that `{:#}` would print again.
+#[test]
+fn a_missing_config_names_its_cause_once() {
+    let e = NodeConfig::load(std::path::Path::new("/nonexistent/node.toml")).unwrap_err();
+    let chain = format!("{:#}", anyhow::Error::from(e));
+    assert!(
+        chain.starts_with("cannot read config /nonexistent/node.toml: "),
+        "{chain}"
+    );
+    assert_eq!(
+        chain.matches("No such file or directory").count(),
+        1,
+        "{chain}"
+    );
+}
