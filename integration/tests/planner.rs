@@ -345,6 +345,26 @@ async fn an_idle_service_goes_to_zero_the_next_request_succeeds_and_a_manual_sca
         "releasing an unpinned service is an error"
     );
     assert!(String::from_utf8_lossy(&out.stderr).contains("not pinned"));
+    // An apply says the replicas anew, and a pin follows it (the spec has
+    // one replica of agg)…
+    assert_success(&c.ctl(&["scale", "plan/agg", "2"]));
+    let file = c.write("plan.yaml", &spec);
+    assert_success(&c.ctl(&["apply", "-f", &file]));
+    let pins = planner_status(&c.nats.url, "plan")["pins"].clone();
+    assert_eq!(pins.as_array().map(Vec::len), Some(1), "one pin: {pins}");
+    assert_eq!(pins[0]["target"], "agg", "{pins}");
+    assert_eq!(pins[0]["replicas"], 1, "{pins}");
+    // …and a delete takes the pins and the planner's memory with it: the
+    // deployment applied again under its name starts afresh.
+    assert_success(&c.ctl(&["delete", "deployment", "plan"]));
+    let keys = |bucket: &str| -> Vec<Value> {
+        let out = c.ctl(&["buckets", "get", bucket, "--json"]);
+        assert_success(&out);
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["keys"].as_array().cloned().unwrap_or_default()
+    };
+    assert_eq!(keys("pins"), Vec::<Value>::new());
+    assert!(!keys("planner").contains(&json!("status.plan")));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

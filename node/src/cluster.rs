@@ -17,20 +17,69 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-/// Reads and checks a spec file (no bus needed).
+/// Largest spec file read (a deployment record must fit one bus message).
+pub const MAX_SPEC_BYTES: u64 = 256 * 1024;
+
+/// Reads and checks a spec file, or standard input for `-` (no bus needed).
 pub fn load_spec(path: &Path) -> anyhow::Result<DeploymentSpec> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+    // `-`: the spec comes on standard input (bounded: a spec is small).
+    let text = if path == Path::new("-") {
+        use std::io::Read;
+        let mut text = String::new();
+        std::io::stdin()
+            .take(MAX_SPEC_BYTES + 1)
+            .read_to_string(&mut text)
+            .map_err(|e| anyhow::anyhow!("cannot read the spec from standard input: {e}"))?;
+        text
+    } else {
+        std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?
+    };
+    anyhow::ensure!(
+        text.len() as u64 <= MAX_SPEC_BYTES,
+        "{}: a spec is at most {MAX_SPEC_BYTES} bytes",
+        path.display()
+    );
     let spec =
         DeploymentSpec::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     check_spec_settings(&spec).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    check_planner_bounds(&spec).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     Ok(spec)
+}
+
+/// A planner target's replicas in a spec being applied are within the
+/// planner's bounds: outside them the planner would change them at once.
+/// (Checked where a spec is applied, not on stored specs: a manual scale
+/// may take a pinned target past them.)
+fn check_planner_bounds(spec: &DeploymentSpec) -> anyhow::Result<()> {
+    let Some(p) = &spec.planner else {
+        return Ok(());
+    };
+    for (t, l) in &p.targets {
+        let Some(r) = spec.target_replicas(t) else {
+            continue;
+        };
+        if r < l.min || r > l.max {
+            let kind = if spec.group(t).is_some() {
+                "groups"
+            } else {
+                "services"
+            };
+            anyhow::bail!(
+                "deployment spec field `{kind}.{t}.replicas`: {r} is outside the planner's {}-{} (planner.services.{t}), so the planner would change it at once",
+                l.min,
+                l.max
+            );
+        }
+    }
+    Ok(())
 }
 
 struct Store {
     deployments: async_nats::jetstream::kv::Store,
     status: async_nats::jetstream::kv::Store,
     pins: async_nats::jetstream::kv::Store,
+    planner: async_nats::jetstream::kv::Store,
 }
 
 /// The namespace's desired state; `existing`: only where the namespace
@@ -46,6 +95,7 @@ async fn open(url: &str, ns: Namespace, existing: bool) -> anyhow::Result<Store>
         deployments: bus.kv_bucket_durable(&s.deployments_bucket()).await?,
         status: bus.kv_bucket_durable(&s.deploy_status_bucket()).await?,
         pins: bus.kv_bucket_durable(&s.pins_bucket()).await?,
+        planner: bus.kv_bucket_durable(&s.planner_bucket()).await?,
     })
 }
 
@@ -67,10 +117,50 @@ pub async fn apply(url: &str, ns: Namespace, path: &Path) -> anyhow::Result<Valu
             );
         }
         if let Ok(generation) = write(&store.deployments, &spec, prev).await {
+            repin(&store, &spec).await?;
             return Ok(json!({"deployment": spec.name, "generation": generation, "changed": true}));
         }
     }
     anyhow::bail!("deployment {} kept changing under us; try again", spec.name)
+}
+
+/// The pins of deployment `name`, by key.
+async fn pins_of(store: &Store, name: &str) -> anyhow::Result<BTreeMap<String, PlannerPin>> {
+    let all: BTreeMap<String, PlannerPin> = dynamo_controller::read_all(&store.pins)
+        .await
+        .map_err(|e| anyhow::anyhow!("reading the pins: {e}"))?;
+    Ok(all
+        .into_iter()
+        .filter(|(_, p)| p.deployment == name)
+        .collect())
+}
+
+/// After an apply, the deployment's pins say what the applied spec asks
+/// (the operator's latest word on replicas); a pin of a target the spec no
+/// longer has goes. Pinned targets stay pinned.
+async fn repin(store: &Store, spec: &DeploymentSpec) -> anyhow::Result<()> {
+    for (key, mut pin) in pins_of(store, &spec.name).await? {
+        match spec.target_replicas(&pin.target) {
+            Some(r) if r == pin.replicas => {}
+            Some(r) => {
+                pin.replicas = r;
+                pin.unix_ms = unix_ms();
+                store
+                    .pins
+                    .put(key.clone(), encode(&pin)?.into())
+                    .await
+                    .map_err(|e| anyhow::anyhow!("updating pin {key}: {e}"))?;
+            }
+            None => {
+                store
+                    .pins
+                    .purge(&key)
+                    .await
+                    .map_err(|e| anyhow::anyhow!("removing pin {key}: {e}"))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Splits `NAME/SERVICE` (or `deployment/NAME/SERVICE`).
@@ -80,9 +170,7 @@ pub fn parse_target(target: &str) -> anyhow::Result<(String, String)> {
         Some((d, s)) if !d.is_empty() && !s.is_empty() && !s.contains('/') => {
             Ok((d.to_string(), s.to_string()))
         }
-        _ => anyhow::bail!(
-            "{target:?}: name what to scale as DEPLOYMENT/SERVICE (or DEPLOYMENT/GROUP)"
-        ),
+        _ => anyhow::bail!("{target:?}: name it as DEPLOYMENT/SERVICE (or DEPLOYMENT/GROUP)"),
     }
 }
 
@@ -150,8 +238,22 @@ pub async fn scale(url: &str, ns: Namespace, target: &str, replicas: u32) -> any
             return Err(e.into());
         }
     };
+    // Whether a planner would size it otherwise (what the pin holds off).
+    let planner = record(&store.deployments, &name)
+        .await?
+        .and_then(|(r, _)| DeploymentSpec::parse(&r.spec_yaml).ok())
+        .is_some_and(|s| s.planner.is_some_and(|p| p.targets.contains_key(&service)));
+    // How long since a controller last reported on it (None: never).
+    let status_age_ms = match store.status.entry(&name).await {
+        Ok(Some(e)) if e.operation == async_nats::jetstream::kv::Operation::Put => {
+            dynamo_bus_schema::decode::<DeploymentStatus>(&e.value)
+                .ok()
+                .map(|s| unix_ms().saturating_sub(s.updated_unix_ms))
+        }
+        _ => None,
+    };
     Ok(
-        json!({"deployment": name, "target": service, "replicas": replicas, "generation": generation, "changed": changed, "pinned": pinned}),
+        json!({"deployment": name, "target": service, "replicas": replicas, "generation": generation, "changed": changed, "pinned": pinned, "planner": planner, "status_age_ms": status_age_ms}),
     )
 }
 
@@ -162,6 +264,20 @@ pub async fn delete(url: &str, ns: Namespace, name: &str) -> anyhow::Result<Valu
         anyhow::bail!("no deployment {name:?} (see dynamoctl get deployments)");
     }
     store.deployments.delete(name).await?;
+    // What was said about it goes with it: a deployment applied later
+    // under this name starts with no pins and a planner with no memory.
+    for key in pins_of(&store, name).await?.into_keys() {
+        store
+            .pins
+            .purge(&key)
+            .await
+            .map_err(|e| anyhow::anyhow!("removing pin {key}: {e}"))?;
+    }
+    store
+        .planner
+        .purge(format!("status.{name}"))
+        .await
+        .map_err(|e| anyhow::anyhow!("removing the planner's status of {name}: {e}"))?;
     Ok(json!({"deployment": name, "deleted": true}))
 }
 
@@ -223,6 +339,19 @@ pub async fn describe(url: &str, ns: Namespace, name: &str) -> anyhow::Result<Va
     Ok(status_json(&rec, st.get(name)))
 }
 
+/// A status older than this says no controller is running: a live one
+/// refreshes every deployment's status at least every 5 s.
+pub const STALE_STATUS_MS: u64 = 15_000;
+
+/// How long since the controller last reported on the deployment `d`
+/// (status JSON), when that is long enough to mean none is running.
+fn stale_for(d: &Value) -> Option<f64> {
+    d["status_age_ms"]
+        .as_u64()
+        .filter(|a| *a > STALE_STATUS_MS)
+        .map(|a| a as f64 / 1000.0)
+}
+
 /// `get deployments` as a table.
 pub fn render_list(v: &Value) -> String {
     let mut out = format!(
@@ -238,7 +367,9 @@ pub fn render_list(v: &Value) -> String {
                 .map(|s| s[k].as_u64().unwrap_or(0))
                 .sum()
         };
-        let state = if d["ready"].as_bool() == Some(true) {
+        let state = if let Some(s) = stale_for(d) {
+            format!("unknown: no controller has reported for {s:.0} s")
+        } else if d["ready"].as_bool() == Some(true) {
             "ready".to_string()
         } else if d["observed_generation"].is_null() {
             "waiting for a controller".to_string()
@@ -266,6 +397,11 @@ pub fn render_describe(d: &Value) -> String {
         d["observed_generation"],
         d["controller"].as_str().unwrap_or("none yet"),
     );
+    if let Some(s) = stale_for(d) {
+        out.push_str(&format!(
+            "STALE: no controller has reported for {s:.0} s (is one running?); what follows is its last report\n\n"
+        ));
+    }
     out.push_str(&format!(
         "{:<16} {:<11} {:>7} {:>6} {:>5}\n",
         "SERVICE", "ROLE", "DESIRED", "PLACED", "READY"
@@ -332,6 +468,24 @@ pub async fn wait_ready(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn replicas_outside_the_planners_bounds_are_refused_at_apply() {
+        let spec = |replicas: u32| {
+            dynamo_cluster_config::spec::DeploymentSpec::parse(&format!(
+                "version: 1\nname: d\nservices:\n  w: {{role: aggregated, replicas: {replicas}, worker: {{engine: mocker}}}}\nplanner:\n  services: {{w: {{min: 1, max: 2}}}}\n"
+            ))
+            .unwrap()
+        };
+        assert!(super::check_planner_bounds(&spec(2)).is_ok());
+        let e = super::check_planner_bounds(&spec(3))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`services.w.replicas`: 3 is outside the planner's 1-2"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn example_specs_are_valid() {

@@ -305,7 +305,16 @@ pub fn parse_labels(text: &str) -> Result<Vec<(String, String)>, ConfigError> {
                 .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
     };
     let mut out: Vec<(String, String)> = Vec::new();
-    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+    if text.trim().is_empty() {
+        return Ok(out);
+    }
+    for part in text.split(',').map(str::trim) {
+        if part.is_empty() {
+            return Err(invalid(
+                "--labels",
+                format!("{text:?} has an empty entry (a comma too many?)"),
+            ));
+        }
         let (k, v) = part
             .split_once('=')
             .ok_or_else(|| invalid("--labels", format!("{part:?} is not key=value")))?;

@@ -11,6 +11,18 @@ pub fn new_key(
     tokens_per_minute: Option<u64>,
 ) -> anyhow::Result<(String, String)> {
     use rand::Rng;
+    anyhow::ensure!(
+        dynamo_gateway::auth::valid_key_name(name),
+        "--name {name:?}: a key's name is 1-64 characters of [A-Za-z0-9_.-]"
+    );
+    anyhow::ensure!(
+        requests_per_minute != Some(0),
+        "--requests-per-minute must be at least 1 (leave it out for no limit)"
+    );
+    anyhow::ensure!(
+        tokens_per_minute != Some(0),
+        "--tokens-per-minute must be at least 1 (leave it out for no limit)"
+    );
     for m in models {
         anyhow::ensure!(
             !m.trim().is_empty() && m.len() <= 256 && !m.chars().any(char::is_control),
@@ -53,8 +65,11 @@ mod tests {
         assert_eq!(keys[0].sha256, hash_key(&key));
         assert_eq!(keys[0].models.as_deref(), Some(&["m".to_string()][..]));
         assert_eq!(keys[0].requests_per_minute, Some(60));
+        let e = new_key("", &[], None, None).unwrap_err().to_string();
+        assert!(e.starts_with("--name \"\": "), "{e}");
         assert!(new_key("two words", &[], None, None).is_err());
-        assert!(new_key("a", &[], Some(0), None).is_err());
+        let e = new_key("a", &[], Some(0), None).unwrap_err().to_string();
+        assert!(e.starts_with("--requests-per-minute"), "{e}");
         for bad in ["", " ", "a\nb"] {
             assert!(new_key("a", &[bad.into()], None, None).is_err(), "{bad:?}");
         }

@@ -89,13 +89,24 @@ pub async fn status(url: &str, ns: Namespace, name: Option<&str>) -> anyhow::Res
 pub async fn release(url: &str, ns: Namespace, target: &str) -> anyhow::Result<Value> {
     let (dep, svc) = crate::cluster::parse_target(target)?;
     let store = open(url, ns).await?;
+    let spec = match store.deployments.entry(&dep).await? {
+        Some(e) if e.operation == async_nats::jetstream::kv::Operation::Put => {
+            let rec: DeploymentRecord = decode(&e.value)?;
+            dynamo_cluster_config::spec::DeploymentSpec::parse(&rec.spec_yaml)?
+        }
+        _ => anyhow::bail!("no deployment {dep:?} (see dynamoctl get deployments)"),
+    };
+    if spec.target_replicas(&svc).is_none() {
+        anyhow::bail!("deployment {dep} has no service or group {svc:?}");
+    }
     let key = format!("{dep}.{svc}");
     match store.pins.entry(&key).await? {
         Some(e) if e.operation == async_nats::jetstream::kv::Operation::Put => {}
         _ => anyhow::bail!("{dep}/{svc} is not pinned (a manual `dynamoctl scale` pins it)"),
     }
     store.pins.delete(&key).await?;
-    Ok(json!({"deployment": dep, "target": svc, "released": true}))
+    let planner = spec.planner.is_some_and(|p| p.targets.contains_key(&svc));
+    Ok(json!({"deployment": dep, "target": svc, "released": true, "planner": planner}))
 }
 
 /// The text form of `planner status`.

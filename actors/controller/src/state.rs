@@ -9,7 +9,8 @@
 //! - a node whose heartbeat is older than the node TTL, or that is not
 //!   healthy, is not schedulable: its members are placed again, gangs whole;
 //! - a service whose `starts_after` services are not yet available (ready
-//!   below their `min_available`) is not placed, unless it already runs;
+//!   below their `min_available`) is not placed, unless it already runs; a
+//!   service scaled to zero is not waited for;
 //! - at most one frontend replica per node (it owns the node's HTTP port
 //!   and the router's name);
 //! - statuses keep the newest [`MAX_EVENTS`] events.
@@ -210,7 +211,12 @@ impl ControllerState {
                     continue;
                 }
                 for a in &s.starts_after {
-                    let need = spec.service(a).map(|x| x.min_available).unwrap_or(0);
+                    // A service scaled to zero is nothing to wait for (as
+                    // when it is scaled to zero after its dependents start).
+                    let Some(dep) = spec.service(a).filter(|x| x.replicas > 0) else {
+                        continue;
+                    };
+                    let need = dep.min_available;
                     let have = ready_of(a);
                     if have < need.max(1) {
                         blocked.insert(
@@ -382,12 +388,29 @@ impl ControllerState {
         for p in &placed.pending {
             pending_now.insert(p.gang.clone(), p.reason.clone());
         }
+        // One event per deployment and reason, however many replicas.
+        let mut newly: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
         for (gang, reason) in &pending_now {
             if self.pending.get(gang) != Some(reason) {
                 let dep = gang.split('/').next().unwrap_or_default().to_string();
                 let short = gang.split_once('/').map(|x| x.1).unwrap_or(gang);
-                self.event(&dep, now, format!("replica {short} pending: {reason}"));
+                newly
+                    .entry((dep, reason.clone()))
+                    .or_default()
+                    .push(short.to_string());
             }
+        }
+        for ((dep, reason), gangs) in newly {
+            let what = if gangs.len() == 1 {
+                "replica"
+            } else {
+                "replicas"
+            };
+            self.event(
+                &dep,
+                now,
+                format!("{what} {} pending: {reason}", listed(&gangs)),
+            );
         }
         self.pending = pending_now.clone();
         // Statuses.
@@ -408,6 +431,8 @@ impl ControllerState {
                     placements: Vec::new(),
                 };
                 let mut reasons = BTreeSet::new();
+                // Replicas by why they are not placed or not ready, in order.
+                let mut why_of: BTreeMap<String, Vec<String>> = BTreeMap::new();
                 for r in &reps {
                     let key = format!("{}/{}", spec.name, r.key);
                     match placed.assignments.get(&key) {
@@ -417,16 +442,23 @@ impl ControllerState {
                             if ready.contains(&key) {
                                 st.ready += 1;
                             } else if let Some(why) = failed.get(&key) {
-                                reasons.insert(format!("{}: {why}", r.key));
+                                why_of.entry(why.clone()).or_default().push(r.key.clone());
                             }
                         }
                         None => {
                             if let Some(why) = pending_now.get(&format!("{}/{}", spec.name, r.gang))
                             {
-                                reasons.insert(format!("{}: {why}", r.gang));
+                                let keys = why_of.entry(why.clone()).or_default();
+                                // A group's replica is one gang for its services.
+                                if keys.last() != Some(&r.gang) {
+                                    keys.push(r.gang.clone());
+                                }
                             }
                         }
                     }
+                }
+                for (why, keys) in &why_of {
+                    reasons.insert(format!("{}: {why}", listed(keys)));
                 }
                 if let Some(ws) = waiting.get(&spec.name) {
                     for x in ws {
@@ -501,6 +533,17 @@ fn frontend_gateway(
 /// How long a frontend holds requests while its deployment has no worker
 /// (a scale to zero): a worker's cold start should fit.
 const HOLD_AFTER_ZERO_MS: u64 = 180_000;
+
+/// The first few of `keys`, then how many more: a reason many replicas
+/// share is one line of a status or one event, not one per replica.
+fn listed(keys: &[String]) -> String {
+    const LISTED: usize = 3;
+    let head = keys[..keys.len().min(LISTED)].join(", ");
+    match keys.len().saturating_sub(LISTED) {
+        0 => head,
+        more => format!("{head} and {more} more ({} in all)", keys.len()),
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -621,6 +664,47 @@ services:
         let d = st.reconcile(&w);
         assert!(d.changed.is_empty(), "a settled cluster changes nothing");
         assert!(d.statuses[0].services.iter().all(|s| s.ready == s.desired));
+    }
+
+    #[test]
+    fn replicas_pending_for_one_reason_are_one_line_and_one_event() {
+        let mut st = ControllerState::new(NodeId("n1".into()), Duration::from_secs(10));
+        let mut w = world(1_000);
+        w.deployments[0].spec = DeploymentSpec::parse(
+            "version: 1\nname: d\nservices:\n  w: {role: aggregated, replicas: 10, node_selector: {gpu: h100}, worker: {engine: mocker}}\n",
+        )
+        .unwrap();
+        let d = st.reconcile(&w);
+        let svc = &d.statuses[0].services[0];
+        assert_eq!(svc.pending.len(), 1, "{svc:?}");
+        assert!(
+            svc.pending[0].starts_with("w-0, w-1, w-2 and 7 more (10 in all): "),
+            "{svc:?}"
+        );
+        let events = &d.statuses[0].events;
+        assert_eq!(events.len(), 1, "{events:?}");
+        assert!(
+            events[0]
+                .message
+                .starts_with("replicas w-0, w-1, w-2 and 7 more (10 in all) pending: "),
+            "{events:?}"
+        );
+        assert_eq!(listed(&["a".to_string()]), "a");
+    }
+
+    #[test]
+    fn a_service_scaled_to_zero_is_nothing_to_wait_for() {
+        let mut st = ControllerState::new(NodeId("n1".into()), Duration::from_secs(10));
+        let mut w = world(1_000);
+        w.deployments[0].spec.scale("frontend", 0).unwrap();
+        let d = st.reconcile(&w);
+        settle(&mut w, &d);
+        let p = placed(&w);
+        assert!(!p.contains_key("d/frontend-0"));
+        assert!(
+            p.contains_key("d/prefill-0"),
+            "prefill waits for no frontend: {p:?}"
+        );
     }
 
     #[test]

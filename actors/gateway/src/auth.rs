@@ -82,6 +82,15 @@ pub fn hash_key(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
 }
 
+/// A key's name (its metrics label): 1-64 characters of `[A-Za-z0-9_.-]`.
+pub fn valid_key_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c))
+}
+
 /// Parses a key file:
 ///
 /// ```toml
@@ -96,12 +105,7 @@ pub fn parse_key_file(text: &str) -> Result<Vec<ApiKey>, KeyFileError> {
     let raw: RawFile = toml::from_str(text).map_err(|e| KeyFileError::Toml(e.to_string()))?;
     let mut keys: Vec<ApiKey> = Vec::new();
     for (index, k) in raw.keys.into_iter().enumerate() {
-        let ok_name = !k.name.is_empty()
-            && k.name.len() <= 64
-            && k.name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
-        if !ok_name {
+        if !valid_key_name(&k.name) {
             return Err(KeyFileError::BadName { index });
         }
         let mut sha256 = [0u8; 32];

@@ -70,8 +70,8 @@ impl Planner<'_> {
             };
             if !self.all_nodes.iter().any(labelled) {
                 return format!(
-                    "member {} needs a node labelled {}; no schedulable node has those labels",
-                    mi.key,
+                    "each {} replica needs a node labelled {}; no schedulable node has those labels",
+                    mi.service,
                     sel.join(",")
                 );
             }
@@ -82,17 +82,27 @@ impl Planner<'_> {
                     format!(" labelled {}", sel.join(","))
                 };
                 return format!(
-                    "member {} takes a node of its own (one per node), and every schedulable node{on} has one",
-                    mi.key
+                    "each {} replica takes a node of its own (one per node), and every schedulable node{on} has one",
+                    mi.service
                 );
             }
             if !self.all_nodes.iter().any(|&n| self.fits(m, n)) {
+                // Waiting helps only if some node could hold it when empty.
+                let never = !self.all_nodes.iter().any(|&n| {
+                    let node = &self.nodes[n as usize];
+                    node.slots >= mi.slots && node.mem >= mi.mem
+                });
                 return format!(
-                    "member {} needs {} slots and {} MiB; the most free on one schedulable node is {}",
-                    mi.key,
+                    "each {} replica needs {} slots and {} MiB; the most free on one schedulable node is {}{}",
+                    mi.service,
                     mi.slots,
                     mi.mem,
-                    most_free(max_s, max_m, mi.slots, mi.mem)
+                    most_free(max_s, max_m, mi.slots, mi.mem),
+                    if never {
+                        "; no schedulable node has that much in all, so it waits for a larger node"
+                    } else {
+                        ""
+                    }
                 );
             }
         }
@@ -119,8 +129,8 @@ impl Planner<'_> {
                 let mi = &self.members[m as usize];
                 if !inside.iter().any(|&n| self.fits(m, n)) {
                     return format!(
-                        "{subject}; member {} needs {} slots and {} MiB; the most free on one node there is {}",
-                        mi.key,
+                        "{subject}; each {} replica needs {} slots and {} MiB; the most free on one node there is {}",
+                        mi.service,
                         mi.slots,
                         mi.mem,
                         most_free(bs, bm, mi.slots, mi.mem)

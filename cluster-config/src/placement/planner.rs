@@ -53,6 +53,9 @@ pub(super) struct NodeState<'a> {
     pub(super) excl: Vec<u32>,
     pub(super) free_slots: u64,
     pub(super) free_mem: u64,
+    /// What the node has in all (free or not).
+    pub(super) slots: u64,
+    pub(super) mem: u64,
     /// Domain per level.
     pub(super) doms: [u32; 3],
 }
@@ -68,6 +71,9 @@ pub(super) struct Dom {
 
 pub(super) struct MemberInfo<'a> {
     pub(super) key: &'a str,
+    /// Its service's name (what a reason names: every replica of it waits
+    /// for the same thing).
+    pub(super) service: &'a str,
     pub(super) selector: &'a [(String, String)],
     pub(super) excl: Option<u32>,
     pub(super) svc: u32,
@@ -190,6 +196,8 @@ impl<'a> Planner<'a> {
                 excl: Vec::new(),
                 free_slots: fs,
                 free_mem: fm,
+                slots: u64::from(n.slots),
+                mem: n.memory_mib,
                 doms: nd,
             });
         }
@@ -237,6 +245,7 @@ impl<'a> Planner<'a> {
                     });
                     members.push(MemberInfo {
                         key: &m.key,
+                        service: &m.service,
                         selector: &m.selector,
                         excl,
                         svc,

@@ -156,7 +156,7 @@ fn reason_member_too_large() {
     let p = run(&grid(2), &[], &replicas("a", 1, 4, vec![]), &HashMap::new());
     assert_eq!(
         reason(&p, "a-0"),
-        "member a-0.0 needs 4 slots and 0 MiB; the most free on one schedulable node is 2 slots"
+        "each a replica needs 4 slots and 0 MiB; the most free on one schedulable node is 2 slots; no schedulable node has that much in all, so it waits for a larger node"
     );
 }
 
@@ -222,7 +222,7 @@ fn reason_scope_fixed_domain() {
     assert_eq!(node_of(&nodes, &p.assignments["prefill-0.0"]).rack, "r1");
     assert_eq!(
         reason(&p, "prefill-1"),
-        "member prefill-1.0 needs 2 slots and 0 MiB; the most free on one schedulable node is 1 slots"
+        "each prefill replica needs 2 slots and 0 MiB; the most free on one schedulable node is 1 slots; no schedulable node has that much in all, so it waits for a larger node"
     );
     // Two 1-slot members: fits in all, not in the scope's rack.
     gangs[1] = gang(
@@ -252,7 +252,7 @@ fn reason_memory() {
     let p = run(&nodes, &[], &g, &HashMap::new());
     assert_eq!(
         reason(&p, "a-0"),
-        "member a-0.0 needs 1 slots and 1500 MiB; the most free on one schedulable node is 1000 MiB"
+        "each a replica needs 1 slots and 1500 MiB; the most free on one schedulable node is 1000 MiB; no schedulable node has that much in all, so it waits for a larger node"
     );
 }
 
@@ -980,7 +980,7 @@ fn selectors_pick_labelled_nodes_and_say_when_none_is() {
     let p = run(&nodes, &[], &gangs, &HashMap::new());
     assert_eq!(
         reason(&p, "a-0"),
-        "member a-0.0 needs a node labelled gpu=b200; no schedulable node has those labels"
+        "each a replica needs a node labelled gpu=b200; no schedulable node has those labels"
     );
 }
 

@@ -17,7 +17,8 @@
 //! Invariants of a [`DeploymentSpec`]:
 //! - names are DNS labels (`[a-z0-9-]`, starting with a letter), unique
 //!   across services and groups;
-//! - every numeric field is bounded (replicas ≤ [`MAX_REPLICAS`], slots ≤
+//! - every numeric field is bounded (replicas ≤ [`MAX_REPLICAS`], also in
+//!   all, counting a group's replicas times its services'; slots ≤
 //!   [`MAX_SLOTS`]); `min_available` ≤ replicas;
 //! - a child's topology constraint only narrows its parent's (deployment →
 //!   group → service), and in one constraint `preferred` is narrower than
@@ -57,6 +58,12 @@ pub enum SpecError {
     Parse(String),
     #[error("deployment spec field `{field}`: {message}")]
     Invalid { field: String, message: String },
+    #[error("cannot scale {target} to {replicas}: {message}")]
+    Scale {
+        target: String,
+        replicas: u32,
+        message: String,
+    },
 }
 
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> SpecError {
@@ -457,6 +464,18 @@ impl DeploymentSpec {
                         format!("no service {a:?} in this deployment"),
                     ));
                 }
+                // A group's members are placed together, as one gang: one
+                // cannot wait for another to be ready first.
+                if let (Some(g), Some(h)) = (&group, member_of.get(a)) {
+                    if g == h {
+                        return Err(invalid(
+                            format!("{f}.starts_after"),
+                            format!(
+                                "{a:?} is in group {g:?} too, and a group's services start together; order the group after other services instead"
+                            ),
+                        ));
+                    }
+                }
             }
             let (worker, gateway, router) = if s.role.is_worker() {
                 if s.gateway.is_some() || s.router.is_some() {
@@ -534,6 +553,14 @@ impl DeploymentSpec {
         };
         spec.check_start_order()?;
         spec.check_planner_targets()?;
+        // What the controller reports of a deployment fits one bus message.
+        let total = spec.total_replicas();
+        if total > MAX_REPLICAS as u64 {
+            return Err(invalid(
+                "services",
+                format!("{total} replicas in all (groups' replicas times their services'); at most {MAX_REPLICAS}"),
+            ));
+        }
         Ok(spec)
     }
 
@@ -655,32 +682,62 @@ impl DeploymentSpec {
     /// `dynamoctl scale deployment/TARGET N` changes). A group member is
     /// scaled through its group, so that its members stay together.
     pub fn scale(&mut self, target: &str, replicas: u32) -> Result<(), SpecError> {
-        let field = format!("scale {target}");
+        let refuse = |message: String| SpecError::Scale {
+            target: format!("{}/{target}", self.name),
+            replicas,
+            message,
+        };
         if replicas > MAX_REPLICAS {
-            return Err(invalid(field, format!("must be 0-{MAX_REPLICAS}")));
+            return Err(refuse(format!("replicas must be 0-{MAX_REPLICAS}")));
         }
-        if let Some(g) = self.groups.iter_mut().find(|g| g.name == target) {
+        let mut scaled = self.clone();
+        if let Some(g) = scaled.groups.iter_mut().find(|g| g.name == target) {
             g.replicas = replicas;
             g.min_available = floor(g.min_available, replicas);
-            return Ok(());
-        }
-        match self.services.iter_mut().find(|s| s.name == target) {
-            Some(s) => match &s.group {
-                Some(g) => Err(invalid(
-                    field,
-                    format!("service {target} is in scaling group {g}: scale deployment/{g}"),
-                )),
+        } else {
+            match scaled.services.iter_mut().find(|s| s.name == target) {
+                Some(s) => match &s.group {
+                    Some(g) => {
+                        return Err(refuse(format!(
+                            "service {target} is in scaling group {g}: scale deployment/{g}"
+                        )))
+                    }
+                    None => {
+                        s.replicas = replicas;
+                        s.min_available = floor(s.min_available, replicas);
+                    }
+                },
                 None => {
-                    s.replicas = replicas;
-                    s.min_available = floor(s.min_available, replicas);
-                    Ok(())
+                    return Err(refuse(format!(
+                        "no service or group {target:?} in deployment {}",
+                        self.name
+                    )))
                 }
-            },
-            None => Err(invalid(
-                field,
-                format!("no service or group {target:?} in deployment {}", self.name),
-            )),
+            }
         }
+        let total = scaled.total_replicas();
+        if total > MAX_REPLICAS as u64 {
+            return Err(refuse(format!(
+                "the deployment would have {total} replicas in all; at most {MAX_REPLICAS}"
+            )));
+        }
+        *self = scaled;
+        Ok(())
+    }
+
+    /// Replicas of every service in all (a group member's times its
+    /// group's replicas).
+    pub fn total_replicas(&self) -> u64 {
+        self.services
+            .iter()
+            .map(|s| {
+                let times = match &s.group {
+                    Some(g) => self.group(g).map_or(0, |g| g.replicas as u64),
+                    None => 1,
+                };
+                s.replicas as u64 * times
+            })
+            .sum()
     }
 
     /// The spec back in its file's shape (for `configure --emit-config`

@@ -110,6 +110,14 @@ fn groups_make_gangs_of_their_members() {
         .unwrap_err()
         .to_string()
         .contains("no service or group"));
+    // A scale that would take the deployment past its bound in all is
+    // refused, and leaves the spec as it was.
+    let e = s2.scale("pd", 4096).unwrap_err().to_string();
+    assert!(
+        e.starts_with("cannot scale disagg/pd to 4096: the deployment would have"),
+        "{e}"
+    );
+    assert_eq!(s2.group("pd").unwrap().replicas, 1);
 }
 
 #[test]
@@ -192,4 +200,17 @@ fn group_membership_is_checked() {
     let floor = DISAGG.to_string()
         + "groups:\n  a:\n    services: [decode]\n    replicas: 1\n    min_available: 2\n";
     assert!(err(&floor).contains("groups.a.min_available"));
+}
+
+#[test]
+fn a_group_member_cannot_wait_for_another_member() {
+    let e = DeploymentSpec::parse(
+        "version: 1\nname: d\nservices:\n  a: {role: prefill, starts_after: [b], worker: {engine: mocker}}\n  b: {role: decode, worker: {engine: mocker}}\ngroups:\n  g: {services: [a, b], replicas: 1}\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("services.a.starts_after") && e.contains("group \"g\""),
+        "{e}"
+    );
 }

@@ -523,12 +523,18 @@ fn main() {
                 let spec = cluster::load_spec(&file)?;
                 if dry_run {
                     let replicas = spec.replicas().len();
-                    println!(
-                        "deployment {} is valid: {} services, {replicas} replicas",
-                        spec.name,
-                        spec.services.len()
-                    );
-                    return Ok(());
+                    let v = serde_json::json!({
+                        "deployment": spec.name, "valid": true,
+                        "services": spec.services.len(), "groups": spec.groups.len(),
+                        "replicas": replicas,
+                    });
+                    return print_or(&v, json, || {
+                        format!(
+                            "deployment {} is valid: {} services, {replicas} replicas",
+                            spec.name,
+                            spec.services.len()
+                        )
+                    });
                 }
                 let (url, ns) = bus.resolve()?;
                 let v = tokio::time::timeout(limit, cluster::apply(&url, ns.clone(), &file))
@@ -712,8 +718,13 @@ fn main() {
                     .await
                     .map_err(timed(url.clone()))??;
                 print_or(&v, json, || {
+                    let then = if v["planner"].as_bool() == Some(true) {
+                        "the planner sizes it again"
+                    } else {
+                        "no planner sizes it, so it stays as it is"
+                    };
                     format!(
-                        "{}/{} released: the planner sizes it again",
+                        "{}/{} released: {then}",
                         str_of(&v, "deployment"),
                         str_of(&v, "target")
                     )
@@ -729,6 +740,16 @@ fn main() {
                 let v = tokio::time::timeout(limit, cluster::scale(&url, ns, &target, replicas))
                     .await
                     .map_err(timed(url.clone()))??;
+                match v["status_age_ms"].as_u64() {
+                    Some(a) if a <= cluster::STALE_STATUS_MS => {}
+                    age => eprintln!(
+                        "dynamoctl: warning: {}: nothing acts on this until a controller runs",
+                        match age {
+                            Some(a) => format!("no controller has reported for {} s", a / 1000),
+                            None => "no controller has reported on this deployment yet".to_string(),
+                        }
+                    ),
+                }
                 print_or(&v, json, || {
                     let (d, t) = (str_of(&v, "deployment"), str_of(&v, "target"));
                     let what = if v["changed"].as_bool() == Some(true) {
@@ -736,9 +757,13 @@ fn main() {
                     } else {
                         format!("already at {replicas}")
                     };
-                    format!(
-                        "{d}/{t} {what}; pinned: the planner leaves it until `dynamoctl planner release {d}/{t}`"
-                    )
+                    if v["planner"].as_bool() == Some(true) {
+                        format!(
+                            "{d}/{t} {what}; pinned: the planner leaves it until `dynamoctl planner release {d}/{t}`"
+                        )
+                    } else {
+                        format!("{d}/{t} {what}")
+                    }
                 })
             }
             Cmd::Render {

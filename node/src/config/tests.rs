@@ -429,3 +429,23 @@ fn a_missing_config_names_its_cause_once() {
         "{chain}"
     );
 }
+
+#[test]
+fn labels_are_key_value_pairs_with_no_empty_entry() {
+    use crate::config::parse_labels;
+    assert_eq!(parse_labels("").unwrap(), vec![]);
+    assert_eq!(
+        parse_labels("zone=z1, rack=r1").unwrap(),
+        vec![("rack".into(), "r1".into()), ("zone".into(), "z1".into())]
+    );
+    for bad in [
+        "zone=z1,,rack=r1",
+        "zone=z1,",
+        "zone",
+        "zone=z1,zone=z2",
+        "a b=c",
+    ] {
+        let e = parse_labels(bad).unwrap_err().to_string();
+        assert!(e.contains("--labels"), "{bad}: {e}");
+    }
+}
