@@ -367,6 +367,40 @@ async fn an_idle_service_goes_to_zero_the_next_request_succeeds_and_a_manual_sca
     assert!(!keys("planner").contains(&json!("status.plan")));
 }
 
+/// A model this frontend has never seen served (its one service starts at
+/// zero, beside another model that is up): the first request for it is
+/// held while the planner wakes a worker, not answered 404.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_request_for_a_model_never_served_yet_is_held_until_a_worker_wakes() {
+    let _one = SERIAL.lock().await;
+    let c = cluster();
+    let zero = mocker(1000).replace(&format!("model: {MODEL}"), "model: zero-m");
+    let spec = format!(
+        "version: 1\nname: plan\nservices:\n{FRONTEND}  agg:\n    role: aggregated\n    worker: {w}\n  zero:\n    role: aggregated\n    replicas: 0\n    worker: {zero}\nplanner:\n  interval_ms: 1000\n  fast_interval_ms: 500\n  idle_to_zero_ms: 60000\n  services: {{zero: {{min: 0, max: 1}}}}\n",
+        w = mocker(0)
+    );
+    let port = deploy(&c, &spec).await;
+    let http = Http::new(port);
+    let r = http
+        .post(
+            "/v1/completions",
+            &json!({"model": "zero-m", "prompt": [300, 301, 302], "max_tokens": 3}),
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.json);
+    assert_eq!(r.json["usage"]["completion_tokens"], 3, "{}", r.json);
+    let s = planner_status(&c.nats.url, "plan");
+    assert!(decisions(&s).iter().any(|d| d["rule"] == "wake"), "{s}");
+    // A model no service of the deployment names is still not found.
+    let r = http
+        .post(
+            "/v1/completions",
+            &json!({"model": "nosuch", "prompt": [300], "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(r.status, 404, "{}", r.json);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_planner_is_replaced_with_its_memory_and_no_decision_is_made_twice() {
     let _one = SERIAL.lock().await;

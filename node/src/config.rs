@@ -89,6 +89,10 @@ pub struct RawGateway {
     pub hold_for_workers_ms: Option<u64>,
     /// Most requests held that way at once.
     pub max_held_requests: Option<u32>,
+    /// Models held that way though no worker has registered them yet (a
+    /// deployment's frontend gets its workers' models).
+    #[serde(default)]
+    pub held_models: Vec<String>,
     /// Period of the traffic summaries published for the planner.
     pub metrics_interval_ms: Option<u64>,
     /// TOML file of API keys (SHA-256 of each key, its models and limits);
@@ -459,6 +463,7 @@ impl NodeConfig {
                     preprocess_threads: g.preprocess_threads.unwrap_or(d.preprocess_threads),
                     hold_for_workers: ms(g.hold_for_workers_ms, d.hold_for_workers),
                     max_held: g.max_held_requests.unwrap_or(d.max_held),
+                    held_models: g.held_models.clone(),
                     metrics_interval: ms(g.metrics_interval_ms, d.metrics_interval),
                     api_keys: auth::api_keys(
                         g.api_keys_file.as_deref(),
@@ -510,6 +515,17 @@ impl NodeConfig {
                 }
                 if cfg.max_held > 65_536 {
                     return Err(invalid("gateway.max_held_requests", "must be 0-65536"));
+                }
+                if cfg.held_models.len() > 64
+                    || cfg
+                        .held_models
+                        .iter()
+                        .any(|m| m.trim().is_empty() || m.len() > 256)
+                {
+                    return Err(invalid(
+                        "gateway.held_models",
+                        "at most 64 model names, each 1-256 bytes",
+                    ));
                 }
                 if cfg.metrics_interval < Duration::from_millis(100)
                     || cfg.metrics_interval > Duration::from_secs(60)

@@ -502,10 +502,12 @@ impl ControllerState {
     }
 }
 
-/// A frontend's gateway settings as placed: a deployment its planner may
-/// scale to zero holds requests while no worker is up (unless the spec
-/// says otherwise), so the first request after an idle period waits for
-/// the worker the planner wakes instead of failing.
+/// A frontend's gateway settings as placed: it knows its deployment's
+/// models (`held_models`: 503, not 404, while none of a model's workers is
+/// up), and a deployment its planner may scale to zero holds requests
+/// while no worker is up (unless the spec says otherwise), so the first
+/// request after an idle period waits for the worker the planner wakes
+/// instead of failing.
 fn frontend_gateway(
     spec: &dynamo_cluster_config::spec::DeploymentSpec,
     s: &dynamo_cluster_config::spec::ServiceSpec,
@@ -514,10 +516,31 @@ fn frontend_gateway(
         .planner
         .as_ref()
         .is_some_and(|p| p.idle_to_zero.is_some());
-    if !to_zero {
+    // The models its workers serve: a request for one is not a 404 before
+    // the first worker of it registers (or after a scale to zero).
+    let mut models: Vec<String> = spec
+        .services
+        .iter()
+        .filter_map(|w| {
+            w.worker
+                .as_ref()?
+                .get("model")?
+                .as_str()
+                .map(str::to_string)
+        })
+        .collect();
+    models.sort();
+    models.dedup();
+    if !to_zero && models.is_empty() {
         return s.gateway.clone();
     }
     let mut g = s.gateway.clone().unwrap_or_else(|| serde_json::json!({}));
+    if let Some(o) = g.as_object_mut() {
+        o.entry("held_models").or_insert_with(|| models.into());
+    }
+    if !to_zero {
+        return Some(g);
+    }
     if let Some(o) = g.as_object_mut() {
         // Within the request deadline (the gateway checks the two).
         let deadline = o

@@ -37,6 +37,11 @@ pub struct GatewayConfig {
     pub hold_for_workers: Duration,
     /// Most requests held that way at once (past it: 503 at once).
     pub max_held: u32,
+    /// Models served here even while no worker has registered them yet
+    /// (a deployment's, before its first worker or after a scale to zero
+    /// of a model this gateway never saw): a request for one is held as
+    /// above, not answered 404.
+    pub held_models: Vec<String>,
     /// Period of the traffic summaries published for the planner.
     pub metrics_interval: Duration,
     /// API keys (hashed) and their limits; empty = no authentication.
@@ -96,6 +101,7 @@ impl Default for GatewayConfig {
             preprocess_threads: 2,
             hold_for_workers: Duration::ZERO,
             max_held: 256,
+            held_models: Vec::new(),
             metrics_interval: Duration::from_secs(1),
             api_keys: Vec::new(),
             frame_batch: Duration::from_millis(50),

@@ -47,6 +47,17 @@ pub struct ModelCache {
     listed: RwLock<Option<(Instant, Vec<String>)>>,
 }
 
+/// The answer for a model no worker serves now: a model this gateway is
+/// configured to serve has no worker yet (503, which a held request waits
+/// out); any other does not exist here (404).
+fn not_served(shared: &Shared, model: &str) -> ApiError {
+    if shared.config.held_models.iter().any(|m| m == model) {
+        ApiError::unavailable(format!("No worker of {model} is ready yet; retry shortly."))
+    } else {
+        ApiError::model_not_found(model)
+    }
+}
+
 /// Every model the router knows, with its workers.
 pub async fn list(shared: &Shared) -> Result<Vec<ModelEntry>, ApiError> {
     let router = shared.router()?;
@@ -102,14 +113,14 @@ impl ModelCache {
             return Ok(l);
         }
         if self.listed_without(model) {
-            return Err(ApiError::model_not_found(model));
+            return Err(not_served(shared, model));
         }
         let _one_at_a_time = self.loading.lock().await;
         if let Some(l) = self.lookup(model, None) {
             return Ok(l);
         }
         if self.listed_without(model) {
-            return Err(ApiError::model_not_found(model));
+            return Err(not_served(shared, model));
         }
         let all = list(shared).await?;
         if all.is_empty() {
@@ -121,10 +132,9 @@ impl ModelCache {
             let names = all.iter().map(|m| m.card.name.0.clone()).collect();
             *l = Some((Instant::now(), names));
         }
-        let entry = all
-            .into_iter()
-            .find(|m| m.card.name.0 == model)
-            .ok_or_else(|| ApiError::model_not_found(model))?;
+        let Some(entry) = all.into_iter().find(|m| m.card.name.0 == model) else {
+            return Err(not_served(shared, model));
+        };
         // The workers that have the newest card first.
         let workers = entry.workers.clone();
         self.load(shared, model, entry.card, &workers).await
