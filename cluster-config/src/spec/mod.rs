@@ -298,10 +298,26 @@ impl DeploymentSpec {
     pub fn parse(text: &str) -> Result<Self, SpecError> {
         // A key given twice anywhere is refused: a map would keep the last
         // one and drop the other silently (two services of one name).
-        serde_yaml_ng::from_str::<serde_yaml_ng::Value>(text)
+        let mut value = serde_yaml_ng::from_str::<serde_yaml_ng::Value>(text)
             .map_err(|e| SpecError::Parse(e.to_string()))?;
-        let raw: RawSpec =
-            serde_yaml_ng::from_str(text).map_err(|e| SpecError::Parse(e.to_string()))?;
+        // Top-level `x-…` keys are the file's own (anchors to share, as in
+        // Compose files), and `<<: *anchor` merges one in. Such a file is
+        // read from its value, whose errors name the field but no line.
+        let extensions = value.as_mapping().is_some_and(|m| {
+            m.keys()
+                .any(|k| k.as_str().is_some_and(|k| k.starts_with("x-")))
+        });
+        let raw: RawSpec = if extensions || text.contains("<<") {
+            value
+                .apply_merge()
+                .map_err(|e| SpecError::Parse(e.to_string()))?;
+            if let Some(m) = value.as_mapping_mut() {
+                m.retain(|k, _| !k.as_str().is_some_and(|k| k.starts_with("x-")));
+            }
+            serde_yaml_ng::from_value(value).map_err(|e| SpecError::Parse(e.to_string()))?
+        } else {
+            serde_yaml_ng::from_str(text).map_err(|e| SpecError::Parse(e.to_string()))?
+        };
         Self::validate(raw)
     }
 

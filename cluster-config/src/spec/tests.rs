@@ -214,3 +214,24 @@ fn a_group_member_cannot_wait_for_another_member() {
         "{e}"
     );
 }
+
+#[test]
+fn top_level_x_keys_hold_anchors_that_services_merge() {
+    let s = DeploymentSpec::parse(
+        "version: 1\nname: d\nx-worker: &w\n  role: aggregated\n  worker: {engine: mocker}\nservices:\n  a:\n    <<: *w\n    replicas: 2\n  b: *w\n",
+    )
+    .unwrap();
+    assert_eq!(s.service("a").unwrap().replicas, 2);
+    assert_eq!(s.service("b").unwrap().replicas, 1);
+    // Other unknown top-level keys are still refused, naming the field.
+    let e = DeploymentSpec::parse("version: 1\nname: d\nxx: 1\nservices: {}\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("xx"), "{e}");
+    let e = DeploymentSpec::parse(
+        "version: 1\nname: d\nx-w: &w {role: aggregated, replcas: 2}\nservices:\n  a: *w\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("replcas"), "{e}");
+}
