@@ -143,6 +143,9 @@ open_enum!(
         Admin = 4,
         /// The gateway moved the request to another worker.
         Migrated = 5,
+        /// The gateway no longer has the request (it failed it while the
+        /// bus was down, or the gateway is gone).
+        Orphaned = 6,
     }
 );
 

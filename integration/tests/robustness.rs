@@ -729,3 +729,113 @@ async fn stalled_clients_are_cut_off_and_open_connections_are_bounded() {
     http.assert_serves().await;
     assert!(!node.log_text().contains("panicked"));
 }
+
+/// `n` requests of about a minute each at the mocker's pace, each in a
+/// task of its own: its status, or the error when its gateway went away.
+fn long_requests(port: u16, n: usize) -> Vec<tokio::task::JoinHandle<reqwest::Result<u16>>> {
+    let client = reqwest::Client::new();
+    (0..n)
+        .map(|i| {
+            let (c, url) = (client.clone(), format!("http://127.0.0.1:{port}/v1/completions"));
+            let body = json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 8000, "ignore_eos": true});
+            tokio::spawn(async move { c.post(url).json(&body).send().await.map(|r| r.status().as_u16()) })
+        })
+        .collect()
+}
+
+/// A series' values summed over its labels (`series` ends with `{`).
+fn sum_of(text: &str, series: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(series))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A gateway killed mid-request leaves no work behind: its worker finds
+/// that nothing subscribes to the gateway's inbox any more (twice, 5 s
+/// apart) and cancels what it ran for it, instead of generating a minute
+/// of tokens for no one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stops_the_requests_of_a_gateway_that_died() {
+    let nats = Nats::start();
+    let (port, metrics) = (free_port(), free_port());
+    let mut gw = Node::start(&real_time(node_config("gw", &nats.url, Some(port), 0, "")));
+    let listen = format!("[metrics]\nlisten = \"127.0.0.1:{metrics}\"\n");
+    let _w = Node::start(&real_time(node_config("w1", &nats.url, None, 1, &listen)));
+    Http::new(port).wait_ready(1, &mut gw).await;
+    let _calls = long_requests(port, 4);
+    let inflight = |regs: &[dynamo_bus_schema::WorkerRegistration]| -> u32 {
+        regs.iter().map(|r| r.load.inflight_requests).sum()
+    };
+    let t0 = Instant::now();
+    while inflight(&registrations(&nats.url).await) < 4 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the requests never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    gw.signal(libc::SIGKILL);
+    let t0 = Instant::now();
+    while inflight(&registrations(&nats.url).await) > 0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(40),
+            "the worker still runs the dead gateway's requests"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let text = dashboard::scrape(metrics).await;
+    let cancelled = sum_of(&text, "dynamo_worker_orphans_cancelled_total{");
+    assert_eq!(cancelled, 4.0, "{text}");
+}
+
+/// A bus outage longer than the gateway's patience: the gateway fails its
+/// requests, and its cancels may be lost with the bus. When the bus is
+/// back, the worker's heartbeats of those requests reach a gateway that no
+/// longer has them, which tells the worker to stop them: no work is left
+/// behind (about a minute of tokens each, otherwise).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_a_gateway_failed_while_the_bus_was_down_are_stopped_when_it_is_back() {
+    let mut nats = Nats::start();
+    let (port, metrics) = (free_port(), free_port());
+    let mut gw = Node::start(&real_time(node_config("gw", &nats.url, Some(port), 0, "")));
+    let listen = format!("[metrics]\nlisten = \"127.0.0.1:{metrics}\"\n");
+    let _w = Node::start(&real_time(node_config("w1", &nats.url, None, 1, &listen)));
+    let http = Http::new(port);
+    http.wait_ready(1, &mut gw).await;
+    let calls = long_requests(port, 4);
+    let t0 = Instant::now();
+    while routed(&http).await < 4 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the requests never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    nats.stop();
+    let down = Instant::now();
+    // The gateway gives up on them (no frame, no worker to migrate to).
+    for c in calls {
+        let status = c.await.unwrap().expect("an answer");
+        assert_ne!(status, 200);
+    }
+    tokio::time::sleep(Duration::from_secs(10).saturating_sub(down.elapsed())).await;
+    nats.restart();
+    let t0 = Instant::now();
+    // The worker's own count of what its engine runs.
+    loop {
+        let running = sum_of(
+            &dashboard::scrape(metrics).await,
+            "dynamo_worker_active_seqs{",
+        );
+        if running == 0.0 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the worker still runs {running} requests no one waits for:\n{}",
+            gw.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -232,11 +232,13 @@ async fn serve(
         heartbeat.spawn(registrar.clone().run(reg.clone(), sup.clone()));
     }
     let mut sup_handle = sup_handle;
+    let mut bus_gauge = tokio::time::interval(Duration::from_secs(1));
     let died = loop {
         tokio::select! {
             _ = term.recv() => break false,
             _ = int.recv() => break false,
             _ = &mut sup_handle => break true,
+            _ = bus_gauge.tick() => crate::metrics::bus_state(&cfg.node_id.0, bus.is_connected()),
             Some(r) = metrics_srv.join_next() => {
                 tracing::error!(result = ?r, "the metrics listener ended; stopping the node");
                 break true;

@@ -79,14 +79,18 @@ pub fn restarted(node: &str, child: &str) {
     }
 }
 
+/// Sets `dynamo_node_bus_connected` (the node refreshes it every second, so
+/// every exposition of the process, a gateway's included, has it current).
+pub fn bus_state(node: &str, connected: bool) {
+    if let Some(m) = m() {
+        m.connected.with_label_values(&[node]).set(connected as i64);
+    }
+}
+
 /// The whole exposition: the process-wide registry and the bus state as
 /// it is now.
 pub fn render(node: &str, bus: &Bus) -> String {
-    if let Some(m) = m() {
-        m.connected
-            .with_label_values(&[node])
-            .set(bus.is_connected() as i64);
-    }
+    bus_state(node, bus.is_connected());
     let mut text = dynamo_runtime::metrics::render();
     text.push_str(
         "# HELP dynamo_node_bus_rejected_messages_total Bus messages this process rejected\n\

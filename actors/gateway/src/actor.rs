@@ -88,7 +88,17 @@ impl Actor for GatewayActor {
             room: crate::dispatch::Room::new(c.admission.max_queued as usize),
         });
         let inbox_owner = shared.clone();
-        tasks.spawn("inbox", async move { inbox_owner.inbox.run(sub).await });
+        tasks.spawn("inbox", async move {
+            let s = inbox_owner.clone();
+            inbox_owner
+                .inbox
+                .run(sub, move |worker, id| {
+                    tracing::info!(request = %id, %worker, "a worker runs a request this gateway does not have: cancelling it");
+                    s.metrics.orphans_cancelled.inc();
+                    crate::dispatch::send_cancel(&s, worker, id, dynamo_bus_schema::CancelReason::Orphaned)
+                })
+                .await
+        });
         let feed_owner = shared.clone();
         tasks.spawn(
             "planner feed",

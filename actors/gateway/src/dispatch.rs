@@ -391,8 +391,14 @@ async fn route(
                     "The router is still starting; retry shortly.",
                 ))
             }
+            // The prompt was tokenized with this model's card, so the
+            // model is served here: its workers are gone for now (scaled
+            // to zero, or the bus is down and their registrations lapsed).
+            // That is a 503 to retry, not a 404 a client takes as final.
             Err(RouteError::UnknownModel { model }) => {
-                return Err(ApiError::model_not_found(&model))
+                return Err(ApiError::unavailable(format!(
+                    "No worker of {model} is registered now; retry shortly."
+                )))
             }
             Err(e @ RouteError::NoWorkers { .. }) => {
                 return Err(ApiError::unavailable(format!("{e}. Retry shortly.")))

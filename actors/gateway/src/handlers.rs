@@ -268,10 +268,7 @@ async fn handle(
                 {
                     // The card is known here, so a model the router does
                     // not know has no worker now (scaled to zero).
-                    Err(DispatchError::Api(e))
-                        if again.is_some()
-                            && (no_capacity(&e) || e.code == Some("model_not_found")) =>
-                    {
+                    Err(DispatchError::Api(e)) if again.is_some() && no_capacity(&e) => {
                         hold_for_workers(&s, &model, hold_until, e).await?
                     }
                     r => break r,
@@ -446,13 +443,16 @@ async fn health(State(s): State<Arc<Shared>>) -> Response {
     drop(place);
     let workers: usize = models.iter().map(|m| m.workers.len()).sum();
     let accepting = s.is_accepting();
+    // Without the bus this gateway can serve nothing: a load balancer
+    // should send its traffic elsewhere until it is back.
+    let bus = s.bus.is_connected();
     let body = json!({
-        "status": if accepting { "ok" } else { "draining" },
+        "status": if !accepting { "draining" } else if !bus { "bus_disconnected" } else { "ok" },
         "gateway_id": s.gateway_id.to_string(),
         "models": models.iter().map(|m| m.card.name.0.clone()).collect::<Vec<_>>(),
         "workers": workers,
     });
-    let code = if accepting {
+    let code = if accepting && bus {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE

@@ -15,7 +15,7 @@
 
 use dynamo_bus_schema::{
     decode_payload, peek_kind, FrameError, FrameFinished, FrameHeartbeat, FrameMux, FrameStarted,
-    FrameTimings, FrameTokens, FrameUsage, RequestId, WireMessage, MAX_MUX_FRAMES,
+    FrameTimings, FrameTokens, FrameUsage, RequestId, WireMessage, WorkerId, MAX_MUX_FRAMES,
 };
 use dynamo_runtime::counters;
 use futures::StreamExt;
@@ -92,14 +92,19 @@ impl Inbox {
         }
     }
 
-    fn deliver(&self, frame: Frame) {
+    /// Hands `frame` to its request; a heartbeat of a request this gateway
+    /// does not have gives back its worker, to be told to stop it.
+    fn deliver(&self, frame: Frame) -> Option<(WorkerId, RequestId)> {
         let id = frame.request_id();
         let Ok(mut w) = self.waiting.lock() else {
-            return;
+            return None;
         };
         let Some(tx) = w.get(&id) else {
             tracing::debug!(request = %id, "frame for a request that is gone");
-            return;
+            return match frame {
+                Frame::Heartbeat(h) => Some((h.worker_id, id)),
+                _ => None,
+            };
         };
         match tx.try_send(frame) {
             Ok(()) => {}
@@ -115,11 +120,14 @@ impl Inbox {
                 w.remove(&id);
             }
         }
+        None
     }
 
     /// Decodes one bus message into its frame (or, for a [`FrameMux`],
-    /// its frames in order) and delivers them.
-    pub fn on_message(&self, subject: &str, payload: &[u8]) {
+    /// its frames in order) and delivers them; answers the requests it
+    /// heard of that this gateway does not have, with their workers.
+    pub fn on_message(&self, subject: &str, payload: &[u8]) -> Vec<(WorkerId, RequestId)> {
+        let mut orphans = Vec::new();
         match peek_kind(payload) {
             Ok((k, p)) if k == FrameMux::KIND => match decode_payload::<FrameMux>(p) {
                 Ok(m) if m.frames.len() > MAX_MUX_FRAMES => counters::reject(
@@ -132,17 +140,18 @@ impl Inbox {
                 ),
                 Ok(m) => {
                     for f in &m.frames {
-                        self.on_frame(subject, f);
+                        orphans.extend(self.on_frame(subject, f));
                     }
                 }
                 Err(e) => counters::reject("frame", subject, &e),
             },
-            _ => self.on_frame(subject, payload),
+            _ => orphans.extend(self.on_frame(subject, payload)),
         }
+        orphans
     }
 
     /// Decodes one frame (never a [`FrameMux`]) and delivers it.
-    fn on_frame(&self, subject: &str, payload: &[u8]) {
+    fn on_frame(&self, subject: &str, payload: &[u8]) -> Option<(WorkerId, RequestId)> {
         let frame = match peek_kind(payload) {
             Ok((k, p)) if k == FrameTokens::KIND => decode_payload(p).map(Frame::Tokens),
             Ok((k, p)) if k == FrameStarted::KIND => decode_payload(p).map(Frame::Started),
@@ -153,20 +162,27 @@ impl Inbox {
             Ok((k, p)) if k == FrameUsage::KIND => decode_payload(p).map(Frame::Usage),
             Ok((k, _)) => {
                 counters::reject("frame", subject, &format!("unknown message kind {}", k.0));
-                return;
+                return None;
             }
             Err(e) => Err(e),
         };
         match frame {
             Ok(f) => self.deliver(f),
-            Err(e) => counters::reject("frame", subject, &e),
+            Err(e) => {
+                counters::reject("frame", subject, &e);
+                None
+            }
         }
     }
 
-    /// Runs the subscription until it ends.
-    pub async fn run(&self, mut sub: async_nats::Subscriber) {
+    /// Runs the subscription until it ends; `orphan` hears of each request
+    /// a worker still runs for this gateway that it does not have (it
+    /// failed it, say, while the bus was down and its cancel was lost).
+    pub async fn run(&self, mut sub: async_nats::Subscriber, orphan: impl Fn(WorkerId, RequestId)) {
         while let Some(m) = sub.next().await {
-            self.on_message(m.subject.as_str(), &m.payload);
+            for (w, id) in self.on_message(m.subject.as_str(), &m.payload) {
+                orphan(w, id);
+            }
         }
     }
 }
@@ -229,5 +245,35 @@ mod tests {
         .unwrap();
         inbox.on_message("s", &heartbeat[..3]);
         assert!(counters::rejected_total() >= before + 3);
+    }
+
+    #[test]
+    fn a_heartbeat_of_a_request_this_gateway_lacks_names_its_worker() {
+        let inbox = Inbox::default();
+        let _a = inbox.register(RequestId(1));
+        let beat = |id: u128| {
+            encode(&FrameHeartbeat {
+                request_id: RequestId(id),
+                worker_id: WorkerId(7),
+            })
+            .unwrap()
+        };
+        assert!(
+            inbox.on_message("s", &beat(1)).is_empty(),
+            "a request it has"
+        );
+        assert_eq!(
+            inbox.on_message("s", &beat(2)),
+            vec![(WorkerId(7), RequestId(2))]
+        );
+        // Other frames of a request it lacks carry no worker: dropped.
+        assert!(inbox.on_message("s", &tokens(2, 0, 5)).is_empty());
+        let mux = FrameMux {
+            frames: vec![beat(1), beat(3), tokens(1, 0, 9)],
+        };
+        assert_eq!(
+            inbox.on_message("s", &encode(&mux).unwrap()),
+            vec![(WorkerId(7), RequestId(3))]
+        );
     }
 }

@@ -20,6 +20,8 @@ pub struct Metrics {
     pub route_retries: IntCounter,
     /// Requests that waited for a worker with room.
     pub room_waits: IntCounter,
+    /// Requests a worker still ran for this gateway that it no longer had.
+    pub orphans_cancelled: IntCounter,
     pub migrations: IntCounterVec,
     pub migration_failures: IntCounterVec,
     pub phase: HistogramVec,
@@ -87,6 +89,10 @@ impl Metrics {
         let room_waits = IntCounter::new(
             "room_waits_total",
             "Requests that waited for a worker with room (every worker had refused them for room)",
+        )?;
+        let orphans_cancelled = IntCounter::new(
+            "orphans_cancelled_total",
+            "Requests a worker still ran for this gateway that it no longer had (failed while the bus was down): told to stop",
         )?;
         let migrations = IntCounterVec::new(
             Opts::new(
@@ -174,6 +180,7 @@ impl Metrics {
             Box::new(errors.clone()),
             Box::new(route_retries.clone()),
             Box::new(room_waits.clone()),
+            Box::new(orphans_cancelled.clone()),
             Box::new(migrations.clone()),
             Box::new(migration_failures.clone()),
             Box::new(phase.clone()),
@@ -201,6 +208,7 @@ impl Metrics {
             errors,
             route_retries,
             room_waits,
+            orphans_cancelled,
             migrations,
             migration_failures,
             phase,

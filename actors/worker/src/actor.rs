@@ -22,11 +22,12 @@ use crate::admit::{self, Admission};
 use crate::disagg::{KvTransfer, PrefillServer, RemotePrefillPipe, TransferConfig};
 use crate::endpoints;
 use crate::forward::{Forward, Outcome, PrefillOutcome};
+use crate::mux::Outgoing;
 use crate::registration::{register, Registration};
 use dynamo_bus_schema::{
-    decode, unix_ms, ArtifactRequest, CancelRequest, DrainReply, DrainRequest, ErrorKind,
-    ErrorReply, FaultKind, GenerateAck, KvDumpRequest, ModelCard, NodeId, RequestId, WireError,
-    WorkerId, WorkerRegistration, WorkerRole, WorkerState,
+    decode, unix_ms, ArtifactRequest, CancelReason, CancelRequest, DrainReply, DrainRequest,
+    ErrorKind, ErrorReply, FaultKind, GenerateAck, KvDumpRequest, ModelCard, NodeId, RequestId,
+    WireError, WorkerId, WorkerRegistration, WorkerRole, WorkerState,
 };
 use dynamo_engine::{Engine, EngineFault, EngineLimits, Readiness};
 use dynamo_runtime::{counters, Bus, Gate, Tasks, Ticket};
@@ -95,6 +96,10 @@ pub enum WorkerMsg {
     Inflight(RpcReplyPort<u32>),
     /// Removes the registration (before a graceful stop).
     Deregister(RpcReplyPort<()>),
+    /// Time to look for requests nobody waits for ([`crate::orphans`]).
+    CheckOrphans,
+    /// A probe of a gateway inbox found no responder (`true`) or not.
+    GatewayProbe(String, bool),
 }
 
 pub struct WorkerActor;
@@ -107,6 +112,9 @@ pub struct WorkerRuntime {
     model: ModelCard,
     registration: Registration,
     inflight: HashSet<RequestId>,
+    /// Where each request in flight streams, to find those no gateway
+    /// waits for any more.
+    orphans: crate::orphans::Orphans,
     /// Prefill and decode workers' KV transfer endpoint.
     transfer: Option<Arc<KvTransfer>>,
     /// A prefill worker's server (its cancels go only to what it runs).
@@ -247,6 +255,19 @@ impl Actor for WorkerActor {
             })
             .await
         });
+        // Requests in flight are checked now and then for a gateway that
+        // still waits for them.
+        let me = myself.clone();
+        tasks.spawn("orphan-check", async move {
+            let mut every = tokio::time::interval(crate::orphans::CHECK_EVERY);
+            every.tick().await;
+            loop {
+                every.tick().await;
+                if me.cast(WorkerMsg::CheckOrphans).is_err() {
+                    std::future::pending::<()>().await
+                }
+            }
+        });
         // A driver that stops on its own is a dead engine.
         let (live, me) = (engine.liveness(), myself.clone());
         tasks.spawn("engine-watch", async move {
@@ -320,6 +341,7 @@ impl Actor for WorkerActor {
             model: args.card,
             registration,
             inflight: HashSet::new(),
+            orphans: Default::default(),
             stats,
             tasks,
         })
@@ -343,7 +365,19 @@ impl Actor for WorkerActor {
         match msg {
             WorkerMsg::Generate(m, _ticket) => rt.generate(m, myself).await,
             WorkerMsg::Cancel(c, _ticket) => rt.cancel(c),
+            WorkerMsg::CheckOrphans => rt.check_orphans(&myself),
+            WorkerMsg::GatewayProbe(inbox, gone) => {
+                for id in rt.orphans.probed(&inbox, gone) {
+                    tracing::info!(request = %id, inbox, "no gateway waits for this request: cancelling it");
+                    rt.stats.orphan_cancelled();
+                    rt.cancel(CancelRequest {
+                        request_id: id,
+                        reason: CancelReason::Orphaned,
+                    });
+                }
+            }
             WorkerMsg::Done(id) => {
+                rt.orphans.ended(id);
                 rt.inflight.remove(&id);
                 rt.prefilling.remove(&id);
                 rt.registration.set_inflight(rt.inflight.len());
@@ -437,6 +471,45 @@ impl WorkerRuntime {
                 t.cancel();
             }
             self.engine.cancel(c.request_id);
+        }
+    }
+
+    /// Heartbeats for requests in flight a while (a gateway that forgot
+    /// one cancels it) and a probe of each inbox they stream to (one that
+    /// has no subscriber twice in a row loses its requests).
+    fn check_orphans(&mut self, myself: &ActorRef<WorkerMsg>) {
+        use crate::orphans::PROBE_TIMEOUT;
+        let due = self.orphans.due(tokio::time::Instant::now());
+        let beat = |id| {
+            dynamo_bus_schema::encode(&dynamo_bus_schema::FrameHeartbeat {
+                request_id: id,
+                worker_id: self.cfg.worker_id,
+            })
+            .ok()
+        };
+        for (id, subject, mux) in due.heartbeats {
+            if let Some(bytes) = beat(id) {
+                // Skipped when the queue is full: the next check sends it.
+                self.frames.try_send(Outgoing {
+                    subject,
+                    bytes,
+                    mux,
+                });
+            }
+        }
+        for (subject, id) in due.probes {
+            let Some(bytes) = beat(id) else { continue };
+            let (client, me) = (self.bus.client.clone(), myself.clone());
+            self.tasks.spawn_transient("gateway-probe", async move {
+                let r = tokio::time::timeout(
+                    PROBE_TIMEOUT,
+                    client.request(subject.clone(), bytes.into()),
+                )
+                .await;
+                let gone = matches!(&r, Ok(Err(e))
+                    if e.kind() == async_nats::client::RequestErrorKind::NoResponders);
+                let _ = me.cast(WorkerMsg::GatewayProbe(subject, gone));
+            });
         }
     }
 
@@ -546,6 +619,8 @@ impl WorkerRuntime {
             },
         };
         self.inflight.insert(id);
+        self.orphans
+            .started(id, req.reply_to.clone(), mux, tokio::time::Instant::now());
         self.registration.set_inflight(self.inflight.len());
         let ack = GenerateAck {
             request_id: id,

@@ -16,6 +16,7 @@ pub mod endpoints;
 pub mod forward;
 pub mod kv_events;
 pub mod mux;
+pub mod orphans;
 pub mod prom;
 pub mod registration;
 pub mod stats;

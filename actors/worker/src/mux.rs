@@ -62,6 +62,11 @@ impl FrameSink {
     pub async fn send(&self, o: Outgoing) -> Result<(), Outgoing> {
         self.0.send(o).await.map_err(|e| e.0)
     }
+
+    /// Queues one frame if there is room now (a frame that may be skipped).
+    pub fn try_send(&self, o: Outgoing) -> bool {
+        self.0.try_send(o).is_ok()
+    }
 }
 
 /// A sink and the queue [`run`] publishes from.

@@ -12,6 +12,8 @@
 //!   of several requests share a message, [`crate::mux`]), and
 //!   `dynamo_worker_frames_lost_total`: frames that could not be encoded
 //!   or published;
+//! - `dynamo_worker_orphans_cancelled_total`: requests cancelled because
+//!   no gateway waited for them any more ([`crate::orphans`]);
 //! - gauges from the engine's load: `dynamo_worker_active_seqs`,
 //!   `…_waiting_seqs`, `…_kv_used_blocks`, `…_kv_total_blocks`,
 //!   `…_inflight_requests`, `…_queued_prefill_tokens`.
@@ -43,6 +45,7 @@ struct M {
     frames: IntCounterVec,
     frame_messages: IntCounterVec,
     frames_lost: IntCounterVec,
+    orphans: IntCounterVec,
     gauges: [IntGaugeVec; 6],
 }
 
@@ -122,6 +125,11 @@ fn m() -> Option<&'static M> {
                 "Response frames that could not be encoded or published",
                 &[],
             )?,
+            orphans: counter(
+                "dynamo_worker_orphans_cancelled_total",
+                "Requests cancelled because no gateway waited for them any more",
+                &[],
+            )?,
             gauges: [g(0)?, g(1)?, g(2)?, g(3)?, g(4)?, g(5)?],
         };
         register([
@@ -133,6 +141,7 @@ fn m() -> Option<&'static M> {
             Box::new(m.frames.clone()),
             Box::new(m.frame_messages.clone()),
             Box::new(m.frames_lost.clone()),
+            Box::new(m.orphans.clone()),
         ])?;
         register(m.gauges.clone().map(|g| Box::new(g) as Box<dyn Collector>))?;
         Some(m)
@@ -172,6 +181,7 @@ fn each(m: &M, l: [&str; 3], mut f: impl FnMut(&dyn Family, &[&str])) {
     f(&m.frames, &l);
     f(&m.frame_messages, &l);
     f(&m.frames_lost, &l);
+    f(&m.orphans, &l);
     for g in &m.gauges {
         f(g, &l);
     }
@@ -268,6 +278,13 @@ impl Series {
             } else {
                 m.frames_lost.with_label_values(&l).inc_by(frames as u64);
             }
+        }
+    }
+
+    /// A request no gateway waited for was cancelled.
+    pub fn orphan_cancelled(&self) {
+        if let Some(m) = m() {
+            m.orphans.with_label_values(&self.l()).inc();
         }
     }
 

@@ -65,6 +65,13 @@ impl WorkerStats {
         }
     }
 
+    /// A request no gateway waited for was cancelled (Prometheus only).
+    pub fn orphan_cancelled(&self) {
+        if let Some(s) = &self.series {
+            s.orphan_cancelled();
+        }
+    }
+
     /// A request ended (Prometheus only: the planner's interval counters
     /// count first tokens, not ends).
     pub fn request_done(&self, outcome: crate::prom::RequestOutcome) {
