@@ -155,6 +155,44 @@ async fn sigterm_finishes_in_flight_streams_then_exits() {
     assert!(registrations(&nats.url).await.is_empty());
 }
 
+/// A stream longer than the gateway's shutdown grace ends with an error
+/// event that says why (and is counted), not a cut connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_past_the_shutdown_grace_ends_with_an_error_event() {
+    let nats = Nats::start();
+    let port = free_port();
+    let cfg = node_config("n1", &nats.url, Some(port), 1, "")
+        .replace("speedup = 0.0", "speedup = 1.0")
+        .replace("shutdown_grace_ms = 10000", "shutdown_grace_ms = 1000");
+    let mut node = Node::start(&cfg);
+    let http = Http::new(port);
+    http.wait_ready(1, &mut node).await;
+    // About 13 s of tokens at the mocker's pace.
+    let body = json!({"model": MODEL, "prompt": [700, 701], "max_tokens": 2000, "ignore_eos": true, "stream": true});
+    let stream = tokio::spawn({
+        let http = Http::new(port);
+        async move { http.stream("/v1/completions", &body).await }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    node.signal(libc::SIGTERM);
+    let (status, events) = stream.await.unwrap();
+    assert_eq!(status, 200);
+    let last: Value = serde_json::from_str(events.last().expect("events")).expect("JSON");
+    assert_eq!(last["error"]["code"], "no_workers_available", "{last}");
+    assert!(
+        last["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("shutting down")),
+        "{last}"
+    );
+    assert_eq!(
+        node.wait(Duration::from_secs(30)),
+        Some(0),
+        "{}",
+        node.log_text()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ctrl_c_to_the_process_group_stops_a_node_with_embedded_nats_at_once() {
     let port = free_port();
@@ -365,6 +403,12 @@ async fn a_client_disconnect_cancels_the_request_on_the_worker() {
     }
     let m = http.metrics_text().await;
     assert!(m.contains("dynamo_gateway_inflight_requests 0"), "{m}");
+    assert_eq!(
+        http.metric("dynamo_gateway_stream_endings_total{how=\"client_gone\"}")
+            .await,
+        1,
+        "{m}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -84,11 +84,14 @@ pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
         .iter()
         .map(|w| {
             let age = now.saturating_sub(w.heartbeat_unix_ms);
+            let stale = age > stale_after;
             let m = models.entry(w.model.name.0.clone()).or_insert_with(|| {
                 json!({"name": w.model.name.0, "context_length": w.model.context_length,
-                       "block_size": w.model.block_size, "workers": 0})
+                       "block_size": w.model.block_size, "workers": 0, "stale_workers": 0})
             });
-            m["workers"] = json!(m["workers"].as_u64().unwrap_or(0) + 1);
+            // A stale worker (gone, or cut off) serves nothing: counted apart.
+            let count = if stale { "stale_workers" } else { "workers" };
+            m[count] = json!(m[count].as_u64().unwrap_or(0) + 1);
             json!({
                 "worker_id": w.worker_id.to_string(),
                 "node_id": w.node_id.0,
@@ -113,13 +116,15 @@ pub async fn collect(url: &str, ns: Namespace) -> anyhow::Result<Value> {
                     "device_blocks": x.blocks[0], "host_blocks": x.blocks[1], "disk_blocks": x.blocks[2],
                     "event_lag_ms": x.event_lag_ms, "router_inflight": x.inflight,
                 })),
-                "load": {
+                // What it last reported; a stale worker's numbers are not
+                // current (its requests may have moved on), so none.
+                "load": if stale { Value::Null } else { json!({
                     "active_seqs": w.load.active_seqs,
                     "waiting_seqs": w.load.waiting_seqs,
                     "inflight_requests": w.load.inflight_requests,
                     "kv_used_blocks": w.load.kv_used_blocks,
                     "kv_total_blocks": w.load.kv_total_blocks,
-                },
+                }) },
             })
         })
         .collect();
@@ -234,6 +239,11 @@ pub fn render(v: &Value) -> String {
     ));
     for w in v["workers"].as_array().into_iter().flatten() {
         let l = &w["load"];
+        let n = |k: &str| l[k].as_u64().map_or("-".to_string(), |n| n.to_string());
+        let kv = match (l["kv_used_blocks"].as_u64(), l["kv_total_blocks"].as_u64()) {
+            (Some(u), Some(t)) => format!("{u}/{t}"),
+            _ => "-".to_string(),
+        };
         s.push_str(&format!(
             "{:<18} {:<12} {:>8} {:<10} {:<8} {:<11} {:<9} {:<24} {:>6} {:>7} {:>9} {:>13} {:>9} {:>7}\n",
             w["worker_id"].as_str().unwrap_or(""),
@@ -244,10 +254,10 @@ pub fn render(v: &Value) -> String {
             w["routing"].as_str().unwrap_or(""),
             w["state"].as_str().unwrap_or(""),
             w["model"].as_str().unwrap_or(""),
-            l["active_seqs"].to_string(),
-            l["waiting_seqs"].to_string(),
-            l["inflight_requests"].to_string(),
-            format!("{}/{}", l["kv_used_blocks"], l["kv_total_blocks"]),
+            n("active_seqs"),
+            n("waiting_seqs"),
+            n("inflight_requests"),
+            kv,
             w["index"]["device_blocks"]
                 .as_u64()
                 .map(|n| n.to_string())
@@ -274,8 +284,12 @@ pub fn render(v: &Value) -> String {
     }
     s.push_str("\nMODELS\n");
     for m in v["models"].as_array().into_iter().flatten() {
+        let stale = match m["stale_workers"].as_u64() {
+            Some(n) if n > 0 => format!(" (and {n} stale)"),
+            _ => String::new(),
+        };
         s.push_str(&format!(
-            "{}  workers={} context={} block_size={}\n",
+            "{}  workers={}{stale} context={} block_size={}\n",
             m["name"].as_str().unwrap_or(""),
             m["workers"],
             m["context_length"],

@@ -30,6 +30,10 @@ pub struct GatewayArgs {
     pub config: GatewayConfig,
 }
 
+/// How long streams still open when a shutdown's grace ends get to write
+/// their last (error) event before the server closes their connections.
+const STREAM_GOODBYE: std::time::Duration = std::time::Duration::from_millis(200);
+
 pub enum GatewayMsg {
     /// Stop accepting requests, let in-flight ones finish within the grace
     /// period, then reply.
@@ -81,6 +85,7 @@ impl Actor for GatewayActor {
             spawner: tasks.spawner(),
             config: args.config.clone(),
             accepting: AtomicBool::new(true),
+            grace_over: Default::default(),
             started_unix_s: unix_ms() / 1000,
             feed: crate::feed::Feed::default(),
             auth: crate::auth::Auth::new(c.api_keys.clone(), std::time::Instant::now()),
@@ -205,6 +210,9 @@ impl Actor for GatewayActor {
                             ?grace,
                             "in-flight requests did not finish within the grace period"
                         );
+                        // Open streams say why they end, then the server goes.
+                        rt.shared.grace_over.cancel();
+                        tokio::time::sleep(STREAM_GOODBYE).await;
                     }
                 }
                 let _ = reply.send(());

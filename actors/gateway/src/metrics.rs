@@ -22,6 +22,8 @@ pub struct Metrics {
     pub room_waits: IntCounter,
     /// Requests a worker still ran for this gateway that it no longer had.
     pub orphans_cancelled: IntCounter,
+    /// Streamed responses by how they ended.
+    pub stream_endings: IntCounterVec,
     pub migrations: IntCounterVec,
     pub migration_failures: IntCounterVec,
     pub phase: HistogramVec,
@@ -89,6 +91,13 @@ impl Metrics {
         let room_waits = IntCounter::new(
             "room_waits_total",
             "Requests that waited for a worker with room (every worker had refused them for room)",
+        )?;
+        let stream_endings = IntCounterVec::new(
+            Opts::new(
+                "stream_endings_total",
+                "Streamed responses by how they ended: done ([DONE] sent), error (an error event, e.g. every worker failed), client_gone (the client left), shutdown (the gateway's shutdown grace ran out)",
+            ),
+            &["how"],
         )?;
         let orphans_cancelled = IntCounter::new(
             "orphans_cancelled_total",
@@ -181,6 +190,7 @@ impl Metrics {
             Box::new(route_retries.clone()),
             Box::new(room_waits.clone()),
             Box::new(orphans_cancelled.clone()),
+            Box::new(stream_endings.clone()),
             Box::new(migrations.clone()),
             Box::new(migration_failures.clone()),
             Box::new(phase.clone()),
@@ -209,6 +219,7 @@ impl Metrics {
             route_retries,
             room_waits,
             orphans_cancelled,
+            stream_endings,
             migrations,
             migration_failures,
             phase,

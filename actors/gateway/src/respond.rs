@@ -200,6 +200,8 @@ pub fn stream_response(
     // which drops the generations and cancels them on their workers.
     let spawner = s.spawner.clone();
     spawner.spawn_transient("sse", async move {
+        let metrics = s.clone();
+        let how = async move {
         let _permit = permit;
         let streams = gens.into_iter().enumerate().map(|(i, g)| {
             stream::unfold(Some(g), move |g| async move {
@@ -214,7 +216,7 @@ pub fn stream_response(
             for i in 0..n {
                 let c = json!([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]);
                 if tx.send(Ok(chunk(c, None))).await.is_err() {
-                    return;
+                    return "client_gone";
                 }
             }
         }
@@ -224,7 +226,12 @@ pub fn stream_response(
             // prefill) is noticed at once, not at the next event.
             let next = tokio::select! {
                 next = all.next() => next,
-                _ = tx.closed() => return,
+                _ = tx.closed() => return "client_gone",
+                _ = s.grace_over.cancelled() => {
+                    let e = ApiError::unavailable("The gateway is shutting down; retry the request.");
+                    let _ = tx.send(Ok(Event::default().data(e.body().to_string()))).await;
+                    return "shutdown";
+                }
             };
             let Some((i, ev)) = next else { break };
             let event = match ev {
@@ -253,11 +260,11 @@ pub fn stream_response(
                     let _ = tx
                         .send(Ok(Event::default().data(e.body().to_string())))
                         .await;
-                    return;
+                    return "error";
                 }
             };
             if tx.send(Ok(event)).await.is_err() {
-                return;
+                return "client_gone";
             }
         }
         if opts.include_usage
@@ -266,12 +273,16 @@ pub fn stream_response(
                 .await
                 .is_err()
         {
-            return;
+            return "client_gone";
         }
         let _ = tx.send(Ok(Event::default().data("[DONE]"))).await;
         s.metrics
             .request_duration
             .observe(t0.elapsed().as_secs_f64());
+        "done"
+        }
+        .await;
+        metrics.metrics.stream_endings.with_label_values(&[how]).inc();
     });
     Sse::new(tokio_stream::wrappers::ReceiverStream::new(rx))
         .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))

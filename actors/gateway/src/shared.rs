@@ -32,6 +32,9 @@ pub struct Shared {
     /// Spawns the gateway's short-lived tasks (cancels, streams).
     pub spawner: Spawner,
     pub accepting: AtomicBool,
+    /// Fires when a shutdown's grace period is over: streams still open
+    /// end with an error event rather than a cut connection.
+    pub grace_over: tokio_util::sync::CancellationToken,
     pub started_unix_s: u64,
     /// Traffic summaries for the planner.
     pub feed: crate::feed::Feed,

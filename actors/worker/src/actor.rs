@@ -656,6 +656,7 @@ impl WorkerRuntime {
             let outcome = fwd.run(events, cancel, || engine.cancel(id)).await;
             use crate::prom::RequestOutcome as R;
             let done = match &outcome {
+                Outcome::Finished(dynamo_bus_schema::FinishReason::Cancelled) => R::Cancelled,
                 Outcome::Finished(_) => R::Finished,
                 Outcome::Failed(kind) => {
                     tracing::debug!(request = %id, ?kind, "request failed");

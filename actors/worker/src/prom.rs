@@ -1,8 +1,9 @@
 //! The worker's Prometheus metrics, in the process-wide registry (rendered
 //! by the node's metrics listener and by a co-located gateway's
 //! `/metrics`), each labelled `{worker, model, role}`:
-//! - `dynamo_worker_requests_total{…, outcome}`: `finished`, `failed`,
-//!   `aborted`;
+//! - `dynamo_worker_requests_total{…, outcome}`: `finished`, `cancelled`
+//!   (its client left, a stop string, a migration, no gateway waiting),
+//!   `failed`, `aborted` (the worker shut down under it);
 //! - `dynamo_worker_time_to_first_token_seconds` (histogram, from the
 //!   worker accepting the request) and
 //!   `dynamo_worker_inter_token_latency_seconds` (histogram);
@@ -169,6 +170,7 @@ impl<T: MetricVecBuilder> Family for MetricVec<T> {
 fn each(m: &M, l: [&str; 3], mut f: impl FnMut(&dyn Family, &[&str])) {
     for o in [
         RequestOutcome::Finished,
+        RequestOutcome::Cancelled,
         RequestOutcome::Failed,
         RequestOutcome::Aborted,
     ] {
@@ -203,6 +205,7 @@ pub struct Series {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RequestOutcome {
     Finished,
+    Cancelled,
     Failed,
     Aborted,
 }
@@ -211,6 +214,7 @@ impl RequestOutcome {
     fn as_str(self) -> &'static str {
         match self {
             RequestOutcome::Finished => "finished",
+            RequestOutcome::Cancelled => "cancelled",
             RequestOutcome::Failed => "failed",
             RequestOutcome::Aborted => "aborted",
         }
