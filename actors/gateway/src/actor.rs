@@ -204,7 +204,13 @@ impl Actor for GatewayActor {
                 rt.shared.accepting.store(false, Ordering::Relaxed);
                 rt.server_stop.cancel();
                 if let Some(done) = rt.server_done.take() {
-                    let grace = rt.shared.config.shutdown_grace;
+                    // Without the bus no request in flight can finish: no
+                    // grace to wait out.
+                    let grace = if rt.shared.bus.is_connected() {
+                        rt.shared.config.shutdown_grace
+                    } else {
+                        std::time::Duration::ZERO
+                    };
                     if tokio::time::timeout(grace, done).await.is_err() {
                         tracing::warn!(
                             ?grace,

@@ -129,6 +129,14 @@ enum FrameOutcome {
     Migrate(&'static str, ApiError),
 }
 
+/// How long after the bus's own outage a lost frame or a silence is put on
+/// the bus rather than the worker, and a migration waits for a worker to be
+/// routable again (registrations lapse while the bus is down, and come back
+/// within a heartbeat or two of it).
+const AFTER_OUTAGE: std::time::Duration = std::time::Duration::from_secs(15);
+/// How often such a migration asks again for a worker.
+const OUTAGE_RETRY: std::time::Duration = std::time::Duration::from_millis(200);
+
 impl Generation {
     /// Routes the prompt and gets a worker to accept it, trying other
     /// workers when one refuses (retryable) or is unreachable. With
@@ -233,6 +241,12 @@ impl Generation {
                             "The request did not finish before its deadline.",
                         )));
                     }
+                    // The bus's outage, not the worker's: the worker may well
+                    // go on, and its frames come when the bus is back (a
+                    // frame lost meanwhile shows as a gap, and migrates).
+                    if self.shared.bus.outage_within(self.shared.config.liveness_timeout) {
+                        continue;
+                    }
                     self.migrate("worker_silent", ApiError::bad_gateway("The worker stopped responding.")).await;
                     continue;
                 }
@@ -269,7 +283,7 @@ impl Generation {
         }
     }
 
-    /// Continues the request on another worker from the prompt plus every
+    /// Continues the request on a worker from the prompt plus every
     /// token generated so far, or fails the stream with `err` when it may
     /// not (limit reached, deadline, nobody else to take it).
     async fn migrate(&mut self, reason: &'static str, err: ApiError) {
@@ -291,7 +305,13 @@ impl Generation {
                 self.generated.len()
             ),
         );
-        self.failed.push(old.worker_id);
+        // Right after the bus's own outage the worker is not to blame (it
+        // may well take the request again), and workers take a moment to
+        // be routable again: wait for one rather than fail.
+        let outage = self.shared.bus.outage_within(AFTER_OUTAGE);
+        if !outage {
+            self.failed.push(old.worker_id);
+        }
         send_cancel(&self.shared, old.worker_id, self.id, CancelReason::Migrated);
         release(&self.shared, self.id);
         let done = self.generated.len() as u32;
@@ -313,17 +333,31 @@ impl Generation {
         let id = RequestId::random();
         // The tokens are fixed now: any worker of the model will do.
         self.plan.card_digest = None;
-        match dispatch(
-            &self.shared,
-            id,
-            &self.plan,
-            Arc::new(tokens),
-            &sampling,
-            self.deadline,
-            &mut self.failed,
-        )
-        .await
-        {
+        let tokens = Arc::new(tokens);
+        let dispatched = loop {
+            let r = dispatch(
+                &self.shared,
+                id,
+                &self.plan,
+                tokens.clone(),
+                &sampling,
+                self.deadline,
+                &mut self.failed,
+            )
+            .await;
+            match r {
+                Err(DispatchError::Api(e))
+                    if outage
+                        && e.code == Some("no_workers_available")
+                        && Instant::now() + OUTAGE_RETRY < self.deadline
+                        && self.shared.bus.outage_within(AFTER_OUTAGE) =>
+                {
+                    tokio::time::sleep(OUTAGE_RETRY).await;
+                }
+                r => break r,
+            }
+        };
+        match dispatched {
             Ok((decision, rx)) => {
                 m.migrations.with_label_values(&[reason]).inc();
                 self.migrations += 1;

@@ -93,6 +93,9 @@ pub struct Bus {
     /// by the server it reached), else 1. Where the servers cannot place
     /// that many, a stream is created with one (see `create_stream`).
     pub replicas: usize,
+    /// When the connection last went down or came back (unix ms; 0:
+    /// never), so a silence can be told from the bus's own outage.
+    last_outage_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// `url` (one or several comma-separated servers) with any password or
@@ -173,6 +176,8 @@ impl Bus {
             url: redact_url(url),
             reason,
         })?;
+        let last_outage_ms = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let outage = last_outage_ms.clone();
         let opts = async_nats::ConnectOptions::new()
             .name(name)
             .subscription_capacity(SUBSCRIPTION_CAPACITY)
@@ -180,15 +185,32 @@ impl Bus {
             .request_timeout(Some(Duration::from_secs(10)))
             // A refused publish or subscribe (permissions) is logged with
             // the subject: the server says so only asynchronously.
-            .event_callback(|ev| async move {
-                match ev {
-                    async_nats::Event::ServerError(e) => {
-                        tracing::warn!(error = %e, "NATS server error");
+            .event_callback(move |ev| {
+                let outage = outage.clone();
+                async move {
+                    match ev {
+                        async_nats::Event::Disconnected => {
+                            outage.store(
+                                dynamo_bus_schema::unix_ms(),
+                                std::sync::atomic::Ordering::Relaxed,
+                            );
+                        }
+                        // Back after an outage (the first connection is none).
+                        async_nats::Event::Connected => {
+                            let _ = outage.fetch_update(
+                                std::sync::atomic::Ordering::Relaxed,
+                                std::sync::atomic::Ordering::Relaxed,
+                                |at| (at != 0).then(dynamo_bus_schema::unix_ms),
+                            );
+                        }
+                        async_nats::Event::ServerError(e) => {
+                            tracing::warn!(error = %e, "NATS server error");
+                        }
+                        async_nats::Event::ClientError(e) => {
+                            tracing::warn!(error = %e, "NATS client error");
+                        }
+                        _ => {}
                     }
-                    async_nats::Event::ClientError(e) => {
-                        tracing::warn!(error = %e, "NATS client error");
-                    }
-                    _ => {}
                 }
             });
         let client = access
@@ -209,12 +231,25 @@ impl Bus {
             js,
             subjects,
             replicas,
+            last_outage_ms,
         })
     }
 
     /// Whether the connection to the server is up right now.
     pub fn is_connected(&self) -> bool {
         self.client.connection_state() == async_nats::connection::State::Connected
+    }
+
+    /// Whether the connection is down, or went down or came back within
+    /// `within`: a silence that long may be the bus's, not a peer's.
+    pub fn outage_within(&self, within: Duration) -> bool {
+        if !self.is_connected() {
+            return true;
+        }
+        let at = self
+            .last_outage_ms
+            .load(std::sync::atomic::Ordering::Relaxed);
+        at != 0 && dynamo_bus_schema::unix_ms().saturating_sub(at) < within.as_millis() as u64
     }
 
     /// Encodes and publishes a message (refused past [`MAX_MESSAGE`] bytes).
