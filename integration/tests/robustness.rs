@@ -730,6 +730,18 @@ async fn stalled_clients_are_cut_off_and_open_connections_are_bounded() {
     assert!(!node.log_text().contains("panicked"));
 }
 
+/// Waits until the gateway's router counts `n` requests in flight.
+async fn until_routed(http: &Http, n: u64) {
+    let t0 = Instant::now();
+    while routed(http).await < n {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the requests never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// `n` requests of about a minute each at the mocker's pace, each in a
 /// task of its own: its status, or the error when its gateway went away.
 fn long_requests(port: u16, n: usize) -> Vec<tokio::task::JoinHandle<reqwest::Result<u16>>> {
@@ -813,14 +825,7 @@ async fn requests_outlive_a_bus_outage_longer_than_the_liveness_timeout() {
             })
         })
         .collect();
-    let t0 = Instant::now();
-    while routed(&http).await < 4 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "the requests never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_routed(&http, 4).await;
     nats.stop();
     tokio::time::sleep(Duration::from_secs(5)).await;
     nats.restart();
@@ -846,14 +851,7 @@ async fn requests_whose_clients_left_during_a_bus_outage_are_stopped_when_it_is_
     let http = Http::new(port);
     http.wait_ready(1, &mut gw).await;
     let calls = long_requests(port, 4);
-    let t0 = Instant::now();
-    while routed(&http).await < 4 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "the requests never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    until_routed(&http, 4).await;
     nats.stop();
     tokio::time::sleep(Duration::from_secs(1)).await;
     for c in calls {
