@@ -673,8 +673,9 @@ fn overlong_names_are_refused_naming_the_object() {
     };
     assert!(render_k8s(&parse(&spec(4096, 1)), &RenderOptions::default()).is_ok());
     assert!(render_k8s(&parse(&spec(64, 64)), &RenderOptions::default()).is_ok());
-    // 4096 × 4096 (whose names would not fit) is refused before rendering.
-    let e = DeploymentSpec::parse(&spec(4096, 4096))
+    // 4096 × 4096 (whose names would not fit) is refused when applied.
+    let e = parse(&spec(4096, 4096))
+        .check_for_apply()
         .unwrap_err()
         .to_string();
     assert!(e.contains("16777216 replicas in all"), "{e}");

@@ -173,7 +173,20 @@ async fn a_stream_past_the_shutdown_grace_ends_with_an_error_event() {
         let http = Http::new(port);
         async move { http.stream("/v1/completions", &body).await }
     });
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Signalled once a worker runs it.
+    let t0 = std::time::Instant::now();
+    while !http
+        .metrics_text()
+        .await
+        .lines()
+        .any(|l| l.starts_with("dynamo_router_worker_inflight{") && l.ends_with(" 1"))
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the stream never started"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     node.signal(libc::SIGTERM);
     let (status, events) = stream.await.unwrap();
     assert_eq!(status, 200);

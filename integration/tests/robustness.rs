@@ -836,11 +836,12 @@ async fn requests_outlive_a_bus_outage_longer_than_the_liveness_timeout() {
     }
 }
 
-/// Clients that leave during a bus outage: the gateway's cancels are lost
-/// with the bus. When it is back, the worker's heartbeats of those
-/// requests reach a gateway that no longer has them, which tells the
-/// worker to stop them: no work is left behind (about a minute of tokens
-/// each, otherwise).
+/// Clients that leave during a bus outage: no work is left behind (about a
+/// minute of tokens each, otherwise). The gateway's cancels may reach the
+/// worker once the bus is back (the client buffers them), or be lost with
+/// it; then the worker's heartbeats of those requests reach a gateway that
+/// no longer has them, which tells the worker to stop them (that path is
+/// shown alone by `inbox.rs`'s unit test; here either may act).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_whose_clients_left_during_a_bus_outage_are_stopped_when_it_is_back() {
     let mut nats = Nats::start();

@@ -43,6 +43,8 @@ pub fn load_spec(path: &Path) -> anyhow::Result<DeploymentSpec> {
     let spec =
         DeploymentSpec::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     check_spec_settings(&spec).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    spec.check_for_apply()
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     check_planner_bounds(&spec).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     Ok(spec)
 }
@@ -111,6 +113,8 @@ pub async fn apply(url: &str, ns: Namespace, path: &Path) -> anyhow::Result<Valu
             .as_ref()
             .is_some_and(|(r, _)| DeploymentSpec::parse(&r.spec_yaml).ok().as_ref() == Some(&spec));
         if unchanged {
+            // The pins follow it too (an apply whose re-pin failed, again).
+            repin(&store, &spec).await?;
             let generation = prev.map(|(r, _)| r.generation).unwrap_or(0);
             return Ok(
                 json!({"deployment": spec.name, "generation": generation, "changed": false}),

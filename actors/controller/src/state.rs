@@ -211,12 +211,13 @@ impl ControllerState {
                     continue;
                 }
                 for a in &s.starts_after {
-                    // A service scaled to zero is nothing to wait for (as
-                    // when it is scaled to zero after its dependents start).
-                    let Some(dep) = spec.service(a).filter(|x| x.replicas > 0) else {
+                    // A service scaled to zero (itself or through its
+                    // group) is nothing to wait for, as when it is scaled to
+                    // zero after its dependents start.
+                    if !keyed.iter().any(|(s, _)| s == a) {
                         continue;
-                    };
-                    let need = dep.min_available;
+                    }
+                    let need = spec.service(a).map(|x| x.min_available).unwrap_or(0);
                     let have = ready_of(a);
                     if have < need.max(1) {
                         blocked.insert(
@@ -502,12 +503,13 @@ impl ControllerState {
     }
 }
 
-/// A frontend's gateway settings as placed: it knows its deployment's
-/// models (`held_models`: 503, not 404, while none of a model's workers is
-/// up), and a deployment its planner may scale to zero holds requests
-/// while no worker is up (unless the spec says otherwise), so the first
-/// request after an idle period waits for the worker the planner wakes
-/// instead of failing.
+/// A frontend's gateway settings as placed: a deployment its planner may
+/// scale to zero holds requests while no worker is up (unless the spec
+/// says otherwise), so the first request after an idle period waits for
+/// the worker the planner wakes instead of failing, also for a model this
+/// frontend never saw served (`held_models`: its workers' models). Other
+/// frontends' settings are the spec's as written (a change of settings
+/// restarts a replica).
 fn frontend_gateway(
     spec: &dynamo_cluster_config::spec::DeploymentSpec,
     s: &dynamo_cluster_config::spec::ServiceSpec,
@@ -531,17 +533,12 @@ fn frontend_gateway(
         .collect();
     models.sort();
     models.dedup();
-    if !to_zero && models.is_empty() {
+    if !to_zero {
         return s.gateway.clone();
     }
     let mut g = s.gateway.clone().unwrap_or_else(|| serde_json::json!({}));
     if let Some(o) = g.as_object_mut() {
         o.entry("held_models").or_insert_with(|| models.into());
-    }
-    if !to_zero {
-        return Some(g);
-    }
-    if let Some(o) = g.as_object_mut() {
         // Within the request deadline (the gateway checks the two).
         let deadline = o
             .get("request_timeout_ms")

@@ -98,8 +98,8 @@ impl Actor for GatewayActor {
             inbox_owner
                 .inbox
                 .run(sub, move |worker, id| {
-                    tracing::info!(request = %id, %worker, "a worker runs a request this gateway does not have: cancelling it");
-                    s.metrics.orphans_cancelled.inc();
+                    tracing::debug!(request = %id, %worker, "a worker runs a request this gateway does not have: cancelling it");
+                    s.metrics.orphan_cancels.inc();
                     crate::dispatch::send_cancel(&s, worker, id, dynamo_bus_schema::CancelReason::Orphaned)
                 })
                 .await

@@ -7,7 +7,7 @@
 //! avoids it until it has a place again (or for a while); when every
 //! worker refused for room the request waits for room at most the
 //! admission queue's wait (a later prompt of a batch whose earlier ones
-//! run: until its deadline), among at most `max_queued` such waiters, then
+//! run: up to a minute), among at most `max_queued` such waiters, then
 //! gets 503 `workers_overloaded`; the deadline bounds every wait; a request routed
 //! to a worker whose model card differs from the one it was tokenized with
 //! is given back ([`DispatchError::CardChanged`]) so the caller tokenizes
@@ -63,6 +63,10 @@ impl From<ApiError> for DispatchError {
         DispatchError::Api(e)
     }
 }
+
+/// Longest a later prompt of a batch waits for room (its place among the
+/// waiters is held meanwhile, and its earlier prompts' frames wait unread).
+const BATCH_ROOM_WAIT: Duration = Duration::from_secs(60);
 
 /// How often a request waiting for room asks the router again when no
 /// request of this gateway ended meanwhile (a place freed by another
@@ -133,11 +137,12 @@ async fn wait_for_room(
             now
         }
     };
-    let until = if patient {
-        deadline
+    let wait = if patient {
+        shared.config.admission.max_queue_wait.max(BATCH_ROOM_WAIT)
     } else {
-        (since + shared.config.admission.max_queue_wait).min(deadline)
+        shared.config.admission.max_queue_wait
     };
+    let until = (since + wait).min(deadline);
     if now >= until {
         return false;
     }
@@ -391,14 +396,20 @@ async fn route(
                     "The router is still starting; retry shortly.",
                 ))
             }
-            // The prompt was tokenized with this model's card, so the
-            // model is served here: its workers are gone for now (scaled
-            // to zero, or the bus is down and their registrations lapsed).
-            // That is a 503 to retry, not a 404 a client takes as final.
-            Err(RouteError::UnknownModel { model }) => {
+            // Its workers' registrations lapsed while the bus was down, or
+            // it is a model this gateway holds requests for: a 503 to
+            // retry, not a 404 a client takes as final. Otherwise the
+            // model is gone (a request held for workers waits on 404 too).
+            Err(RouteError::UnknownModel { model })
+                if shared.bus.outage_within(crate::generate::AFTER_OUTAGE)
+                    || shared.config.held_models.iter().any(|m| m == &model) =>
+            {
                 return Err(ApiError::unavailable(format!(
                     "No worker of {model} is registered now; retry shortly."
                 )))
+            }
+            Err(RouteError::UnknownModel { model }) => {
+                return Err(ApiError::model_not_found(&model))
             }
             Err(e @ RouteError::NoWorkers { .. }) => {
                 return Err(ApiError::unavailable(format!("{e}. Retry shortly.")))

@@ -133,7 +133,7 @@ enum FrameOutcome {
 /// the bus rather than the worker, and a migration waits for a worker to be
 /// routable again (registrations lapse while the bus is down, and come back
 /// within a heartbeat or two of it).
-const AFTER_OUTAGE: std::time::Duration = std::time::Duration::from_secs(15);
+pub(crate) const AFTER_OUTAGE: std::time::Duration = std::time::Duration::from_secs(15);
 /// How often such a migration asks again for a worker.
 const OUTAGE_RETRY: std::time::Duration = std::time::Duration::from_millis(200);
 
@@ -335,6 +335,14 @@ impl Generation {
         self.plan.card_digest = None;
         let tokens = Arc::new(tokens);
         let dispatched = loop {
+            // After an outage, a worker that did not answer may only not be
+            // back yet: it is avoided for this try, not for the request.
+            let mut this_try = self.failed.clone();
+            let exclude = if outage {
+                &mut this_try
+            } else {
+                &mut self.failed
+            };
             let r = dispatch(
                 &self.shared,
                 id,
@@ -342,7 +350,7 @@ impl Generation {
                 tokens.clone(),
                 &sampling,
                 self.deadline,
-                &mut self.failed,
+                exclude,
             )
             .await;
             match r {

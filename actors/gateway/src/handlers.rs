@@ -246,7 +246,8 @@ async fn handle(
             v.frame_batch = (!opts.stream && v.stop.is_empty() && !s.config.frame_batch.is_zero())
                 .then_some(s.config.frame_batch);
             // Prompts of this batch that a worker took free room as they
-            // end: a later one waits for it rather than failing the batch.
+            // end: a later one waits for it (up to a minute) rather than
+            // failing the batch.
             v.patient = !started.is_empty();
             // A copy to try again with only where requests may be held.
             let again = (!s.config.hold_for_workers.is_zero()).then(|| v.clone());
@@ -268,7 +269,10 @@ async fn handle(
                 {
                     // The card is known here, so a model the router does
                     // not know has no worker now (scaled to zero).
-                    Err(DispatchError::Api(e)) if again.is_some() && no_capacity(&e) => {
+                    Err(DispatchError::Api(e))
+                        if again.is_some()
+                            && (no_capacity(&e) || e.code == Some("model_not_found")) =>
+                    {
                         hold_for_workers(&s, &model, hold_until, e).await?
                     }
                     r => break r,

@@ -20,8 +20,9 @@ pub struct Metrics {
     pub route_retries: IntCounter,
     /// Requests that waited for a worker with room.
     pub room_waits: IntCounter,
-    /// Requests a worker still ran for this gateway that it no longer had.
-    pub orphans_cancelled: IntCounter,
+    /// Cancels sent for requests a worker still ran that this gateway no
+    /// longer had (one per heartbeat of one).
+    pub orphan_cancels: IntCounter,
     /// Streamed responses by how they ended.
     pub stream_endings: IntCounterVec,
     pub migrations: IntCounterVec,
@@ -99,9 +100,9 @@ impl Metrics {
             ),
             &["how"],
         )?;
-        let orphans_cancelled = IntCounter::new(
-            "orphans_cancelled_total",
-            "Requests a worker still ran for this gateway that it no longer had (failed while the bus was down): told to stop",
+        let orphan_cancels = IntCounter::new(
+            "orphan_cancels_total",
+            "Cancels sent for requests a worker still ran that this gateway no longer had (one per heartbeat of one; a few come of requests that just ended)",
         )?;
         let migrations = IntCounterVec::new(
             Opts::new(
@@ -189,7 +190,7 @@ impl Metrics {
             Box::new(errors.clone()),
             Box::new(route_retries.clone()),
             Box::new(room_waits.clone()),
-            Box::new(orphans_cancelled.clone()),
+            Box::new(orphan_cancels.clone()),
             Box::new(stream_endings.clone()),
             Box::new(migrations.clone()),
             Box::new(migration_failures.clone()),
@@ -218,7 +219,7 @@ impl Metrics {
             errors,
             route_retries,
             room_waits,
-            orphans_cancelled,
+            orphan_cancels,
             stream_endings,
             migrations,
             migration_failures,

@@ -200,7 +200,7 @@ pub struct ValidGenerate {
     /// stream; set by the gateway, not the body).
     pub frame_batch: Option<std::time::Duration>,
     /// A later prompt of a batch whose earlier prompts a worker took: it
-    /// may wait for room until its deadline, not only the queue's wait,
+    /// may wait for room up to a minute, not only the queue's wait,
     /// since those prompts free room as they end (set by the gateway).
     pub patient: bool,
 }

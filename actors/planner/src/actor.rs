@@ -457,7 +457,12 @@ impl Planner {
         let b = self.buckets().await?;
         let rec = bounded("deployment", desired::record(&b.deployments, &dep)).await?;
         let Some((rec, _)) = rec else {
-            return Ok(()); // deleted: the manager stops this planner
+            // Deleted: the manager stops this planner. Its status goes (a
+            // tick that read the record before the delete may have written
+            // it after `dynamoctl delete` removed it).
+            let key = format!("status.{dep}");
+            let _ = bounded("planner status", b.planner.purge(key)).await;
+            return Ok(());
         };
         let spec = DeploymentSpec::parse(&rec.spec_yaml).map_err(|e| e.to_string())?;
         let Some(pspec) = spec.planner.clone() else {

@@ -93,9 +93,20 @@ pub struct Bus {
     /// by the server it reached), else 1. Where the servers cannot place
     /// that many, a stream is created with one (see `create_stream`).
     pub replicas: usize,
-    /// When the connection last went down or came back (unix ms; 0:
+    /// When the connection last went down or came back ([`mono_ms`]; 0:
     /// never), so a silence can be told from the bus's own outage.
     last_outage_ms: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// Milliseconds on a monotonic clock since the process first asked, plus
+/// one (so 0 means never): outage times do not move with the wall clock.
+fn mono_ms() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
+        + 1
 }
 
 /// `url` (one or several comma-separated servers) with any password or
@@ -190,17 +201,14 @@ impl Bus {
                 async move {
                     match ev {
                         async_nats::Event::Disconnected => {
-                            outage.store(
-                                dynamo_bus_schema::unix_ms(),
-                                std::sync::atomic::Ordering::Relaxed,
-                            );
+                            outage.store(mono_ms(), std::sync::atomic::Ordering::Relaxed);
                         }
                         // Back after an outage (the first connection is none).
                         async_nats::Event::Connected => {
                             let _ = outage.fetch_update(
                                 std::sync::atomic::Ordering::Relaxed,
                                 std::sync::atomic::Ordering::Relaxed,
-                                |at| (at != 0).then(dynamo_bus_schema::unix_ms),
+                                |at| (at != 0).then(mono_ms),
                             );
                         }
                         async_nats::Event::ServerError(e) => {
@@ -249,7 +257,7 @@ impl Bus {
         let at = self
             .last_outage_ms
             .load(std::sync::atomic::Ordering::Relaxed);
-        at != 0 && dynamo_bus_schema::unix_ms().saturating_sub(at) < within.as_millis() as u64
+        at != 0 && mono_ms().saturating_sub(at) < within.as_millis() as u64
     }
 
     /// Encodes and publishes a message (refused past [`MAX_MESSAGE`] bytes).

@@ -12,9 +12,12 @@
 //! Invariants: an inbox is declared gone only after two probes in a row,
 //! [`CHECK_EVERY`] apart, found no responder (a gateway that reconnects
 //! subscribes again within milliseconds, so one miss is not enough); then
-//! every request streaming to it is cancelled; a probe that times out or
-//! fails otherwise says nothing (the bus may be down: the gateway may come
-//! back). The state is bounded by the requests in flight.
+//! every request streaming to it is cancelled; a probe answered, timed out
+//! (a live gateway's inbox answers nothing) or failed otherwise counts as
+//! the gateway being there (the bus may be down: it may come back). The
+//! state is bounded by the requests in flight. A gateway cut off from the
+//! bus for two probes while its workers are not (a partition) loses its
+//! requests this way: they were lost to it anyway.
 
 use dynamo_bus_schema::RequestId;
 use std::collections::{HashMap, HashSet};

@@ -17,8 +17,7 @@
 //! Invariants of a [`DeploymentSpec`]:
 //! - names are DNS labels (`[a-z0-9-]`, starting with a letter), unique
 //!   across services and groups;
-//! - every numeric field is bounded (replicas ≤ [`MAX_REPLICAS`], also in
-//!   all, counting a group's replicas times its services'; slots ≤
+//! - every numeric field is bounded (replicas ≤ [`MAX_REPLICAS`], slots ≤
 //!   [`MAX_SLOTS`]); `min_available` ≤ replicas;
 //! - a child's topology constraint only narrows its parent's (deployment →
 //!   group → service), and in one constraint `preferred` is narrower than
@@ -26,6 +25,9 @@
 //! - `starts_after` names existing services, and the order has no cycle;
 //! - a service is in at most one group; a frontend has no `worker` section
 //!   and a worker has no `gateway`/`router` section.
+//!
+//! A spec being applied meets more ([`DeploymentSpec::check_for_apply`]):
+//! rules added after specs were stored, which a stored spec need not meet.
 //!
 //! Engine, gateway and router settings stay JSON values here: their types
 //! live above this crate, and the node validates them (`dynamoctl apply`
@@ -480,18 +482,6 @@ impl DeploymentSpec {
                         format!("no service {a:?} in this deployment"),
                     ));
                 }
-                // A group's members are placed together, as one gang: one
-                // cannot wait for another to be ready first.
-                if let (Some(g), Some(h)) = (&group, member_of.get(a)) {
-                    if g == h {
-                        return Err(invalid(
-                            format!("{f}.starts_after"),
-                            format!(
-                                "{a:?} is in group {g:?} too, and a group's services start together; order the group after other services instead"
-                            ),
-                        ));
-                    }
-                }
             }
             let (worker, gateway, router) = if s.role.is_worker() {
                 if s.gateway.is_some() || s.router.is_some() {
@@ -569,14 +559,7 @@ impl DeploymentSpec {
         };
         spec.check_start_order()?;
         spec.check_planner_targets()?;
-        // What the controller reports of a deployment fits one bus message.
-        let total = spec.total_replicas();
-        if total > MAX_REPLICAS as u64 {
-            return Err(invalid(
-                "services",
-                format!("{total} replicas in all (groups' replicas times their services'); at most {MAX_REPLICAS}"),
-            ));
-        }
+
         Ok(spec)
     }
 
@@ -738,6 +721,79 @@ impl DeploymentSpec {
             )));
         }
         *self = scaled;
+        Ok(())
+    }
+
+    /// Rules for a spec being applied (`dynamoctl apply`, `render`),
+    /// beyond what a stored spec must meet: they were added after specs
+    /// were stored, and a stored spec that breaks one still loads (the
+    /// controller stops, rather than place a smaller world, on one that
+    /// does not).
+    /// - at most [`MAX_REPLICAS`] replicas in all, so what the controller
+    ///   reports of the deployment fits one bus message;
+    /// - the start-up order, with each group one unit (its services start
+    ///   together), has no cycle: a group's services cannot wait for one
+    ///   another, even through other services;
+    /// - the planner's settings can work.
+    pub fn check_for_apply(&self) -> Result<(), SpecError> {
+        let total = self.total_replicas();
+        if total > MAX_REPLICAS as u64 {
+            return Err(invalid(
+                "services",
+                format!("{total} replicas in all (groups' replicas times their services'); at most {MAX_REPLICAS}"),
+            ));
+        }
+        let unit = |svc: &str| -> String {
+            self.service(svc)
+                .and_then(|s| s.group.clone())
+                .unwrap_or_else(|| svc.to_string())
+        };
+        for s in &self.services {
+            for a in &s.starts_after {
+                if s.group.is_some() && unit(a) == unit(&s.name) {
+                    return Err(invalid(
+                        format!("services.{}.starts_after", s.name),
+                        format!(
+                            "{a:?} is in group {:?} too, and a group's services start together; order the group after other services instead",
+                            unit(a)
+                        ),
+                    ));
+                }
+            }
+        }
+        let mut pending: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for s in &self.services {
+            let deps = pending.entry(unit(&s.name)).or_default();
+            deps.extend(s.starts_after.iter().map(|a| unit(a)));
+        }
+        for (u, deps) in pending.iter_mut() {
+            deps.remove(u);
+        }
+        loop {
+            let ready: Vec<String> = pending
+                .iter()
+                .filter(|(_, d)| d.is_empty())
+                .map(|(n, _)| n.clone())
+                .collect();
+            if ready.is_empty() {
+                break;
+            }
+            for r in &ready {
+                pending.remove(r);
+                for d in pending.values_mut() {
+                    d.remove(r);
+                }
+            }
+        }
+        if let Some(u) = pending.keys().next() {
+            return Err(invalid(
+                format!("groups.{u}"),
+                "the start-up order has a cycle through this group (its services start together)",
+            ));
+        }
+        if let Some(p) = &self.planner {
+            p.check_for_apply()?;
+        }
         Ok(())
     }
 

@@ -203,15 +203,49 @@ fn group_membership_is_checked() {
 }
 
 #[test]
-fn a_group_member_cannot_wait_for_another_member() {
-    let e = DeploymentSpec::parse(
-        "version: 1\nname: d\nservices:\n  a: {role: prefill, starts_after: [b], worker: {engine: mocker}}\n  b: {role: decode, worker: {engine: mocker}}\ngroups:\n  g: {services: [a, b], replicas: 1}\n",
-    )
-    .unwrap_err()
-    .to_string();
+fn a_group_member_cannot_wait_for_another_member_when_applied() {
+    let spec = |extra: &str| {
+        DeploymentSpec::parse(&format!(
+            "version: 1\nname: d\nservices:\n  a: {{role: prefill, starts_after: [{extra}], worker: {{engine: mocker}}}}\n  b: {{role: decode, worker: {{engine: mocker}}}}\n  x: {{role: aggregated, starts_after: [b], worker: {{engine: mocker}}}}\ngroups:\n  g: {{services: [a, b], replicas: 1}}\n"
+        ))
+        .expect("a stored spec of this shape still loads")
+    };
+    let e = spec("b").check_for_apply().unwrap_err().to_string();
     assert!(
         e.contains("services.a.starts_after") && e.contains("group \"g\""),
         "{e}"
+    );
+    // Through another service: g waits for x, which waits for g.
+    let e = spec("x").check_for_apply().unwrap_err().to_string();
+    assert!(e.contains("groups.g") && e.contains("cycle"), "{e}");
+}
+
+#[test]
+fn planner_settings_that_cannot_work_are_refused_when_applied() {
+    let spec = |planner: &str| {
+        DeploymentSpec::parse(&format!(
+            "version: 1\nname: d\nservices:\n  w: {{role: aggregated, worker: {{engine: mocker}}}}\nplanner: {{{planner}}}\n"
+        ))
+        .expect("a stored spec of this shape still loads")
+    };
+    for (p, field) in [
+        ("services: {w: {min: 0, max: 0}}", "planner.services.w.max"),
+        (
+            "slot_budget: 0, services: {w: {max: 1}}",
+            "planner.slot_budget",
+        ),
+        (
+            "idle_to_zero_ms: 5000, services: {w: {min: 1, max: 2}}",
+            "planner.idle_to_zero_ms",
+        ),
+    ] {
+        let e = spec(p).check_for_apply().unwrap_err().to_string();
+        assert!(e.contains(field), "{p}: {e}");
+    }
+    assert!(
+        spec("idle_to_zero_ms: 5000, services: {w: {min: 0, max: 2}}")
+            .check_for_apply()
+            .is_ok()
     );
 }
 
