@@ -246,24 +246,19 @@ pub async fn stream_completion(
 pub struct Streams {
     prompts: Vec<Vec<u32>>,
     max_tokens: u32,
-    tasks: Vec<tokio::task::JoinHandle<Streamed>>,
+    /// Each stream with its index; dropping them ends them.
+    tasks: tokio::task::JoinSet<(usize, Streamed)>,
 }
 
 impl Streams {
     pub async fn start(port: u16, prompts: Vec<Vec<u32>>, max_tokens: u32) -> Streams {
         use std::sync::atomic::{AtomicUsize, Ordering};
         let flowing = std::sync::Arc::new(AtomicUsize::new(0));
-        let tasks = prompts
-            .iter()
-            .map(|p| {
-                tokio::spawn(stream_completion(
-                    port,
-                    p.clone(),
-                    max_tokens,
-                    flowing.clone(),
-                ))
-            })
-            .collect();
+        let mut tasks = tokio::task::JoinSet::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let s = stream_completion(port, p.clone(), max_tokens, flowing.clone());
+            tasks.spawn(async move { (i, s.await) });
+        }
         let t0 = Instant::now();
         while flowing.load(Ordering::SeqCst) < prompts.len() {
             assert!(
@@ -282,9 +277,14 @@ impl Streams {
     /// Waits for every stream: each must end with `[DONE]`, finish by
     /// length, and carry exactly the mocker's text for its prompt (what an
     /// undisturbed run produces).
-    pub async fn expect_undisturbed(self) {
-        for (i, (t, p)) in self.tasks.into_iter().zip(&self.prompts).enumerate() {
-            let s = t.await.expect("stream task");
+    pub async fn expect_undisturbed(mut self) {
+        let mut ended = Vec::new();
+        while let Some(r) = self.tasks.join_next().await {
+            ended.push(r.expect("stream task"));
+        }
+        ended.sort_by_key(|(i, _)| *i);
+        assert_eq!(ended.len(), self.prompts.len());
+        for ((i, s), p) in ended.into_iter().zip(&self.prompts) {
             let (_, want) = expected_text(p, self.max_tokens as usize);
             assert!(s.error.is_none(), "stream {i} failed: {:?}", s.error);
             assert!(s.done, "stream {i} did not end with [DONE]");

@@ -169,7 +169,8 @@ async fn a_stream_past_the_shutdown_grace_ends_with_an_error_event() {
     http.wait_ready(1, &mut node).await;
     // About 13 s of tokens at the mocker's pace.
     let body = json!({"model": MODEL, "prompt": [700, 701], "max_tokens": 2000, "ignore_eos": true, "stream": true});
-    let stream = tokio::spawn({
+    let mut stream = tokio::task::JoinSet::new();
+    stream.spawn({
         let http = Http::new(port);
         async move { http.stream("/v1/completions", &body).await }
     });
@@ -188,7 +189,7 @@ async fn a_stream_past_the_shutdown_grace_ends_with_an_error_event() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     node.signal(libc::SIGTERM);
-    let (status, events) = stream.await.unwrap();
+    let (status, events) = stream.join_next().await.expect("the stream").unwrap();
     assert_eq!(status, 200);
     let last: Value = serde_json::from_str(events.last().expect("events")).expect("JSON");
     assert_eq!(last["error"]["code"], "no_workers_available", "{last}");

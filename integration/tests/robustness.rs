@@ -742,17 +742,28 @@ async fn until_routed(http: &Http, n: u64) {
     }
 }
 
-/// `n` requests of about a minute each at the mocker's pace, each in a
-/// task of its own: its status, or the error when its gateway went away.
-fn long_requests(port: u16, n: usize) -> Vec<tokio::task::JoinHandle<reqwest::Result<u16>>> {
+/// `n` requests of about a minute each at the mocker's pace, in a set of
+/// their own (dropping it ends them): each one's status, or the error when
+/// its gateway went away.
+fn long_requests(port: u16, n: usize) -> tokio::task::JoinSet<reqwest::Result<u16>> {
     let client = reqwest::Client::new();
-    (0..n)
-        .map(|i| {
-            let (c, url) = (client.clone(), format!("http://127.0.0.1:{port}/v1/completions"));
-            let body = json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 8000, "ignore_eos": true});
-            tokio::spawn(async move { c.post(url).json(&body).send().await.map(|r| r.status().as_u16()) })
-        })
-        .collect()
+    let mut set = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let (c, url) = (
+            client.clone(),
+            format!("http://127.0.0.1:{port}/v1/completions"),
+        );
+        let body =
+            json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 8000, "ignore_eos": true});
+        set.spawn(async move {
+            c.post(url)
+                .json(&body)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        });
+    }
+    set
 }
 
 /// A series' values summed over its labels (`series` ends with `{`).
@@ -815,22 +826,25 @@ async fn requests_outlive_a_bus_outage_longer_than_the_liveness_timeout() {
     let http = Http::new(port);
     http.wait_ready(2, &mut gw).await;
     let client = reqwest::Client::new();
-    let calls: Vec<_> = (0..4)
-        .map(|i| {
-            let (c, url) = (client.clone(), format!("http://127.0.0.1:{port}/v1/completions"));
-            let body = json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 1500, "ignore_eos": true});
-            tokio::spawn(async move {
-                let r = c.post(url).json(&body).send().await.expect("an answer");
-                (r.status().as_u16(), r.json::<Value>().await.expect("JSON"))
-            })
-        })
-        .collect();
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..4 {
+        let (c, url) = (
+            client.clone(),
+            format!("http://127.0.0.1:{port}/v1/completions"),
+        );
+        let body =
+            json!({"model": MODEL, "prompt": prompt(i), "max_tokens": 1500, "ignore_eos": true});
+        calls.spawn(async move {
+            let r = c.post(url).json(&body).send().await.expect("an answer");
+            (r.status().as_u16(), r.json::<Value>().await.expect("JSON"))
+        });
+    }
     until_routed(&http, 4).await;
     nats.stop();
     tokio::time::sleep(Duration::from_secs(5)).await;
     nats.restart();
-    for c in calls {
-        let (status, body) = c.await.unwrap();
+    while let Some(c) = calls.join_next().await {
+        let (status, body) = c.unwrap();
         assert_eq!(status, 200, "{body}");
         assert_eq!(body["usage"]["completion_tokens"], 1500, "{body}");
     }
@@ -851,13 +865,11 @@ async fn requests_whose_clients_left_during_a_bus_outage_are_stopped_when_it_is_
     let _w = Node::start(&real_time(node_config("w1", &nats.url, None, 1, &listen)));
     let http = Http::new(port);
     http.wait_ready(1, &mut gw).await;
-    let calls = long_requests(port, 4);
+    let mut calls = long_requests(port, 4);
     until_routed(&http, 4).await;
     nats.stop();
     tokio::time::sleep(Duration::from_secs(1)).await;
-    for c in calls {
-        c.abort();
-    }
+    calls.abort_all();
     tokio::time::sleep(Duration::from_secs(8)).await;
     nats.restart();
     let t0 = Instant::now();
